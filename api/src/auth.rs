@@ -1,0 +1,384 @@
+//! Bearer-token authentication.
+//!
+//! `serve` accepts only the keys it is configured with: an HS256 secret, or RS256/ES256/EdDSA
+//! public keys from a PEM file or a JWKS file. The algorithm is pinned (a token whose header names
+//! another algorithm is refused), and `exp`, `nbf`, `iss` and `aud` are checked. `exp` and `nbf`
+//! are real-world times set by the issuer, so they are checked against this machine's wall clock,
+//! not against `compute_now()`.
+
+use std::fmt;
+use std::path::Path;
+
+use compute_domain::Error;
+use jsonwebtoken::jwk::JwkSet;
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use serde::{Deserialize, Serialize};
+
+/// A secret that never prints.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// A role a token can carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Manages the fleet.
+    Operator,
+    /// Reserves capacity and sees only its tenant's objects.
+    Member,
+    /// A node daemon.
+    Node,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "operator" => Some(Role::Operator),
+            "member" => Some(Role::Member),
+            "node" => Some(Role::Node),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Operator => "operator",
+            Role::Member => "member",
+            Role::Node => "node",
+        }
+    }
+}
+
+/// The claims of a token, as issued and as checked.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Claims {
+    pub sub: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default)]
+    pub roles: Vec<String>,
+    pub iss: String,
+    pub aud: String,
+    pub exp: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbf: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iat: Option<i64>,
+}
+
+/// Who is calling: the identity, tenant and roles of a verified token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Viewer {
+    pub subject: String,
+    pub tenant: Option<String>,
+    pub roles: Vec<Role>,
+    /// When the token expires (seconds since the epoch).
+    pub expires_at: i64,
+}
+
+impl Viewer {
+    pub fn has_role(&self, role: Role) -> bool {
+        self.roles.contains(&role)
+    }
+}
+
+/// Where the verification keys come from.
+#[derive(Debug, Clone)]
+pub enum KeySource {
+    /// A shared HS256 secret.
+    Hs256(Secret),
+    /// One public key in PEM, for `algorithm` (RS256, ES256 or EdDSA).
+    PublicKeyPem { algorithm: Algorithm, pem: Vec<u8> },
+    /// A JWKS document; each key is used only with `algorithm`.
+    Jwks { algorithm: Algorithm, jwks: String },
+}
+
+/// Checks bearer tokens against the configured keys, issuer and audience.
+pub struct Verifier {
+    algorithm: Algorithm,
+    keys: Vec<(Option<String>, DecodingKey)>,
+    validation: Validation,
+}
+
+impl fmt::Debug for Verifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Verifier")
+            .field("algorithm", &self.algorithm)
+            .field("keys", &self.keys.len())
+            .finish()
+    }
+}
+
+/// Why a verifier could not be built from its configuration.
+#[derive(Debug, thiserror::Error)]
+#[error("JWT configuration: {0}")]
+pub struct KeyConfigError(String);
+
+impl Verifier {
+    /// Builds a verifier; `issuer` and `audience` are required in every token.
+    pub fn new(
+        source: KeySource,
+        issuer: &str,
+        audience: &str,
+    ) -> Result<Verifier, KeyConfigError> {
+        let err = |e: jsonwebtoken::errors::Error| KeyConfigError(e.to_string());
+        let (algorithm, keys) = match source {
+            KeySource::Hs256(secret) => {
+                if secret.expose().len() < 32 {
+                    return Err(KeyConfigError(
+                        "the HS256 secret must be at least 32 bytes".into(),
+                    ));
+                }
+                (
+                    Algorithm::HS256,
+                    vec![(None, DecodingKey::from_secret(secret.expose().as_bytes()))],
+                )
+            }
+            KeySource::PublicKeyPem { algorithm, pem } => {
+                let key = match algorithm {
+                    Algorithm::RS256 => DecodingKey::from_rsa_pem(&pem).map_err(err)?,
+                    Algorithm::ES256 => DecodingKey::from_ec_pem(&pem).map_err(err)?,
+                    Algorithm::EdDSA => DecodingKey::from_ed_pem(&pem).map_err(err)?,
+                    other => {
+                        return Err(KeyConfigError(format!(
+                            "algorithm {other:?} is not supported with a public key; use RS256, ES256 or EdDSA"
+                        )));
+                    }
+                };
+                (algorithm, vec![(None, key)])
+            }
+            KeySource::Jwks { algorithm, jwks } => {
+                let set: JwkSet = serde_json::from_str(&jwks)
+                    .map_err(|e| KeyConfigError(format!("the JWKS file does not parse: {e}")))?;
+                let mut keys = Vec::new();
+                for jwk in &set.keys {
+                    // A key that names another algorithm is never used with this one. The two
+                    // enums of jsonwebtoken share their variant names, so the names compare.
+                    if let Some(key_alg) = jwk.common.key_algorithm
+                        && format!("{key_alg:?}") != format!("{algorithm:?}")
+                    {
+                        continue;
+                    }
+                    keys.push((
+                        jwk.common.key_id.clone(),
+                        DecodingKey::from_jwk(jwk).map_err(err)?,
+                    ));
+                }
+                if keys.is_empty() {
+                    return Err(KeyConfigError(format!(
+                        "the JWKS file has no key usable with {algorithm:?}"
+                    )));
+                }
+                (algorithm, keys)
+            }
+        };
+        let mut validation = Validation::new(algorithm);
+        validation.set_issuer(&[issuer]);
+        validation.set_audience(&[audience]);
+        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        validation.validate_nbf = true;
+        validation.leeway = 5;
+        Ok(Verifier {
+            algorithm,
+            keys,
+            validation,
+        })
+    }
+
+    /// The pinned algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Verifies a token (without the `Bearer ` prefix).
+    pub fn verify(&self, token: &str) -> Result<Viewer, Error> {
+        let header = jsonwebtoken::decode_header(token)
+            .map_err(|_| unauthenticated("the bearer token is not a well-formed JWT"))?;
+        if header.alg != self.algorithm {
+            return Err(unauthenticated(&format!(
+                "the bearer token is signed with {:?}; this server accepts only {:?}",
+                header.alg, self.algorithm
+            )));
+        }
+        let key = match (&header.kid, self.keys.len()) {
+            (_, 1) => &self.keys[0].1,
+            (Some(kid), _) => {
+                &self
+                    .keys
+                    .iter()
+                    .find(|(k, _)| k.as_deref() == Some(kid.as_str()))
+                    .ok_or_else(|| unauthenticated("the bearer token names an unknown key (kid)"))?
+                    .1
+            }
+            (None, _) => return Err(unauthenticated("the bearer token names no key (kid)")),
+        };
+        let data = jsonwebtoken::decode::<Claims>(token, key, &self.validation).map_err(|e| {
+            use jsonwebtoken::errors::ErrorKind;
+            let why = match e.kind() {
+                ErrorKind::ExpiredSignature => "the bearer token has expired",
+                ErrorKind::ImmatureSignature => "the bearer token is not valid yet (nbf)",
+                ErrorKind::InvalidIssuer => "the bearer token has the wrong issuer",
+                ErrorKind::InvalidAudience => "the bearer token has the wrong audience",
+                ErrorKind::InvalidSignature => "the bearer token's signature does not verify",
+                ErrorKind::InvalidAlgorithm => "the bearer token is signed with another algorithm",
+                ErrorKind::MissingRequiredClaim(_) => "the bearer token lacks a required claim",
+                _ => "the bearer token is invalid",
+            };
+            unauthenticated(why)
+        })?;
+        let claims = data.claims;
+        Ok(Viewer {
+            subject: claims.sub,
+            tenant: claims.tenant,
+            roles: claims.roles.iter().filter_map(|r| Role::parse(r)).collect(),
+            expires_at: claims.exp,
+        })
+    }
+}
+
+fn unauthenticated(why: &str) -> Error {
+    Error::Unauthenticated(why.to_owned())
+}
+
+/// The issuer of development tokens.
+pub const DEV_ISSUER: &str = "compute-dev";
+/// The audience of development tokens.
+pub const DEV_AUDIENCE: &str = "compute-api";
+/// The file, inside the data directory, that holds the development HS256 secret.
+pub const DEV_SECRET_FILE: &str = "dev-jwt-secret";
+
+/// Reads the development secret of `data_dir`, creating it (mode 0600) when `create` is set.
+pub fn dev_secret(data_dir: &Path, create: bool) -> Result<Secret, Error> {
+    let path = data_dir.join(DEV_SECRET_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(s) => Ok(Secret::new(s.trim())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::create_dir_all(data_dir).map_err(Error::internal)?;
+            let secret = compute_domain::db::embedded::random_hex(32)?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(Error::internal)?;
+            writeln!(f, "{secret}").map_err(Error::internal)?;
+            Ok(Secret::new(secret))
+        }
+        Err(e) => Err(Error::internal(format!(
+            "cannot read the development signing key {}: {e}; run `compute-api dev` once to create it",
+            path.display()
+        ))),
+    }
+}
+
+/// Signs a development token with an HS256 secret.
+pub fn mint_hs256(secret: &Secret, claims: &Claims) -> Result<String, Error> {
+    jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        claims,
+        &EncodingKey::from_secret(secret.expose().as_bytes()),
+    )
+    .map_err(Error::internal)
+}
+
+/// Claims for a development token valid for `ttl_seconds` from now.
+pub fn dev_claims(sub: &str, tenant: Option<&str>, roles: &[Role], ttl_seconds: i64) -> Claims {
+    let now = chrono::Utc::now().timestamp();
+    Claims {
+        sub: sub.to_owned(),
+        tenant: tenant.map(str::to_owned),
+        roles: roles.iter().map(|r| r.as_str().to_owned()).collect(),
+        iss: DEV_ISSUER.to_owned(),
+        aud: DEV_AUDIENCE.to_owned(),
+        exp: now + ttl_seconds,
+        nbf: Some(now - 5),
+        iat: Some(now),
+    }
+}
+
+/// The token of an `Authorization: Bearer …` value.
+pub fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verifier() -> (Secret, Verifier) {
+        let secret = Secret::new("0123456789abcdef0123456789abcdef");
+        let v = Verifier::new(KeySource::Hs256(secret.clone()), DEV_ISSUER, DEV_AUDIENCE)
+            .expect("verifier");
+        (secret, v)
+    }
+
+    #[test]
+    fn accepts_a_good_token_and_reads_its_roles() {
+        let (secret, v) = verifier();
+        let token = mint_hs256(
+            &secret,
+            &dev_claims("alice", Some("acme"), &[Role::Member], 60),
+        )
+        .expect("mint");
+        let viewer = v.verify(&token).expect("valid");
+        assert_eq!(viewer.subject, "alice");
+        assert_eq!(viewer.tenant.as_deref(), Some("acme"));
+        assert_eq!(viewer.roles, vec![Role::Member]);
+    }
+
+    #[test]
+    fn refuses_expired_wrong_issuer_and_wrong_secret() {
+        let (secret, v) = verifier();
+        let mut claims = dev_claims("alice", None, &[], 60);
+        claims.exp -= 3600;
+        let token = mint_hs256(&secret, &claims).expect("mint");
+        assert!(
+            v.verify(&token)
+                .expect_err("expired")
+                .to_string()
+                .contains("expired")
+        );
+
+        let mut claims = dev_claims("alice", None, &[], 60);
+        claims.iss = "someone-else".into();
+        let token = mint_hs256(&secret, &claims).expect("mint");
+        assert!(
+            v.verify(&token)
+                .expect_err("issuer")
+                .to_string()
+                .contains("issuer")
+        );
+
+        let other = Secret::new("ffffffffffffffffffffffffffffffff");
+        let token = mint_hs256(&other, &dev_claims("alice", None, &[], 60)).expect("mint");
+        assert!(
+            v.verify(&token)
+                .expect_err("sig")
+                .to_string()
+                .contains("signature")
+        );
+    }
+
+    #[test]
+    fn bearer_parses_the_scheme_case_insensitively() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer  abc "), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+    }
+}

@@ -1,0 +1,370 @@
+//! The `compute-api` command line: one typed configuration from flags and environment.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use compute_domain::db::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use compute_domain::db::{Db, PoolSettings};
+use compute_domain::{Error, Result};
+use tracing::info;
+
+use crate::auth::{self, KeySource, Role, Secret, Verifier};
+use crate::server::{Server, shutdown_signal};
+
+/// The database the embedded server keeps the system's data in.
+pub const EMBEDDED_DATABASE: &str = "compute";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "compute-api",
+    version,
+    about = "Better Compute: the GraphQL API of a GPU fleet control plane"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the API (production): on DATABASE_URL, or on the embedded database without it.
+    Serve(ServeArgs),
+    /// Run the whole system in one process on the embedded database, with a development token.
+    Dev(DevArgs),
+    /// Apply pending migrations and exit.
+    Migrate(DatabaseArgs),
+    /// Print the GraphQL schema (SDL).
+    Schema,
+    /// Print a development JWT signed with the key `dev` keeps in its data directory.
+    Token(TokenArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct DatabaseArgs {
+    /// PostgreSQL URL. Without it, an embedded server runs from --data-dir.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<Secret>,
+    /// Where the embedded database and the development key live.
+    #[arg(long, env = "COMPUTE_DATA_DIR", default_value = ".compute")]
+    pub data_dir: PathBuf,
+    /// Maximum connections of the pool.
+    #[arg(long, env = "COMPUTE_DB_MAX_CONNECTIONS", default_value_t = 16)]
+    pub db_max_connections: u32,
+    /// Log format.
+    #[arg(long, env = "COMPUTE_LOG_FORMAT", value_enum, default_value = "pretty")]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct JwtArgs {
+    /// HS256 shared secret (at least 32 bytes).
+    #[arg(long, env = "COMPUTE_JWT_HS256_SECRET", hide_env_values = true)]
+    pub jwt_hs256_secret: Option<Secret>,
+    /// File holding the HS256 shared secret.
+    #[arg(long, env = "COMPUTE_JWT_HS256_SECRET_FILE")]
+    pub jwt_hs256_secret_file: Option<PathBuf>,
+    /// PEM file with the issuer's public key (use with --jwt-algorithm).
+    #[arg(long, env = "COMPUTE_JWT_PUBLIC_KEY_FILE")]
+    pub jwt_public_key_file: Option<PathBuf>,
+    /// JWKS file with the issuer's public keys (use with --jwt-algorithm).
+    #[arg(long, env = "COMPUTE_JWT_JWKS_FILE")]
+    pub jwt_jwks_file: Option<PathBuf>,
+    /// The one algorithm accepted with public keys.
+    #[arg(long, env = "COMPUTE_JWT_ALGORITHM", value_enum)]
+    pub jwt_algorithm: Option<PublicKeyAlgorithm>,
+    /// Required `iss` claim.
+    #[arg(long, env = "COMPUTE_JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// Required `aud` claim.
+    #[arg(long, env = "COMPUTE_JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PublicKeyAlgorithm {
+    #[value(name = "RS256")]
+    Rs256,
+    #[value(name = "ES256")]
+    Es256,
+    #[value(name = "EdDSA")]
+    EdDsa,
+}
+
+impl From<PublicKeyAlgorithm> for jsonwebtoken::Algorithm {
+    fn from(a: PublicKeyAlgorithm) -> Self {
+        match a {
+            PublicKeyAlgorithm::Rs256 => jsonwebtoken::Algorithm::RS256,
+            PublicKeyAlgorithm::Es256 => jsonwebtoken::Algorithm::ES256,
+            PublicKeyAlgorithm::EdDsa => jsonwebtoken::Algorithm::EdDSA,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "COMPUTE_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub jwt: JwtArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct DevArgs {
+    /// Address to listen on.
+    #[arg(long, env = "COMPUTE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Where the embedded database and the development key live.
+    #[arg(long, env = "COMPUTE_DATA_DIR", default_value = ".compute")]
+    pub data_dir: PathBuf,
+    /// Log format.
+    #[arg(long, env = "COMPUTE_LOG_FORMAT", value_enum, default_value = "pretty")]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct TokenArgs {
+    /// Role to grant; repeat for several (operator, member, node).
+    #[arg(long = "role", required = true, value_parser = parse_role)]
+    pub roles: Vec<Role>,
+    /// Tenant the caller acts for.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Identity (`sub`).
+    #[arg(long)]
+    pub sub: String,
+    /// Lifetime in seconds.
+    #[arg(long, default_value_t = 86_400)]
+    pub ttl_seconds: i64,
+    /// The data directory `dev` uses.
+    #[arg(long, env = "COMPUTE_DATA_DIR", default_value = ".compute")]
+    pub data_dir: PathBuf,
+}
+
+fn parse_role(s: &str) -> std::result::Result<Role, String> {
+    Role::parse(s).ok_or_else(|| format!("unknown role `{s}`: use operator, member or node"))
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        Ok(Secret::new(s))
+    }
+}
+
+/// Sets up logging once for the process.
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Pretty => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+}
+
+/// A database handle, and the embedded server behind it when there is one (stopped on drop).
+pub struct Database {
+    pub db: Db,
+    pub embedded: Option<EmbeddedPostgres>,
+}
+
+/// Connects to `DATABASE_URL`, or starts the embedded server from the data directory.
+pub async fn open_database(
+    url: Option<&Secret>,
+    data_dir: &Path,
+    max_connections: u32,
+) -> Result<Database> {
+    let settings = PoolSettings {
+        max_connections,
+        ..PoolSettings::default()
+    };
+    match url {
+        Some(url) => Ok(Database {
+            db: Db::connect(url.expose(), &settings).await?,
+            embedded: None,
+        }),
+        None => {
+            let pg = EmbeddedPostgres::start(EmbeddedOptions::durable(data_dir)).await?;
+            pg.ensure_database(EMBEDDED_DATABASE).await?;
+            let db = Db::connect(&pg.url(EMBEDDED_DATABASE), &settings).await?;
+            Ok(Database {
+                db,
+                embedded: Some(pg),
+            })
+        }
+    }
+}
+
+fn verifier_from(args: &JwtArgs) -> Result<Verifier> {
+    let config = |m: &str| Error::internal(format!("JWT configuration: {m}"));
+    let read = |p: &Path| {
+        std::fs::read(p).map_err(|e| config(&format!("cannot read {}: {e}", p.display())))
+    };
+    let source = match (
+        &args.jwt_hs256_secret,
+        &args.jwt_hs256_secret_file,
+        &args.jwt_public_key_file,
+        &args.jwt_jwks_file,
+    ) {
+        (Some(s), None, None, None) => KeySource::Hs256(s.clone()),
+        (None, Some(f), None, None) => {
+            KeySource::Hs256(Secret::new(String::from_utf8_lossy(&read(f)?).trim()))
+        }
+        (None, None, Some(f), None) => KeySource::PublicKeyPem {
+            algorithm: args
+                .jwt_algorithm
+                .ok_or_else(|| config("--jwt-public-key-file needs --jwt-algorithm"))?
+                .into(),
+            pem: read(f)?,
+        },
+        (None, None, None, Some(f)) => KeySource::Jwks {
+            algorithm: args
+                .jwt_algorithm
+                .ok_or_else(|| config("--jwt-jwks-file needs --jwt-algorithm"))?
+                .into(),
+            jwks: String::from_utf8_lossy(&read(f)?).into_owned(),
+        },
+        (None, None, None, None) => {
+            return Err(config(
+                "no verification key: set one of --jwt-hs256-secret, --jwt-hs256-secret-file, \
+                 --jwt-public-key-file or --jwt-jwks-file",
+            ));
+        }
+        _ => return Err(config("set exactly one of the JWT key options")),
+    };
+    let issuer = args
+        .jwt_issuer
+        .as_deref()
+        .ok_or_else(|| config("--jwt-issuer (COMPUTE_JWT_ISSUER) is required"))?;
+    let audience = args
+        .jwt_audience
+        .as_deref()
+        .ok_or_else(|| config("--jwt-audience (COMPUTE_JWT_AUDIENCE) is required"))?;
+    Verifier::new(source, issuer, audience).map_err(Error::internal)
+}
+
+async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::internal(format!("cannot listen on {addr}: {e}")))
+}
+
+/// `compute-api serve`.
+pub async fn serve(args: ServeArgs) -> Result<()> {
+    init_logging(args.database.log_format);
+    let verifier = verifier_from(&args.jwt)?;
+    let database = open_database(
+        args.database.database_url.as_ref(),
+        &args.database.data_dir,
+        args.database.db_max_connections,
+    )
+    .await?;
+    database.db.migrate().await?;
+    let listener = bind(args.listen).await?;
+    info!(listen = %args.listen, "serving GraphQL at /graphql");
+    Server::new(database.db.clone(), verifier)
+        .await?
+        .run(listener, shutdown_signal())
+        .await
+        .map_err(Error::internal)?;
+    drop(database);
+    Ok(())
+}
+
+/// `compute-api dev`.
+pub async fn dev(args: DevArgs) -> Result<()> {
+    init_logging(args.log_format);
+    let started = Instant::now();
+    let database = open_database(None, &args.data_dir, 16).await?;
+    database.db.migrate().await?;
+    let secret = auth::dev_secret(&args.data_dir, true)?;
+    let verifier = Verifier::new(
+        auth::KeySource::Hs256(secret.clone()),
+        auth::DEV_ISSUER,
+        auth::DEV_AUDIENCE,
+    )
+    .map_err(Error::internal)?;
+    let ttl = 30 * 86_400;
+    let token = auth::mint_hs256(
+        &secret,
+        &auth::dev_claims(
+            "dev@localhost",
+            Some("dev"),
+            &[Role::Operator, Role::Member],
+            ttl,
+        ),
+    )?;
+    let listener = bind(args.listen).await?;
+    let addr = listener.local_addr().map_err(Error::internal)?;
+    let server = Server::new(database.db.clone(), verifier).await?;
+    let pg = database.embedded.as_ref();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "\nBetter Compute is running (ready in {:.1} s).\n\
+         \n  GraphiQL   http://{addr}/graphql\n  Ready      http://{addr}/readyz\n  Metrics    http://{addr}/metrics\
+         \n  Data       {} ({}, port {})\n\
+         \nA development token (roles operator and member, tenant \"dev\", valid 30 days).\
+         \nIn GraphiQL, open Headers and paste:\n\n  {{\"Authorization\": \"Bearer {token}\"}}\n\
+         \nMore tokens: cargo run -p compute-api -- token --role member --tenant acme --sub alice\
+         \nPress Ctrl-C to stop.\n",
+        started.elapsed().as_secs_f64(),
+        pg.map(|p| p.data_dir().display().to_string())
+            .unwrap_or_default(),
+        pg.map(|p| p.version().to_owned()).unwrap_or_default(),
+        pg.map(|p| p.port()).unwrap_or_default(),
+    );
+    drop(out);
+    server
+        .run(listener, shutdown_signal())
+        .await
+        .map_err(Error::internal)?;
+    drop(database);
+    info!("stopped");
+    Ok(())
+}
+
+/// `compute-api migrate`.
+pub async fn migrate(args: DatabaseArgs) -> Result<()> {
+    init_logging(args.log_format);
+    let database = open_database(args.database_url.as_ref(), &args.data_dir, 2).await?;
+    database.db.migrate().await?;
+    let status = database.db.migration_status().await?;
+    info!(
+        migrations.applied = status.applied,
+        migrations.expected = status.expected,
+        "migrations applied"
+    );
+    Ok(())
+}
+
+/// `compute-api token`.
+pub fn token(args: TokenArgs) -> Result<String> {
+    if args.ttl_seconds <= 0 {
+        return Err(Error::bad_input("ttl-seconds", "must be positive"));
+    }
+    let secret = auth::dev_secret(&args.data_dir, false)?;
+    auth::mint_hs256(
+        &secret,
+        &auth::dev_claims(
+            &args.sub,
+            args.tenant.as_deref(),
+            &args.roles,
+            args.ttl_seconds,
+        ),
+    )
+}

@@ -1,0 +1,14 @@
+//! The GraphQL API of Better Compute: schema, auth, transports (HTTP, WebSocket), health and
+//! metrics, and the `compute-api` command line.
+//!
+//! Architecture invariant: no SQL text here. Every statement lives in `compute-domain`; this
+//! crate maps domain types and errors to GraphQL.
+
+pub mod auth;
+pub mod cli;
+pub mod graphql_http;
+pub mod health;
+pub mod metrics;
+pub mod schema;
+pub mod server;
+pub mod ws;

@@ -1,0 +1,133 @@
+//! The HTTP server: the router, the shared state, and graceful shutdown.
+
+use std::future::Future;
+use std::ops::Deref;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use compute_domain::clock::Clock;
+use compute_domain::db::Db;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tracing::info;
+
+use crate::auth::Verifier;
+use crate::metrics::Metrics;
+use crate::schema::{self, ApiSchema};
+
+/// What every handler shares. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+/// The contents of [`AppState`].
+pub struct Inner {
+    pub db: Db,
+    pub clock: Clock,
+    pub schema: ApiSchema,
+    pub verifier: Verifier,
+    pub metrics: Metrics,
+    /// Turns `true` when the server begins to shut down.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+impl Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+/// The router of the API.
+pub fn router(app: AppState) -> Router {
+    Router::new()
+        .route(
+            "/graphql",
+            get(crate::graphql_http::get).post(crate::graphql_http::post),
+        )
+        .route("/healthz", get(crate::health::healthz))
+        .route("/readyz", get(crate::health::readyz))
+        .route("/metrics", get(crate::health::metrics))
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            crate::metrics::track,
+        ))
+        .with_state(app)
+}
+
+/// A server ready to run: its state and the switch that starts its shutdown.
+pub struct Server {
+    app: AppState,
+    shutdown_tx: watch::Sender<bool>,
+}
+
+impl Server {
+    /// Anchors the clock to the database and builds the state.
+    pub async fn new(db: Db, verifier: Verifier) -> compute_domain::Result<Server> {
+        let clock = Clock::anchored(&db).await?;
+        let (shutdown_tx, shutdown) = watch::channel(false);
+        let app = AppState(Arc::new(Inner {
+            schema: schema::build(Some(db.clone())),
+            db,
+            clock,
+            verifier,
+            metrics: Metrics::default(),
+            shutdown,
+        }));
+        Ok(Server { app, shutdown_tx })
+    }
+
+    /// The shared state.
+    pub fn state(&self) -> &AppState {
+        &self.app
+    }
+
+    /// Serves on `listener` until `stop` resolves; then stops accepting, tells WebSocket
+    /// connections to close, and waits for requests in flight.
+    pub async fn run(
+        self,
+        listener: TcpListener,
+        stop: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let Server { app, shutdown_tx } = self;
+        let sampler = tokio::spawn(app.clock.clone().run_sampler(
+            app.db.clone(),
+            Duration::from_secs(30),
+            {
+                let mut rx = app.shutdown.clone();
+                async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                }
+            },
+        ));
+        let result = axum::serve(listener, router(app))
+            .with_graceful_shutdown(async move {
+                stop.await;
+                info!("shutting down: no new connections, finishing requests in flight");
+                let _ = shutdown_tx.send(true);
+            })
+            .await;
+        sampler.abort();
+        result
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => info!("received SIGINT"),
+        () = term => info!("received SIGTERM"),
+    }
+}

@@ -1,0 +1,139 @@
+//! Business time in Rust, anchored to `compute_now()`.
+//!
+//! The database's `compute_now()` is the one clock of the system (in tests, a simulated clock).
+//! [`Clock::now`] extrapolates from the last sample with the monotonic clock, so reading it costs
+//! no round trip. [`Clock::sample`] re-anchors it, at start-up and on a timer, and measures the
+//! skew between this process's wall clock and `compute_now()`; a skew over one second is logged
+//! as `ClockSkew` and shown by `/readyz` as `clock.skew`.
+
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use tracing::warn;
+
+use crate::db::Db;
+use crate::error::Result;
+
+/// A skew above this is logged as `ClockSkew` and reported as a warning by `/readyz`.
+pub const MAX_SKEW: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone, Copy)]
+struct Anchor {
+    db_time: DateTime<Utc>,
+    at: Instant,
+    skew_ms: i64,
+    round_trip: Duration,
+}
+
+/// A clock anchored to `compute_now()`. Cheap to clone; clones share the anchor.
+#[derive(Debug, Clone)]
+pub struct Clock {
+    anchor: Arc<RwLock<Anchor>>,
+}
+
+/// What [`Clock::sample`] observed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClockReading {
+    /// `compute_now()` minus this process's wall clock, in milliseconds.
+    pub skew_ms: i64,
+    /// The round trip of the sample.
+    pub round_trip_ms: u64,
+}
+
+impl ClockReading {
+    /// Whether the skew is within [`MAX_SKEW`].
+    pub fn ok(&self) -> bool {
+        self.skew_ms.unsigned_abs() <= MAX_SKEW.as_millis() as u64
+    }
+}
+
+impl Clock {
+    /// Samples `compute_now()` once and anchors a new clock to it.
+    pub async fn anchored(db: &Db) -> Result<Clock> {
+        let anchor = take_sample(db).await?;
+        let clock = Clock {
+            anchor: Arc::new(RwLock::new(anchor)),
+        };
+        clock.report(&anchor);
+        Ok(clock)
+    }
+
+    /// Business time now: the last sample of `compute_now()` plus the monotonic time since.
+    pub fn now(&self) -> DateTime<Utc> {
+        let anchor = *self.anchor.read().unwrap_or_else(|p| p.into_inner());
+        let elapsed = chrono::Duration::from_std(anchor.at.elapsed()).unwrap_or_default();
+        anchor.db_time + elapsed
+    }
+
+    /// Samples `compute_now()` again and re-anchors.
+    pub async fn sample(&self, db: &Db) -> Result<ClockReading> {
+        let anchor = take_sample(db).await?;
+        *self.anchor.write().unwrap_or_else(|p| p.into_inner()) = anchor;
+        self.report(&anchor);
+        Ok(reading(&anchor))
+    }
+
+    /// The last reading, without a round trip.
+    pub fn last_reading(&self) -> ClockReading {
+        reading(&self.anchor.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn report(&self, anchor: &Anchor) {
+        let r = reading(anchor);
+        if !r.ok() {
+            warn!(
+                event = "ClockSkew",
+                clock.skew_ms = r.skew_ms,
+                clock.round_trip_ms = r.round_trip_ms,
+                "this process's wall clock and compute_now() differ by more than {} ms",
+                MAX_SKEW.as_millis()
+            );
+        }
+    }
+
+    /// Re-samples every `every` until `stop` resolves.
+    pub async fn run_sampler(
+        self,
+        db: Db,
+        every: Duration,
+        stop: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(stop);
+        let mut ticker = tokio::time::interval(every);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = &mut stop => return,
+                _ = ticker.tick() => {
+                    if let Err(e) = self.sample(&db).await {
+                        warn!(error = %e, "clock sample failed");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn reading(anchor: &Anchor) -> ClockReading {
+    ClockReading {
+        skew_ms: anchor.skew_ms,
+        round_trip_ms: anchor.round_trip.as_millis() as u64,
+    }
+}
+
+async fn take_sample(db: &Db) -> Result<Anchor> {
+    let sent = Instant::now();
+    let wall_sent = Utc::now();
+    let db_time = db.compute_now().await?;
+    let round_trip = sent.elapsed();
+    // The server read its clock about half way through the round trip.
+    let half = chrono::Duration::from_std(round_trip / 2).unwrap_or_default();
+    let wall_mid = wall_sent + half;
+    Ok(Anchor {
+        db_time,
+        at: sent + round_trip / 2,
+        skew_ms: (db_time - wall_mid).num_milliseconds(),
+        round_trip,
+    })
+}

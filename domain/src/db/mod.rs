@@ -1,0 +1,278 @@
+//! Connections, migrations and transactions.
+//!
+//! Every transaction of the system opens through [`Db::tx`], which knows the transaction's
+//! [`TxKind`]: it states the isolation level explicitly (READ COMMITTED), sets `lock_timeout` and
+//! `statement_timeout` with `SET LOCAL` (so nothing leaks into a pooled connection), and retries
+//! deadlocks and serialization failures a bounded number of times. Nothing here keeps session state
+//! on a connection, so the system runs unchanged behind a transaction-pooling proxy.
+
+pub mod embedded;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgConnection, PgPool};
+use tracing::{debug, warn};
+
+use crate::error::{Error, Result};
+
+/// The migrations of the system, embedded in the binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+/// A future borrowed from a transaction's connection, as [`Db::tx`] takes it.
+pub type TxFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'c>>;
+
+/// How a transaction behaves: its timeouts and whether it may write.
+///
+/// All kinds run at READ COMMITTED: the invariants live in constraints, guarded updates and row
+/// locks, which are correct at that level (see `docs/database-locks.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxKind {
+    /// A read for a query; `READ ONLY`, short statement timeout.
+    Read,
+    /// A change made by a request: short lock wait, so a caller sees `LOCK_TIMEOUT` quickly.
+    Write,
+    /// Background work (reconcilers, pruning): longer lock waits and statements.
+    Maintenance,
+}
+
+impl TxKind {
+    /// `lock_timeout` of the kind.
+    pub fn lock_timeout(self) -> Duration {
+        match self {
+            TxKind::Read | TxKind::Write => Duration::from_secs(2),
+            TxKind::Maintenance => Duration::from_secs(10),
+        }
+    }
+
+    /// `statement_timeout` of the kind.
+    pub fn statement_timeout(self) -> Duration {
+        match self {
+            TxKind::Read | TxKind::Write => Duration::from_secs(10),
+            TxKind::Maintenance => Duration::from_secs(60),
+        }
+    }
+
+    fn read_only(self) -> bool {
+        matches!(self, TxKind::Read)
+    }
+
+    /// The statement that opens a transaction of this kind: one round trip for `BEGIN` and the
+    /// kind's settings.
+    pub fn begin_statement(self) -> String {
+        format!(
+            "BEGIN ISOLATION LEVEL READ COMMITTED{}; SET LOCAL lock_timeout = '{}ms'; SET LOCAL statement_timeout = '{}ms'",
+            if self.read_only() { " READ ONLY" } else { "" },
+            self.lock_timeout().as_millis(),
+            self.statement_timeout().as_millis(),
+        )
+    }
+}
+
+/// How many times a transaction is attempted when it hits a deadlock or serialization failure.
+pub const MAX_ATTEMPTS: u32 = 3;
+
+/// Settings for the connection pool.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    pub max_connections: u32,
+    pub acquire_timeout: Duration,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        PoolSettings {
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The database handle every component shares: a pool and the transaction runner.
+#[derive(Debug, Clone)]
+pub struct Db {
+    pool: PgPool,
+}
+
+impl Db {
+    /// Connects a pool to `url`. Statement logging is at `debug` level with slow statements at
+    /// `warn`.
+    pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Db> {
+        let options: PgConnectOptions = url
+            .parse::<PgConnectOptions>()
+            .map_err(|e| Error::internal(format!("invalid database URL: {e}")))?
+            .application_name("compute")
+            .log_statements(tracing::log::LevelFilter::Debug)
+            .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_millis(500));
+        let pool = PgPoolOptions::new()
+            .max_connections(settings.max_connections)
+            .acquire_timeout(settings.acquire_timeout)
+            .connect_with(options)
+            .await?;
+        Ok(Db { pool })
+    }
+
+    /// Wraps an existing pool.
+    pub fn from_pool(pool: PgPool) -> Db {
+        Db { pool }
+    }
+
+    /// The underlying pool, for metrics and for tests.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The pool's connections, for metrics.
+    pub fn pool_stats(&self) -> PoolStats {
+        PoolStats {
+            size: self.pool.size(),
+            idle: self.pool.num_idle() as u32,
+            max: self.pool.options().get_max_connections(),
+        }
+    }
+
+    /// Applies every pending migration.
+    pub async fn migrate(&self) -> Result<()> {
+        MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Compares the applied migrations with the ones this binary carries.
+    pub async fn migration_status(&self) -> Result<MigrationStatus> {
+        let applied: Vec<(i64, bool)> =
+            sqlx::query_as("SELECT version, success FROM _sqlx_migrations ORDER BY version")
+                .fetch_all(&self.pool)
+                .await
+                .or_else(|e| match &e {
+                    // 42P01: the table does not exist yet, nothing was ever applied.
+                    sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
+                        Ok(Vec::new())
+                    }
+                    _ => Err(e),
+                })?;
+        let expected: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
+        let applied_ok: Vec<i64> = applied
+            .iter()
+            .filter(|(_, ok)| *ok)
+            .map(|(v, _)| *v)
+            .collect();
+        let pending = expected.iter().filter(|v| !applied_ok.contains(v)).count();
+        let unknown = applied_ok.iter().filter(|v| !expected.contains(v)).count();
+        Ok(MigrationStatus {
+            expected: expected.len(),
+            applied: applied_ok.len(),
+            pending,
+            unknown,
+            failed: applied.iter().filter(|(_, ok)| !ok).count(),
+        })
+    }
+
+    /// Runs `body` in a transaction of `kind`, committing when it returns `Ok`.
+    ///
+    /// Deadlocks (40P01) and serialization failures (40001) roll back and run `body` again, up to
+    /// [`MAX_ATTEMPTS`] times in all; past that the caller gets [`Error::Contention`]
+    /// (`LOCK_TIMEOUT`). A lock wait past the kind's `lock_timeout` is [`Error::LockTimeout`] at
+    /// once: waiting again would only wait again.
+    pub async fn tx<T, F>(&self, kind: TxKind, mut body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
+    {
+        let mut attempt = 1;
+        loop {
+            match self.try_tx(kind, &mut body).await {
+                Err(Error::Contention { sqlstate, .. }) if attempt < MAX_ATTEMPTS => {
+                    debug!(tx.kind = ?kind, tx.attempt = attempt, sqlstate, "transaction retried");
+                    attempt += 1;
+                }
+                Err(Error::Contention { sqlstate, .. }) => {
+                    warn!(tx.kind = ?kind, tx.attempts = attempt, sqlstate, "transaction gave up after repeated contention");
+                    return Err(Error::Contention {
+                        sqlstate,
+                        attempts: attempt,
+                    });
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn try_tx<T, F>(&self, kind: TxKind, body: &mut F) -> Result<T>
+    where
+        F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T>,
+    {
+        let mut tx = self.pool.begin_with(kind.begin_statement()).await?;
+        let value = body(&mut tx).await?;
+        tx.commit().await?;
+        Ok(value)
+    }
+
+    /// Reads `compute_now()`, the one clock of the system.
+    pub async fn compute_now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
+        let (now,): (chrono::DateTime<chrono::Utc>,) = sqlx::query_as("SELECT compute_now()")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(now)
+    }
+
+    /// Whether `compute_now()` reads the simulated clock (tests and the simulator only).
+    pub async fn clock_is_simulated(&self) -> Result<bool> {
+        let (sim,): (bool,) = sqlx::query_as("SELECT compute_clock_is_simulated()")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(sim)
+    }
+
+    /// A cheap round trip, for readiness.
+    pub async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+}
+
+/// Connection counts of the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Open connections, idle or in use.
+    pub size: u32,
+    pub idle: u32,
+    pub max: u32,
+}
+
+/// How the applied migrations compare with the ones the binary carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigrationStatus {
+    pub expected: usize,
+    pub applied: usize,
+    pub pending: usize,
+    /// Applied versions this binary does not know: a newer binary migrated the database.
+    pub unknown: usize,
+    pub failed: usize,
+}
+
+impl MigrationStatus {
+    /// Every migration this binary carries is applied and none failed.
+    pub fn is_current(&self) -> bool {
+        self.pending == 0 && self.failed == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn begin_statement_states_isolation_and_timeouts() {
+        assert_eq!(
+            TxKind::Read.begin_statement(),
+            "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SET LOCAL lock_timeout = '2000ms'; SET LOCAL statement_timeout = '10000ms'"
+        );
+        assert!(
+            TxKind::Write
+                .begin_statement()
+                .starts_with("BEGIN ISOLATION LEVEL READ COMMITTED;")
+        );
+    }
+}

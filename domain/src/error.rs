@@ -1,0 +1,255 @@
+//! The one error type of the system, with the stable codes clients see in `extensions.code`.
+//!
+//! Every variant maps to exactly one [`ErrorCode`]; the API turns the code into
+//! `extensions.code` and never adds another. The text of [`Error::Internal`] is logged with an
+//! error id and never returned to a client (see `docs/errors.md`).
+
+use std::fmt;
+
+/// The stable, `SCREAMING_SNAKE` code of an error, as clients see it in `extensions.code`.
+///
+/// Adding a code is a change to the public contract: list it in `docs/errors.md` in the same
+/// change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// No credentials, or credentials that are invalid, expired or signed the wrong way.
+    Unauthenticated,
+    /// Valid credentials without the role the operation needs.
+    Forbidden,
+    /// The object does not exist, or belongs to another tenant.
+    NotFound,
+    /// The input is malformed or out of range; `extensions.field` names the field when known.
+    BadUserInput,
+    /// A stale `version`, or a transition the state table does not allow.
+    Conflict,
+    /// The tenant's quota does not allow the request.
+    QuotaExceeded,
+    /// No capacity satisfies the request now.
+    Unschedulable,
+    /// An idempotency key was reused with a different request.
+    IdempotencyKeyReused,
+    /// The first request with this idempotency key is still running.
+    IdempotencyInProgress,
+    /// A concurrent change holds the rows this one needs: retry.
+    LockTimeout,
+    /// An event cursor older than the retention window.
+    CursorExpired,
+    /// Too many requests.
+    RateLimited,
+    /// A fault of the server; the response carries an error id, the log has the detail.
+    Internal,
+}
+
+impl ErrorCode {
+    /// Every code, in the order `docs/errors.md` lists them.
+    pub const ALL: [ErrorCode; 13] = [
+        ErrorCode::Unauthenticated,
+        ErrorCode::Forbidden,
+        ErrorCode::NotFound,
+        ErrorCode::BadUserInput,
+        ErrorCode::Conflict,
+        ErrorCode::QuotaExceeded,
+        ErrorCode::Unschedulable,
+        ErrorCode::IdempotencyKeyReused,
+        ErrorCode::IdempotencyInProgress,
+        ErrorCode::LockTimeout,
+        ErrorCode::CursorExpired,
+        ErrorCode::RateLimited,
+        ErrorCode::Internal,
+    ];
+
+    /// The code as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::Unauthenticated => "UNAUTHENTICATED",
+            ErrorCode::Forbidden => "FORBIDDEN",
+            ErrorCode::NotFound => "NOT_FOUND",
+            ErrorCode::BadUserInput => "BAD_USER_INPUT",
+            ErrorCode::Conflict => "CONFLICT",
+            ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
+            ErrorCode::Unschedulable => "UNSCHEDULABLE",
+            ErrorCode::IdempotencyKeyReused => "IDEMPOTENCY_KEY_REUSED",
+            ErrorCode::IdempotencyInProgress => "IDEMPOTENCY_IN_PROGRESS",
+            ErrorCode::LockTimeout => "LOCK_TIMEOUT",
+            ErrorCode::CursorExpired => "CURSOR_EXPIRED",
+            ErrorCode::RateLimited => "RATE_LIMITED",
+            ErrorCode::Internal => "INTERNAL",
+        }
+    }
+
+    /// Whether sending the same request again, unchanged, can succeed.
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::IdempotencyInProgress
+                | ErrorCode::LockTimeout
+                | ErrorCode::RateLimited
+                | ErrorCode::Unschedulable
+                | ErrorCode::Internal
+        )
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A boxed error source for [`Error::Internal`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Every failure the domain reports. The message of each variant is what a client reads, except
+/// for [`Error::Internal`], whose text only reaches the log.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Unauthenticated(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{kind} {id} not found")]
+    NotFound { kind: &'static str, id: String },
+    #[error("{message}")]
+    BadUserInput {
+        field: Option<String>,
+        message: String,
+    },
+    #[error("{message}")]
+    Conflict {
+        message: String,
+        current_version: Option<i64>,
+    },
+    #[error("{0}")]
+    QuotaExceeded(String),
+    #[error("{0}")]
+    Unschedulable(String),
+    #[error("{0}")]
+    IdempotencyKeyReused(String),
+    #[error("{0}")]
+    IdempotencyInProgress(String),
+    /// SQLSTATE 55P03: a lock wait passed the transaction kind's `lock_timeout`.
+    #[error("another change to the same records is in progress; retry the request")]
+    LockTimeout,
+    /// Deadlocks (40P01) or serialization failures (40001) that outlasted the bounded retries.
+    #[error(
+        "the change kept colliding with concurrent changes ({attempts} attempts, SQLSTATE {sqlstate}); retry the request"
+    )]
+    Contention { sqlstate: String, attempts: u32 },
+    #[error("{0}")]
+    CursorExpired(String),
+    #[error("{0}")]
+    RateLimited(String),
+    #[error("internal error: {0}")]
+    Internal(#[source] BoxError),
+}
+
+/// The result type of the domain.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// The stable code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Error::Unauthenticated(_) => ErrorCode::Unauthenticated,
+            Error::Forbidden(_) => ErrorCode::Forbidden,
+            Error::NotFound { .. } => ErrorCode::NotFound,
+            Error::BadUserInput { .. } => ErrorCode::BadUserInput,
+            Error::Conflict { .. } => ErrorCode::Conflict,
+            Error::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
+            Error::Unschedulable(_) => ErrorCode::Unschedulable,
+            Error::IdempotencyKeyReused(_) => ErrorCode::IdempotencyKeyReused,
+            Error::IdempotencyInProgress(_) => ErrorCode::IdempotencyInProgress,
+            Error::LockTimeout | Error::Contention { .. } => ErrorCode::LockTimeout,
+            Error::CursorExpired(_) => ErrorCode::CursorExpired,
+            Error::RateLimited(_) => ErrorCode::RateLimited,
+            Error::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// A bad-input error about one field.
+    pub fn bad_input(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::BadUserInput {
+            field: Some(field.into()),
+            message: message.into(),
+        }
+    }
+
+    /// An internal error from any source; its text goes to the log only.
+    pub fn internal(source: impl Into<BoxError>) -> Self {
+        Error::Internal(source.into())
+    }
+
+    /// The SQLSTATE of a database error inside this error, if any.
+    pub fn sqlstate(&self) -> Option<String> {
+        match self {
+            Error::Contention { sqlstate, .. } => Some(sqlstate.clone()),
+            Error::Internal(source) => source
+                .downcast_ref::<sqlx::Error>()
+                .and_then(|e| e.as_database_error())
+                .and_then(|e| e.code())
+                .map(|c| c.into_owned()),
+            _ => None,
+        }
+    }
+}
+
+/// SQLSTATE of `lock_not_available`, raised when `lock_timeout` expires.
+pub const SQLSTATE_LOCK_NOT_AVAILABLE: &str = "55P03";
+/// SQLSTATE of `serialization_failure`.
+pub const SQLSTATE_SERIALIZATION_FAILURE: &str = "40001";
+/// SQLSTATE of `deadlock_detected`.
+pub const SQLSTATE_DEADLOCK_DETECTED: &str = "40P01";
+
+impl From<sqlx::Error> for Error {
+    fn from(err: sqlx::Error) -> Self {
+        let code = err
+            .as_database_error()
+            .and_then(|e| e.code())
+            .map(|c| c.into_owned());
+        match code.as_deref() {
+            Some(SQLSTATE_LOCK_NOT_AVAILABLE) => Error::LockTimeout,
+            Some(state @ (SQLSTATE_SERIALIZATION_FAILURE | SQLSTATE_DEADLOCK_DETECTED)) => {
+                Error::Contention {
+                    sqlstate: state.to_owned(),
+                    attempts: 1,
+                }
+            }
+            _ => Error::Internal(Box::new(err)),
+        }
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for Error {
+    fn from(err: sqlx::migrate::MigrateError) -> Self {
+        Error::Internal(Box::new(err))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_unique_screaming_snake() {
+        let mut seen = std::collections::HashSet::new();
+        for code in ErrorCode::ALL {
+            let s = code.as_str();
+            assert!(seen.insert(s), "duplicate code {s}");
+            assert!(
+                s.chars().all(|c| c.is_ascii_uppercase() || c == '_'),
+                "{s} is not SCREAMING_SNAKE"
+            );
+        }
+        assert_eq!(seen.len(), 13);
+    }
+
+    #[test]
+    fn contention_is_reported_as_lock_timeout() {
+        let e = Error::Contention {
+            sqlstate: "40P01".into(),
+            attempts: 3,
+        };
+        assert_eq!(e.code(), ErrorCode::LockTimeout);
+        assert!(e.to_string().contains("3 attempts"));
+    }
+}

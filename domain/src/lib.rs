@@ -1,0 +1,13 @@
+//! The core of Better Compute: model types, state tables, errors with stable codes, the clock,
+//! transaction kinds, and every SQL statement, one module per aggregate or mechanism.
+//!
+//! Architecture invariant: this crate knows nothing of HTTP, WebSocket or GraphQL. The API and
+//! the workers call it; it calls PostgreSQL.
+
+pub mod clock;
+pub mod db;
+pub mod error;
+pub mod ids;
+pub mod outbox;
+
+pub use error::{Error, ErrorCode, Result};

@@ -1,0 +1,450 @@
+//! The test harness of Better Compute: a real PostgreSQL for every test, and the real server on a
+//! loopback port.
+//!
+//! * Without `DATABASE_URL`, the first test of a run starts a throwaway embedded cluster under
+//!   `$TMPDIR/compute-tests/<pid>` (cleaned up by the next run); with it, that server is used.
+//! * Migrations run once per run into a template database; each test gets
+//!   `CREATE DATABASE … TEMPLATE`, named after the test, so tests run in parallel and never
+//!   share state.
+//! * A failing test keeps its database and prints how to reach it.
+
+pub mod sqlscan;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use compute_api::auth::{Claims, KeySource, Role, Secret, Verifier};
+use compute_api::server::Server;
+use compute_domain::db::embedded::{EmbeddedOptions, EmbeddedPostgres, process_alive, quote_ident};
+use compute_domain::db::{Db, MIGRATOR, PoolSettings};
+use serde_json::Value;
+use sqlx::Connection;
+use tokio::sync::OnceCell;
+
+/// Where the tests' databases live for this run.
+struct Cluster {
+    /// URL of a database to run `CREATE DATABASE` from.
+    admin_url: String,
+    /// Builds the URL of another database on the same server.
+    base: url_base::Base,
+    template: String,
+    /// Keeps the embedded server alive for the whole run.
+    _embedded: Option<EmbeddedPostgres>,
+    description: String,
+}
+
+mod url_base {
+    /// A URL split around its database name.
+    #[derive(Debug, Clone)]
+    pub struct Base {
+        pub prefix: String,
+        pub query: String,
+    }
+
+    impl Base {
+        pub fn parse(url: &str) -> Base {
+            let (main, query) = match url.split_once('?') {
+                Some((m, q)) => (m, format!("?{q}")),
+                None => (url, String::new()),
+            };
+            // postgres://user:pw@host:port/dbname → keep everything up to the last '/'.
+            let after_scheme = main.find("://").map(|i| i + 3).unwrap_or(0);
+            let prefix = match main[after_scheme..].rfind('/') {
+                Some(i) => main[..after_scheme + i].to_owned(),
+                None => main.to_owned(),
+            };
+            Base { prefix, query }
+        }
+        pub fn url(&self, database: &str) -> String {
+            format!("{}/{}{}", self.prefix, database, self.query)
+        }
+    }
+}
+
+static CLUSTER: OnceCell<Cluster> = OnceCell::const_new();
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+async fn cluster() -> &'static Cluster {
+    CLUSTER
+        .get_or_init(|| async {
+            match start_cluster().await {
+                Ok(c) => c,
+                Err(e) => panic!("cannot prepare the test database server: {e}"),
+            }
+        })
+        .await
+}
+
+fn test_root() -> PathBuf {
+    std::env::temp_dir().join("compute-tests")
+}
+
+/// Removes the clusters of earlier runs whose process is gone.
+fn remove_stale_clusters() {
+    let Ok(entries) = std::fs::read_dir(test_root()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let pid = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok());
+        if pid.is_some_and(|pid| pid != std::process::id() && !process_alive(pid)) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+async fn start_cluster() -> compute_domain::Result<Cluster> {
+    let checksum: u64 = MIGRATOR
+        .iter()
+        .flat_map(|m| m.checksum.iter().copied())
+        .fold(0xcbf29ce484222325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
+        });
+    match std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()) {
+        Some(url) => {
+            let base = url_base::Base::parse(&url);
+            let template = format!("compute_tpl_{:016x}", checksum);
+            prepare_template(&url, &base, &template, true).await?;
+            Ok(Cluster {
+                admin_url: url.clone(),
+                base,
+                template,
+                _embedded: None,
+                description: "the server of DATABASE_URL".into(),
+            })
+        }
+        None => {
+            remove_stale_clusters();
+            let dir = test_root().join(std::process::id().to_string());
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).map_err(compute_domain::Error::internal)?;
+            let pg = EmbeddedPostgres::start(EmbeddedOptions {
+                data_dir: dir.clone(),
+                durable: false,
+                max_connections: 300,
+            })
+            .await?;
+            let admin_url = pg.url("postgres");
+            let base = url_base::Base::parse(&admin_url);
+            let template = "compute_template".to_owned();
+            prepare_template(&admin_url, &base, &template, false).await?;
+            Ok(Cluster {
+                admin_url,
+                base,
+                template,
+                description: format!(
+                    "the embedded cluster in {} (kept until the next test run; start it with \
+                     `postgres -D {}/pg -p <port>` as its owner)",
+                    dir.display(),
+                    dir.display()
+                ),
+                _embedded: Some(pg),
+            })
+        }
+    }
+}
+
+/// Creates and migrates the template database unless it exists. On a shared server, concurrent
+/// runs serialize on a session advisory lock (test harness only; see docs/database-locks.md),
+/// and the template appears under its final name only once it is complete.
+async fn prepare_template(
+    admin_url: &str,
+    base: &url_base::Base,
+    template: &str,
+    shared: bool,
+) -> compute_domain::Result<()> {
+    let mut admin = sqlx::PgConnection::connect(admin_url).await?;
+    if shared {
+        sqlx::query(
+            "SELECT pg_advisory_lock(hashtextextended('compute-tests:template:' || $1, 0))",
+        )
+        .bind(template)
+        .execute(&mut admin)
+        .await?;
+    }
+    let exists: Option<(i32,)> = sqlx::query_as("SELECT 1 FROM pg_database WHERE datname = $1")
+        .bind(template)
+        .fetch_optional(&mut admin)
+        .await?;
+    if exists.is_none() {
+        let building = format!("{template}_building");
+        sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            quote_ident(&building)
+        ))
+        .execute(&mut admin)
+        .await?;
+        sqlx::query(&format!("CREATE DATABASE {}", quote_ident(&building)))
+            .execute(&mut admin)
+            .await?;
+        let db = Db::connect(
+            &base.url(&building),
+            &PoolSettings {
+                max_connections: 1,
+                ..PoolSettings::default()
+            },
+        )
+        .await?;
+        db.migrate().await?;
+        db.pool().close().await;
+        sqlx::query(&format!(
+            "ALTER DATABASE {} RENAME TO {}",
+            quote_ident(&building),
+            quote_ident(template)
+        ))
+        .execute(&mut admin)
+        .await?;
+    }
+    admin.close().await?;
+    Ok(())
+}
+
+/// A migrated database of one's own.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub db: Db,
+    external: bool,
+}
+
+/// A fresh database cloned from the migrated template, named after the running test.
+pub async fn test_db() -> TestDb {
+    let cluster = cluster().await;
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("test")
+        .rsplit("::")
+        .next()
+        .unwrap_or("test")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .take(40)
+        .collect::<String>();
+    let name = format!(
+        "t_{}_{}_{}",
+        test,
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut admin = sqlx::PgConnection::connect(&cluster.admin_url)
+        .await
+        .expect("connect to the admin database");
+    let create = format!(
+        "CREATE DATABASE {} TEMPLATE {}",
+        quote_ident(&name),
+        quote_ident(&cluster.template)
+    );
+    let mut tries = 0;
+    loop {
+        match sqlx::query(&create).execute(&mut admin).await {
+            Ok(_) => break,
+            // 55006: the template is briefly in use by another CREATE DATABASE.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55006") && tries < 50 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("cannot create test database {name}: {e}"),
+        }
+    }
+    let _ = admin.close().await;
+    let url = cluster.base.url(&name);
+    let db = Db::connect(
+        &url,
+        &PoolSettings {
+            max_connections: 8,
+            ..PoolSettings::default()
+        },
+    )
+    .await
+    .expect("connect to the test database");
+    TestDb {
+        name,
+        url,
+        db,
+        external: cluster._embedded.is_none(),
+    }
+}
+
+impl TestDb {
+    /// Switches this database to simulated time at `start` (RFC 3339).
+    pub async fn use_sim_clock(&self, start: &str) {
+        sqlx::query("SELECT compute_use_sim_clock($1::timestamptz)")
+            .bind(start)
+            .execute(self.db.pool())
+            .await
+            .expect("switch to simulated time");
+    }
+
+    /// Moves simulated time forward by `seconds`.
+    pub async fn advance_clock(&self, seconds: i64) {
+        sqlx::query("SELECT compute_advance_sim_clock(make_interval(secs => $1))")
+            .bind(seconds as f64)
+            .execute(self.db.pool())
+            .await
+            .expect("advance simulated time");
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let Some(cluster) = CLUSTER.get() else { return };
+        if std::thread::panicking() {
+            eprintln!(
+                "test failed: its database `{}` is kept in {}; connect with: psql '{}'",
+                self.name, cluster.description, self.url
+            );
+            return;
+        }
+        if !self.external {
+            return; // the whole throwaway cluster goes at the next run
+        }
+        let (admin_url, name) = (cluster.admin_url.clone(), self.name.clone());
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                if let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url).await {
+                    let _ = sqlx::query(&format!(
+                        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                        quote_ident(&name)
+                    ))
+                    .execute(&mut admin)
+                    .await;
+                    let _ = admin.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// The issuer of the tests' tokens.
+pub const TEST_ISSUER: &str = "compute-test";
+/// The audience of the tests' tokens.
+pub const TEST_AUDIENCE: &str = "compute-api";
+/// The tests' HS256 secret.
+pub const TEST_SECRET: &str = "test-secret-test-secret-test-secret-0123";
+
+/// The real server on a loopback port, on a database of its own.
+pub struct TestApp {
+    pub addr: SocketAddr,
+    pub db: TestDb,
+    pub http: reqwest::Client,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+/// Starts the API on `127.0.0.1:0` over a fresh database.
+pub async fn spawn_app() -> TestApp {
+    spawn_app_on(test_db().await).await
+}
+
+/// Starts the API on `127.0.0.1:0` over `db`.
+pub async fn spawn_app_on(db: TestDb) -> TestApp {
+    let verifier = Verifier::new(
+        KeySource::Hs256(Secret::new(TEST_SECRET)),
+        TEST_ISSUER,
+        TEST_AUDIENCE,
+    )
+    .expect("verifier");
+    let server = Server::new(db.db.clone(), verifier)
+        .await
+        .expect("server state");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::spawn(server.run(listener, async move {
+        let _ = stopped.await;
+    }));
+    TestApp {
+        addr,
+        db,
+        http: reqwest::Client::new(),
+        stop: Some(stop),
+        server: Some(handle),
+    }
+}
+
+impl TestApp {
+    /// `http://127.0.0.1:<port><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// A token with `roles` for `tenant`, valid for an hour.
+    pub fn token(&self, sub: &str, tenant: Option<&str>, roles: &[Role]) -> String {
+        mint(claims(sub, tenant, roles, 3600))
+    }
+
+    /// POSTs a GraphQL request; returns the status and the JSON body.
+    pub async fn graphql(
+        &self,
+        query: &str,
+        variables: Value,
+        token: Option<&str>,
+    ) -> (u16, Value) {
+        let mut req = self
+            .http
+            .post(self.url("/graphql"))
+            .header("Accept", "application/graphql-response+json")
+            .json(&serde_json::json!({ "query": query, "variables": variables }));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        let res = req.send().await.expect("POST /graphql");
+        let status = res.status().as_u16();
+        let body = res.json::<Value>().await.expect("JSON body");
+        (status, body)
+    }
+
+    /// Starts a graceful shutdown and waits for the server to finish.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(server) = self.server.take() {
+            server.await.expect("server task").expect("server result");
+        }
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.abort();
+        }
+    }
+}
+
+/// Claims as the tests' issuer signs them.
+pub fn claims(sub: &str, tenant: Option<&str>, roles: &[Role], ttl_seconds: i64) -> Claims {
+    let mut c = compute_api::auth::dev_claims(sub, tenant, roles, ttl_seconds);
+    c.iss = TEST_ISSUER.into();
+    c.aud = TEST_AUDIENCE.into();
+    c
+}
+
+/// Signs claims with the tests' secret.
+pub fn mint(claims: Claims) -> String {
+    compute_api::auth::mint_hs256(&Secret::new(TEST_SECRET), &claims).expect("mint")
+}
+
+/// The `extensions.code` of the first error of a GraphQL response.
+pub fn first_code(body: &Value) -> Option<&str> {
+    body["errors"][0]["extensions"]["code"].as_str()
+}

@@ -1,0 +1,56 @@
+use compute_domain::clock::Clock;
+use compute_tests::{spawn_app_on, test_db};
+use serde_json::json;
+
+#[tokio::test]
+async fn server_time_follows_the_simulated_clock() {
+    let db = test_db().await;
+    db.use_sim_clock("2031-05-01T12:00:00Z").await;
+    let app = spawn_app_on(db).await;
+    let (status, body) = app.graphql("{ serverTime }", json!({}), None).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"]["serverTime"], "2031-05-01T12:00:00+00:00");
+
+    app.db.advance_clock(90).await;
+    let (_, body) = app.graphql("{ serverTime }", json!({}), None).await;
+    assert_eq!(body["data"]["serverTime"], "2031-05-01T12:01:30+00:00");
+}
+
+#[tokio::test]
+async fn the_rust_clock_is_anchored_to_compute_now_and_measures_skew() {
+    let db = test_db().await;
+    let clock = Clock::anchored(&db.db).await.expect("anchor");
+    let reading = clock.last_reading();
+    assert!(
+        reading.ok(),
+        "wall clock and compute_now() agree: {reading:?}"
+    );
+    let wall = chrono::Utc::now();
+    assert!((clock.now() - wall).num_milliseconds().abs() < 1000);
+
+    db.use_sim_clock("2030-01-01T00:00:00Z").await;
+    let reading = clock.sample(&db.db).await.expect("sample");
+    assert!(!reading.ok(), "a skew of years is reported: {reading:?}");
+    assert!(
+        reading.skew_ms > 0,
+        "the simulated clock is ahead: {reading:?}"
+    );
+    let now = clock.now();
+    assert_eq!(now.format("%Y-%m-%d").to_string(), "2030-01-01");
+}
+
+#[tokio::test]
+async fn simulated_time_only_moves_forward_and_needs_switching_on() {
+    let db = test_db().await;
+    let err = sqlx::query("SELECT compute_set_sim_clock('2030-01-01Z')")
+        .execute(db.db.pool())
+        .await
+        .expect_err("not on simulated time yet");
+    assert!(err.to_string().contains("not on simulated time"), "{err}");
+    db.use_sim_clock("2030-01-01T00:00:00Z").await;
+    let err = sqlx::query("SELECT compute_advance_sim_clock(interval '-1 second')")
+        .execute(db.db.pool())
+        .await
+        .expect_err("backwards");
+    assert!(err.to_string().contains("only moves forward"), "{err}");
+}

@@ -1,0 +1,166 @@
+//! Conformance to the GraphQL-over-HTTP specification.
+
+use compute_tests::spawn_app;
+use serde_json::{Value, json};
+
+const GQL: &str = "application/graphql-response+json";
+
+async fn post(
+    app: &compute_tests::TestApp,
+    accept: Option<&str>,
+    body: &str,
+) -> (u16, String, String) {
+    let mut req = app
+        .http
+        .post(app.url("/graphql"))
+        .header("Content-Type", "application/json")
+        .body(body.to_owned());
+    if let Some(a) = accept {
+        req = req.header("Accept", a);
+    }
+    let res = req.send().await.expect("POST");
+    let status = res.status().as_u16();
+    let ct = res
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    (status, ct, res.text().await.expect("body"))
+}
+
+fn parse(text: &str) -> Value {
+    serde_json::from_str(text).expect("JSON")
+}
+
+#[tokio::test]
+async fn the_response_media_type_follows_accept() {
+    let app = spawn_app().await;
+    let q = r#"{"query":"{ __typename }"}"#;
+    let (s, ct, body) = post(&app, Some(GQL), q).await;
+    assert_eq!(
+        (s, ct.as_str()),
+        (200, "application/graphql-response+json; charset=utf-8")
+    );
+    assert_eq!(parse(&body)["data"]["__typename"], "Query");
+
+    let (s, ct, _) = post(&app, Some("application/json"), q).await;
+    assert_eq!((s, ct.as_str()), (200, "application/json; charset=utf-8"));
+
+    // (No Accept at all means application/json: a unit test covers it; this client always sends one.)
+    let (s, ct, _) = post(&app, Some("*/*"), q).await;
+    assert_eq!(
+        (s, ct.as_str()),
+        (200, "application/graphql-response+json; charset=utf-8")
+    );
+
+    let (s, _, _) = post(&app, Some("application/xml"), q).await;
+    assert_eq!(s, 406);
+}
+
+#[tokio::test]
+async fn request_errors_are_400_with_graphql_response_json_and_200_with_json() {
+    let app = spawn_app().await;
+    for (query, code) in [
+        ("{ viewer { ", "GRAPHQL_PARSE_FAILED"),
+        ("{ noSuchField }", "GRAPHQL_VALIDATION_FAILED"),
+    ] {
+        let body = json!({ "query": query }).to_string();
+        let (s, _, text) = post(&app, Some(GQL), &body).await;
+        let v = parse(&text);
+        assert_eq!(s, 400, "{query}: {text}");
+        assert!(
+            v.get("data").is_none(),
+            "a request error has no data entry: {text}"
+        );
+        assert_eq!(v["errors"][0]["extensions"]["code"], code, "{text}");
+
+        let (s, _, text) = post(&app, Some("application/json"), &body).await;
+        assert_eq!(s, 200, "legacy application/json stays 200: {text}");
+        assert_eq!(parse(&text)["errors"][0]["extensions"]["code"], code);
+    }
+}
+
+#[tokio::test]
+async fn malformed_http_requests_are_400_or_415() {
+    let app = spawn_app().await;
+    let (s, _, text) = post(&app, Some(GQL), "{not json").await;
+    assert_eq!(s, 400, "{text}");
+    assert_eq!(
+        parse(&text)["errors"][0]["extensions"]["code"],
+        "BAD_REQUEST"
+    );
+
+    let (s, _, text) = post(&app, Some(GQL), r#"{"variables":{}}"#).await;
+    assert_eq!(s, 400, "no query: {text}");
+
+    let (s, _, text) = post(
+        &app,
+        Some(GQL),
+        r#"{"query":"{ __typename }","variables":[1]}"#,
+    )
+    .await;
+    assert_eq!(s, 400, "variables must be a map: {text}");
+
+    let res = app
+        .http
+        .post(app.url("/graphql"))
+        .header("Content-Type", "text/plain")
+        .body("{ __typename }")
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(res.status().as_u16(), 415);
+}
+
+#[tokio::test]
+async fn get_runs_queries_refuses_mutations_and_serves_graphiql_to_browsers() {
+    let app = spawn_app().await;
+    let res = app
+        .http
+        .get(app.url("/graphql"))
+        .query(&[
+            (
+                "query",
+                "query Q($n: String!) { __type(name: $n) { name } }",
+            ),
+            ("variables", r#"{"n":"ViewerInfo"}"#),
+            ("operationName", "Q"),
+        ])
+        .header("Accept", GQL)
+        .send()
+        .await
+        .expect("GET");
+    let status = res.status().as_u16();
+    let body = res.json::<Value>().await.expect("json");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"]["__type"]["name"], "ViewerInfo");
+
+    let res = app
+        .http
+        .get(app.url("/graphql"))
+        .query(&[("query", "mutation { __typename }")])
+        .header("Accept", GQL)
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(res.status().as_u16(), 405);
+    assert_eq!(
+        res.headers().get("allow").and_then(|v| v.to_str().ok()),
+        Some("POST")
+    );
+
+    let res = app
+        .http
+        .get(app.url("/graphql"))
+        .header("Accept", "text/html,application/xhtml+xml,*/*;q=0.8")
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(res.status().as_u16(), 200);
+    let html = res.text().await.expect("html");
+    assert!(html.contains("graphiql"), "GraphiQL page");
+
+    let res = app.http.put(app.url("/graphql")).send().await.expect("PUT");
+    assert_eq!(res.status().as_u16(), 405);
+}
