@@ -226,13 +226,17 @@ fn absolute(path: &Path) -> Result<PathBuf> {
 /// The directory holding `initdb` and `postgres`: from `PATH` first, then the newest
 /// `/usr/lib/postgresql/<version>/bin`.
 fn find_server_binaries() -> Result<PathBuf> {
+    find_server_binaries_in(std::env::var_os("PATH"), Path::new("/usr/lib/postgresql"))
+}
+
+fn find_server_binaries_in(path: Option<std::ffi::OsString>, lib_root: &Path) -> Result<PathBuf> {
     let has_both = |dir: &Path| dir.join("initdb").is_file() && dir.join("postgres").is_file();
-    if let Some(path) = std::env::var_os("PATH")
+    if let Some(path) = path
         && let Some(dir) = std::env::split_paths(&path).find(|d| has_both(d))
     {
         return Ok(dir);
     }
-    let mut versions: Vec<(u32, PathBuf)> = fs::read_dir("/usr/lib/postgresql")
+    let mut versions: Vec<(u32, PathBuf)> = fs::read_dir(lib_root)
         .into_iter()
         .flatten()
         .flatten()
@@ -258,7 +262,12 @@ fn server_version(bin: &Path) -> Result<String> {
         .arg("--version")
         .output()
         .map_err(Error::internal)?;
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    let line = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    // "postgres (PostgreSQL) 15.20 (Debian …)" → "PostgreSQL 15.20 (Debian …)"
+    Ok(line
+        .strip_prefix("postgres (PostgreSQL) ")
+        .map(|rest| format!("PostgreSQL {rest}"))
+        .unwrap_or(line))
 }
 
 /// When this process is root, the account the server runs as, read from `/etc/passwd`.
@@ -433,6 +442,9 @@ fn spawn_server(
     if let Some(user) = run_as {
         cmd.uid(user.uid).gid(user.gid);
     }
+    // Its own process group: a Ctrl-C in the terminal reaches this process, which drains its
+    // requests and then stops the server, instead of the server dying under them.
+    cmd.process_group(0);
     die_with_parent(&mut cmd);
 
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
@@ -535,5 +547,39 @@ pub fn process_alive(pid: u32) -> bool {
         // SAFETY: signal 0 only checks that the process exists.
         Ok(pid) => unsafe { libc::kill(pid, 0) == 0 },
         Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_server_binaries_name_the_package_to_install() {
+        let nowhere = std::env::temp_dir().join("compute-no-such-dir");
+        let err = find_server_binaries_in(Some(nowhere.clone().into_os_string()), &nowhere)
+            .expect_err("nothing to find");
+        let message = err.to_string();
+        assert!(message.contains("apt install postgresql"), "{message}");
+        assert!(message.contains("DATABASE_URL"), "{message}");
+    }
+
+    #[test]
+    fn the_newest_version_under_the_library_root_wins() {
+        let root = std::env::temp_dir().join(format!("compute-pgbin-{}", std::process::id()));
+        for v in ["13", "15", "9"] {
+            let bin = root.join(v).join("bin");
+            fs::create_dir_all(&bin).expect("mkdir");
+            fs::write(bin.join("initdb"), "").expect("initdb");
+            fs::write(bin.join("postgres"), "").expect("postgres");
+        }
+        let found = find_server_binaries_in(None, &root).expect("found");
+        assert_eq!(found, root.join("15").join("bin"));
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn identifiers_are_quoted() {
+        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
     }
 }

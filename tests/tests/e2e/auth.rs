@@ -68,3 +68,79 @@ async fn an_anonymous_caller_gets_unauthenticated_on_viewer_but_may_introspect()
     assert_eq!(status, 200);
     assert_eq!(body["data"]["__schema"]["queryType"]["name"], "Query");
 }
+
+fn fixture(name: &str) -> Vec<u8> {
+    std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join(name),
+    )
+    .expect("fixture")
+}
+
+fn sign_eddsa(kid: Option<&str>) -> String {
+    let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::EdDSA);
+    header.kid = kid.map(str::to_owned);
+    jsonwebtoken::encode(
+        &header,
+        &claims("carol", Some("acme"), &[Role::Operator], 3600),
+        &jsonwebtoken::EncodingKey::from_ed_pem(&fixture("ed25519-private.pem")).expect("key"),
+    )
+    .expect("sign EdDSA")
+}
+
+#[test]
+fn public_key_verifiers_pin_their_algorithm() {
+    use compute_api::auth::{KeySource, Verifier};
+    let pem = fixture("ed25519-public.pem");
+    let verifier = Verifier::new(
+        KeySource::PublicKeyPem {
+            algorithm: jsonwebtoken::Algorithm::EdDSA,
+            pem: pem.clone(),
+        },
+        compute_tests::TEST_ISSUER,
+        compute_tests::TEST_AUDIENCE,
+    )
+    .expect("verifier");
+    let viewer = verifier.verify(&sign_eddsa(None)).expect("EdDSA token");
+    assert_eq!(viewer.subject, "carol");
+
+    // The classic confusion: an HS256 token whose HMAC key is the public key's PEM.
+    let confused = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims("mallory", Some("acme"), &[Role::Operator], 3600),
+        &jsonwebtoken::EncodingKey::from_secret(&pem),
+    )
+    .expect("sign HS256");
+    let err = verifier.verify(&confused).expect_err("algorithm is pinned");
+    assert_eq!(err.code(), compute_domain::ErrorCode::Unauthenticated);
+    assert!(err.to_string().contains("HS256"), "{err}");
+
+    let jwks = Verifier::new(
+        KeySource::Jwks {
+            algorithm: jsonwebtoken::Algorithm::EdDSA,
+            jwks: String::from_utf8(fixture("ed25519-jwks.json")).expect("utf-8"),
+        },
+        compute_tests::TEST_ISSUER,
+        compute_tests::TEST_AUDIENCE,
+    )
+    .expect("JWKS verifier");
+    assert_eq!(
+        jwks.verify(&sign_eddsa(Some("test-ed25519")))
+            .expect("known kid")
+            .subject,
+        "carol"
+    );
+    assert!(
+        Verifier::new(
+            KeySource::Jwks {
+                algorithm: jsonwebtoken::Algorithm::RS256,
+                jwks: String::from_utf8(fixture("ed25519-jwks.json")).expect("utf-8"),
+            },
+            compute_tests::TEST_ISSUER,
+            compute_tests::TEST_AUDIENCE,
+        )
+        .is_err(),
+        "a JWKS with no key for the configured algorithm is a configuration error"
+    );
+}
