@@ -291,6 +291,7 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     let started = Instant::now();
     let database = open_database(None, &args.data_dir, 16).await?;
     database.db.migrate().await?;
+    compute_domain::fleet::demo::seed_if_empty(&database.db).await?;
     let secret = auth::dev_secret(&args.data_dir, true)?;
     let verifier = Verifier::new(
         auth::KeySource::Hs256(secret.clone()),

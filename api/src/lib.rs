@@ -6,8 +6,11 @@
 
 pub mod auth;
 pub mod cli;
+pub mod fleet;
+pub mod fleet_mutations;
 pub mod graphql_http;
 pub mod health;
+pub mod loaders;
 pub mod metrics;
 pub mod schema;
 pub mod server;

@@ -1,7 +1,7 @@
 //! The GraphQL schema: types map from domain types, errors map to stable `extensions.code`.
 
 use async_graphql::{
-    Context, EmptyMutation, EmptySubscription, Enum, ErrorExtensions, Object, Schema, SimpleObject,
+    Context, EmptySubscription, Enum, ErrorExtensions, MergedObject, Object, Schema, SimpleObject,
 };
 use chrono::{DateTime, Utc};
 use compute_domain::db::Db;
@@ -11,15 +11,25 @@ use tracing::error;
 use crate::auth::{Role, Viewer};
 
 /// The schema type served by the API.
-pub type ApiSchema = Schema<Query, EmptyMutation, EmptySubscription>;
+pub type ApiSchema = Schema<Query, Mutation, EmptySubscription>;
 
-/// Builds the schema with the shared services every resolver reads.
+/// The root of every query.
+#[derive(MergedObject, Default)]
+pub struct Query(CoreQuery, crate::fleet::FleetQuery);
+
+/// The root of every mutation.
+#[derive(MergedObject, Default)]
+pub struct Mutation(crate::fleet_mutations::FleetMutation);
+
+/// Builds the schema with the shared services every resolver reads. Without a database (for
+/// printing the SDL) no resolver can run.
 pub fn build(db: Option<Db>) -> ApiSchema {
-    let mut builder = Schema::build(Query, EmptyMutation, EmptySubscription)
+    let mut builder = Schema::build(Query::default(), Mutation::default(), EmptySubscription)
+        .register_output_type::<crate::fleet::NodeInterface>()
         .limit_depth(32)
-        .limit_complexity(10_000);
+        .limit_complexity(100_000);
     if let Some(db) = db {
-        builder = builder.data(db);
+        builder = builder.data(crate::loaders::loaders(db.clone())).data(db);
     }
     builder.finish()
 }
@@ -71,16 +81,18 @@ pub fn viewer<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Viewer> {
     })
 }
 
-fn db<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Db> {
+/// The database handle of the schema.
+pub fn db<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Db> {
     ctx.data::<Db>()
         .map_err(|_| gql_error(Error::internal("the schema was built without a database")))
 }
 
-/// The root of every query.
-pub struct Query;
+/// The core queries: who is calling, and what time it is.
+#[derive(Default)]
+pub struct CoreQuery;
 
 #[Object]
-impl Query {
+impl CoreQuery {
     /// The caller, as the API sees them: identity, tenant and roles from the bearer token.
     async fn viewer(&self, ctx: &Context<'_>) -> async_graphql::Result<ViewerInfo> {
         let v = viewer(ctx)?;

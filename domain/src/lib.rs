@@ -7,7 +7,11 @@
 pub mod clock;
 pub mod db;
 pub mod error;
+pub mod fleet;
+pub mod idempotency;
 pub mod ids;
 pub mod outbox;
+pub mod page;
+pub mod quota;
 
 pub use error::{Error, ErrorCode, Result};

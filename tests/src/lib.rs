@@ -352,8 +352,23 @@ pub async fn spawn_app() -> TestApp {
     spawn_app_on(test_db().await).await
 }
 
+/// Logs to the test's captured output (shown when a test fails); `RUST_LOG` filters.
+pub fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+            tracing_subscriber::EnvFilter::new("warn,compute_api=info,compute_domain=info")
+        });
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    });
+}
+
 /// Starts the API on `127.0.0.1:0` over `db`.
 pub async fn spawn_app_on(db: TestDb) -> TestApp {
+    init_logging();
     let verifier = Verifier::new(
         KeySource::Hs256(Secret::new(TEST_SECRET)),
         TEST_ISSUER,
@@ -410,6 +425,45 @@ impl TestApp {
         let status = res.status().as_u16();
         let body = res.json::<Value>().await.expect("JSON body");
         (status, body)
+    }
+
+    /// An operator's token (tenant `ops`).
+    pub fn operator(&self) -> String {
+        self.token("root@ops", Some("ops"), &[Role::Operator])
+    }
+
+    /// A member's token for `tenant`.
+    pub fn member(&self, tenant: &str) -> String {
+        self.token(&format!("alice@{tenant}"), Some(tenant), &[Role::Member])
+    }
+
+    /// Runs a GraphQL request that must succeed; returns its `data`.
+    pub async fn ok(&self, token: &str, query: &str, variables: Value) -> Value {
+        let (status, body) = self.graphql(query, variables, Some(token)).await;
+        assert!(
+            status == 200 && body.get("errors").is_none(),
+            "expected success, got {status}: {body}"
+        );
+        body["data"].clone()
+    }
+
+    /// Runs a GraphQL request that must fail; returns the first error's code and the error.
+    pub async fn fails(&self, token: &str, query: &str, variables: Value) -> (String, Value) {
+        let (_, body) = self.graphql(query, variables, Some(token)).await;
+        let error = body["errors"][0].clone();
+        let code = error["extensions"]["code"]
+            .as_str()
+            .unwrap_or_else(|| panic!("expected an error, got {body}"));
+        (code.to_owned(), error)
+    }
+
+    /// Rows in `table` (for checking that a failed mutation wrote nothing).
+    pub async fn count(&self, table: &str) -> i64 {
+        let (n,): (i64,) = sqlx::query_as(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(self.db.db.pool())
+            .await
+            .expect("count");
+        n
     }
 
     /// Starts a graceful shutdown and waits for the server to finish.

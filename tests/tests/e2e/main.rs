@@ -3,8 +3,10 @@
 mod auth;
 mod clock;
 mod embedded;
+mod fleet;
 mod graphql_http;
 mod health;
 mod outbox;
+mod statements;
 mod transactions;
 mod websocket;

@@ -1,0 +1,1284 @@
+//! The fleet in the graph: sites, pools, compute nodes, devices, atoms, capacity and quotas, with
+//! Relay connections; every edge goes through the data loaders.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_graphql::connection::{Connection, Edge};
+use async_graphql::{
+    ComplexObject, Context, Enum, ID, InputObject, Interface, Object, SimpleObject,
+};
+use chrono::{DateTime, Utc};
+use compute_domain::Error;
+use compute_domain::fleet::model::{self as m, Window};
+use compute_domain::fleet::{
+    self, AtomFilter, CapacityScope, DeviceFilter, NodeFilter, PoolFilter,
+};
+use compute_domain::page::{Page, PageRequest, encode_cursor};
+use serde_json::Value;
+
+use crate::auth::Role;
+use crate::loaders::*;
+use crate::schema::{db, gql_error, viewer};
+
+macro_rules! gql_enum {
+    ($(#[$meta:meta])* $name:ident($gql:literal) <=> $domain:ty { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
+        #[graphql(name = $gql)]
+        pub enum $name { $($(#[$vmeta])* $variant),+ }
+
+        impl From<$name> for $domain {
+            fn from(v: $name) -> Self {
+                match v { $($name::$variant => <$domain>::$variant),+ }
+            }
+        }
+        impl From<$domain> for $name {
+            fn from(v: $domain) -> Self {
+                match v { $(<$domain>::$variant => $name::$variant),+ }
+            }
+        }
+        impl $name {
+            /// From the value stored in the database.
+            pub fn from_db(s: &str) -> async_graphql::Result<Self> {
+                <$domain>::parse(s).map(Self::from).ok_or_else(|| {
+                    gql_error(Error::internal(format!("unknown {} value `{s}` in the database", $gql)))
+                })
+            }
+        }
+    };
+}
+
+gql_enum!(
+    /// What kind of machines a pool holds.
+    PoolKind("PoolKind") <=> m::PoolKind {
+        /// Machines the operator owns.
+        BareMetal,
+        /// Machines rented from a provider.
+        Provider,
+        /// Virtual machines on hosts.
+        VpsHost,
+    }
+);
+gql_enum!(
+    /// Whether the node's daemon talks to the control plane.
+    Reachability("Reachability") <=> m::Reachability {
+        /// A daemon session is open.
+        Connected,
+        /// No session; nothing is released.
+        Disconnected,
+        /// No session for too long: the node leaves placement, keeps its work.
+        Unreachable,
+        /// Given up for good (provider and VPS pools with `lostAfterSeconds`).
+        Lost,
+    }
+);
+gql_enum!(
+    /// How a GPU is shared.
+    DeviceMode("DeviceMode") <=> m::DeviceMode {
+        /// The whole GPU is one atom.
+        Exclusive,
+        /// Only its MIG instances are bookable.
+        Mig,
+        /// Only its time-slice slots are bookable.
+        TimeSlice,
+        /// Only its MPS slots are bookable.
+        Mps,
+    }
+);
+gql_enum!(
+    /// A GPU's health.
+    DeviceHealth("DeviceHealth") <=> m::Health {
+        /// Fine.
+        Healthy,
+        /// Usable, with a problem worth watching.
+        Degraded,
+        /// Not usable: placement skips it.
+        Unhealthy,
+    }
+);
+gql_enum!(
+    /// What a taint does to placement.
+    TaintEffect("TaintEffect") <=> m::TaintEffect {
+        /// Only tolerating allocations are placed here.
+        NoSchedule,
+        /// Placement avoids the node when it can.
+        PreferNoSchedule,
+        /// Like NoSchedule, and running work without a toleration should leave.
+        NoExecute,
+    }
+);
+gql_enum!(
+    /// The kind of a bookable atom.
+    AtomKind("AtomKind") <=> m::AtomKind {
+        /// A whole GPU.
+        Gpu,
+        /// A MIG instance.
+        Mig,
+        /// A time-slice or MPS slot.
+        Slot,
+    }
+);
+gql_enum!(
+    /// A scalar resource of a node.
+    ResourceKind("ResourceKind") <=> m::Resource {
+        /// Virtual CPUs.
+        Vcpu,
+        /// Memory, in MiB.
+        MemoryMib,
+        /// Disk, in GiB.
+        DiskGib,
+    }
+);
+
+/// Where a node is in its life.
+#[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum NodeLifecycle {
+    /// Takes new work.
+    Active,
+    /// Keeps its work, takes no new work.
+    Cordoned,
+    /// Out of the fleet; kept for history.
+    Retired,
+}
+
+/// Any object with a global id (Relay).
+#[derive(Interface)]
+#[graphql(
+    name = "Node",
+    field(
+        name = "id",
+        ty = "ID",
+        desc = "The object's global id: a type prefix and a time-ordered body."
+    )
+)]
+pub enum NodeInterface {
+    Site(SiteObj),
+    Pool(PoolObj),
+    ComputeNode(ComputeNodeObj),
+    Device(DeviceObj),
+}
+
+/// `totalCount` of a connection, counted only when asked for.
+pub struct TotalCount(CountOf);
+
+enum CountOf {
+    Sites,
+    Pools(PoolFilter),
+    Nodes(NodeFilter),
+    Devices(DeviceFilter),
+    Atoms(AtomFilter),
+    PoolsOfSite(String),
+    NodesOfPool(String),
+}
+
+#[Object]
+impl TotalCount {
+    /// How many items the connection has across all pages.
+    async fn total_count(&self, ctx: &Context<'_>) -> async_graphql::Result<i64> {
+        let db = db(ctx)?;
+        let loaders = ctx.data_unchecked::<Loaders>();
+        let n = match &self.0 {
+            CountOf::Sites => fleet::count_sites(db).await,
+            CountOf::Pools(f) => fleet::count_pools(db, f).await,
+            CountOf::Nodes(f) => fleet::count_nodes(db, f).await,
+            CountOf::Devices(f) => fleet::count_devices(db, f).await,
+            CountOf::Atoms(f) => fleet::count_atoms(db, f).await,
+            CountOf::PoolsOfSite(id) => {
+                return Ok(loaders
+                    .load_one(PoolCountOfSite(id.clone()))
+                    .await?
+                    .unwrap_or(0));
+            }
+            CountOf::NodesOfPool(id) => {
+                return Ok(loaders
+                    .load_one(NodeCountOfPool(id.clone()))
+                    .await?
+                    .unwrap_or(0));
+            }
+        };
+        n.map_err(gql_error)
+    }
+}
+
+/// A Relay connection of `T` with `totalCount`.
+pub type Conn<T> = Connection<String, T, TotalCount>;
+
+fn connection<R, T>(
+    page: Page<R>,
+    count: CountOf,
+    key: impl Fn(&R) -> &str,
+    wrap: impl Fn(R) -> T,
+) -> Conn<T>
+where
+    T: async_graphql::OutputType,
+{
+    let mut c =
+        Connection::with_additional_fields(page.has_previous, page.has_next, TotalCount(count));
+    c.edges.extend(
+        page.items
+            .into_iter()
+            .map(|r| Edge::new(encode_cursor(key(&r)), wrap(r))),
+    );
+    c
+}
+
+fn page_request(
+    first: Option<i32>,
+    after: Option<String>,
+    last: Option<i32>,
+    before: Option<String>,
+) -> PageRequest {
+    PageRequest {
+        first: first.map(i64::from),
+        after,
+        last: last.map(i64::from),
+        before,
+    }
+}
+
+/// The caller must be an operator.
+pub fn require_operator(ctx: &Context<'_>) -> async_graphql::Result<()> {
+    let v = viewer(ctx)?;
+    if v.has_role(Role::Operator) {
+        Ok(())
+    } else {
+        Err(gql_error(Error::Forbidden(
+            "this needs the operator role".into(),
+        )))
+    }
+}
+
+/// The caller must be authenticated (any role); members see the inventory's public face.
+fn require_viewer(ctx: &Context<'_>) -> async_graphql::Result<bool> {
+    Ok(viewer(ctx)?.has_role(Role::Operator))
+}
+
+fn parse_id(field: &str, prefix: &'static str, id: &ID) -> async_graphql::Result<String> {
+    m::parse_id(field, prefix, id.as_str()).map_err(gql_error)
+}
+
+fn opt_id(
+    field: &str,
+    prefix: &'static str,
+    id: Option<&ID>,
+) -> async_graphql::Result<Option<String>> {
+    id.map(|id| parse_id(field, prefix, id)).transpose()
+}
+
+/// A time window.
+#[derive(InputObject, Clone, Copy)]
+pub struct WindowInput {
+    /// Start, inclusive.
+    pub start: DateTime<Utc>,
+    /// End, exclusive.
+    pub end: DateTime<Utc>,
+}
+
+fn window(w: Option<WindowInput>) -> async_graphql::Result<Option<Window>> {
+    w.map(|w| Window::new("window", w.start, w.end).map_err(gql_error))
+        .transpose()
+}
+
+/// Free and booked atoms of one (model, kind, profile).
+#[derive(SimpleObject)]
+pub struct Capacity {
+    /// The GPU model.
+    model: String,
+    /// Whole GPUs, MIG instances or slots.
+    kind: AtomKind,
+    /// The MIG profile, for MIG instances.
+    profile: Option<String>,
+    /// Atoms on nodes that are not retired.
+    total: i64,
+    /// Atoms with a booking that overlaps the window.
+    booked: i64,
+    /// Atoms placement could take for the whole window: not booked, on an active reachable node,
+    /// on a GPU that is neither unhealthy nor quarantined.
+    free: i64,
+}
+
+async fn capacity(
+    ctx: &Context<'_>,
+    scope: CapacityScope,
+    id: &str,
+    w: Option<WindowInput>,
+) -> async_graphql::Result<Vec<Capacity>> {
+    let rows = ctx
+        .data_unchecked::<Loaders>()
+        .load_one(CapacityOf(scope, id.to_owned(), window(w)?))
+        .await?
+        .unwrap_or_default();
+    rows.into_iter()
+        .map(|r| {
+            Ok(Capacity {
+                model: r.model,
+                kind: AtomKind::from_db(&r.kind)?,
+                profile: (!r.profile.is_empty()).then_some(r.profile),
+                total: r.total,
+                booked: r.booked,
+                free: r.free,
+            })
+        })
+        .collect()
+}
+
+/// A place that holds pools.
+pub struct SiteObj(pub fleet::Site);
+
+#[Object(name = "Site")]
+impl SiteObj {
+    /// The site's id (`site_…`).
+    async fn id(&self) -> ID {
+        ID(self.0.id.clone())
+    }
+    /// Unique name.
+    async fn name(&self) -> &str {
+        &self.0.name
+    }
+    /// Free-form region, such as `eu-west`.
+    async fn region(&self) -> Option<&str> {
+        self.0.region.as_deref()
+    }
+    /// Optimistic-concurrency version: pass it to `updateSite`.
+    async fn version(&self) -> i64 {
+        self.0.version
+    }
+    /// When the site was created.
+    async fn created_at(&self) -> DateTime<Utc> {
+        self.0.created_at
+    }
+    /// When the site last changed.
+    async fn updated_at(&self) -> DateTime<Utc> {
+        self.0.updated_at
+    }
+    /// The site's pools.
+    async fn pools(
+        &self,
+        ctx: &Context<'_>,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Conn<PoolObj>> {
+        let args = page_request(first, after, last, before)
+            .resolve()
+            .map_err(gql_error)?;
+        let page = ctx
+            .data_unchecked::<Loaders>()
+            .load_one(PoolsOfSite(self.0.id.clone(), args))
+            .await?
+            .unwrap_or(Page {
+                items: vec![],
+                has_next: false,
+                has_previous: false,
+            });
+        Ok(connection(
+            page,
+            CountOf::PoolsOfSite(self.0.id.clone()),
+            |p| &p.id,
+            PoolObj,
+        ))
+    }
+    /// GPUs, MIG instances and slots of the site's pools: total, booked and free, now or over a
+    /// window.
+    async fn capacity(
+        &self,
+        ctx: &Context<'_>,
+        window: Option<WindowInput>,
+    ) -> async_graphql::Result<Vec<Capacity>> {
+        capacity(ctx, CapacityScope::Site, &self.0.id, window).await
+    }
+}
+
+/// Overcommit ratios of a pool: a node offers `floor(allocatable * ratio)` of each scalar.
+#[derive(SimpleObject)]
+pub struct Overcommit {
+    /// vCPU ratio.
+    vcpu: f64,
+    /// Memory ratio.
+    memory: f64,
+    /// Disk ratio.
+    disk: f64,
+}
+
+/// A pool of compute nodes in a site.
+pub struct PoolObj(pub fleet::Pool);
+
+#[Object(name = "Pool")]
+impl PoolObj {
+    /// The pool's id (`pool_…`).
+    async fn id(&self) -> ID {
+        ID(self.0.id.clone())
+    }
+    /// Name, unique in its site.
+    async fn name(&self) -> &str {
+        &self.0.name
+    }
+    /// What kind of machines it holds.
+    async fn kind(&self) -> async_graphql::Result<PoolKind> {
+        PoolKind::from_db(&self.0.kind)
+    }
+    /// After how long unreachable a node counts as lost (provider and VPS pools only).
+    async fn lost_after_seconds(&self) -> Option<i64> {
+        self.0.lost_after_seconds.map(|s| s as i64)
+    }
+    /// Overcommit ratios.
+    async fn overcommit(&self) -> Overcommit {
+        Overcommit {
+            vcpu: self.0.vcpu_ratio,
+            memory: self.0.memory_ratio,
+            disk: self.0.disk_ratio,
+        }
+    }
+    /// Optimistic-concurrency version: pass it to `updatePool`.
+    async fn version(&self) -> i64 {
+        self.0.version
+    }
+    /// When the pool was created.
+    async fn created_at(&self) -> DateTime<Utc> {
+        self.0.created_at
+    }
+    /// When the pool last changed.
+    async fn updated_at(&self) -> DateTime<Utc> {
+        self.0.updated_at
+    }
+    /// The site it belongs to.
+    async fn site(&self, ctx: &Context<'_>) -> async_graphql::Result<SiteObj> {
+        ctx.data_unchecked::<Loaders>()
+            .load_one(SiteId(self.0.site_id.clone()))
+            .await?
+            .map(SiteObj)
+            .ok_or_else(|| gql_error(Error::internal("a pool without its site")))
+    }
+    /// The pool's compute nodes, retired ones included (operators only).
+    async fn compute_nodes(
+        &self,
+        ctx: &Context<'_>,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Conn<ComputeNodeObj>> {
+        require_operator(ctx)?;
+        let args = page_request(first, after, last, before)
+            .resolve()
+            .map_err(gql_error)?;
+        let page = ctx
+            .data_unchecked::<Loaders>()
+            .load_one(NodesOfPool(self.0.id.clone(), args))
+            .await?
+            .unwrap_or(Page {
+                items: vec![],
+                has_next: false,
+                has_previous: false,
+            });
+        node_connection(ctx, page, CountOf::NodesOfPool(self.0.id.clone())).await
+    }
+    /// GPUs, MIG instances and slots: total, booked and free, now or over a window.
+    async fn capacity(
+        &self,
+        ctx: &Context<'_>,
+        window: Option<WindowInput>,
+    ) -> async_graphql::Result<Vec<Capacity>> {
+        capacity(ctx, CapacityScope::Pool, &self.0.id, window).await
+    }
+}
+
+/// A node label.
+#[derive(SimpleObject)]
+pub struct Label {
+    /// Key.
+    key: String,
+    /// Value.
+    value: String,
+}
+
+/// A taint: `key=value:effect`.
+#[derive(SimpleObject)]
+pub struct Taint {
+    /// Key.
+    key: String,
+    /// Value (may be empty).
+    value: String,
+    /// What it does to placement.
+    effect: TaintEffect,
+}
+
+/// A condition of a node, such as `NodeUnreachable`.
+#[derive(SimpleObject)]
+pub struct Condition {
+    /// The condition's type.
+    r#type: String,
+    /// `True`, `False` or `Unknown`.
+    status: String,
+    /// A machine-readable reason.
+    reason: Option<String>,
+    /// A message for people.
+    message: Option<String>,
+    /// Since when it holds.
+    since: Option<DateTime<Utc>>,
+}
+
+/// One scalar resource of a node.
+#[derive(SimpleObject)]
+pub struct NodeResource {
+    /// Which resource.
+    resource: ResourceKind,
+    /// What the machine has.
+    allocatable: i64,
+    /// The pool's overcommit ratio for it.
+    ratio: f64,
+    /// What placement may hand out: `floor(allocatable * ratio)`.
+    limit: i64,
+    /// What allocations hold.
+    allocated: i64,
+    /// `limit - allocated`.
+    free: i64,
+}
+
+/// A machine in a pool (`nodes` in SQL), with its subtree when the connection that returned it
+/// loaded it ahead (see [`prefetch_nodes`]).
+pub struct ComputeNodeObj(pub fleet::Node, pub Option<Arc<NodeSubtree>>);
+
+impl ComputeNodeObj {
+    /// A node without a prefetched subtree: children come through the loaders.
+    pub fn new(node: fleet::Node) -> Self {
+        ComputeNodeObj(node, None)
+    }
+}
+
+/// The devices, atoms and resources of a page of nodes, loaded breadth-first: one statement per
+/// level for the whole page.
+#[derive(Default)]
+pub struct NodeSubtree {
+    devices: HashMap<String, Vec<fleet::Device>>,
+    atoms: Option<HashMap<String, Vec<fleet::Atom>>>,
+    resources: Option<HashMap<String, Vec<fleet::NodeResource>>>,
+}
+
+/// Loads, for a page of nodes, the children the query selects below them, a level at a time
+/// through the loaders (so sibling pages batch together too). Resolving each node's children
+/// separately would leave the batching to timing: lists longer than 32 are polled in slices, and
+/// a slice that comes late misses the batch.
+async fn prefetch_nodes(
+    ctx: &Context<'_>,
+    nodes: &[fleet::Node],
+) -> async_graphql::Result<Option<Arc<NodeSubtree>>> {
+    let look = ctx.look_ahead();
+    let selections = [look.field("edges").field("node"), look.field("nodes")];
+    let wants = |path: &[&str]| {
+        selections.iter().any(|s| {
+            let mut f = s.field(path[0]);
+            for p in &path[1..] {
+                f = f.field(p);
+            }
+            f.exists()
+        })
+    };
+    let (want_devices, want_atoms, want_resources) = (
+        wants(&["devices"]),
+        wants(&["devices", "atoms"]),
+        wants(&["resources"]),
+    );
+    if nodes.is_empty() || !(want_devices || want_resources) {
+        return Ok(None);
+    }
+    let loaders = ctx.data_unchecked::<Loaders>();
+    let node_ids = || nodes.iter().map(|n| n.id.clone());
+    let devices = async {
+        if want_devices {
+            loaders.load_many(node_ids().map(DevicesOfNode)).await
+        } else {
+            Ok(HashMap::new())
+        }
+    };
+    let resources = async {
+        if want_resources {
+            loaders
+                .load_many(node_ids().map(ResourcesOfNode))
+                .await
+                .map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let (devices, resources) = futures_util::future::try_join(devices, resources).await?;
+    let devices: HashMap<String, Vec<fleet::Device>> =
+        devices.into_iter().map(|(k, v)| (k.0, v)).collect();
+    let atoms = if want_atoms {
+        let ids = devices
+            .values()
+            .flatten()
+            .map(|d| AtomsOfDevice(d.id.clone()));
+        Some(
+            loaders
+                .load_many(ids)
+                .await?
+                .into_iter()
+                .map(|(k, v)| (k.0, v))
+                .collect(),
+        )
+    } else {
+        None
+    };
+    Ok(Some(Arc::new(NodeSubtree {
+        devices,
+        atoms,
+        resources: resources.map(|r| r.into_iter().map(|(k, v)| (k.0, v)).collect()),
+    })))
+}
+
+/// A page of nodes as a connection, with their subtree loaded ahead.
+async fn node_connection(
+    ctx: &Context<'_>,
+    page: Page<fleet::Node>,
+    count: CountOf,
+) -> async_graphql::Result<Conn<ComputeNodeObj>> {
+    let subtree = prefetch_nodes(ctx, &page.items).await?;
+    Ok(connection(
+        page,
+        count,
+        |n| &n.id,
+        |n| ComputeNodeObj(n, subtree.clone()),
+    ))
+}
+
+fn labels_of(v: &Value) -> Vec<Label> {
+    v.as_object()
+        .map(|o| {
+            o.iter()
+                .map(|(k, v)| Label {
+                    key: k.clone(),
+                    value: v.as_str().unwrap_or_default().to_owned(),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[Object(name = "ComputeNode")]
+impl ComputeNodeObj {
+    /// The node's id (`node_…`).
+    async fn id(&self) -> ID {
+        ID(self.0.id.clone())
+    }
+    /// Host name, unique in the fleet.
+    async fn hostname(&self) -> &str {
+        &self.0.hostname
+    }
+    /// Labels, sorted by key.
+    async fn labels(&self) -> Vec<Label> {
+        labels_of(&self.0.labels)
+    }
+    /// Taints.
+    async fn taints(&self) -> async_graphql::Result<Vec<Taint>> {
+        let taints: Vec<m::Taint> = serde_json::from_value(self.0.taints.clone())
+            .map_err(|e| gql_error(Error::internal(e)))?;
+        Ok(taints
+            .into_iter()
+            .map(|t| Taint {
+                key: t.key,
+                value: t.value,
+                effect: t.effect.into(),
+            })
+            .collect())
+    }
+    /// Whether the node takes no new work.
+    async fn cordoned(&self) -> bool {
+        self.0.cordoned
+    }
+    /// Why it was cordoned.
+    async fn cordon_reason(&self) -> Option<&str> {
+        self.0.cordon_reason.as_deref()
+    }
+    /// Where the node is in its life.
+    async fn lifecycle(&self) -> async_graphql::Result<NodeLifecycle> {
+        match compute_domain::fleet::state::NodeLifecycle::parse(&self.0.lifecycle) {
+            Some(compute_domain::fleet::state::NodeLifecycle::Active) => Ok(NodeLifecycle::Active),
+            Some(compute_domain::fleet::state::NodeLifecycle::Cordoned) => {
+                Ok(NodeLifecycle::Cordoned)
+            }
+            Some(compute_domain::fleet::state::NodeLifecycle::Retired) => {
+                Ok(NodeLifecycle::Retired)
+            }
+            None => Err(gql_error(Error::internal("unknown lifecycle"))),
+        }
+    }
+    /// Whether its daemon talks to the control plane.
+    async fn reachability(&self) -> async_graphql::Result<Reachability> {
+        Reachability::from_db(&self.0.reachability)
+    }
+    /// Conditions.
+    async fn conditions(&self) -> Vec<Condition> {
+        self.0
+            .conditions
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|c| Condition {
+                        r#type: c["type"].as_str().unwrap_or_default().to_owned(),
+                        status: c["status"].as_str().unwrap_or("Unknown").to_owned(),
+                        reason: c["reason"].as_str().map(str::to_owned),
+                        message: c["message"].as_str().map(str::to_owned),
+                        since: c["since"].as_str().and_then(|s| s.parse().ok()),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+    /// The generation of the node's spec; moves with every spec change.
+    async fn generation(&self) -> i64 {
+        self.0.generation
+    }
+    /// The generation the node's daemon last applied.
+    async fn observed_generation(&self) -> i64 {
+        self.0.observed_generation
+    }
+    /// When it joined.
+    async fn joined_at(&self) -> DateTime<Utc> {
+        self.0.joined_at
+    }
+    /// When it was retired.
+    async fn retired_at(&self) -> Option<DateTime<Utc>> {
+        self.0.retired_at
+    }
+    /// Optimistic-concurrency version.
+    async fn version(&self) -> i64 {
+        self.0.version
+    }
+    /// When it last changed.
+    async fn updated_at(&self) -> DateTime<Utc> {
+        self.0.updated_at
+    }
+    /// Its pool.
+    async fn pool(&self, ctx: &Context<'_>) -> async_graphql::Result<PoolObj> {
+        ctx.data_unchecked::<Loaders>()
+            .load_one(PoolId(self.0.pool_id.clone()))
+            .await?
+            .map(PoolObj)
+            .ok_or_else(|| gql_error(Error::internal("a node without its pool")))
+    }
+    /// vCPU, memory and disk.
+    async fn resources(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<NodeResource>> {
+        let prefetched = self.1.as_ref().and_then(|t| t.resources.as_ref());
+        let rows = match prefetched {
+            Some(r) => r.get(&self.0.id).cloned().unwrap_or_default(),
+            None => ctx
+                .data_unchecked::<Loaders>()
+                .load_one(ResourcesOfNode(self.0.id.clone()))
+                .await?
+                .unwrap_or_default(),
+        };
+        rows.into_iter()
+            .map(|r| {
+                let limit = (r.allocatable as f64 * r.ratio).floor() as i64;
+                Ok(NodeResource {
+                    resource: ResourceKind::from_db(&r.resource)?,
+                    allocatable: r.allocatable,
+                    ratio: r.ratio,
+                    limit,
+                    allocated: r.allocated,
+                    free: limit - r.allocated,
+                })
+            })
+            .collect()
+    }
+    /// Its GPUs.
+    async fn devices(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<DeviceObj>> {
+        if let Some(tree) = &self.1
+            && let Some(devices) = tree.devices.get(&self.0.id)
+        {
+            let atoms_of = |d: &fleet::Device| {
+                tree.atoms
+                    .as_ref()
+                    .map(|a| a.get(&d.id).cloned().unwrap_or_default())
+            };
+            return Ok(devices
+                .iter()
+                .map(|d| DeviceObj(d.clone(), atoms_of(d)))
+                .collect());
+        }
+        Ok(ctx
+            .data_unchecked::<Loaders>()
+            .load_one(DevicesOfNode(self.0.id.clone()))
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(DeviceObj::new)
+            .collect())
+    }
+}
+
+/// A GPU, with its atoms when they were loaded ahead.
+pub struct DeviceObj(pub fleet::Device, pub Option<Vec<fleet::Atom>>);
+
+impl DeviceObj {
+    /// A device whose atoms come through the loaders.
+    pub fn new(device: fleet::Device) -> Self {
+        DeviceObj(device, None)
+    }
+}
+
+#[Object(name = "Device")]
+impl DeviceObj {
+    /// The device's id (`dev_…`).
+    async fn id(&self) -> ID {
+        ID(self.0.id.clone())
+    }
+    /// The hardware UUID; also the name of its atom in exclusive mode.
+    async fn uuid(&self) -> &str {
+        &self.0.uuid
+    }
+    /// Vendor, such as `nvidia`.
+    async fn vendor(&self) -> &str {
+        &self.0.vendor
+    }
+    /// Model, such as `H100-SXM5-80GB`.
+    async fn model(&self) -> &str {
+        &self.0.model
+    }
+    /// Memory in MiB.
+    async fn memory_mib(&self) -> i64 {
+        self.0.memory_mib
+    }
+    /// How it is shared.
+    async fn mode(&self) -> async_graphql::Result<DeviceMode> {
+        DeviceMode::from_db(&self.0.mode)
+    }
+    /// The MIG profiles of its instances, in order (MIG mode).
+    async fn mig_profiles(&self) -> Option<Vec<String>> {
+        self.0
+            .layout
+            .as_ref()?
+            .get("profiles")?
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|p| p.as_str().map(str::to_owned))
+                    .collect()
+            })
+    }
+    /// Its slot count (time-slice and MPS modes).
+    async fn slots(&self) -> Option<i64> {
+        self.0.layout.as_ref()?.get("slots")?.as_i64()
+    }
+    /// Health.
+    async fn health(&self) -> async_graphql::Result<DeviceHealth> {
+        DeviceHealth::from_db(&self.0.health)
+    }
+    /// Why the health was set.
+    async fn health_reason(&self) -> Option<&str> {
+        self.0.health_reason.as_deref()
+    }
+    /// Whether it is kept out of placement.
+    async fn quarantined(&self) -> bool {
+        self.0.quarantined
+    }
+    /// Why it is quarantined.
+    async fn quarantine_reason(&self) -> Option<&str> {
+        self.0.quarantine_reason.as_deref()
+    }
+    /// Optimistic-concurrency version: pass it to `changeDeviceMode`.
+    async fn version(&self) -> i64 {
+        self.0.version
+    }
+    /// When it was registered.
+    async fn created_at(&self) -> DateTime<Utc> {
+        self.0.created_at
+    }
+    /// When it last changed.
+    async fn updated_at(&self) -> DateTime<Utc> {
+        self.0.updated_at
+    }
+    /// The node it is in.
+    async fn compute_node(&self, ctx: &Context<'_>) -> async_graphql::Result<ComputeNodeObj> {
+        ctx.data_unchecked::<Loaders>()
+            .load_one(NodeId(self.0.node_id.clone()))
+            .await?
+            .map(ComputeNodeObj::new)
+            .ok_or_else(|| gql_error(Error::internal("a device without its node")))
+    }
+    /// Its bookable atoms, by the atom rule: the GPU itself in exclusive mode, else only its MIG
+    /// instances or slots.
+    async fn atoms(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<AtomObj>> {
+        if let Some(atoms) = &self.1 {
+            return Ok(atoms.iter().cloned().map(AtomObj).collect());
+        }
+        Ok(ctx
+            .data_unchecked::<Loaders>()
+            .load_one(AtomsOfDevice(self.0.id.clone()))
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(AtomObj)
+            .collect())
+    }
+}
+
+/// A bookable unit of a GPU: `<uuid>`, `<uuid>/mig/<k>` or `<uuid>/s<k>`.
+pub struct AtomObj(pub fleet::Atom);
+
+#[Object(name = "Atom")]
+impl AtomObj {
+    /// The atom's name.
+    async fn name(&self) -> &str {
+        &self.0.name
+    }
+    /// Whole GPU, MIG instance or slot.
+    async fn kind(&self) -> async_graphql::Result<AtomKind> {
+        AtomKind::from_db(&self.0.kind)
+    }
+    /// Position on its GPU.
+    async fn ordinal(&self) -> i32 {
+        self.0.ordinal
+    }
+    /// The MIG profile, for MIG instances.
+    async fn profile(&self) -> Option<&str> {
+        self.0.profile.as_deref()
+    }
+    /// Its share of the whole GPU, as the fraction `shareNumerator / shareDenominator`.
+    async fn gpu_share(&self) -> f64 {
+        f64::from(self.0.share_num) / f64::from(self.0.share_den)
+    }
+    /// Numerator of its share of the GPU.
+    async fn share_numerator(&self) -> i32 {
+        self.0.share_num
+    }
+    /// Denominator of its share of the GPU.
+    async fn share_denominator(&self) -> i32 {
+        self.0.share_den
+    }
+    /// Its GPU.
+    async fn device(&self, ctx: &Context<'_>) -> async_graphql::Result<DeviceObj> {
+        ctx.data_unchecked::<Loaders>()
+            .load_one(DeviceId(self.0.device_id.clone()))
+            .await?
+            .map(DeviceObj::new)
+            .ok_or_else(|| gql_error(Error::internal("an atom without its device")))
+    }
+}
+
+/// A quota limit of a tenant on a pool or site, with what is used of it.
+#[derive(SimpleObject)]
+#[graphql(complex)]
+pub struct Quota {
+    /// The tenant.
+    tenant_id: String,
+    /// The pool or site id it applies to.
+    scope_id: ID,
+    /// `GPUS` (whole GPUs; MIG instances and slots count as fractions), `VCPU` or `MEMORY_MIB`.
+    resource: QuotaResource,
+    /// The limit.
+    max: f64,
+    /// What reservations hold.
+    used: f64,
+    /// Optimistic-concurrency version.
+    version: i64,
+    #[graphql(skip)]
+    scope_kind: String,
+}
+
+#[ComplexObject]
+impl Quota {
+    /// Whether the scope is a `POOL` or a `SITE`.
+    async fn scope_kind(&self) -> &str {
+        &self.scope_kind
+    }
+}
+
+/// A resource a quota limits.
+#[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum QuotaResource {
+    /// GPUs, fractions for MIG instances and slots.
+    Gpus,
+    /// Virtual CPUs.
+    Vcpu,
+    /// Memory in MiB.
+    MemoryMib,
+}
+
+pub fn quota_obj(q: compute_domain::quota::Quota) -> Quota {
+    Quota {
+        tenant_id: q.tenant_id,
+        scope_id: ID(q.scope_id),
+        resource: match q.resource.as_str() {
+            "gpu" => QuotaResource::Gpus,
+            "vcpu" => QuotaResource::Vcpu,
+            _ => QuotaResource::MemoryMib,
+        },
+        max: q.max_amount,
+        used: q.used,
+        version: q.version,
+        scope_kind: q.scope_kind.to_uppercase(),
+    }
+}
+
+/// The fleet's queries.
+#[derive(Default)]
+pub struct FleetQuery;
+
+#[Object]
+impl FleetQuery {
+    /// Any object by its global id. Members see sites and pools; another tenant's object, or an
+    /// object a member may not see, is `NOT_FOUND`.
+    async fn node(
+        &self,
+        ctx: &Context<'_>,
+        id: ID,
+    ) -> async_graphql::Result<Option<NodeInterface>> {
+        let operator = require_viewer(ctx)?;
+        let found = load_node(ctx, &id, operator).await?;
+        match found {
+            Some(n) => Ok(Some(n)),
+            None => Err(gql_error(Error::NotFound {
+                kind: "object",
+                id: id.to_string(),
+            })),
+        }
+    }
+
+    /// Many objects by their global ids, in order; `null` for each id that does not exist or is
+    /// not visible to the caller.
+    async fn nodes(
+        &self,
+        ctx: &Context<'_>,
+        ids: Vec<ID>,
+    ) -> async_graphql::Result<Vec<Option<NodeInterface>>> {
+        let operator = require_viewer(ctx)?;
+        if ids.len() > 100 {
+            return Err(gql_error(Error::bad_input(
+                "ids",
+                "at most 100 ids at once",
+            )));
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        let futures = ids.iter().map(|id| load_node(ctx, id, operator));
+        for r in futures_util::future::join_all(futures).await {
+            out.push(r.ok().flatten());
+        }
+        Ok(out)
+    }
+
+    /// All sites.
+    async fn sites(
+        &self,
+        ctx: &Context<'_>,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Conn<SiteObj>> {
+        require_viewer(ctx)?;
+        let args = page_request(first, after, last, before)
+            .resolve()
+            .map_err(gql_error)?;
+        let page = fleet::list_sites(db(ctx)?, &args)
+            .await
+            .map_err(gql_error)?;
+        Ok(connection(page, CountOf::Sites, |s| &s.id, SiteObj))
+    }
+
+    /// Pools, optionally of one site or kind.
+    #[allow(clippy::too_many_arguments)]
+    async fn pools(
+        &self,
+        ctx: &Context<'_>,
+        site_id: Option<ID>,
+        kind: Option<PoolKind>,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Conn<PoolObj>> {
+        require_viewer(ctx)?;
+        let filter = PoolFilter {
+            site_id: opt_id("siteId", "site", site_id.as_ref())?,
+            kind: kind.map(Into::into),
+        };
+        let args = page_request(first, after, last, before)
+            .resolve()
+            .map_err(gql_error)?;
+        let page = fleet::list_pools(db(ctx)?, &filter, &args)
+            .await
+            .map_err(gql_error)?;
+        Ok(connection(page, CountOf::Pools(filter), |p| &p.id, PoolObj))
+    }
+
+    /// Compute nodes (operators only). Retired nodes are left out unless `includeRetired`.
+    #[allow(clippy::too_many_arguments)]
+    async fn compute_nodes(
+        &self,
+        ctx: &Context<'_>,
+        site_id: Option<ID>,
+        pool_id: Option<ID>,
+        reachability: Option<Reachability>,
+        cordoned: Option<bool>,
+        #[graphql(
+            desc = "Only nodes with (true) or without (false) an atom placement could take now."
+        )]
+        has_free_capacity: Option<bool>,
+        #[graphql(default = false)] include_retired: bool,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Conn<ComputeNodeObj>> {
+        require_operator(ctx)?;
+        let filter = NodeFilter {
+            site_id: opt_id("siteId", "site", site_id.as_ref())?,
+            pool_id: opt_id("poolId", "pool", pool_id.as_ref())?,
+            reachability: reachability.map(Into::into),
+            cordoned,
+            has_free_capacity,
+            include_retired,
+        };
+        let args = page_request(first, after, last, before)
+            .resolve()
+            .map_err(gql_error)?;
+        let page = fleet::list_nodes(db(ctx)?, &filter, &args)
+            .await
+            .map_err(gql_error)?;
+        node_connection(ctx, page, CountOf::Nodes(filter)).await
+    }
+
+    /// GPUs (operators only).
+    #[allow(clippy::too_many_arguments)]
+    async fn devices(
+        &self,
+        ctx: &Context<'_>,
+        site_id: Option<ID>,
+        pool_id: Option<ID>,
+        compute_node_id: Option<ID>,
+        model: Option<String>,
+        mode: Option<DeviceMode>,
+        health: Option<DeviceHealth>,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Conn<DeviceObj>> {
+        require_operator(ctx)?;
+        let filter = DeviceFilter {
+            site_id: opt_id("siteId", "site", site_id.as_ref())?,
+            pool_id: opt_id("poolId", "pool", pool_id.as_ref())?,
+            node_id: opt_id("computeNodeId", "node", compute_node_id.as_ref())?,
+            model,
+            mode: mode.map(Into::into),
+            health: health.map(Into::into),
+        };
+        let args = page_request(first, after, last, before)
+            .resolve()
+            .map_err(gql_error)?;
+        let page = fleet::list_devices(db(ctx)?, &filter, &args)
+            .await
+            .map_err(gql_error)?;
+        Ok(connection(
+            page,
+            CountOf::Devices(filter),
+            |d| &d.id,
+            DeviceObj::new,
+        ))
+    }
+
+    /// Bookable atoms (operators only).
+    #[allow(clippy::too_many_arguments)]
+    async fn atoms(
+        &self,
+        ctx: &Context<'_>,
+        pool_id: Option<ID>,
+        device_id: Option<ID>,
+        model: Option<String>,
+        kind: Option<AtomKind>,
+        profile: Option<String>,
+        #[graphql(
+            desc = "Only atoms placement could take now (true), or only the others (false)."
+        )]
+        free: Option<bool>,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Conn<AtomObj>> {
+        require_operator(ctx)?;
+        let filter = AtomFilter {
+            pool_id: opt_id("poolId", "pool", pool_id.as_ref())?,
+            device_id: opt_id("deviceId", "dev", device_id.as_ref())?,
+            model,
+            kind: kind.map(Into::into),
+            profile,
+            free_now: free,
+        };
+        let args = page_request(first, after, last, before)
+            .resolve()
+            .map_err(gql_error)?;
+        let page = fleet::list_atoms(db(ctx)?, &filter, &args)
+            .await
+            .map_err(gql_error)?;
+        Ok(connection(
+            page,
+            CountOf::Atoms(filter),
+            |a| &a.name,
+            AtomObj,
+        ))
+    }
+
+    /// Quotas of a tenant. Members see only their own tenant's; operators any tenant's.
+    async fn quotas(
+        &self,
+        ctx: &Context<'_>,
+        tenant_id: Option<String>,
+    ) -> async_graphql::Result<Vec<Quota>> {
+        let v = viewer(ctx)?;
+        let tenant = match (v.has_role(Role::Operator), tenant_id) {
+            (true, Some(t)) => t,
+            (_, None) => v.tenant.clone().ok_or_else(|| {
+                gql_error(Error::bad_input(
+                    "tenantId",
+                    "give `tenantId`: your token has no tenant",
+                ))
+            })?,
+            (false, Some(t)) if Some(&t) == v.tenant.as_ref() => t,
+            (false, Some(_)) => return Ok(Vec::new()),
+        };
+        let rows = compute_domain::quota::quotas_of(db(ctx)?, &tenant)
+            .await
+            .map_err(gql_error)?;
+        Ok(rows.into_iter().map(quota_obj).collect())
+    }
+}
+
+/// Loads an object by global id, as the caller may see it.
+async fn load_node(
+    ctx: &Context<'_>,
+    id: &ID,
+    operator: bool,
+) -> async_graphql::Result<Option<NodeInterface>> {
+    let loaders = ctx.data_unchecked::<Loaders>();
+    let prefix = compute_domain::ids::prefix_of(id.as_str()).ok_or_else(|| {
+        gql_error(Error::bad_input(
+            "id",
+            format!("`{}` is not an id of this API", id.as_str()),
+        ))
+    })?;
+    let key = id.to_string();
+    Ok(match prefix {
+        "site" => loaders
+            .load_one(SiteId(key))
+            .await?
+            .map(|s| NodeInterface::Site(SiteObj(s))),
+        "pool" => loaders
+            .load_one(PoolId(key))
+            .await?
+            .map(|p| NodeInterface::Pool(PoolObj(p))),
+        "node" if operator => loaders
+            .load_one(NodeId(key))
+            .await?
+            .map(|n| NodeInterface::ComputeNode(ComputeNodeObj::new(n))),
+        "dev" if operator => loaders
+            .load_one(DeviceId(key))
+            .await?
+            .map(|d| NodeInterface::Device(DeviceObj::new(d))),
+        _ => None,
+    })
+}

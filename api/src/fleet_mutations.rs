@@ -1,0 +1,831 @@
+//! Operator mutations on the fleet. Input is parsed into domain types first: bad input is
+//! `BAD_USER_INPUT` naming the field, and changes nothing.
+
+use async_graphql::{Context, ID, InputObject, Object, SimpleObject};
+use chrono::{DateTime, Utc};
+use compute_domain::fleet::commands::{
+    self as cmd, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
+};
+use compute_domain::fleet::model::{self as m, Layout};
+use compute_domain::idempotency::Actor;
+use compute_domain::{Error, quota};
+
+use crate::fleet::*;
+use crate::schema::{db, gql_error, viewer};
+
+fn bad<T>(e: Error) -> async_graphql::Result<T> {
+    Err(gql_error(e))
+}
+
+fn id_of(field: &str, prefix: &'static str, id: &ID) -> async_graphql::Result<String> {
+    m::parse_id(field, prefix, id.as_str()).map_err(gql_error)
+}
+
+fn actor(ctx: &Context<'_>) -> async_graphql::Result<Actor> {
+    let v = viewer(ctx)?;
+    Ok(Actor {
+        subject: v.subject.clone(),
+        tenant: v.tenant.clone(),
+    })
+}
+
+fn name(field: &str, s: &str) -> async_graphql::Result<String> {
+    m::parse_name(field, s).map_err(gql_error)
+}
+
+/// Input of `createSite`.
+#[derive(InputObject)]
+pub struct CreateSiteInput {
+    /// Unique name.
+    pub name: String,
+    /// Free-form region.
+    pub region: Option<String>,
+    /// Makes the call safe to retry: the same key and input give the same site.
+    pub idempotency_key: Option<String>,
+}
+
+/// Result of `createSite`.
+#[derive(SimpleObject)]
+pub struct CreateSitePayload {
+    /// The site.
+    pub site: SiteObj,
+}
+
+/// Input of `updateSite`.
+#[derive(InputObject)]
+pub struct UpdateSiteInput {
+    /// The site.
+    pub id: ID,
+    /// The version you read.
+    pub version: i64,
+    /// New name.
+    pub name: Option<String>,
+    /// New region.
+    pub region: Option<String>,
+}
+
+/// Result of `updateSite`.
+#[derive(SimpleObject)]
+pub struct UpdateSitePayload {
+    /// The site after the change.
+    pub site: SiteObj,
+}
+
+/// Overcommit ratios, 1 to 100; unset ones stay (or default to 1 on creation).
+#[derive(InputObject, Default)]
+pub struct OvercommitInput {
+    /// vCPU ratio.
+    pub vcpu: Option<f64>,
+    /// Memory ratio.
+    pub memory: Option<f64>,
+    /// Disk ratio.
+    pub disk: Option<f64>,
+}
+
+fn ratio(field: &str, r: Option<f64>) -> async_graphql::Result<Option<f64>> {
+    r.map(|r| m::parse_ratio(field, r).map_err(gql_error))
+        .transpose()
+}
+
+/// Input of `createPool`.
+#[derive(InputObject)]
+pub struct CreatePoolInput {
+    /// The site to create it in.
+    pub site_id: ID,
+    /// Name, unique in the site.
+    pub name: String,
+    /// What kind of machines it holds.
+    pub kind: PoolKind,
+    /// After how long unreachable a node counts as lost; provider and VPS pools only.
+    pub lost_after_seconds: Option<i64>,
+    /// Overcommit ratios.
+    pub overcommit: Option<OvercommitInput>,
+    /// Makes the call safe to retry: the same key and input give the same pool.
+    pub idempotency_key: Option<String>,
+}
+
+/// Result of `createPool`.
+#[derive(SimpleObject)]
+pub struct CreatePoolPayload {
+    /// The pool.
+    pub pool: PoolObj,
+}
+
+/// Input of `updatePool`.
+#[derive(InputObject)]
+pub struct UpdatePoolInput {
+    /// The pool.
+    pub id: ID,
+    /// The version you read.
+    pub version: i64,
+    /// New name.
+    pub name: Option<String>,
+    /// New `lostAfterSeconds`.
+    pub lost_after_seconds: Option<i64>,
+    /// Clear `lostAfterSeconds`.
+    #[graphql(default = false)]
+    pub clear_lost_after: bool,
+    /// New ratios; lowering one below what a node already holds is `CONFLICT`.
+    pub overcommit: Option<OvercommitInput>,
+}
+
+/// Result of `updatePool`.
+#[derive(SimpleObject)]
+pub struct UpdatePoolPayload {
+    /// The pool after the change.
+    pub pool: PoolObj,
+}
+
+/// A label.
+#[derive(InputObject)]
+pub struct LabelInput {
+    /// Key: 1 to 63 of letters, digits, `.`, `_`, `/`, `-`.
+    pub key: String,
+    /// Value: up to 63 of letters, digits, `.`, `_`, `-`.
+    pub value: String,
+}
+
+/// A taint.
+#[derive(InputObject)]
+pub struct TaintInput {
+    /// Key.
+    pub key: String,
+    /// Value; empty when unset.
+    #[graphql(default)]
+    pub value: String,
+    /// Effect.
+    pub effect: TaintEffect,
+}
+
+/// A node's scalar resources.
+#[derive(InputObject)]
+pub struct ResourcesInput {
+    /// vCPUs (1 to 4096).
+    pub vcpu: i64,
+    /// Memory in MiB.
+    pub memory_mib: i64,
+    /// Disk in GiB.
+    pub disk_gib: i64,
+}
+
+/// How a GPU is divided.
+#[derive(InputObject, Default)]
+pub struct LayoutInput {
+    /// MIG mode: the profiles of its instances, such as `["3g.40gb", "2g.20gb"]`.
+    pub mig_profiles: Option<Vec<String>>,
+    /// Time-slice and MPS modes: the number of slots (2 to 64).
+    pub slots: Option<i64>,
+}
+
+/// A GPU of a node to register.
+#[derive(InputObject)]
+pub struct DeviceInput {
+    /// Hardware UUID, unique in the fleet.
+    pub uuid: String,
+    /// Vendor.
+    #[graphql(default_with = "\"nvidia\".to_string()")]
+    pub vendor: String,
+    /// Model.
+    pub model: String,
+    /// Memory in MiB.
+    pub memory_mib: i64,
+    /// How it is shared.
+    #[graphql(default_with = "DeviceMode::Exclusive")]
+    pub mode: DeviceMode,
+    /// Its layout, for MIG, time-slice and MPS modes.
+    pub layout: Option<LayoutInput>,
+}
+
+/// Input of `registerNode`.
+#[derive(InputObject)]
+pub struct RegisterNodeInput {
+    /// The pool it joins.
+    pub pool_id: ID,
+    /// Host name, unique in the fleet.
+    pub hostname: String,
+    /// Labels.
+    #[graphql(default)]
+    pub labels: Vec<LabelInput>,
+    /// Taints.
+    #[graphql(default)]
+    pub taints: Vec<TaintInput>,
+    /// vCPU, memory and disk.
+    pub resources: ResourcesInput,
+    /// Its GPUs.
+    #[graphql(default)]
+    pub devices: Vec<DeviceInput>,
+}
+
+/// A compute node after a change.
+#[derive(SimpleObject)]
+pub struct ComputeNodePayload {
+    /// The node after the change.
+    pub compute_node: ComputeNodeObj,
+}
+
+/// Input of `updateNode`.
+#[derive(InputObject)]
+pub struct UpdateNodeInput {
+    /// The node.
+    pub id: ID,
+    /// The version you read.
+    pub version: i64,
+    /// The node's labels, replacing the current ones.
+    pub labels: Vec<LabelInput>,
+}
+
+/// Input of `cordonNode`.
+#[derive(InputObject)]
+pub struct CordonNodeInput {
+    /// The node.
+    pub id: ID,
+    /// The version you read; when given, a newer node is `CONFLICT`.
+    pub version: Option<i64>,
+    /// Why.
+    pub reason: Option<String>,
+}
+
+/// Input of the node actions that need only the node (`uncordonNode`, `drainNode`, `retireNode`).
+#[derive(InputObject)]
+pub struct NodeActionInput {
+    /// The node.
+    pub id: ID,
+    /// The version you read; when given, a newer node is `CONFLICT`.
+    pub version: Option<i64>,
+}
+
+/// Input of `taintNode`.
+#[derive(InputObject)]
+pub struct TaintNodeInput {
+    /// The node.
+    pub id: ID,
+    /// The version you read.
+    pub version: Option<i64>,
+    /// The taint; it replaces one with the same key and effect.
+    pub taint: TaintInput,
+}
+
+/// Input of `untaintNode`.
+#[derive(InputObject)]
+pub struct UntaintNodeInput {
+    /// The node.
+    pub id: ID,
+    /// The version you read.
+    pub version: Option<i64>,
+    /// The key of the taints to remove.
+    pub key: String,
+    /// Only the taint with this effect.
+    pub effect: Option<TaintEffect>,
+}
+
+/// A booking that still holds GPUs of a node.
+#[derive(SimpleObject)]
+pub struct BookingHolder {
+    /// The allocation; null for a maintenance hold such as a mode change.
+    pub allocation_id: Option<ID>,
+    /// `allocation` or `mode_change`.
+    pub reason: String,
+    /// The atoms it holds.
+    pub atoms: Vec<String>,
+    /// When its last booking ends; null when open-ended.
+    pub until: Option<DateTime<Utc>>,
+}
+
+/// Result of `drainNode`.
+#[derive(SimpleObject)]
+pub struct DrainNodePayload {
+    /// The node, now cordoned.
+    pub compute_node: ComputeNodeObj,
+    /// What still holds its GPUs.
+    pub remaining: Vec<BookingHolder>,
+}
+
+/// Input of `setDeviceHealth`.
+#[derive(InputObject)]
+pub struct SetDeviceHealthInput {
+    /// The GPU.
+    pub id: ID,
+    /// The version you read.
+    pub version: Option<i64>,
+    /// Its health.
+    pub health: DeviceHealth,
+    /// Why.
+    pub reason: Option<String>,
+}
+
+/// A GPU after a change.
+#[derive(SimpleObject)]
+pub struct DevicePayload {
+    /// The GPU after the change.
+    pub device: DeviceObj,
+}
+
+/// Input of `quarantineDevice`.
+#[derive(InputObject)]
+pub struct QuarantineDeviceInput {
+    /// The GPU.
+    pub id: ID,
+    /// The version you read.
+    pub version: Option<i64>,
+    /// Why.
+    pub reason: String,
+}
+
+/// Input of `unquarantineDevice`.
+#[derive(InputObject)]
+pub struct UnquarantineDeviceInput {
+    /// The GPU.
+    pub id: ID,
+    /// The version you read.
+    pub version: Option<i64>,
+}
+
+/// Input of `changeDeviceMode`.
+#[derive(InputObject)]
+pub struct ChangeDeviceModeInput {
+    /// The GPU.
+    pub id: ID,
+    /// The version you read.
+    pub version: i64,
+    /// The new mode.
+    pub mode: DeviceMode,
+    /// The new layout (MIG profiles or slots).
+    pub layout: Option<LayoutInput>,
+    /// How long the GPU stays held while the node applies the change (0 to 86400, default 300).
+    #[graphql(default = 300)]
+    pub change_window_seconds: i64,
+}
+
+/// Input of `setQuota`.
+#[derive(InputObject)]
+pub struct SetQuotaInput {
+    /// The tenant.
+    pub tenant_id: String,
+    /// A pool or site id.
+    pub scope_id: ID,
+    /// GPU limit (MIG instances and slots count as fractions).
+    pub gpus: Option<f64>,
+    /// vCPU limit.
+    pub vcpu: Option<i64>,
+    /// Memory limit in MiB.
+    pub memory_mib: Option<i64>,
+}
+
+/// Result of `setQuota`.
+#[derive(SimpleObject)]
+pub struct SetQuotaPayload {
+    /// The limits set, with their usage.
+    pub quotas: Vec<Quota>,
+}
+
+fn labels(field: &str, input: &[LabelInput]) -> async_graphql::Result<m::Labels> {
+    let pairs: Vec<(String, String)> = input
+        .iter()
+        .map(|l| (l.key.clone(), l.value.clone()))
+        .collect();
+    m::parse_labels(field, &pairs).map_err(gql_error)
+}
+
+fn taint(field: &str, t: &TaintInput) -> async_graphql::Result<m::Taint> {
+    m::Taint::new(field, &t.key, &t.value, t.effect.into()).map_err(gql_error)
+}
+
+fn optional_reason(field: &str, r: Option<String>) -> async_graphql::Result<Option<String>> {
+    match r {
+        Some(r) if r.chars().count() > 500 => {
+            bad(Error::bad_input(field, "at most 500 characters"))
+        }
+        other => Ok(other.filter(|r| !r.trim().is_empty())),
+    }
+}
+
+/// The fleet's mutations; all need the operator role.
+#[derive(Default)]
+pub struct FleetMutation;
+
+#[Object]
+impl FleetMutation {
+    /// Creates a site.
+    async fn create_site(
+        &self,
+        ctx: &Context<'_>,
+        input: CreateSiteInput,
+    ) -> async_graphql::Result<CreateSitePayload> {
+        require_operator(ctx)?;
+        let new = NewSite {
+            name: name("name", &input.name)?,
+            region: input
+                .region
+                .as_deref()
+                .map(|r| name("region", r))
+                .transpose()?,
+        };
+        let site = cmd::create_site(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
+            .await
+            .map_err(gql_error)?;
+        Ok(CreateSitePayload {
+            site: SiteObj(site),
+        })
+    }
+
+    /// Renames a site or changes its region.
+    async fn update_site(
+        &self,
+        ctx: &Context<'_>,
+        input: UpdateSiteInput,
+    ) -> async_graphql::Result<UpdateSitePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "site", &input.id)?;
+        let new_name = input.name.as_deref().map(|n| name("name", n)).transpose()?;
+        let region = input
+            .region
+            .as_deref()
+            .map(|r| name("region", r))
+            .transpose()?;
+        let site = cmd::update_site(db(ctx)?, &id, input.version, new_name, region)
+            .await
+            .map_err(gql_error)?;
+        Ok(UpdateSitePayload {
+            site: SiteObj(site),
+        })
+    }
+
+    /// Creates a pool in a site.
+    async fn create_pool(
+        &self,
+        ctx: &Context<'_>,
+        input: CreatePoolInput,
+    ) -> async_graphql::Result<CreatePoolPayload> {
+        require_operator(ctx)?;
+        let oc = input.overcommit.unwrap_or_default();
+        let new = NewPool {
+            site_id: id_of("siteId", "site", &input.site_id)?,
+            name: name("name", &input.name)?,
+            kind: input.kind.into(),
+            lost_after_seconds: input.lost_after_seconds,
+            vcpu_ratio: ratio("overcommit.vcpu", oc.vcpu)?.unwrap_or(1.0),
+            memory_ratio: ratio("overcommit.memory", oc.memory)?.unwrap_or(1.0),
+            disk_ratio: ratio("overcommit.disk", oc.disk)?.unwrap_or(1.0),
+        };
+        let pool = cmd::create_pool(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
+            .await
+            .map_err(gql_error)?;
+        Ok(CreatePoolPayload {
+            pool: PoolObj(pool),
+        })
+    }
+
+    /// Changes a pool; new ratios apply to its nodes at once.
+    async fn update_pool(
+        &self,
+        ctx: &Context<'_>,
+        input: UpdatePoolInput,
+    ) -> async_graphql::Result<UpdatePoolPayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "pool", &input.id)?;
+        if input.clear_lost_after && input.lost_after_seconds.is_some() {
+            return bad(Error::bad_input(
+                "lostAfterSeconds",
+                "give `lostAfterSeconds` or `clearLostAfter`, not both",
+            ));
+        }
+        if input.lost_after_seconds.is_some_and(|s| s <= 0) {
+            return bad(Error::bad_input(
+                "lostAfterSeconds",
+                "`lostAfterSeconds` must be positive",
+            ));
+        }
+        let oc = input.overcommit.unwrap_or_default();
+        let changes = PoolChanges {
+            name: input.name.as_deref().map(|n| name("name", n)).transpose()?,
+            lost_after_seconds: if input.clear_lost_after {
+                Some(None)
+            } else {
+                input.lost_after_seconds.map(Some)
+            },
+            vcpu_ratio: ratio("overcommit.vcpu", oc.vcpu)?,
+            memory_ratio: ratio("overcommit.memory", oc.memory)?,
+            disk_ratio: ratio("overcommit.disk", oc.disk)?,
+        };
+        let pool = cmd::update_pool(db(ctx)?, &id, input.version, changes)
+            .await
+            .map_err(gql_error)?;
+        Ok(UpdatePoolPayload {
+            pool: PoolObj(pool),
+        })
+    }
+
+    /// Registers a machine with its resources and GPUs; its atoms follow the atom rule.
+    async fn register_node(
+        &self,
+        ctx: &Context<'_>,
+        input: RegisterNodeInput,
+    ) -> async_graphql::Result<ComputeNodePayload> {
+        require_operator(ctx)?;
+        let mut devices = Vec::with_capacity(input.devices.len());
+        if input.devices.len() > 64 {
+            return bad(Error::bad_input("devices", "at most 64 GPUs per node"));
+        }
+        for (i, d) in input.devices.iter().enumerate() {
+            let field = format!("devices[{i}]");
+            let memory = m::parse_count(&format!("{field}.memoryMib"), d.memory_mib, 1, 1 << 24)
+                .map_err(gql_error)?;
+            let layout = d.layout.as_ref();
+            devices.push(NewDevice {
+                uuid: if d.uuid.len() >= 4
+                    && d.uuid.len() <= 80
+                    && d.uuid
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-')
+                {
+                    d.uuid.clone()
+                } else {
+                    return bad(Error::bad_input(
+                        format!("{field}.uuid"),
+                        format!("`{}` is not a GPU UUID", d.uuid),
+                    ));
+                },
+                vendor: name(&format!("{field}.vendor"), &d.vendor)?,
+                model: name(&format!("{field}.model"), &d.model)?,
+                memory_mib: memory,
+                layout: Layout::parse(
+                    &format!("{field}.layout"),
+                    d.mode.into(),
+                    layout.and_then(|l| l.mig_profiles.as_deref()),
+                    layout.and_then(|l| l.slots),
+                    memory,
+                )
+                .map_err(gql_error)?,
+            });
+        }
+        let new = NewNode {
+            pool_id: id_of("poolId", "pool", &input.pool_id)?,
+            hostname: m::parse_hostname("hostname", &input.hostname).map_err(gql_error)?,
+            labels: labels("labels", &input.labels)?,
+            taints: input
+                .taints
+                .iter()
+                .map(|t| taint("taints", t))
+                .collect::<async_graphql::Result<_>>()?,
+            vcpu: m::parse_count("resources.vcpu", input.resources.vcpu, 1, 4096)
+                .map_err(gql_error)?,
+            memory_mib: m::parse_count(
+                "resources.memoryMib",
+                input.resources.memory_mib,
+                1,
+                1 << 32,
+            )
+            .map_err(gql_error)?,
+            disk_gib: m::parse_count("resources.diskGib", input.resources.disk_gib, 0, 1 << 24)
+                .map_err(gql_error)?,
+            devices,
+        };
+        let registered = cmd::register_node(db(ctx)?, new).await.map_err(gql_error)?;
+        Ok(ComputeNodePayload {
+            compute_node: ComputeNodeObj::new(registered.node),
+        })
+    }
+
+    /// Replaces a node's labels.
+    async fn update_node(
+        &self,
+        ctx: &Context<'_>,
+        input: UpdateNodeInput,
+    ) -> async_graphql::Result<ComputeNodePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "node", &input.id)?;
+        let node = cmd::update_node(
+            db(ctx)?,
+            &id,
+            input.version,
+            labels("labels", &input.labels)?,
+        )
+        .await
+        .map_err(gql_error)?;
+        Ok(ComputeNodePayload {
+            compute_node: ComputeNodeObj::new(node),
+        })
+    }
+
+    /// Stops placing new work on a node.
+    async fn cordon_node(
+        &self,
+        ctx: &Context<'_>,
+        input: CordonNodeInput,
+    ) -> async_graphql::Result<ComputeNodePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "node", &input.id)?;
+        let reason = optional_reason("reason", input.reason)?;
+        let node = cmd::set_cordoned(db(ctx)?, &id, input.version, true, reason)
+            .await
+            .map_err(gql_error)?;
+        Ok(ComputeNodePayload {
+            compute_node: ComputeNodeObj::new(node),
+        })
+    }
+
+    /// Lets placement use a node again.
+    async fn uncordon_node(
+        &self,
+        ctx: &Context<'_>,
+        input: NodeActionInput,
+    ) -> async_graphql::Result<ComputeNodePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "node", &input.id)?;
+        let node = cmd::set_cordoned(db(ctx)?, &id, input.version, false, None)
+            .await
+            .map_err(gql_error)?;
+        Ok(ComputeNodePayload {
+            compute_node: ComputeNodeObj::new(node),
+        })
+    }
+
+    /// Adds a taint to a node.
+    async fn taint_node(
+        &self,
+        ctx: &Context<'_>,
+        input: TaintNodeInput,
+    ) -> async_graphql::Result<ComputeNodePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "node", &input.id)?;
+        let t = taint("taint", &input.taint)?;
+        let node = cmd::taint_node(db(ctx)?, &id, input.version, t)
+            .await
+            .map_err(gql_error)?;
+        Ok(ComputeNodePayload {
+            compute_node: ComputeNodeObj::new(node),
+        })
+    }
+
+    /// Removes taints from a node; `NOT_FOUND` when it has none with that key.
+    async fn untaint_node(
+        &self,
+        ctx: &Context<'_>,
+        input: UntaintNodeInput,
+    ) -> async_graphql::Result<ComputeNodePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "node", &input.id)?;
+        let key = m::parse_key("key", &input.key).map_err(gql_error)?;
+        let node = cmd::untaint_node(
+            db(ctx)?,
+            &id,
+            input.version,
+            &key,
+            input.effect.map(Into::into),
+        )
+        .await
+        .map_err(gql_error)?;
+        Ok(ComputeNodePayload {
+            compute_node: ComputeNodeObj::new(node),
+        })
+    }
+
+    /// Cordons a node and reports what still holds its GPUs.
+    async fn drain_node(
+        &self,
+        ctx: &Context<'_>,
+        input: NodeActionInput,
+    ) -> async_graphql::Result<DrainNodePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "node", &input.id)?;
+        let (node, remaining) = cmd::drain_node(db(ctx)?, &id, input.version)
+            .await
+            .map_err(gql_error)?;
+        Ok(DrainNodePayload {
+            compute_node: ComputeNodeObj::new(node),
+            remaining: remaining
+                .into_iter()
+                .map(|h| BookingHolder {
+                    allocation_id: h.allocation_id.map(ID),
+                    reason: h.reason,
+                    atoms: h.atoms,
+                    until: h.until,
+                })
+                .collect(),
+        })
+    }
+
+    /// Retires a node for good; refused while bookings on its GPUs remain.
+    async fn retire_node(
+        &self,
+        ctx: &Context<'_>,
+        input: NodeActionInput,
+    ) -> async_graphql::Result<ComputeNodePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "node", &input.id)?;
+        let node = cmd::retire_node(db(ctx)?, &id, input.version)
+            .await
+            .map_err(gql_error)?;
+        Ok(ComputeNodePayload {
+            compute_node: ComputeNodeObj::new(node),
+        })
+    }
+
+    /// Sets a GPU's health; unhealthy GPUs leave placement.
+    async fn set_device_health(
+        &self,
+        ctx: &Context<'_>,
+        input: SetDeviceHealthInput,
+    ) -> async_graphql::Result<DevicePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "dev", &input.id)?;
+        let reason = optional_reason("reason", input.reason)?;
+        let device =
+            cmd::set_device_health(db(ctx)?, &id, input.version, input.health.into(), reason)
+                .await
+                .map_err(gql_error)?;
+        Ok(DevicePayload {
+            device: DeviceObj::new(device),
+        })
+    }
+
+    /// Keeps a GPU out of placement.
+    async fn quarantine_device(
+        &self,
+        ctx: &Context<'_>,
+        input: QuarantineDeviceInput,
+    ) -> async_graphql::Result<DevicePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "dev", &input.id)?;
+        let Some(reason) = optional_reason("reason", Some(input.reason))? else {
+            return bad(Error::bad_input("reason", "say why the GPU is quarantined"));
+        };
+        let device = cmd::set_quarantine(db(ctx)?, &id, input.version, Some(reason))
+            .await
+            .map_err(gql_error)?;
+        Ok(DevicePayload {
+            device: DeviceObj::new(device),
+        })
+    }
+
+    /// Returns a quarantined GPU to placement.
+    async fn unquarantine_device(
+        &self,
+        ctx: &Context<'_>,
+        input: UnquarantineDeviceInput,
+    ) -> async_graphql::Result<DevicePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "dev", &input.id)?;
+        let device = cmd::set_quarantine(db(ctx)?, &id, input.version, None)
+            .await
+            .map_err(gql_error)?;
+        Ok(DevicePayload {
+            device: DeviceObj::new(device),
+        })
+    }
+
+    /// Changes a GPU's mode and layout. Commits only when nothing on the GPU is booked; otherwise
+    /// `CONFLICT` naming what blocks it. The GPU is then held for `changeWindowSeconds`.
+    async fn change_device_mode(
+        &self,
+        ctx: &Context<'_>,
+        input: ChangeDeviceModeInput,
+    ) -> async_graphql::Result<DevicePayload> {
+        require_operator(ctx)?;
+        let id = id_of("id", "dev", &input.id)?;
+        let layout = input.layout.unwrap_or_default();
+        let request = LayoutRequest {
+            mode: input.mode.into(),
+            mig_profiles: layout.mig_profiles,
+            slots: layout.slots,
+        };
+        let device = cmd::change_device_mode(
+            db(ctx)?,
+            &id,
+            input.version,
+            request,
+            input.change_window_seconds,
+        )
+        .await
+        .map_err(gql_error)?;
+        Ok(DevicePayload {
+            device: DeviceObj::new(device),
+        })
+    }
+
+    /// Sets a tenant's limits on a pool or site.
+    async fn set_quota(
+        &self,
+        ctx: &Context<'_>,
+        input: SetQuotaInput,
+    ) -> async_graphql::Result<SetQuotaPayload> {
+        require_operator(ctx)?;
+        let limits = quota::QuotaLimits {
+            gpus: input.gpus,
+            vcpu: input.vcpu,
+            memory_mib: input.memory_mib,
+        };
+        let quotas = quota::set_quota(
+            db(ctx)?,
+            &actor(ctx)?,
+            &input.tenant_id,
+            input.scope_id.as_str(),
+            limits,
+        )
+        .await
+        .map_err(gql_error)?;
+        Ok(SetQuotaPayload {
+            quotas: quotas.into_iter().map(quota_obj).collect(),
+        })
+    }
+}

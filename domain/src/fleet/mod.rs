@@ -1,0 +1,654 @@
+//! The fleet: sites, pools, nodes (machines), their GPUs and the bookable atoms of each GPU.
+//!
+//! Durable state only; nothing is cached in memory. Reads here are single statements on the pool
+//! (autocommit, bounded by the connection's `statement_timeout`); every change goes through
+//! `Db::tx` in [`commands`]. Batch readers (`*_by_*`, `get_*`) take many parent ids at once, so the
+//! API's data loaders issue one statement per level of a tree, whatever its size.
+
+pub mod commands;
+pub mod demo;
+pub mod model;
+pub mod state;
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::{FromRow, Postgres, QueryBuilder};
+
+use crate::db::Db;
+use crate::error::Result;
+use crate::fleet::model::Window;
+use crate::page::{Page, PageArgs};
+
+/// A site: a place that holds pools.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Site {
+    pub id: String,
+    pub name: String,
+    pub region: Option<String>,
+    pub version: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A pool of nodes in a site, with its overcommit ratios.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Pool {
+    pub id: String,
+    pub site_id: String,
+    pub name: String,
+    pub kind: String,
+    pub lost_after_seconds: Option<f64>,
+    pub vcpu_ratio: f64,
+    pub memory_ratio: f64,
+    pub disk_ratio: f64,
+    pub version: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A machine (`ComputeNode` in GraphQL).
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Node {
+    pub id: String,
+    pub pool_id: String,
+    pub hostname: String,
+    pub labels: Value,
+    pub taints: Value,
+    pub cordoned: bool,
+    pub cordon_reason: Option<String>,
+    pub reachability: String,
+    pub conditions: Value,
+    pub generation: i64,
+    pub observed_generation: i64,
+    pub joined_at: DateTime<Utc>,
+    pub retired_at: Option<DateTime<Utc>>,
+    pub lifecycle: String,
+    pub version: i64,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// One scalar resource of a node.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct NodeResource {
+    pub node_id: String,
+    pub resource: String,
+    pub allocatable: i64,
+    pub ratio: f64,
+    pub allocated: i64,
+}
+
+/// A GPU.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Device {
+    pub id: String,
+    pub node_id: String,
+    pub uuid: String,
+    pub vendor: String,
+    pub model: String,
+    pub memory_mib: i64,
+    pub mode: String,
+    pub layout: Option<Value>,
+    pub health: String,
+    pub health_reason: Option<String>,
+    pub quarantined: bool,
+    pub quarantine_reason: Option<String>,
+    pub version: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A bookable unit of a GPU.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Atom {
+    pub name: String,
+    pub device_id: String,
+    pub kind: String,
+    pub ordinal: i32,
+    pub profile: Option<String>,
+    pub share_num: i32,
+    pub share_den: i32,
+}
+
+/// Capacity of one (model, kind, profile) in a pool or site.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct CapacityRow {
+    pub scope_id: String,
+    pub model: String,
+    pub kind: String,
+    pub profile: String,
+    /// Atoms on nodes that are not retired.
+    pub total: i64,
+    /// Atoms with a booking that overlaps the window.
+    pub booked: i64,
+    /// Atoms that placement could take over the whole window: not booked, on an active reachable
+    /// node, on a GPU that is not unhealthy or quarantined.
+    pub free: i64,
+}
+
+pub(crate) const SITE_COLS: &str = "s.id, s.name, s.region, s.version, s.created_at, s.updated_at";
+pub(crate) const POOL_COLS: &str = "p.id, p.site_id, p.name, p.kind, \
+     extract(epoch FROM p.lost_after)::float8 AS lost_after_seconds, p.vcpu_ratio::float8 AS vcpu_ratio, \
+     p.memory_ratio::float8 AS memory_ratio, p.disk_ratio::float8 AS disk_ratio, p.version, p.created_at, p.updated_at";
+pub(crate) const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.taints, n.cordoned, n.cordon_reason, \
+     n.reachability, n.conditions, n.generation, n.observed_generation, n.joined_at, n.retired_at, n.lifecycle, \
+     n.version, n.updated_at";
+pub(crate) const DEVICE_COLS: &str = "d.id, d.node_id, d.uuid, d.vendor, d.model, d.memory_mib, d.mode, d.layout, \
+     d.health, d.health_reason, d.quarantined, d.quarantine_reason, d.version, d.created_at, d.updated_at";
+pub(crate) const ATOM_COLS: &str =
+    "a.name, a.device_id, a.kind, a.ordinal, a.profile, a.share_num, a.share_den";
+const RESOURCE_COLS: &str =
+    "r.node_id, r.resource, r.allocatable, r.ratio::float8 AS ratio, r.allocated";
+
+/// A node that placement may use: active and reachable (disconnected is not dead).
+const NODE_SCHEDULABLE: &str =
+    "n.lifecycle = 'active' AND n.reachability IN ('connected', 'disconnected')";
+/// A device that placement may use.
+const DEVICE_SCHEDULABLE: &str = "d.health <> 'unhealthy' AND NOT d.quarantined";
+
+/// A SELECT being built, with its WHERE conditions.
+struct Select<'a> {
+    qb: QueryBuilder<'a, Postgres>,
+    has_where: bool,
+}
+
+impl<'a> Select<'a> {
+    fn new(sql: impl Into<String>) -> Self {
+        Select {
+            qb: QueryBuilder::new(sql.into()),
+            has_where: false,
+        }
+    }
+
+    /// Starts one more condition.
+    fn and(&mut self) -> &mut QueryBuilder<'a, Postgres> {
+        self.qb
+            .push(if self.has_where { " AND " } else { " WHERE " });
+        self.has_where = true;
+        &mut self.qb
+    }
+
+    /// Adds the keyset conditions, the order and the limit of a page.
+    fn page(mut self, key: &str, page: &PageArgs) -> QueryBuilder<'a, Postgres> {
+        if let Some(after) = &page.after {
+            self.and().push(key).push(" > ").push_bind(after.clone());
+        }
+        if let Some(before) = &page.before {
+            self.and().push(key).push(" < ").push_bind(before.clone());
+        }
+        self.qb
+            .push(" ORDER BY ")
+            .push(key)
+            .push(if page.backward { " DESC" } else { " ASC" })
+            .push(" LIMIT ")
+            .push_bind(page.limit + 1);
+        self.qb
+    }
+}
+
+/// Where the children of a nested connection live.
+struct Nested<'a> {
+    /// The columns to select.
+    cols: &'a str,
+    /// The table, with its alias.
+    from: &'a str,
+    /// The column holding the parent's id.
+    parent_col: &'a str,
+    /// The key the page is ordered by.
+    key: &'a str,
+}
+
+/// Children of many parents, one page each, in one statement.
+async fn nested_pages<T>(
+    db: &Db,
+    spec: Nested<'_>,
+    parents: &[String],
+    page: &PageArgs,
+    parent_of: impl Fn(&T) -> &str,
+) -> Result<HashMap<String, Page<T>>>
+where
+    T: for<'r> FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+{
+    let Nested {
+        cols,
+        from,
+        parent_col,
+        key,
+    } = spec;
+    let dir = if page.backward { "DESC" } else { "ASC" };
+    let mut qb: QueryBuilder<'_, Postgres> = QueryBuilder::new(format!(
+        "SELECT * FROM (SELECT {cols}, row_number() OVER (PARTITION BY {parent_col} ORDER BY {key} {dir}) AS page_rn \
+         FROM {from} WHERE {parent_col} = ANY("
+    ));
+    qb.push_bind(parents.to_vec()).push(")");
+    if let Some(after) = &page.after {
+        qb.push(format!(" AND {key} > ")).push_bind(after.clone());
+    }
+    if let Some(before) = &page.before {
+        qb.push(format!(" AND {key} < ")).push_bind(before.clone());
+    }
+    qb.push(") paged WHERE page_rn <= ")
+        .push_bind(page.limit + 1)
+        .push(" ORDER BY page_rn");
+    let rows: Vec<T> = qb.build_query_as().fetch_all(db.pool()).await?;
+    let mut grouped: HashMap<String, Vec<T>> = HashMap::new();
+    for row in rows {
+        grouped
+            .entry(parent_of(&row).to_owned())
+            .or_default()
+            .push(row);
+    }
+    Ok(parents
+        .iter()
+        .map(|p| {
+            let rows = grouped.remove(p).unwrap_or_default();
+            (p.clone(), Page::from_rows(rows, page))
+        })
+        .collect())
+}
+
+/// Counts children per parent in one statement.
+async fn count_by(
+    db: &Db,
+    table: &str,
+    parent_col: &str,
+    parents: &[String],
+) -> Result<HashMap<String, i64>> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "SELECT {parent_col}, count(*) FROM {table} WHERE {parent_col} = ANY($1) GROUP BY {parent_col}"
+    ))
+    .bind(parents)
+    .fetch_all(db.pool())
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Sites by id.
+pub async fn get_sites(db: &Db, ids: &[String]) -> Result<Vec<Site>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {SITE_COLS} FROM sites s WHERE s.id = ANY($1)"
+    ))
+    .bind(ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// Pools by id.
+pub async fn get_pools(db: &Db, ids: &[String]) -> Result<Vec<Pool>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {POOL_COLS} FROM pools p WHERE p.id = ANY($1)"
+    ))
+    .bind(ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// Nodes by id.
+pub async fn get_nodes(db: &Db, ids: &[String]) -> Result<Vec<Node>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {NODE_COLS} FROM nodes n WHERE n.id = ANY($1)"
+    ))
+    .bind(ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// Devices by id.
+pub async fn get_devices(db: &Db, ids: &[String]) -> Result<Vec<Device>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {DEVICE_COLS} FROM devices d WHERE d.id = ANY($1)"
+    ))
+    .bind(ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// A page of sites.
+pub async fn list_sites(db: &Db, page: &PageArgs) -> Result<Page<Site>> {
+    let q = Select::new(format!("SELECT {SITE_COLS} FROM sites s"));
+    let rows = q
+        .page("s.id", page)
+        .build_query_as()
+        .fetch_all(db.pool())
+        .await?;
+    Ok(Page::from_rows(rows, page))
+}
+
+/// How many sites there are.
+pub async fn count_sites(db: &Db) -> Result<i64> {
+    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM sites")
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}
+
+/// Filters of the pools connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct PoolFilter {
+    pub site_id: Option<String>,
+    pub kind: Option<model::PoolKind>,
+}
+
+fn pool_select<'a>(cols: &str, f: &PoolFilter) -> Select<'a> {
+    let mut q = Select::new(format!("SELECT {cols} FROM pools p"));
+    if let Some(site) = &f.site_id {
+        q.and().push("p.site_id = ").push_bind(site.clone());
+    }
+    if let Some(kind) = f.kind {
+        q.and().push("p.kind = ").push_bind(kind.as_str());
+    }
+    q
+}
+
+/// A page of pools.
+pub async fn list_pools(db: &Db, filter: &PoolFilter, page: &PageArgs) -> Result<Page<Pool>> {
+    let rows = pool_select(POOL_COLS, filter)
+        .page("p.id", page)
+        .build_query_as()
+        .fetch_all(db.pool())
+        .await?;
+    Ok(Page::from_rows(rows, page))
+}
+
+/// How many pools match.
+pub async fn count_pools(db: &Db, filter: &PoolFilter) -> Result<i64> {
+    let (n,): (i64,) = pool_select("count(*)", filter)
+        .qb
+        .build_query_as()
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}
+
+/// A page of pools for each site.
+pub async fn pools_by_sites(
+    db: &Db,
+    site_ids: &[String],
+    page: &PageArgs,
+) -> Result<HashMap<String, Page<Pool>>> {
+    let spec = Nested {
+        cols: POOL_COLS,
+        from: "pools p",
+        parent_col: "p.site_id",
+        key: "p.id",
+    };
+    nested_pages(db, spec, site_ids, page, |p: &Pool| &p.site_id).await
+}
+
+/// How many pools each site has.
+pub async fn count_pools_by_sites(db: &Db, site_ids: &[String]) -> Result<HashMap<String, i64>> {
+    count_by(db, "pools", "site_id", site_ids).await
+}
+
+/// Filters of the compute-nodes connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct NodeFilter {
+    pub site_id: Option<String>,
+    pub pool_id: Option<String>,
+    pub reachability: Option<model::Reachability>,
+    pub cordoned: Option<bool>,
+    pub has_free_capacity: Option<bool>,
+    pub include_retired: bool,
+}
+
+fn node_select<'a>(cols: &str, f: &NodeFilter) -> Select<'a> {
+    let mut q = Select::new(format!("SELECT {cols} FROM nodes n"));
+    if let Some(site) = &f.site_id {
+        q.and()
+            .push("n.pool_id IN (SELECT id FROM pools WHERE site_id = ")
+            .push_bind(site.clone())
+            .push(")");
+    }
+    if let Some(pool) = &f.pool_id {
+        q.and().push("n.pool_id = ").push_bind(pool.clone());
+    }
+    if let Some(r) = f.reachability {
+        q.and().push("n.reachability = ").push_bind(r.as_str());
+    }
+    if let Some(c) = f.cordoned {
+        q.and().push("n.cordoned = ").push_bind(c);
+    }
+    if !f.include_retired {
+        q.and().push("n.retired_at IS NULL");
+    }
+    if let Some(free) = f.has_free_capacity {
+        q.and().push(if free { "" } else { "NOT " }).push(format!(
+            "({NODE_SCHEDULABLE} AND EXISTS (SELECT 1 FROM devices d JOIN device_atoms a ON a.device_id = d.id \
+             WHERE d.node_id = n.id AND {DEVICE_SCHEDULABLE} AND NOT EXISTS (SELECT 1 FROM device_bookings b \
+             WHERE b.atom = a.name AND b.during @> compute_now())))"
+        ));
+    }
+    q
+}
+
+/// A page of nodes.
+pub async fn list_nodes(db: &Db, filter: &NodeFilter, page: &PageArgs) -> Result<Page<Node>> {
+    let rows = node_select(NODE_COLS, filter)
+        .page("n.id", page)
+        .build_query_as()
+        .fetch_all(db.pool())
+        .await?;
+    Ok(Page::from_rows(rows, page))
+}
+
+/// How many nodes match.
+pub async fn count_nodes(db: &Db, filter: &NodeFilter) -> Result<i64> {
+    let (n,): (i64,) = node_select("count(*)", filter)
+        .qb
+        .build_query_as()
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}
+
+/// A page of nodes for each pool, retired ones included.
+pub async fn nodes_by_pools(
+    db: &Db,
+    pool_ids: &[String],
+    page: &PageArgs,
+) -> Result<HashMap<String, Page<Node>>> {
+    let spec = Nested {
+        cols: NODE_COLS,
+        from: "nodes n",
+        parent_col: "n.pool_id",
+        key: "n.id",
+    };
+    nested_pages(db, spec, pool_ids, page, |n: &Node| &n.pool_id).await
+}
+
+/// How many nodes each pool has, retired ones included.
+pub async fn count_nodes_by_pools(db: &Db, pool_ids: &[String]) -> Result<HashMap<String, i64>> {
+    count_by(db, "nodes", "pool_id", pool_ids).await
+}
+
+/// The scalar resources of each node.
+pub async fn resources_by_nodes(db: &Db, node_ids: &[String]) -> Result<Vec<NodeResource>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {RESOURCE_COLS} FROM node_resources r WHERE r.node_id = ANY($1) ORDER BY r.node_id, r.resource"
+    ))
+    .bind(node_ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// Filters of the devices connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct DeviceFilter {
+    pub site_id: Option<String>,
+    pub pool_id: Option<String>,
+    pub node_id: Option<String>,
+    pub model: Option<String>,
+    pub mode: Option<model::DeviceMode>,
+    pub health: Option<model::Health>,
+}
+
+fn device_select<'a>(cols: &str, f: &DeviceFilter) -> Select<'a> {
+    let mut q = Select::new(format!(
+        "SELECT {cols} FROM devices d JOIN nodes n ON n.id = d.node_id"
+    ));
+    if let Some(site) = &f.site_id {
+        q.and()
+            .push("n.pool_id IN (SELECT id FROM pools WHERE site_id = ")
+            .push_bind(site.clone())
+            .push(")");
+    }
+    if let Some(pool) = &f.pool_id {
+        q.and().push("n.pool_id = ").push_bind(pool.clone());
+    }
+    if let Some(node) = &f.node_id {
+        q.and().push("d.node_id = ").push_bind(node.clone());
+    }
+    if let Some(model) = &f.model {
+        q.and().push("d.model = ").push_bind(model.clone());
+    }
+    if let Some(mode) = f.mode {
+        q.and().push("d.mode = ").push_bind(mode.as_str());
+    }
+    if let Some(h) = f.health {
+        q.and().push("d.health = ").push_bind(h.as_str());
+    }
+    q
+}
+
+/// A page of devices.
+pub async fn list_devices(db: &Db, filter: &DeviceFilter, page: &PageArgs) -> Result<Page<Device>> {
+    let rows = device_select(DEVICE_COLS, filter)
+        .page("d.id", page)
+        .build_query_as()
+        .fetch_all(db.pool())
+        .await?;
+    Ok(Page::from_rows(rows, page))
+}
+
+/// How many devices match.
+pub async fn count_devices(db: &Db, filter: &DeviceFilter) -> Result<i64> {
+    let (n,): (i64,) = device_select("count(*)", filter)
+        .qb
+        .build_query_as()
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}
+
+/// The devices of each node (a small, bounded list per node).
+pub async fn devices_by_nodes(db: &Db, node_ids: &[String]) -> Result<Vec<Device>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {DEVICE_COLS} FROM devices d WHERE d.node_id = ANY($1) ORDER BY d.node_id, d.id"
+    ))
+    .bind(node_ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// The atoms of each device, in ordinal order.
+pub async fn atoms_by_devices(db: &Db, device_ids: &[String]) -> Result<Vec<Atom>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {ATOM_COLS} FROM device_atoms a WHERE a.device_id = ANY($1) ORDER BY a.device_id, a.ordinal"
+    ))
+    .bind(device_ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// Filters of the atoms connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct AtomFilter {
+    pub pool_id: Option<String>,
+    pub device_id: Option<String>,
+    pub model: Option<String>,
+    pub kind: Option<model::AtomKind>,
+    pub profile: Option<String>,
+    /// Only atoms placement could take now (`true`), or only the others (`false`).
+    pub free_now: Option<bool>,
+}
+
+fn atom_select<'a>(cols: &str, f: &AtomFilter) -> Select<'a> {
+    let mut q = Select::new(format!(
+        "SELECT {cols} FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id"
+    ));
+    if let Some(pool) = &f.pool_id {
+        q.and().push("n.pool_id = ").push_bind(pool.clone());
+    }
+    if let Some(dev) = &f.device_id {
+        q.and().push("a.device_id = ").push_bind(dev.clone());
+    }
+    if let Some(model) = &f.model {
+        q.and().push("d.model = ").push_bind(model.clone());
+    }
+    if let Some(kind) = f.kind {
+        q.and().push("a.kind = ").push_bind(kind.as_str());
+    }
+    if let Some(profile) = &f.profile {
+        q.and().push("a.profile = ").push_bind(profile.clone());
+    }
+    if let Some(free) = f.free_now {
+        q.and().push(if free { "" } else { "NOT " }).push(format!(
+            "({NODE_SCHEDULABLE} AND {DEVICE_SCHEDULABLE} AND NOT EXISTS (SELECT 1 FROM device_bookings b \
+             WHERE b.atom = a.name AND b.during @> compute_now()))"
+        ));
+    }
+    q
+}
+
+/// A page of atoms.
+pub async fn list_atoms(db: &Db, filter: &AtomFilter, page: &PageArgs) -> Result<Page<Atom>> {
+    let rows = atom_select(ATOM_COLS, filter)
+        .page("a.name", page)
+        .build_query_as()
+        .fetch_all(db.pool())
+        .await?;
+    Ok(Page::from_rows(rows, page))
+}
+
+/// How many atoms match.
+pub async fn count_atoms(db: &Db, filter: &AtomFilter) -> Result<i64> {
+    let (n,): (i64,) = atom_select("count(*)", filter)
+        .qb
+        .build_query_as()
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}
+
+/// Which level capacity is summed at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CapacityScope {
+    Pool,
+    Site,
+}
+
+/// Capacity of many pools or sites over a window (now when `None`), one statement.
+pub async fn capacity(
+    db: &Db,
+    scope: CapacityScope,
+    ids: &[String],
+    window: Option<Window>,
+) -> Result<Vec<CapacityRow>> {
+    let scope_col = match scope {
+        CapacityScope::Pool => "p.id",
+        CapacityScope::Site => "p.site_id",
+    };
+    let sql = format!(
+        "WITH w AS (SELECT CASE WHEN $2::timestamptz IS NULL THEN tstzrange(compute_now(), compute_now(), '[]') \
+                                ELSE tstzrange($2, $3, '[)') END AS range), \
+         atoms AS ( \
+           SELECT {scope_col} AS scope_id, d.model, a.kind, coalesce(a.profile, '') AS profile, \
+                  ({NODE_SCHEDULABLE} AND {DEVICE_SCHEDULABLE}) AS schedulable, \
+                  EXISTS (SELECT 1 FROM device_bookings b, w WHERE b.atom = a.name AND b.during && w.range) AS booked \
+             FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id \
+             JOIN pools p ON p.id = n.pool_id \
+            WHERE {scope_col} = ANY($1) AND n.retired_at IS NULL) \
+         SELECT scope_id, model, kind, profile, count(*) AS total, \
+                count(*) FILTER (WHERE booked) AS booked, \
+                count(*) FILTER (WHERE schedulable AND NOT booked) AS free \
+           FROM atoms GROUP BY scope_id, model, kind, profile ORDER BY scope_id, model, kind, profile"
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(ids)
+        .bind(window.map(|w| w.start))
+        .bind(window.map(|w| w.end))
+        .fetch_all(db.pool())
+        .await?)
+}

@@ -1,0 +1,585 @@
+//! The fleet's types, parsed from input so that only valid values exist past this point.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+macro_rules! string_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name { $($(#[$vmeta])* #[serde(rename = $text)] $variant),+ }
+
+        impl $name {
+            /// The value as stored in the database.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+            /// Parses a stored value.
+            pub fn parse(s: &str) -> Option<Self> {
+                match s { $($text => Some($name::$variant),)+ _ => None }
+            }
+        }
+    };
+}
+
+string_enum!(
+    /// What kind of machines a pool holds.
+    PoolKind { BareMetal = "bare_metal", Provider = "provider", VpsHost = "vps_host" }
+);
+string_enum!(
+    /// Whether the node's daemon is talking to the control plane.
+    Reachability { Connected = "connected", Disconnected = "disconnected", Unreachable = "unreachable", Lost = "lost" }
+);
+string_enum!(
+    /// How a GPU is shared.
+    DeviceMode { Exclusive = "exclusive", Mig = "mig", TimeSlice = "time_slice", Mps = "mps" }
+);
+string_enum!(
+    /// A GPU's health as reported or set by an operator.
+    Health { Healthy = "healthy", Degraded = "degraded", Unhealthy = "unhealthy" }
+);
+string_enum!(
+    /// What a taint does to placement.
+    TaintEffect { NoSchedule = "NoSchedule", PreferNoSchedule = "PreferNoSchedule", NoExecute = "NoExecute" }
+);
+string_enum!(
+    /// The kind of a bookable atom.
+    AtomKind { Gpu = "gpu", Mig = "mig", Slot = "slot" }
+);
+string_enum!(
+    /// A scalar resource of a node.
+    Resource { Vcpu = "vcpu", MemoryMib = "memory_mib", DiskGib = "disk_gib" }
+);
+
+/// A name: trimmed, 1 to 100 characters, no control characters.
+pub fn parse_name(field: &str, value: &str) -> Result<String> {
+    let v = value.trim();
+    if v.is_empty() || v.chars().count() > 100 || v.chars().any(char::is_control) {
+        return Err(Error::bad_input(
+            field,
+            format!("`{field}` must be 1 to 100 printable characters"),
+        ));
+    }
+    Ok(v.to_owned())
+}
+
+/// A label or taint key: 1 to 63 of `[A-Za-z0-9._/-]`, starting with a letter or digit.
+pub fn parse_key(field: &str, key: &str) -> Result<String> {
+    let ok = !key.is_empty()
+        && key.len() <= 63
+        && key
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric())
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '/' | '-'));
+    if ok {
+        Ok(key.to_owned())
+    } else {
+        Err(Error::bad_input(
+            field,
+            format!("`{key}` is not a valid key: 1 to 63 of letters, digits, `.`, `_`, `/`, `-`"),
+        ))
+    }
+}
+
+/// A label or taint value: up to 63 of `[A-Za-z0-9._-]`, possibly empty.
+pub fn parse_value(field: &str, value: &str) -> Result<String> {
+    let ok = value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(value.to_owned())
+    } else {
+        Err(Error::bad_input(
+            field,
+            format!("`{value}` is not a valid value: up to 63 of letters, digits, `.`, `_`, `-`"),
+        ))
+    }
+}
+
+/// Node labels, key to value.
+pub type Labels = BTreeMap<String, String>;
+
+/// Parses labels; a key given twice is refused.
+pub fn parse_labels(field: &str, pairs: &[(String, String)]) -> Result<Labels> {
+    let mut labels = Labels::new();
+    for (k, v) in pairs {
+        let key = parse_key(field, k)?;
+        let value = parse_value(field, v)?;
+        if labels.insert(key, value).is_some() {
+            return Err(Error::bad_input(
+                field,
+                format!("label `{k}` is given twice"),
+            ));
+        }
+    }
+    Ok(labels)
+}
+
+/// A taint, `key=value:effect`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Taint {
+    pub key: String,
+    pub value: String,
+    pub effect: TaintEffect,
+}
+
+impl Taint {
+    /// Validates the parts of a taint.
+    pub fn new(field: &str, key: &str, value: &str, effect: TaintEffect) -> Result<Taint> {
+        Ok(Taint {
+            key: parse_key(field, key)?,
+            value: parse_value(field, value)?,
+            effect,
+        })
+    }
+
+    /// Parses `key=value:Effect` (or `key:Effect`).
+    pub fn parse(field: &str, s: &str) -> Result<Taint> {
+        let (kv, effect) = s.rsplit_once(':').ok_or_else(|| {
+            Error::bad_input(field, format!("`{s}` is not a taint: use key=value:Effect"))
+        })?;
+        let effect = TaintEffect::parse(effect).ok_or_else(|| {
+            Error::bad_input(
+                field,
+                format!("`{effect}` is not a taint effect: use NoSchedule, PreferNoSchedule or NoExecute"),
+            )
+        })?;
+        let (key, value) = kv.split_once('=').unwrap_or((kv, ""));
+        Taint::new(field, key, value, effect)
+    }
+}
+
+impl std::fmt::Display for Taint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}:{}", self.key, self.value, self.effect.as_str())
+    }
+}
+
+/// A host name: lowercase letters, digits, `.` and `-`, at most 253 characters.
+pub fn parse_hostname(field: &str, s: &str) -> Result<String> {
+    let ok = !s.is_empty()
+        && s.len() <= 253
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '-')
+        && !s.starts_with(['.', '-'])
+        && !s.ends_with(['.', '-']);
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(Error::bad_input(
+            field,
+            format!("`{s}` is not a host name: lowercase letters, digits, `.` and `-`"),
+        ))
+    }
+}
+
+/// An entity id of the given prefix, such as `site_0193…`.
+pub fn parse_id(field: &str, prefix: &'static str, s: &str) -> Result<String> {
+    if crate::ids::prefix_of(s) == Some(prefix) {
+        Ok(s.to_owned())
+    } else {
+        Err(Error::bad_input(
+            field,
+            format!("`{s}` is not a {prefix} id (expected {prefix}_ and 32 hex digits)"),
+        ))
+    }
+}
+
+/// An overcommit ratio: 1 to 100, at most three decimals.
+pub fn parse_ratio(field: &str, r: f64) -> Result<f64> {
+    if !(1.0..=100.0).contains(&r) || !r.is_finite() {
+        return Err(Error::bad_input(
+            field,
+            format!("the overcommit ratio must be between 1 and 100 (got {r})"),
+        ));
+    }
+    Ok((r * 1000.0).round() / 1000.0)
+}
+
+/// A non-negative count within `max`.
+pub fn parse_count(field: &str, n: i64, min: i64, max: i64) -> Result<i64> {
+    if n < min || n > max {
+        return Err(Error::bad_input(
+            field,
+            format!("`{field}` must be between {min} and {max} (got {n})"),
+        ));
+    }
+    Ok(n)
+}
+
+/// A time window, start before end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Window {
+    pub start: DateTime<Utc>,
+    pub end: DateTime<Utc>,
+}
+
+impl Window {
+    pub fn new(field: &str, start: DateTime<Utc>, end: DateTime<Utc>) -> Result<Window> {
+        if start >= end {
+            return Err(Error::bad_input(
+                field,
+                "the window must start before it ends",
+            ));
+        }
+        Ok(Window { start, end })
+    }
+}
+
+/// A MIG profile: `<compute slices>g.<memory>gb`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigProfile {
+    pub name: &'static str,
+    pub compute_slices: u32,
+    pub memory_slices: u32,
+}
+
+/// The MIG profiles of 40 GB GPUs (A100 40GB): 7 compute and 8 memory slices of 5 GB.
+const MIG_40GB: &[MigProfile] = &[
+    MigProfile {
+        name: "1g.5gb",
+        compute_slices: 1,
+        memory_slices: 1,
+    },
+    MigProfile {
+        name: "1g.10gb",
+        compute_slices: 1,
+        memory_slices: 2,
+    },
+    MigProfile {
+        name: "2g.10gb",
+        compute_slices: 2,
+        memory_slices: 2,
+    },
+    MigProfile {
+        name: "3g.20gb",
+        compute_slices: 3,
+        memory_slices: 4,
+    },
+    MigProfile {
+        name: "4g.20gb",
+        compute_slices: 4,
+        memory_slices: 4,
+    },
+    MigProfile {
+        name: "7g.40gb",
+        compute_slices: 7,
+        memory_slices: 8,
+    },
+];
+
+/// The MIG profiles of 80 GB GPUs (A100 80GB, H100 80GB): 7 compute and 8 memory slices of 10 GB.
+const MIG_80GB: &[MigProfile] = &[
+    MigProfile {
+        name: "1g.10gb",
+        compute_slices: 1,
+        memory_slices: 1,
+    },
+    MigProfile {
+        name: "1g.20gb",
+        compute_slices: 1,
+        memory_slices: 2,
+    },
+    MigProfile {
+        name: "2g.20gb",
+        compute_slices: 2,
+        memory_slices: 2,
+    },
+    MigProfile {
+        name: "3g.40gb",
+        compute_slices: 3,
+        memory_slices: 4,
+    },
+    MigProfile {
+        name: "4g.40gb",
+        compute_slices: 4,
+        memory_slices: 4,
+    },
+    MigProfile {
+        name: "7g.80gb",
+        compute_slices: 7,
+        memory_slices: 8,
+    },
+];
+
+/// Compute slices of a MIG-capable GPU.
+pub const MIG_COMPUTE_SLICES: u32 = 7;
+/// Memory slices of a MIG-capable GPU.
+pub const MIG_MEMORY_SLICES: u32 = 8;
+
+/// The MIG profiles a GPU with `memory_mib` of memory offers, by its memory class (40 or 80 GB).
+pub fn mig_profiles(memory_mib: i64) -> Option<&'static [MigProfile]> {
+    let gib = memory_mib as f64 / 1024.0;
+    let class = (gib / 8.0).round() as i64 * 8;
+    match class {
+        40 => Some(MIG_40GB),
+        80 => Some(MIG_80GB),
+        _ => None,
+    }
+}
+
+/// How a GPU is divided, validated against its mode and memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Layout {
+    Exclusive,
+    Mig(Vec<MigProfile>),
+    TimeSlice(u32),
+    Mps(u32),
+}
+
+/// The most slots a time-sliced or MPS GPU may have.
+pub const MAX_SLOTS: u32 = 64;
+
+impl Layout {
+    /// Validates `mode` with its layout input: MIG profiles or a slot count.
+    pub fn parse(
+        field: &str,
+        mode: DeviceMode,
+        mig_profiles_in: Option<&[String]>,
+        slots: Option<i64>,
+        memory_mib: i64,
+    ) -> Result<Layout> {
+        match mode {
+            DeviceMode::Exclusive => {
+                if mig_profiles_in.is_some_and(|p| !p.is_empty()) || slots.is_some() {
+                    return Err(Error::bad_input(field, "an exclusive GPU takes no layout"));
+                }
+                Ok(Layout::Exclusive)
+            }
+            DeviceMode::Mig => {
+                if slots.is_some() {
+                    return Err(Error::bad_input(
+                        field,
+                        "a MIG layout lists profiles, not slots",
+                    ));
+                }
+                let wanted = mig_profiles_in.unwrap_or(&[]);
+                if wanted.is_empty() {
+                    return Err(Error::bad_input(
+                        field,
+                        "a MIG layout needs at least one profile",
+                    ));
+                }
+                let known = mig_profiles(memory_mib).ok_or_else(|| {
+                    Error::bad_input(
+                        field,
+                        format!(
+                            "MIG needs a 40 GB or 80 GB GPU; this one has {} MiB",
+                            memory_mib
+                        ),
+                    )
+                })?;
+                let mut profiles = Vec::with_capacity(wanted.len());
+                for name in wanted {
+                    let p = known.iter().find(|p| p.name == name).ok_or_else(|| {
+                        let names: Vec<&str> = known.iter().map(|p| p.name).collect();
+                        Error::bad_input(
+                            field,
+                            format!(
+                                "unknown MIG profile `{name}` for this GPU; known: {}",
+                                names.join(", ")
+                            ),
+                        )
+                    })?;
+                    profiles.push(*p);
+                }
+                let compute: u32 = profiles.iter().map(|p| p.compute_slices).sum();
+                let memory: u32 = profiles.iter().map(|p| p.memory_slices).sum();
+                if compute > MIG_COMPUTE_SLICES || memory > MIG_MEMORY_SLICES {
+                    return Err(Error::bad_input(
+                        field,
+                        format!(
+                            "the MIG instances overlap: they need {compute} of {MIG_COMPUTE_SLICES} compute slices and {memory} of {MIG_MEMORY_SLICES} memory slices"
+                        ),
+                    ));
+                }
+                Ok(Layout::Mig(profiles))
+            }
+            DeviceMode::TimeSlice | DeviceMode::Mps => {
+                if mig_profiles_in.is_some_and(|p| !p.is_empty()) {
+                    return Err(Error::bad_input(
+                        field,
+                        "a time-slice or MPS layout gives slots, not profiles",
+                    ));
+                }
+                let n = slots.ok_or_else(|| {
+                    Error::bad_input(field, "a time-slice or MPS layout needs `slots`")
+                })?;
+                let n = parse_count(field, n, 2, i64::from(MAX_SLOTS))? as u32;
+                Ok(if mode == DeviceMode::Mps {
+                    Layout::Mps(n)
+                } else {
+                    Layout::TimeSlice(n)
+                })
+            }
+        }
+    }
+
+    /// The mode of this layout.
+    pub fn mode(&self) -> DeviceMode {
+        match self {
+            Layout::Exclusive => DeviceMode::Exclusive,
+            Layout::Mig(_) => DeviceMode::Mig,
+            Layout::TimeSlice(_) => DeviceMode::TimeSlice,
+            Layout::Mps(_) => DeviceMode::Mps,
+        }
+    }
+
+    /// The layout as stored in `devices.layout`.
+    pub fn to_json(&self) -> Option<serde_json::Value> {
+        match self {
+            Layout::Exclusive => None,
+            Layout::Mig(p) => Some(
+                serde_json::json!({ "profiles": p.iter().map(|p| p.name).collect::<Vec<_>>() }),
+            ),
+            Layout::TimeSlice(n) | Layout::Mps(n) => Some(serde_json::json!({ "slots": n })),
+        }
+    }
+
+    /// The bookable atoms of a GPU with hardware id `uuid` in this layout: the atom rule.
+    pub fn atoms(&self, uuid: &str) -> Vec<AtomSpec> {
+        match self {
+            Layout::Exclusive => vec![AtomSpec {
+                name: uuid.to_owned(),
+                kind: AtomKind::Gpu,
+                ordinal: 0,
+                profile: None,
+                share_num: 1,
+                share_den: 1,
+            }],
+            Layout::Mig(profiles) => profiles
+                .iter()
+                .enumerate()
+                .map(|(k, p)| AtomSpec {
+                    name: format!("{uuid}/mig/{k}"),
+                    kind: AtomKind::Mig,
+                    ordinal: k as i32,
+                    profile: Some(p.name.to_owned()),
+                    share_num: p.compute_slices as i32,
+                    share_den: MIG_COMPUTE_SLICES as i32,
+                })
+                .collect(),
+            Layout::TimeSlice(n) | Layout::Mps(n) => (0..*n)
+                .map(|k| AtomSpec {
+                    name: format!("{uuid}/s{k}"),
+                    kind: AtomKind::Slot,
+                    ordinal: k as i32,
+                    profile: None,
+                    share_num: 1,
+                    share_den: *n as i32,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// An atom to create.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AtomSpec {
+    pub name: String,
+    pub kind: AtomKind,
+    pub ordinal: i32,
+    pub profile: Option<String>,
+    pub share_num: i32,
+    pub share_den: i32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_atom_rule_never_exposes_parent_and_children_together() {
+        let uuid = "GPU-1234";
+        let exclusive = Layout::Exclusive.atoms(uuid);
+        assert_eq!(exclusive.len(), 1);
+        assert_eq!(exclusive[0].name, uuid);
+
+        let mig = Layout::parse(
+            "layout",
+            DeviceMode::Mig,
+            Some(&[
+                "3g.40gb".into(),
+                "2g.20gb".into(),
+                "1g.10gb".into(),
+                "1g.10gb".into(),
+            ]),
+            None,
+            81_920,
+        )
+        .expect("valid layout");
+        let atoms = mig.atoms(uuid);
+        let names: Vec<&str> = atoms.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "GPU-1234/mig/0",
+                "GPU-1234/mig/1",
+                "GPU-1234/mig/2",
+                "GPU-1234/mig/3"
+            ]
+        );
+        assert!(!names.contains(&uuid), "a MIG GPU's parent is not bookable");
+        assert_eq!((atoms[0].share_num, atoms[0].share_den), (3, 7));
+
+        let slots =
+            Layout::parse("layout", DeviceMode::TimeSlice, None, Some(4), 81_920).expect("slots");
+        let names: Vec<String> = slots.atoms(uuid).into_iter().map(|a| a.name).collect();
+        assert_eq!(
+            names,
+            ["GPU-1234/s0", "GPU-1234/s1", "GPU-1234/s2", "GPU-1234/s3"]
+        );
+    }
+
+    #[test]
+    fn bad_layouts_name_the_problem() {
+        let err = Layout::parse(
+            "layout",
+            DeviceMode::Mig,
+            Some(&["9g.90gb".into()]),
+            None,
+            81_920,
+        )
+        .expect_err("unknown profile");
+        assert!(
+            err.to_string().contains("unknown MIG profile `9g.90gb`"),
+            "{err}"
+        );
+        let err = Layout::parse(
+            "layout",
+            DeviceMode::Mig,
+            Some(&["4g.40gb".into(), "4g.40gb".into()]),
+            None,
+            81_920,
+        )
+        .expect_err("overlap");
+        assert!(err.to_string().contains("overlap"), "{err}");
+        let err = Layout::parse(
+            "layout",
+            DeviceMode::Mig,
+            Some(&["1g.10gb".into()]),
+            None,
+            24_576,
+        )
+        .expect_err("no MIG on a 24 GB GPU");
+        assert!(err.to_string().contains("40 GB or 80 GB"), "{err}");
+        assert!(Layout::parse("layout", DeviceMode::TimeSlice, None, Some(1), 24_576).is_err());
+        assert!(Layout::parse("layout", DeviceMode::Exclusive, None, Some(2), 24_576).is_err());
+    }
+
+    #[test]
+    fn taints_parse_and_print() {
+        let t = Taint::parse("taints", "gpu=a100:NoSchedule").expect("taint");
+        assert_eq!(t.to_string(), "gpu=a100:NoSchedule");
+        assert!(Taint::parse("taints", "gpu=a100:Sometimes").is_err());
+        assert!(Taint::parse("taints", "=x:NoSchedule").is_err());
+    }
+}

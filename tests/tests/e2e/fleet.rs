@@ -1,0 +1,1137 @@
+//! The fleet through GraphQL: every operator mutation, its validation, optimistic concurrency, the
+//! atom rule, mode changes, capacity and tenant isolation.
+
+use compute_tests::{TestApp, spawn_app};
+use serde_json::{Value, json};
+
+pub const CREATE_SITE: &str =
+    "mutation($i: CreateSiteInput!) { createSite(input: $i) { site { id name version } } }";
+pub const CREATE_POOL: &str = "mutation($i: CreatePoolInput!) { createPool(input: $i) { pool { id name kind version overcommit { vcpu memory disk } } } }";
+pub const REGISTER: &str = "mutation($i: RegisterNodeInput!) { registerNode(input: $i) { computeNode { id hostname version generation \
+    devices { id uuid mode version atoms { name kind profile shareNumerator shareDenominator } } } } }";
+
+/// A site, a pool and one node with an exclusive, a MIG and a time-sliced GPU.
+pub struct Fleet {
+    pub site: String,
+    pub pool: String,
+    pub node: String,
+    /// (device id, uuid) of the exclusive, MIG and time-sliced GPUs.
+    pub gpus: Vec<(String, String)>,
+}
+
+pub async fn small_fleet(app: &TestApp, tag: &str) -> Fleet {
+    let op = app.operator();
+    let site = app
+        .ok(
+            &op,
+            CREATE_SITE,
+            json!({ "i": { "name": format!("site-{tag}") } }),
+        )
+        .await;
+    let site = site["createSite"]["site"]["id"]
+        .as_str()
+        .expect("site id")
+        .to_owned();
+    let pool = app
+        .ok(&op, CREATE_POOL, json!({ "i": { "siteId": site, "name": "gpu", "kind": "BARE_METAL", "overcommit": { "vcpu": 2 } } }))
+        .await;
+    let pool = pool["createPool"]["pool"]["id"]
+        .as_str()
+        .expect("pool id")
+        .to_owned();
+    let node = app
+        .ok(
+            &op,
+            REGISTER,
+            json!({ "i": {
+                "poolId": pool,
+                "hostname": format!("{tag}-node-1"),
+                "labels": [{ "key": "rack", "value": "r1" }],
+                "resources": { "vcpu": 64, "memoryMib": 524288, "diskGib": 2000 },
+                "devices": [
+                    { "uuid": format!("GPU-{tag}-0"), "model": "H100", "memoryMib": 81559 },
+                    { "uuid": format!("GPU-{tag}-1"), "model": "A100", "memoryMib": 81920, "mode": "MIG",
+                      "layout": { "migProfiles": ["3g.40gb", "2g.20gb", "1g.10gb"] } },
+                    { "uuid": format!("GPU-{tag}-2"), "model": "L4", "memoryMib": 23034, "mode": "TIME_SLICE",
+                      "layout": { "slots": 4 } }
+                ]
+            } }),
+        )
+        .await;
+    let n = &node["registerNode"]["computeNode"];
+    let gpus = n["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .map(|d| {
+            (
+                d["id"].as_str().expect("id").to_owned(),
+                d["uuid"].as_str().expect("uuid").to_owned(),
+            )
+        })
+        .collect::<Vec<_>>();
+    let mut by_uuid = gpus.clone();
+    by_uuid.sort_by(|a, b| a.1.cmp(&b.1));
+    Fleet {
+        site,
+        pool,
+        node: n["id"].as_str().expect("node id").to_owned(),
+        gpus: by_uuid,
+    }
+}
+
+/// Books an atom directly, as the reservations issue's placement will.
+pub async fn book(app: &TestApp, atom: &str, device: &str, allocation: &str, secs: i64) {
+    sqlx::query(
+        "INSERT INTO device_bookings (atom, device_id, allocation_id, during) \
+         VALUES ($1, $2, $3, tstzrange(compute_now(), compute_now() + make_interval(secs => $4::float8)))",
+    )
+    .bind(atom)
+    .bind(device)
+    .bind(allocation)
+    .bind(secs as f64)
+    .execute(app.db.db.pool())
+    .await
+    .expect("book");
+}
+
+fn atom_names(device: &Value) -> Vec<String> {
+    device["atoms"]
+        .as_array()
+        .expect("atoms")
+        .iter()
+        .map(|a| a["name"].as_str().expect("name").to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn the_atom_rule_holds_for_every_mode() {
+    let app = spawn_app().await;
+    let f = small_fleet(&app, "atoms").await;
+    let data = app
+        .ok(
+            &app.operator(),
+            "query($id: ID!) { node(id: $id) { ... on ComputeNode { devices { uuid mode migProfiles slots \
+             atoms { name kind profile shareNumerator shareDenominator } } } } }",
+            json!({ "id": f.node }),
+        )
+        .await;
+    let devices = data["node"]["devices"].as_array().expect("devices").clone();
+    let by_uuid = |suffix: &str| {
+        devices
+            .iter()
+            .find(|d| d["uuid"].as_str().is_some_and(|u| u.ends_with(suffix)))
+            .cloned()
+            .expect("device")
+    };
+    let exclusive = by_uuid("-0");
+    assert_eq!(
+        atom_names(&exclusive),
+        vec!["GPU-atoms-0"],
+        "an exclusive GPU is one atom: its UUID"
+    );
+    assert_eq!(exclusive["atoms"][0]["kind"], "GPU");
+
+    let mig = by_uuid("-1");
+    assert_eq!(mig["mode"], "MIG");
+    assert_eq!(
+        atom_names(&mig),
+        vec![
+            "GPU-atoms-1/mig/0",
+            "GPU-atoms-1/mig/1",
+            "GPU-atoms-1/mig/2"
+        ]
+    );
+    assert!(
+        !atom_names(&mig).contains(&"GPU-atoms-1".to_owned()),
+        "the MIG parent is not bookable"
+    );
+    assert_eq!(mig["atoms"][0]["profile"], "3g.40gb");
+    assert_eq!(
+        (
+            mig["atoms"][0]["shareNumerator"].as_i64(),
+            mig["atoms"][0]["shareDenominator"].as_i64()
+        ),
+        (Some(3), Some(7))
+    );
+
+    let sliced = by_uuid("-2");
+    assert_eq!(sliced["slots"], 4);
+    assert_eq!(
+        atom_names(&sliced),
+        vec![
+            "GPU-atoms-2/s0",
+            "GPU-atoms-2/s1",
+            "GPU-atoms-2/s2",
+            "GPU-atoms-2/s3"
+        ]
+    );
+
+    // Capacity counts atoms, by model and profile.
+    let cap = app
+        .ok(
+            &app.operator(),
+            "query($id: ID!) { node(id: $id) { ... on Pool { capacity { model kind profile total booked free } } } }",
+            json!({ "id": f.pool }),
+        )
+        .await;
+    let cap = cap["node"]["capacity"]
+        .as_array()
+        .expect("capacity")
+        .clone();
+    assert_eq!(cap.len(), 5, "{cap:?}");
+    let row = |model: &str, profile: Option<&str>| {
+        cap.iter()
+            .find(|r| r["model"] == model && r["profile"].as_str() == profile)
+            .cloned()
+            .unwrap_or_else(|| panic!("no capacity row for {model} {profile:?}: {cap:?}"))
+    };
+    assert_eq!(row("H100", None)["free"], 1);
+    assert_eq!(row("A100", Some("1g.10gb"))["total"], 1);
+    assert_eq!(row("L4", None)["total"], 4);
+    assert_eq!(row("L4", None)["kind"], "SLOT");
+
+    // The rollup kept in the same transactions agrees with the atoms.
+    let rollup: Vec<(String, String, i32)> =
+        sqlx::query_as("SELECT model, profile, atoms FROM pool_capacity_rollup WHERE pool_id = $1 ORDER BY model, profile")
+            .bind(&f.pool)
+            .fetch_all(app.db.db.pool())
+            .await
+            .expect("rollup");
+    assert_eq!(
+        rollup,
+        vec![
+            ("A100".into(), "1g.10gb".into(), 1),
+            ("A100".into(), "2g.20gb".into(), 1),
+            ("A100".into(), "3g.40gb".into(), 1),
+            ("H100".into(), "".into(), 1),
+            ("L4".into(), "".into(), 4)
+        ]
+    );
+}
+
+#[tokio::test]
+async fn creates_are_idempotent_with_a_key() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let input = json!({ "i": { "name": "same", "region": "eu", "idempotencyKey": "k-1" } });
+    let first = app.ok(&op, CREATE_SITE, input.clone()).await;
+    let again = app.ok(&op, CREATE_SITE, input).await;
+    assert_eq!(first, again, "a retry gets the same answer");
+    assert_eq!(app.count("sites").await, 1);
+    assert_eq!(
+        app.count("outbox WHERE type = 'site.created'").await,
+        1,
+        "and no second event"
+    );
+
+    let (code, _) = app
+        .fails(
+            &op,
+            CREATE_SITE,
+            json!({ "i": { "name": "other", "idempotencyKey": "k-1" } }),
+        )
+        .await;
+    assert_eq!(code, "IDEMPOTENCY_KEY_REUSED");
+
+    // Keys are scoped to the identity: another operator's k-1 is a new request.
+    let other = app.token("bob@ops", Some("ops"), &[compute_api::auth::Role::Operator]);
+    let (code, _) = app
+        .fails(
+            &other,
+            CREATE_SITE,
+            json!({ "i": { "name": "same", "region": "eu", "idempotencyKey": "k-1" } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT", "a new request for an existing name");
+
+    let site = first["createSite"]["site"]["id"].clone();
+    let pool_input = json!({ "i": { "siteId": site, "name": "p", "kind": "PROVIDER", "lostAfterSeconds": 600, "idempotencyKey": "p-1" } });
+    let p1 = app.ok(&op, CREATE_POOL, pool_input.clone()).await;
+    let p2 = app.ok(&op, CREATE_POOL, pool_input).await;
+    assert_eq!(
+        p1["createPool"]["pool"]["id"],
+        p2["createPool"]["pool"]["id"]
+    );
+    assert_eq!(app.count("pools").await, 1);
+}
+
+#[tokio::test]
+async fn bad_input_names_the_field_and_writes_nothing() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let f = small_fleet(&app, "bad").await;
+    let (nodes, devices, events) = (
+        app.count("nodes").await,
+        app.count("devices").await,
+        app.count("outbox").await,
+    );
+    let node = |devices: Value, vcpu: i64| json!({ "i": { "poolId": f.pool, "hostname": "bad-node-2", "resources": { "vcpu": vcpu, "memoryMib": 1024, "diskGib": 10 }, "devices": devices } });
+    let cases = vec![
+        ("negative count", node(json!([]), -4), "resources.vcpu"),
+        (
+            "unknown MIG profile",
+            node(
+                json!([{ "uuid": "GPU-x1", "model": "A100", "memoryMib": 81920, "mode": "MIG", "layout": { "migProfiles": ["5g.50gb"] } }]),
+                8,
+            ),
+            "devices[0].layout",
+        ),
+        (
+            "overlapping layout",
+            node(
+                json!([{ "uuid": "GPU-x2", "model": "A100", "memoryMib": 81920, "mode": "MIG", "layout": { "migProfiles": ["4g.40gb", "4g.40gb"] } }]),
+                8,
+            ),
+            "devices[0].layout",
+        ),
+        (
+            "a GPU listed twice",
+            node(
+                json!([{ "uuid": "GPU-x3", "model": "L4", "memoryMib": 23034 }, { "uuid": "GPU-x3", "model": "L4", "memoryMib": 23034 }]),
+                8,
+            ),
+            "devices",
+        ),
+    ];
+    for (case, input, field) in cases {
+        let (code, error) = app.fails(&op, REGISTER, input).await;
+        assert_eq!(code, "BAD_USER_INPUT", "{case}: {error}");
+        assert_eq!(error["extensions"]["field"], field, "{case}: {error}");
+    }
+    let (code, error) = app
+        .fails(&op, REGISTER, json!({ "i": { "poolId": "pool_nope", "hostname": "x", "resources": { "vcpu": 1, "memoryMib": 1, "diskGib": 1 } } }))
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("poolId")),
+        "malformed id"
+    );
+    let (code, error) = app
+        .fails(&op, CREATE_POOL, json!({ "i": { "siteId": f.site, "name": "cheap", "kind": "BARE_METAL", "overcommit": { "vcpu": 0.5 } } }))
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("overcommit.vcpu")),
+        "ratio below 1"
+    );
+    let (code, error) = app
+        .fails(&op, CREATE_POOL, json!({ "i": { "siteId": f.site, "name": "metal", "kind": "BARE_METAL", "lostAfterSeconds": 60 } }))
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("lostAfterSeconds"))
+    );
+    let (code, _) = app
+        .fails(&op, REGISTER, json!({ "i": { "poolId": f.pool, "hostname": "bad-node-1", "resources": { "vcpu": 1, "memoryMib": 1, "diskGib": 1 } } }))
+        .await;
+    assert_eq!(code, "CONFLICT", "a host name already registered");
+    let (code, _) = app
+        .fails(&op, REGISTER, json!({ "i": { "poolId": "pool_0000000000000000000000000000beef", "hostname": "y", "resources": { "vcpu": 1, "memoryMib": 1, "diskGib": 1 } } }))
+        .await;
+    assert_eq!(code, "NOT_FOUND");
+
+    assert_eq!(
+        (
+            app.count("nodes").await,
+            app.count("devices").await,
+            app.count("outbox").await
+        ),
+        (nodes, devices, events),
+        "failed mutations left no rows and no events"
+    );
+}
+
+#[tokio::test]
+async fn a_stale_version_is_a_conflict_carrying_the_current_one() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let f = small_fleet(&app, "stale").await;
+    let update =
+        "mutation($i: UpdateSiteInput!) { updateSite(input: $i) { site { name version } } }";
+    let data = app
+        .ok(
+            &op,
+            update,
+            json!({ "i": { "id": f.site, "version": 1, "name": "renamed" } }),
+        )
+        .await;
+    assert_eq!(
+        data["updateSite"]["site"],
+        json!({ "name": "renamed", "version": 2 })
+    );
+    let (code, error) = app
+        .fails(
+            &op,
+            update,
+            json!({ "i": { "id": f.site, "version": 1, "name": "again" } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT");
+    assert_eq!(error["extensions"]["currentVersion"], 2);
+
+    let update_node = "mutation($i: UpdateNodeInput!) { updateNode(input: $i) { computeNode { version generation labels { key value } } } }";
+    let data = app
+        .ok(&op, update_node, json!({ "i": { "id": f.node, "version": 1, "labels": [{ "key": "zone", "value": "a" }] } }))
+        .await;
+    assert_eq!(
+        data["updateNode"]["computeNode"]["generation"], 2,
+        "a spec change moves the generation"
+    );
+    let (code, error) = app
+        .fails(
+            &op,
+            update_node,
+            json!({ "i": { "id": f.node, "version": 1, "labels": [] } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["currentVersion"]),
+        ("CONFLICT", &json!(2))
+    );
+
+    let update_pool = "mutation($i: UpdatePoolInput!) { updatePool(input: $i) { pool { version overcommit { vcpu } } } }";
+    let (code, _) = app
+        .fails(
+            &op,
+            update_pool,
+            json!({ "i": { "id": f.pool, "version": 7, "name": "x" } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT");
+    assert_eq!(
+        app.count("outbox WHERE type IN ('site.updated', 'node.updated')")
+            .await,
+        2,
+        "one event per change that committed"
+    );
+}
+
+#[tokio::test]
+async fn pool_ratios_reach_the_nodes_and_never_overcommit_them() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let f = small_fleet(&app, "ratio").await;
+    let resources = "query($id: ID!) { node(id: $id) { ... on ComputeNode { resources { resource allocatable ratio limit allocated free } } } }";
+    let data = app.ok(&op, resources, json!({ "id": f.node })).await;
+    assert_eq!(
+        data["node"]["resources"][2],
+        json!({ "resource": "VCPU", "allocatable": 64, "ratio": 2.0, "limit": 128, "allocated": 0, "free": 128 })
+    );
+
+    sqlx::query(
+        "UPDATE node_resources SET allocated = 100 WHERE node_id = $1 AND resource = 'vcpu'",
+    )
+    .bind(&f.node)
+    .execute(app.db.db.pool())
+    .await
+    .expect("allocate");
+    let update_pool = "mutation($i: UpdatePoolInput!) { updatePool(input: $i) { pool { version overcommit { vcpu } } } }";
+    let (code, error) = app
+        .fails(
+            &op,
+            update_pool,
+            json!({ "i": { "id": f.pool, "version": 1, "overcommit": { "vcpu": 1.0 } } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT", "{error}");
+    let data = app
+        .ok(
+            &op,
+            update_pool,
+            json!({ "i": { "id": f.pool, "version": 1, "overcommit": { "vcpu": 1.6 } } }),
+        )
+        .await;
+    assert_eq!(
+        data["updatePool"]["pool"],
+        json!({ "version": 2, "overcommit": { "vcpu": 1.6 } })
+    );
+    let data = app.ok(&op, resources, json!({ "id": f.node })).await;
+    assert_eq!(data["node"]["resources"][2]["limit"], 102);
+    let err = sqlx::query(
+        "UPDATE node_resources SET allocated = 103 WHERE node_id = $1 AND resource = 'vcpu'",
+    )
+    .bind(&f.node)
+    .execute(app.db.db.pool())
+    .await
+    .expect_err("the CHECK backstop");
+    assert!(
+        err.to_string().contains("node_resources_within_limit"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn cordon_taint_drain_and_retire_follow_the_state_table() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let f = small_fleet(&app, "life").await;
+    let fields =
+        "{ computeNode { lifecycle cordoned cordonReason version taints { key value effect } } }";
+    let cordon = format!("mutation($i: CordonNodeInput!) {{ cordonNode(input: $i) {fields} }}");
+    let uncordon = format!("mutation($i: NodeActionInput!) {{ uncordonNode(input: $i) {fields} }}");
+    let taint = format!("mutation($i: TaintNodeInput!) {{ taintNode(input: $i) {fields} }}");
+    let untaint = format!("mutation($i: UntaintNodeInput!) {{ untaintNode(input: $i) {fields} }}");
+    let retire = format!("mutation($i: NodeActionInput!) {{ retireNode(input: $i) {fields} }}");
+
+    let d = app
+        .ok(
+            &op,
+            &cordon,
+            json!({ "i": { "id": f.node, "reason": "bios update" } }),
+        )
+        .await;
+    assert_eq!(d["cordonNode"]["computeNode"]["lifecycle"], "CORDONED");
+    assert_eq!(
+        d["cordonNode"]["computeNode"]["cordonReason"],
+        "bios update"
+    );
+    let (code, _) = app
+        .fails(
+            &op,
+            &uncordon,
+            json!({ "i": { "id": f.node, "version": 1 } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT", "the cordon moved the version");
+    let d = app
+        .ok(&op, &uncordon, json!({ "i": { "id": f.node } }))
+        .await;
+    assert_eq!(d["uncordonNode"]["computeNode"]["lifecycle"], "ACTIVE");
+
+    let d = app.ok(&op, &taint, json!({ "i": { "id": f.node, "taint": { "key": "gpu", "value": "h100", "effect": "NO_SCHEDULE" } } })).await;
+    assert_eq!(
+        d["taintNode"]["computeNode"]["taints"],
+        json!([{ "key": "gpu", "value": "h100", "effect": "NO_SCHEDULE" }])
+    );
+    let d = app.ok(&op, &taint, json!({ "i": { "id": f.node, "taint": { "key": "gpu", "value": "a100", "effect": "NO_SCHEDULE" } } })).await;
+    assert_eq!(
+        d["taintNode"]["computeNode"]["taints"]
+            .as_array()
+            .map(Vec::len),
+        Some(1),
+        "same key and effect replaces"
+    );
+    let d = app
+        .ok(
+            &op,
+            &untaint,
+            json!({ "i": { "id": f.node, "key": "gpu" } }),
+        )
+        .await;
+    assert_eq!(d["untaintNode"]["computeNode"]["taints"], json!([]));
+    let (code, _) = app
+        .fails(
+            &op,
+            &untaint,
+            json!({ "i": { "id": f.node, "key": "gpu" } }),
+        )
+        .await;
+    assert_eq!(code, "NOT_FOUND");
+
+    let (exclusive_dev, exclusive_uuid) = f.gpus[0].clone();
+    book(&app, &exclusive_uuid, &exclusive_dev, "alc_test", 3600).await;
+    let d = app
+        .ok(&op, "mutation($i: NodeActionInput!) { drainNode(input: $i) { computeNode { lifecycle } remaining { allocationId atoms until } } }", json!({ "i": { "id": f.node } }))
+        .await;
+    assert_eq!(d["drainNode"]["computeNode"]["lifecycle"], "CORDONED");
+    assert_eq!(
+        d["drainNode"]["remaining"],
+        json!([{ "allocationId": "alc_test", "atoms": [exclusive_uuid], "until": "2031-01-01T01:00:00+00:00" }])
+    );
+    let (code, error) = app
+        .fails(&op, &retire, json!({ "i": { "id": f.node } }))
+        .await;
+    assert_eq!(code, "CONFLICT");
+    assert!(
+        error["message"].as_str().unwrap_or("").contains("alc_test"),
+        "{error}"
+    );
+
+    app.db.advance_clock(3600).await;
+    let d = app.ok(&op, &retire, json!({ "i": { "id": f.node } })).await;
+    assert_eq!(d["retireNode"]["computeNode"]["lifecycle"], "RETIRED");
+    let (code, error) = app
+        .fails(&op, &uncordon, json!({ "i": { "id": f.node } }))
+        .await;
+    assert_eq!(code, "CONFLICT");
+    assert!(
+        error["message"].as_str().unwrap_or("").contains("retired"),
+        "{error}"
+    );
+    let cap = app
+        .ok(
+            &op,
+            "query($id: ID!) { node(id: $id) { ... on Pool { capacity { total } } } }",
+            json!({ "id": f.pool }),
+        )
+        .await;
+    assert_eq!(
+        cap["node"]["capacity"],
+        json!([]),
+        "a retired node's GPUs leave capacity"
+    );
+    let (atoms,): (i64,) = sqlx::query_as(
+        "SELECT coalesce(sum(atoms), 0)::bigint FROM pool_capacity_rollup WHERE pool_id = $1",
+    )
+    .bind(&f.pool)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("rollup");
+    assert_eq!(atoms, 0);
+    for t in [
+        "node.cordoned",
+        "node.uncordoned",
+        "node.tainted",
+        "node.untainted",
+        "node.drained",
+        "node.retired",
+    ] {
+        assert!(
+            app.count(&format!("outbox WHERE type = '{t}'")).await >= 1,
+            "{t} event"
+        );
+    }
+}
+
+#[tokio::test]
+async fn health_and_quarantine_take_gpus_out_of_free_capacity() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let f = small_fleet(&app, "health").await;
+    let free_h100 = || async {
+        let d = app
+            .ok(&op, "query($id: ID!) { node(id: $id) { ... on Pool { capacity { model total free } } } }", json!({ "id": f.pool }))
+            .await;
+        d["node"]["capacity"]
+            .as_array()
+            .and_then(|rows| rows.iter().find(|r| r["model"] == "H100").cloned())
+            .expect("H100 row")
+    };
+    assert_eq!(
+        free_h100().await,
+        json!({ "model": "H100", "total": 1, "free": 1 })
+    );
+    let dev = f.gpus[0].0.clone();
+    let d = app
+        .ok(&op, "mutation($i: SetDeviceHealthInput!) { setDeviceHealth(input: $i) { device { health healthReason version } } }", json!({ "i": { "id": dev, "health": "UNHEALTHY", "reason": "XID 79" } }))
+        .await;
+    assert_eq!(
+        d["setDeviceHealth"]["device"],
+        json!({ "health": "UNHEALTHY", "healthReason": "XID 79", "version": 2 })
+    );
+    assert_eq!(free_h100().await["free"], 0);
+    app.ok(
+        &op,
+        "mutation($i: SetDeviceHealthInput!) { setDeviceHealth(input: $i) { device { health } } }",
+        json!({ "i": { "id": dev, "health": "HEALTHY" } }),
+    )
+    .await;
+    let d = app
+        .ok(&op, "mutation($i: QuarantineDeviceInput!) { quarantineDevice(input: $i) { device { quarantined quarantineReason } } }", json!({ "i": { "id": dev, "reason": "RMA" } }))
+        .await;
+    assert_eq!(
+        d["quarantineDevice"]["device"],
+        json!({ "quarantined": true, "quarantineReason": "RMA" })
+    );
+    assert_eq!(free_h100().await["free"], 0);
+    let (code, error) = app
+        .fails(&op, "mutation($i: QuarantineDeviceInput!) { quarantineDevice(input: $i) { device { id } } }", json!({ "i": { "id": dev, "reason": " " } }))
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("reason"))
+    );
+    app.ok(&op, "mutation($i: UnquarantineDeviceInput!) { unquarantineDevice(input: $i) { device { quarantined } } }", json!({ "i": { "id": dev } })).await;
+    assert_eq!(free_h100().await["free"], 1);
+
+    // Cordoning takes the whole node out of free capacity (placement locks these rows FOR SHARE).
+    app.ok(
+        &op,
+        "mutation($i: CordonNodeInput!) { cordonNode(input: $i) { computeNode { id } } }",
+        json!({ "i": { "id": f.node } }),
+    )
+    .await;
+    assert_eq!(
+        free_h100().await,
+        json!({ "model": "H100", "total": 1, "free": 0 })
+    );
+    for t in [
+        "device.health_changed",
+        "device.quarantined",
+        "device.unquarantined",
+    ] {
+        assert!(
+            app.count(&format!("outbox WHERE type = '{t}'")).await >= 1,
+            "{t} event"
+        );
+    }
+}
+
+const CHANGE_MODE: &str = "mutation($i: ChangeDeviceModeInput!) { changeDeviceMode(input: $i) { device { mode version migProfiles slots atoms { name profile } } } }";
+
+#[tokio::test]
+async fn a_mode_change_replaces_the_atoms_and_holds_the_gpu() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let f = small_fleet(&app, "mode").await;
+    let (dev, uuid) = f.gpus[0].clone();
+    let d = app
+        .ok(&op, CHANGE_MODE, json!({ "i": { "id": dev, "version": 1, "mode": "MIG", "layout": { "migProfiles": ["4g.40gb", "3g.40gb"] }, "changeWindowSeconds": 600 } }))
+        .await;
+    let device = &d["changeDeviceMode"]["device"];
+    assert_eq!(device["mode"], "MIG");
+    assert_eq!(device["version"], 2);
+    assert_eq!(
+        atom_names(device),
+        vec![format!("{uuid}/mig/0"), format!("{uuid}/mig/1")]
+    );
+
+    // While the node applies the change, the GPU (parent and new atoms) is held.
+    let held: Vec<(String,)> = sqlx::query_as(
+        "SELECT atom FROM device_bookings WHERE device_id = $1 AND reason = 'mode_change' AND during @> compute_now() ORDER BY atom",
+    )
+    .bind(&dev)
+    .fetch_all(app.db.db.pool())
+    .await
+    .expect("holds");
+    let held: Vec<String> = held.into_iter().map(|(a,)| a).collect();
+    assert_eq!(
+        held,
+        vec![
+            uuid.clone(),
+            format!("{uuid}/mig/0"),
+            format!("{uuid}/mig/1")
+        ]
+    );
+    let (code, error) = app
+        .fails(
+            &op,
+            CHANGE_MODE,
+            json!({ "i": { "id": dev, "version": 2, "mode": "EXCLUSIVE" } }),
+        )
+        .await;
+    assert_eq!(
+        code, "CONFLICT",
+        "a second change inside the window: {error}"
+    );
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("mode_change hold"),
+        "{error}"
+    );
+
+    app.db.advance_clock(601).await;
+    let d = app
+        .ok(&op, CHANGE_MODE, json!({ "i": { "id": dev, "version": 2, "mode": "TIME_SLICE", "layout": { "slots": 2 }, "changeWindowSeconds": 0 } }))
+        .await;
+    assert_eq!(
+        atom_names(&d["changeDeviceMode"]["device"]),
+        vec![format!("{uuid}/s0"), format!("{uuid}/s1")]
+    );
+    let d = app.ok(&op, CHANGE_MODE, json!({ "i": { "id": dev, "version": 3, "mode": "EXCLUSIVE", "changeWindowSeconds": 0 } })).await;
+    assert_eq!(
+        atom_names(&d["changeDeviceMode"]["device"]),
+        vec![uuid.clone()]
+    );
+    let (generation,): (i64,) = sqlx::query_as("SELECT generation FROM nodes WHERE id = $1")
+        .bind(&f.node)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("generation");
+    assert_eq!(
+        generation, 4,
+        "each mode change is a spec change of the node"
+    );
+    assert_eq!(
+        app.count("outbox WHERE type = 'device.mode_changed'").await,
+        3
+    );
+
+    let (code, error) = app
+        .fails(&op, CHANGE_MODE, json!({ "i": { "id": dev, "version": 4, "mode": "MIG", "layout": { "migProfiles": ["1g.5gb"] } } }))
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("layout")),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn a_mode_change_is_refused_while_an_atom_is_booked() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let f = small_fleet(&app, "busy").await;
+    let (dev, uuid) = f.gpus[1].clone(); // the MIG GPU
+    // An advance booking, an hour from now, on one instance.
+    sqlx::query(
+        "INSERT INTO device_bookings (atom, device_id, allocation_id, during) \
+         VALUES ($1, $2, 'alc_future', tstzrange(compute_now() + interval '1 hour', compute_now() + interval '2 hours'))",
+    )
+    .bind(format!("{uuid}/mig/2"))
+    .bind(&dev)
+    .execute(app.db.db.pool())
+    .await
+    .expect("book");
+    let (atoms, events) = (app.count("device_atoms").await, app.count("outbox").await);
+    let (code, error) = app
+        .fails(
+            &op,
+            CHANGE_MODE,
+            json!({ "i": { "id": dev, "version": 1, "mode": "EXCLUSIVE" } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT");
+    let message = error["message"].as_str().unwrap_or("");
+    assert!(
+        message.contains(&format!("{uuid}/mig/2 is booked by alc_future")),
+        "{message}"
+    );
+    assert_eq!(
+        (app.count("device_atoms").await, app.count("outbox").await),
+        (atoms, events),
+        "nothing changed"
+    );
+    assert_eq!(
+        app.count("device_bookings").await,
+        1,
+        "the probe bookings rolled back"
+    );
+    let d = app
+        .ok(
+            &op,
+            "query($id: ID!) { node(id: $id) { ... on Device { mode version } } }",
+            json!({ "id": dev }),
+        )
+        .await;
+    assert_eq!(d["node"], json!({ "mode": "MIG", "version": 1 }));
+
+    // The exclusion constraint itself refuses a parent booking over a child's, whoever asks:
+    // the parent of a MIG GPU is simply not an atom, and a mode change books it.
+    let err = sqlx::query(
+        "INSERT INTO device_bookings (atom, device_id, allocation_id, during) \
+         VALUES ($1, $2, 'alc_dup', tstzrange(compute_now() + interval '90 minutes', compute_now() + interval '3 hours'))",
+    )
+    .bind(format!("{uuid}/mig/2"))
+    .bind(&dev)
+    .execute(app.db.db.pool())
+    .await
+    .expect_err("overlap");
+    assert!(
+        err.to_string().contains("device_bookings_no_overlap"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn quotas_are_set_by_operators_and_read_by_their_tenant() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let f = small_fleet(&app, "quota").await;
+    let set = "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { tenantId scopeId scopeKind resource max used version } } }";
+    let d = app
+        .ok(
+            &op,
+            set,
+            json!({ "i": { "tenantId": "acme", "scopeId": f.pool, "gpus": 2.5, "vcpu": 64 } }),
+        )
+        .await;
+    assert_eq!(d["setQuota"]["quotas"].as_array().map(Vec::len), Some(2));
+    let d = app
+        .ok(
+            &op,
+            set,
+            json!({ "i": { "tenantId": "acme", "scopeId": f.pool, "gpus": 4 } }),
+        )
+        .await;
+    assert_eq!(d["setQuota"]["quotas"][0]["version"], 2);
+    let (code, error) = app
+        .fails(
+            &op,
+            set,
+            json!({ "i": { "tenantId": "acme", "scopeId": f.node, "gpus": 1 } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("scopeId"))
+    );
+    let before = app.count("quota_usage").await;
+    let (code, _) = app
+        .fails(&op, set, json!({ "i": { "tenantId": "acme", "scopeId": "pool_0000000000000000000000000000beef", "gpus": 1 } }))
+        .await;
+    assert_eq!(code, "NOT_FOUND");
+    assert_eq!(app.count("quota_usage").await, before, "nothing written");
+
+    let acme = app.member("acme");
+    let d = app
+        .ok(&acme, "{ quotas { resource max used } }", json!({}))
+        .await;
+    assert_eq!(
+        d["quotas"],
+        json!([{ "resource": "GPUS", "max": 4.0, "used": 0.0 }, { "resource": "VCPU", "max": 64.0, "used": 0.0 }])
+    );
+    let other = app.member("globex");
+    let d = app
+        .ok(&other, "{ quotas(tenantId: \"acme\") { max } }", json!({}))
+        .await;
+    assert_eq!(
+        d["quotas"],
+        json!([]),
+        "another tenant's quotas are invisible"
+    );
+    let (code, _) = app
+        .fails(
+            &acme,
+            set,
+            json!({ "i": { "tenantId": "acme", "scopeId": f.pool, "gpus": 100 } }),
+        )
+        .await;
+    assert_eq!(code, "FORBIDDEN");
+    assert_eq!(
+        app.count("outbox WHERE type = 'quota.set' AND tenant_id = 'acme'")
+            .await,
+        2
+    );
+}
+
+#[tokio::test]
+async fn members_see_the_public_face_and_nothing_else() {
+    let app = spawn_app().await;
+    let f = small_fleet(&app, "iso").await;
+    let member = app.member("acme");
+    let d = app
+        .ok(&member, "{ sites { totalCount edges { node { name pools { edges { node { name capacity { model free } } } } } } } }", json!({}))
+        .await;
+    assert_eq!(d["sites"]["totalCount"], 1);
+    assert_eq!(
+        d["sites"]["edges"][0]["node"]["pools"]["edges"][0]["node"]["name"],
+        "gpu"
+    );
+
+    for (query, vars) in [
+        ("{ computeNodes { totalCount } }", json!({})),
+        ("{ devices { totalCount } }", json!({})),
+        ("{ atoms { totalCount } }", json!({})),
+        (
+            "query($id: ID!) { node(id: $id) { ... on Pool { computeNodes { totalCount } } } }",
+            json!({ "id": f.pool }),
+        ),
+        (
+            "mutation { createSite(input: { name: \"mine\" }) { site { id } } }",
+            json!({}),
+        ),
+    ] {
+        let (code, _) = app.fails(&member, query, vars).await;
+        assert_eq!(code, "FORBIDDEN", "{query}");
+    }
+    for id in [&f.node, &f.gpus[0].0] {
+        let (code, _) = app
+            .fails(
+                &member,
+                "query($id: ID!) { node(id: $id) { id } }",
+                json!({ "id": id }),
+            )
+            .await;
+        assert_eq!(code, "NOT_FOUND", "a member cannot see {id}");
+    }
+    let d = app
+        .ok(
+            &member,
+            "query($ids: [ID!]!) { nodes(ids: $ids) { id } }",
+            json!({ "ids": [f.site, f.node, f.pool] }),
+        )
+        .await;
+    assert_eq!(
+        d["nodes"],
+        json!([{ "id": f.site }, null, { "id": f.pool }])
+    );
+
+    let (_, body) = app
+        .graphql("{ sites { totalCount } }", json!({}), None)
+        .await;
+    assert_eq!(compute_tests::first_code(&body), Some("UNAUTHENTICATED"));
+    let (code, _) = app
+        .fails(
+            &app.operator(),
+            "query($id: ID!) { node(id: $id) { id } }",
+            json!({ "id": "nonsense" }),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT");
+}
+
+#[tokio::test]
+async fn connections_page_both_ways_with_opaque_cursors() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let d = app
+            .ok(
+                &op,
+                CREATE_SITE,
+                json!({ "i": { "name": format!("s{i}") } }),
+            )
+            .await;
+        ids.push(
+            d["createSite"]["site"]["id"]
+                .as_str()
+                .expect("id")
+                .to_owned(),
+        );
+    }
+    let page = "query($first: Int, $after: String, $last: Int, $before: String) { sites(first: $first, after: $after, last: $last, before: $before) { totalCount pageInfo { hasNextPage hasPreviousPage startCursor endCursor } edges { cursor node { id } } } }";
+    let d = app.ok(&op, page, json!({ "first": 2 })).await;
+    let names: Vec<&str> = d["sites"]["edges"]
+        .as_array()
+        .expect("edges")
+        .iter()
+        .filter_map(|e| e["node"]["id"].as_str())
+        .collect();
+    assert_eq!(names, vec![ids[0].as_str(), ids[1].as_str()]);
+    assert_eq!(d["sites"]["totalCount"], 5);
+    assert_eq!(d["sites"]["pageInfo"]["hasNextPage"], true);
+    let end = d["sites"]["pageInfo"]["endCursor"].clone();
+    let d = app
+        .ok(&op, page, json!({ "first": 10, "after": end }))
+        .await;
+    let names: Vec<&str> = d["sites"]["edges"]
+        .as_array()
+        .expect("edges")
+        .iter()
+        .filter_map(|e| e["node"]["id"].as_str())
+        .collect();
+    assert_eq!(
+        names,
+        vec![ids[2].as_str(), ids[3].as_str(), ids[4].as_str()]
+    );
+    assert_eq!(d["sites"]["pageInfo"]["hasNextPage"], false);
+    assert_eq!(d["sites"]["pageInfo"]["hasPreviousPage"], true);
+
+    let d = app.ok(&op, page, json!({ "last": 2 })).await;
+    let names: Vec<&str> = d["sites"]["edges"]
+        .as_array()
+        .expect("edges")
+        .iter()
+        .filter_map(|e| e["node"]["id"].as_str())
+        .collect();
+    assert_eq!(
+        names,
+        vec![ids[3].as_str(), ids[4].as_str()],
+        "last keeps the order"
+    );
+    assert_eq!(d["sites"]["pageInfo"]["hasPreviousPage"], true);
+    let start = d["sites"]["pageInfo"]["startCursor"].clone();
+    let d = app
+        .ok(&op, page, json!({ "last": 2, "before": start }))
+        .await;
+    let names: Vec<&str> = d["sites"]["edges"]
+        .as_array()
+        .expect("edges")
+        .iter()
+        .filter_map(|e| e["node"]["id"].as_str())
+        .collect();
+    assert_eq!(names, vec![ids[1].as_str(), ids[2].as_str()]);
+
+    let (code, error) = app.fails(&op, page, json!({ "first": 101 })).await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("first"))
+    );
+    let (code, error) = app.fails(&op, page, json!({ "after": ids[0] })).await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("after")),
+        "an id is not a cursor"
+    );
+}
+
+#[tokio::test]
+async fn filters_find_what_a_frontend_asks_for() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let f = small_fleet(&app, "filter").await;
+    let other = small_fleet(&app, "other").await;
+    let count = |q: String| {
+        let app = &app;
+        let op = op.clone();
+        async move {
+            let d = app.ok(&op, &q, json!({})).await;
+            d.as_object()
+                .and_then(|o| o.values().next())
+                .map(|v| v["totalCount"].clone())
+                .expect("count")
+        }
+    };
+    assert_eq!(
+        count(format!(
+            "{{ computeNodes(siteId: \"{}\") {{ totalCount }} }}",
+            f.site
+        ))
+        .await,
+        1
+    );
+    assert_eq!(count("{ computeNodes { totalCount } }".into()).await, 2);
+    assert_eq!(
+        count(format!(
+            "{{ devices(poolId: \"{}\") {{ totalCount }} }}",
+            other.pool
+        ))
+        .await,
+        3
+    );
+    assert_eq!(
+        count("{ devices(model: \"A100\", mode: MIG) { totalCount } }".into()).await,
+        2
+    );
+    assert_eq!(
+        count("{ atoms(kind: SLOT) { totalCount } }".into()).await,
+        8
+    );
+    assert_eq!(
+        count("{ atoms(profile: \"3g.40gb\", free: true) { totalCount } }".into()).await,
+        2
+    );
+    assert_eq!(
+        count(format!(
+            "{{ pools(siteId: \"{}\", kind: BARE_METAL) {{ totalCount }} }}",
+            f.site
+        ))
+        .await,
+        1
+    );
+
+    app.ok(
+        &op,
+        "mutation($i: CordonNodeInput!) { cordonNode(input: $i) { computeNode { id } } }",
+        json!({ "i": { "id": f.node } }),
+    )
+    .await;
+    assert_eq!(
+        count("{ computeNodes(cordoned: true) { totalCount } }".into()).await,
+        1
+    );
+    assert_eq!(
+        count("{ computeNodes(hasFreeCapacity: true) { totalCount } }".into()).await,
+        1
+    );
+    assert_eq!(
+        count("{ computeNodes(hasFreeCapacity: false) { totalCount } }".into()).await,
+        1
+    );
+    assert_eq!(
+        count("{ computeNodes(reachability: CONNECTED) { totalCount } }".into()).await,
+        0
+    );
+    assert_eq!(
+        count("{ computeNodes(reachability: DISCONNECTED) { totalCount } }".into()).await,
+        2
+    );
+}

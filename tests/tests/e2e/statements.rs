@@ -1,0 +1,137 @@
+//! The data loaders keep the number of SQL statements of a tree query independent of the size of
+//! the fleet. Statements are counted (sqlx logs each one under the `sqlx::query` target), never
+//! timed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
+use compute_domain::fleet::model::{Labels, Layout, PoolKind};
+use compute_domain::idempotency::Actor;
+use compute_tests::{TestApp, spawn_app};
+use serde_json::json;
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+
+struct CountStatements(Arc<AtomicUsize>);
+
+impl<S: tracing::Subscriber> Layer<S> for CountStatements {
+    fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+        if event.metadata().target() == "sqlx::query" {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+async fn fleet_of(app: &TestApp, nodes: usize) {
+    let db = &app.db.db;
+    let actor = Actor {
+        subject: "test".into(),
+        tenant: None,
+    };
+    let site = commands::create_site(
+        db,
+        &actor,
+        NewSite {
+            name: "big".into(),
+            region: None,
+        },
+        None,
+    )
+    .await
+    .expect("site");
+    for p in 0..2 {
+        let pool = commands::create_pool(
+            db,
+            &actor,
+            NewPool {
+                site_id: site.id.clone(),
+                name: format!("pool-{p}"),
+                kind: PoolKind::BareMetal,
+                lost_after_seconds: None,
+                vcpu_ratio: 1.0,
+                memory_ratio: 1.0,
+                disk_ratio: 1.0,
+            },
+            None,
+        )
+        .await
+        .expect("pool");
+        for n in 0..nodes / 2 {
+            commands::register_node(
+                db,
+                NewNode {
+                    pool_id: pool.id.clone(),
+                    hostname: format!("p{p}-n{n}"),
+                    labels: Labels::new(),
+                    taints: vec![],
+                    vcpu: 128,
+                    memory_mib: 1 << 20,
+                    disk_gib: 1000,
+                    devices: (0..8)
+                        .map(|g| NewDevice {
+                            uuid: format!("GPU-p{p}-n{n}-g{g}"),
+                            vendor: "nvidia".into(),
+                            model: "H100".into(),
+                            memory_mib: 81_559,
+                            layout: Layout::Exclusive,
+                        })
+                        .collect(),
+                },
+            )
+            .await
+            .expect("node");
+        }
+    }
+}
+
+const TREE: &str = "{ sites(first: 10) { edges { node { id name pools(first: 100) { totalCount edges { node { id name \
+    capacity { model free } computeNodes(first: 100) { totalCount edges { node { id hostname resources { resource free } \
+    devices { id model mode atoms { name } } } } } } } } } } } }";
+
+/// Runs the tree query; returns the statements it took and the number of GPUs it returned.
+async fn statements_for_tree(app: &TestApp) -> (usize, usize) {
+    let counter = Arc::new(AtomicUsize::new(0));
+    let subscriber = tracing_subscriber::registry().with(CountStatements(counter.clone()));
+    let guard = tracing::subscriber::set_default(subscriber);
+    let data = app.ok(&app.operator(), TREE, json!({})).await;
+    drop(guard);
+    let gpus = data["sites"]["edges"][0]["node"]["pools"]["edges"]
+        .as_array()
+        .expect("pools")
+        .iter()
+        .flat_map(|p| {
+            p["node"]["computeNodes"]["edges"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .map(|n| n["node"]["devices"].as_array().map_or(0, Vec::len))
+        .sum();
+    (counter.load(Ordering::SeqCst), gpus)
+}
+
+#[tokio::test]
+async fn a_tree_query_issues_the_same_statements_for_2_and_100_nodes() {
+    let small = spawn_app().await;
+    fleet_of(&small, 2).await;
+    let large = spawn_app().await;
+    fleet_of(&large, 100).await;
+
+    let (small_statements, small_gpus) = statements_for_tree(&small).await;
+    let (large_statements, large_gpus) = statements_for_tree(&large).await;
+    assert_eq!(
+        (small_gpus, large_gpus),
+        (16, 800),
+        "the whole tree came back"
+    );
+    assert!(small_statements > 0, "statements are being counted");
+    assert_eq!(
+        small_statements, large_statements,
+        "2 nodes took {small_statements} statements, 100 nodes took {large_statements}"
+    );
+    // sites, pools, pool counts, capacity, nodes, node counts, resources, devices, atoms.
+    assert!(large_statements <= 10, "{large_statements} statements");
+    eprintln!(
+        "tree query: {small_statements} statements for 2 nodes, {large_statements} for 100 nodes (800 GPUs)"
+    );
+}
