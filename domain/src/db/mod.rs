@@ -79,6 +79,11 @@ pub const MAX_ATTEMPTS: u32 = 3;
 pub struct PoolSettings {
     pub max_connections: u32,
     pub acquire_timeout: Duration,
+    /// The connections' default `statement_timeout`, which bounds single-statement reads that run
+    /// outside `Db::tx` (transactions set their own with `SET LOCAL`). Sent as a startup
+    /// parameter: behind PgBouncer, allow it with `ignore_startup_parameters = options`, or set
+    /// it on the role instead and pass `None`.
+    pub statement_timeout: Option<Duration>,
 }
 
 impl Default for PoolSettings {
@@ -86,6 +91,7 @@ impl Default for PoolSettings {
         PoolSettings {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
+            statement_timeout: Some(Duration::from_secs(30)),
         }
     }
 }
@@ -100,9 +106,13 @@ impl Db {
     /// Connects a pool to `url`. Statement logging is at `debug` level with slow statements at
     /// `warn`.
     pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Db> {
-        let options: PgConnectOptions = url
+        let mut options: PgConnectOptions = url
             .parse::<PgConnectOptions>()
-            .map_err(|e| Error::internal(format!("invalid database URL: {e}")))?
+            .map_err(|e| Error::internal(format!("invalid database URL: {e}")))?;
+        if let Some(t) = settings.statement_timeout {
+            options = options.options([("statement_timeout", format!("{}ms", t.as_millis()))]);
+        }
+        let options = options
             .application_name("compute")
             .log_statements(tracing::log::LevelFilter::Debug)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_millis(500));

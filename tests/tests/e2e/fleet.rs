@@ -1135,3 +1135,198 @@ async fn filters_find_what_a_frontend_asks_for() {
         2
     );
 }
+
+/// One bad input per mutation: each is `BAD_USER_INPUT` naming its field, and writes nothing.
+#[tokio::test]
+async fn every_mutation_validates_its_input() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let f = small_fleet(&app, "valid").await;
+    let dev = f.gpus[0].0.clone();
+    let cases: Vec<(&str, Value, &str)> = vec![
+        (
+            "mutation($i: CreateSiteInput!) { createSite(input: $i) { site { id } } }",
+            json!({ "name": "" }),
+            "name",
+        ),
+        (
+            "mutation($i: UpdateSiteInput!) { updateSite(input: $i) { site { id } } }",
+            json!({ "id": f.pool, "version": 1 }),
+            "id",
+        ),
+        (
+            "mutation($i: CreatePoolInput!) { createPool(input: $i) { pool { id } } }",
+            json!({ "siteId": f.site, "name": "x", "kind": "PROVIDER", "overcommit": { "memory": 101 } }),
+            "overcommit.memory",
+        ),
+        (
+            "mutation($i: UpdatePoolInput!) { updatePool(input: $i) { pool { id } } }",
+            json!({ "id": f.pool, "version": 1, "lostAfterSeconds": -5 }),
+            "lostAfterSeconds",
+        ),
+        (
+            "mutation($i: RegisterNodeInput!) { registerNode(input: $i) { computeNode { id } } }",
+            json!({ "poolId": f.pool, "hostname": "Not_A_Host", "resources": { "vcpu": 1, "memoryMib": 1, "diskGib": 1 } }),
+            "hostname",
+        ),
+        (
+            "mutation($i: UpdateNodeInput!) { updateNode(input: $i) { computeNode { id } } }",
+            json!({ "id": f.node, "version": 1, "labels": [{ "key": "bad key", "value": "v" }] }),
+            "labels",
+        ),
+        (
+            "mutation($i: CordonNodeInput!) { cordonNode(input: $i) { computeNode { id } } }",
+            json!({ "id": dev }),
+            "id",
+        ),
+        (
+            "mutation($i: NodeActionInput!) { uncordonNode(input: $i) { computeNode { id } } }",
+            json!({ "id": "node_1" }),
+            "id",
+        ),
+        (
+            "mutation($i: TaintNodeInput!) { taintNode(input: $i) { computeNode { id } } }",
+            json!({ "id": f.node, "taint": { "key": "", "effect": "NO_SCHEDULE" } }),
+            "taint",
+        ),
+        (
+            "mutation($i: UntaintNodeInput!) { untaintNode(input: $i) { computeNode { id } } }",
+            json!({ "id": f.node, "key": "a b" }),
+            "key",
+        ),
+        (
+            "mutation($i: NodeActionInput!) { drainNode(input: $i) { computeNode { id } } }",
+            json!({ "id": f.site }),
+            "id",
+        ),
+        (
+            "mutation($i: NodeActionInput!) { retireNode(input: $i) { computeNode { id } } }",
+            json!({ "id": "" }),
+            "id",
+        ),
+        (
+            "mutation($i: SetDeviceHealthInput!) { setDeviceHealth(input: $i) { device { id } } }",
+            json!({ "id": f.node, "health": "HEALTHY" }),
+            "id",
+        ),
+        (
+            "mutation($i: QuarantineDeviceInput!) { quarantineDevice(input: $i) { device { id } } }",
+            json!({ "id": dev, "reason": "" }),
+            "reason",
+        ),
+        (
+            "mutation($i: UnquarantineDeviceInput!) { unquarantineDevice(input: $i) { device { id } } }",
+            json!({ "id": "dev_zz" }),
+            "id",
+        ),
+        (
+            "mutation($i: ChangeDeviceModeInput!) { changeDeviceMode(input: $i) { device { id } } }",
+            json!({ "id": dev, "version": 1, "mode": "TIME_SLICE", "layout": { "slots": 65 } }),
+            "layout",
+        ),
+        (
+            "mutation($i: ChangeDeviceModeInput!) { changeDeviceMode(input: $i) { device { id } } }",
+            json!({ "id": dev, "version": 1, "mode": "EXCLUSIVE", "changeWindowSeconds": -1 }),
+            "changeWindowSeconds",
+        ),
+        (
+            "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+            json!({ "tenantId": "acme", "scopeId": f.pool, "vcpu": -1 }),
+            "vcpu",
+        ),
+        (
+            "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+            json!({ "tenantId": "not a tenant", "scopeId": f.pool, "vcpu": 1 }),
+            "tenantId",
+        ),
+    ];
+    // Rows of every fleet table, versions of every node and device, and events, in one number.
+    let snapshot = || async {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT ((SELECT count(*) FROM sites) + (SELECT count(*) FROM pools) + (SELECT count(*) FROM nodes) \
+             + (SELECT count(*) FROM devices) + (SELECT count(*) FROM device_atoms) + (SELECT count(*) FROM quota_usage) \
+             + (SELECT sum(version) FROM nodes) + (SELECT sum(version) FROM devices) + (SELECT count(*) FROM outbox))::bigint",
+        )
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("snapshot");
+        n
+    };
+    let start = snapshot().await;
+    for (mutation, input, field) in cases {
+        let (code, error) = app.fails(&op, mutation, json!({ "i": input })).await;
+        assert_eq!(code, "BAD_USER_INPUT", "{mutation}: {error}");
+        assert_eq!(error["extensions"]["field"], field, "{mutation}: {error}");
+        assert_eq!(snapshot().await, start, "{mutation} changed nothing");
+    }
+}
+
+/// Eligibility is linearizable: a cordon waits for a placement that holds the node row FOR SHARE,
+/// and commits after it, so the placement either ran before the cordon or sees it.
+#[tokio::test]
+async fn a_cordon_waits_for_a_placement_holding_the_node() {
+    use sqlx::Connection;
+    let app = spawn_app().await;
+    let f = small_fleet(&app, "linear").await;
+    let mut placement = sqlx::PgConnection::connect(&app.db.url)
+        .await
+        .expect("connect");
+    sqlx::query("BEGIN")
+        .execute(&mut placement)
+        .await
+        .expect("begin");
+    sqlx::query("SELECT 1 FROM nodes WHERE id = $1 FOR SHARE")
+        .bind(&f.node)
+        .execute(&mut placement)
+        .await
+        .expect("lock the node as placement does");
+
+    let op = app.operator();
+    let cordon = {
+        let (url, node, op) = (app.url("/graphql"), f.node.clone(), op.clone());
+        let http = app.http.clone();
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(op)
+                .json(&json!({ "query": "mutation($i: CordonNodeInput!) { cordonNode(input: $i) { computeNode { cordoned } } }", "variables": { "i": { "id": node } } }))
+                .send()
+                .await
+                .expect("POST")
+                .json::<Value>()
+                .await
+                .expect("json")
+        })
+    };
+    // Wait until the cordon is blocked on the row lock (observed, not slept on).
+    let mut waiting = false;
+    for _ in 0..200 {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("activity");
+        if n > 0 {
+            waiting = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(waiting, "the cordon waits for the placement's row lock");
+    let (cordoned,): (bool,) = sqlx::query_as("SELECT cordoned FROM nodes WHERE id = $1")
+        .bind(&f.node)
+        .fetch_one(&mut placement)
+        .await
+        .expect("read");
+    assert!(!cordoned, "the placement still sees the node schedulable");
+    sqlx::query("COMMIT")
+        .execute(&mut placement)
+        .await
+        .expect("commit");
+    let body = cordon.await.expect("join");
+    assert_eq!(
+        body["data"]["cordonNode"]["computeNode"]["cordoned"], true,
+        "{body}"
+    );
+}
