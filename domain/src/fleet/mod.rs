@@ -170,6 +170,25 @@ impl<'a> Select<'a> {
         &mut self.qb
     }
 
+    /// Runs the query as one page ordered by `key`.
+    async fn fetch_page<T>(self, db: &Db, key: &str, page: &PageArgs) -> Result<Page<T>>
+    where
+        T: for<'r> FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+    {
+        let rows = self
+            .page(key, page)
+            .build_query_as()
+            .fetch_all(db.pool())
+            .await?;
+        Ok(Page::from_rows(rows, page))
+    }
+
+    /// Runs a `SELECT count(*) …` query.
+    async fn fetch_count(mut self, db: &Db) -> Result<i64> {
+        let (n,): (i64,) = self.qb.build_query_as().fetch_one(db.pool()).await?;
+        Ok(n)
+    }
+
     /// Adds the keyset conditions, the order and the limit of a page.
     fn page(mut self, key: &str, page: &PageArgs) -> QueryBuilder<'a, Postgres> {
         if let Some(after) = &page.after {
@@ -307,13 +326,9 @@ pub async fn get_devices(db: &Db, ids: &[String]) -> Result<Vec<Device>> {
 
 /// A page of sites.
 pub async fn list_sites(db: &Db, page: &PageArgs) -> Result<Page<Site>> {
-    let q = Select::new(format!("SELECT {SITE_COLS} FROM sites s"));
-    let rows = q
-        .page("s.id", page)
-        .build_query_as()
-        .fetch_all(db.pool())
-        .await?;
-    Ok(Page::from_rows(rows, page))
+    Select::new(format!("SELECT {SITE_COLS} FROM sites s"))
+        .fetch_page(db, "s.id", page)
+        .await
 }
 
 /// How many sites there are.
@@ -344,22 +359,14 @@ fn pool_select<'a>(cols: &str, f: &PoolFilter) -> Select<'a> {
 
 /// A page of pools.
 pub async fn list_pools(db: &Db, filter: &PoolFilter, page: &PageArgs) -> Result<Page<Pool>> {
-    let rows = pool_select(POOL_COLS, filter)
-        .page("p.id", page)
-        .build_query_as()
-        .fetch_all(db.pool())
-        .await?;
-    Ok(Page::from_rows(rows, page))
+    pool_select(POOL_COLS, filter)
+        .fetch_page(db, "p.id", page)
+        .await
 }
 
 /// How many pools match.
 pub async fn count_pools(db: &Db, filter: &PoolFilter) -> Result<i64> {
-    let (n,): (i64,) = pool_select("count(*)", filter)
-        .qb
-        .build_query_as()
-        .fetch_one(db.pool())
-        .await?;
-    Ok(n)
+    pool_select("count(*)", filter).fetch_count(db).await
 }
 
 /// A page of pools for each site.
@@ -425,22 +432,14 @@ fn node_select<'a>(cols: &str, f: &NodeFilter) -> Select<'a> {
 
 /// A page of nodes.
 pub async fn list_nodes(db: &Db, filter: &NodeFilter, page: &PageArgs) -> Result<Page<Node>> {
-    let rows = node_select(NODE_COLS, filter)
-        .page("n.id", page)
-        .build_query_as()
-        .fetch_all(db.pool())
-        .await?;
-    Ok(Page::from_rows(rows, page))
+    node_select(NODE_COLS, filter)
+        .fetch_page(db, "n.id", page)
+        .await
 }
 
 /// How many nodes match.
 pub async fn count_nodes(db: &Db, filter: &NodeFilter) -> Result<i64> {
-    let (n,): (i64,) = node_select("count(*)", filter)
-        .qb
-        .build_query_as()
-        .fetch_one(db.pool())
-        .await?;
-    Ok(n)
+    node_select("count(*)", filter).fetch_count(db).await
 }
 
 /// A page of nodes for each pool, retired ones included.
@@ -514,22 +513,14 @@ fn device_select<'a>(cols: &str, f: &DeviceFilter) -> Select<'a> {
 
 /// A page of devices.
 pub async fn list_devices(db: &Db, filter: &DeviceFilter, page: &PageArgs) -> Result<Page<Device>> {
-    let rows = device_select(DEVICE_COLS, filter)
-        .page("d.id", page)
-        .build_query_as()
-        .fetch_all(db.pool())
-        .await?;
-    Ok(Page::from_rows(rows, page))
+    device_select(DEVICE_COLS, filter)
+        .fetch_page(db, "d.id", page)
+        .await
 }
 
 /// How many devices match.
 pub async fn count_devices(db: &Db, filter: &DeviceFilter) -> Result<i64> {
-    let (n,): (i64,) = device_select("count(*)", filter)
-        .qb
-        .build_query_as()
-        .fetch_one(db.pool())
-        .await?;
-    Ok(n)
+    device_select("count(*)", filter).fetch_count(db).await
 }
 
 /// The devices of each node (a small, bounded list per node).
@@ -594,22 +585,14 @@ fn atom_select<'a>(cols: &str, f: &AtomFilter) -> Select<'a> {
 
 /// A page of atoms.
 pub async fn list_atoms(db: &Db, filter: &AtomFilter, page: &PageArgs) -> Result<Page<Atom>> {
-    let rows = atom_select(ATOM_COLS, filter)
-        .page("a.name", page)
-        .build_query_as()
-        .fetch_all(db.pool())
-        .await?;
-    Ok(Page::from_rows(rows, page))
+    atom_select(ATOM_COLS, filter)
+        .fetch_page(db, "a.name", page)
+        .await
 }
 
 /// How many atoms match.
 pub async fn count_atoms(db: &Db, filter: &AtomFilter) -> Result<i64> {
-    let (n,): (i64,) = atom_select("count(*)", filter)
-        .qb
-        .build_query_as()
-        .fetch_one(db.pool())
-        .await?;
-    Ok(n)
+    atom_select("count(*)", filter).fetch_count(db).await
 }
 
 /// Which level capacity is summed at.

@@ -1330,3 +1330,70 @@ async fn a_cordon_waits_for_a_placement_holding_the_node() {
         "{body}"
     );
 }
+
+/// Capacity over a window counts the bookings that overlap it, for pools and for sites.
+#[tokio::test]
+async fn capacity_over_a_window_sees_advance_bookings() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    app.db.use_sim_clock("2031-06-01T00:00:00Z").await;
+    let f = small_fleet(&app, "window").await;
+    let (dev, uuid) = f.gpus[0].clone();
+    sqlx::query(
+        "INSERT INTO device_bookings (atom, device_id, allocation_id, during) \
+         VALUES ($1, $2, 'alc_later', tstzrange('2031-06-01T10:00:00Z', '2031-06-01T12:00:00Z'))",
+    )
+    .bind(&uuid)
+    .bind(&dev)
+    .execute(app.db.db.pool())
+    .await
+    .expect("advance booking");
+    let query = "query($site: ID!, $pool: ID!, $w: WindowInput) { \
+        site: node(id: $site) { ... on Site { capacity(window: $w) { model booked free } } } \
+        pool: node(id: $pool) { ... on Pool { capacity(window: $w) { model booked free } } } }";
+    let h100 = |d: &Value, scope: &str| {
+        d[scope]["capacity"]
+            .as_array()
+            .and_then(|rows| rows.iter().find(|r| r["model"] == "H100").cloned())
+            .expect("H100 row")
+    };
+    let now = app
+        .ok(&op, query, json!({ "site": f.site, "pool": f.pool }))
+        .await;
+    assert_eq!(
+        h100(&now, "pool"),
+        json!({ "model": "H100", "booked": 0, "free": 1 }),
+        "free now"
+    );
+    let during = json!({ "start": "2031-06-01T11:00:00Z", "end": "2031-06-01T13:00:00Z" });
+    let later = app
+        .ok(
+            &op,
+            query,
+            json!({ "site": f.site, "pool": f.pool, "w": during }),
+        )
+        .await;
+    for scope in ["site", "pool"] {
+        assert_eq!(
+            h100(&later, scope),
+            json!({ "model": "H100", "booked": 1, "free": 0 }),
+            "{scope}"
+        );
+    }
+    let after = json!({ "start": "2031-06-01T12:00:00Z", "end": "2031-06-01T14:00:00Z" });
+    let after = app
+        .ok(
+            &op,
+            query,
+            json!({ "site": f.site, "pool": f.pool, "w": after }),
+        )
+        .await;
+    assert_eq!(h100(&after, "pool")["free"], 1, "windows are half-open");
+    let (code, error) = app
+        .fails(&op, query, json!({ "site": f.site, "pool": f.pool, "w": { "start": "2031-06-02T00:00:00Z", "end": "2031-06-01T00:00:00Z" } }))
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("window"))
+    );
+}
