@@ -163,16 +163,18 @@ CREATE TABLE quota_usage (
     PRIMARY KEY (tenant_id, scope_kind, scope_id, resource)
 );
 
--- Idempotency keys, scoped to (tenant, identity, key): a retried request gets the first one's
--- answer; the same key with another request is refused.
+-- Idempotency keys, scoped to (tenant, identity, key). The row is inserted first in the
+-- transaction of the effect it protects (so a repeat waits on its unique index until the first
+-- commits) and its response written last in the same transaction; a final error is recorded in a
+-- transaction of its own, with no effect. Kept at least 24 hours (docs/idempotency.md).
 CREATE TABLE idempotency_keys (
-    tenant_id  text        NOT NULL,
-    subject    text        NOT NULL,
-    key        text        NOT NULL CONSTRAINT idempotency_keys_key CHECK (length(key) BETWEEN 1 AND 200),
-    operation  text        NOT NULL,
-    request    jsonb       NOT NULL,
-    result_id  text        NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT compute_now(),
+    tenant_id   text        NOT NULL,
+    subject     text        NOT NULL,
+    key         text        NOT NULL CONSTRAINT idempotency_keys_key CHECK (length(key) BETWEEN 1 AND 255),
+    operation   text        NOT NULL,
+    fingerprint jsonb       NOT NULL,
+    response    jsonb,
+    created_at  timestamptz NOT NULL DEFAULT compute_now(),
     PRIMARY KEY (tenant_id, subject, key)
 );
 CREATE INDEX idempotency_keys_created ON idempotency_keys (created_at);

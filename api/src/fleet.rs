@@ -157,6 +157,7 @@ pub enum NodeInterface {
     Pool(PoolObj),
     ComputeNode(ComputeNodeObj),
     Device(DeviceObj),
+    Reservation(crate::reservations::ReservationObj),
 }
 
 /// `totalCount` of a connection, counted only when asked for.
@@ -1279,6 +1280,12 @@ async fn load_node(
             .load_one(DeviceId(key))
             .await?
             .map(|d| NodeInterface::Device(DeviceObj::new(d))),
+        "rsv" => match loaders.load_one(ReservationId(key)).await? {
+            Some(r) if crate::reservations::visible(ctx, &r)? => Some(NodeInterface::Reservation(
+                crate::reservations::ReservationObj(r),
+            )),
+            _ => None,
+        },
         _ => None,
     })
 }

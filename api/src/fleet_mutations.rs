@@ -49,6 +49,8 @@ pub struct CreateSiteInput {
 pub struct CreateSitePayload {
     /// The site.
     pub site: SiteObj,
+    /// Whether this is the stored answer to an earlier request with the same idempotency key.
+    pub idempotent_replay: bool,
 }
 
 /// Input of `updateSite`.
@@ -109,6 +111,8 @@ pub struct CreatePoolInput {
 pub struct CreatePoolPayload {
     /// The pool.
     pub pool: PoolObj,
+    /// Whether this is the stored answer to an earlier request with the same idempotency key.
+    pub idempotent_replay: bool,
 }
 
 /// Input of `updatePool`.
@@ -420,11 +424,15 @@ impl FleetMutation {
                 .map(|r| name("region", r))
                 .transpose()?,
         };
-        let site = cmd::create_site(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
+        let outcome = cmd::create_site(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
             .await
             .map_err(gql_error)?;
+        if outcome.replayed {
+            crate::schema::ReplayFlag::mark(ctx);
+        }
         Ok(CreateSitePayload {
-            site: SiteObj(site),
+            site: SiteObj(outcome.value),
+            idempotent_replay: outcome.replayed,
         })
     }
 
@@ -467,11 +475,15 @@ impl FleetMutation {
             memory_ratio: ratio("overcommit.memory", oc.memory)?.unwrap_or(1.0),
             disk_ratio: ratio("overcommit.disk", oc.disk)?.unwrap_or(1.0),
         };
-        let pool = cmd::create_pool(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
+        let outcome = cmd::create_pool(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
             .await
             .map_err(gql_error)?;
+        if outcome.replayed {
+            crate::schema::ReplayFlag::mark(ctx);
+        }
         Ok(CreatePoolPayload {
-            pool: PoolObj(pool),
+            pool: PoolObj(outcome.value),
+            idempotent_replay: outcome.replayed,
         })
     }
 

@@ -367,7 +367,15 @@ async fn execute(
     if let Some(viewer) = viewer {
         request = request.data(viewer);
     }
-    let response = app.schema.execute(request).await;
+    let replay = crate::schema::ReplayFlag::default();
+    request = request.data(replay.clone());
+    let mut response = app.schema.execute(request).await;
+    if replay.is_set() {
+        response.extensions.insert(
+            "idempotentReplay".into(),
+            async_graphql::Value::Boolean(true),
+        );
+    }
     render(app, media, response)
 }
 

@@ -12,6 +12,7 @@ pub mod graphql_http;
 pub mod health;
 pub mod loaders;
 pub mod metrics;
+pub mod reservations;
 pub mod schema;
 pub mod server;
 pub mod ws;

@@ -189,3 +189,30 @@ impl Loader<CapacityOf> for FleetLoader {
         Ok(out)
     }
 }
+
+/// A reservation by id.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ReservationId(pub String);
+
+impl Loader<ReservationId> for FleetLoader {
+    type Value = compute_domain::reservations::Reservation;
+    type Error = async_graphql::Error;
+
+    async fn load(&self, keys: &[ReservationId]) -> LoadResult<ReservationId, Self::Value> {
+        let rows =
+            compute_domain::reservations::get_reservations(&self.db, &ids(keys, |k| k.0.clone()))
+                .await
+                .map_err(gql_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (ReservationId(r.id.clone()), r))
+            .collect())
+    }
+}
+
+children!(
+    AllocationsOfReservation,
+    compute_domain::reservations::Allocation,
+    compute_domain::reservations::allocations_by_reservations,
+    reservation_id
+);

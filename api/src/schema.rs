@@ -15,11 +15,37 @@ pub type ApiSchema = Schema<Query, Mutation, EmptySubscription>;
 
 /// The root of every query.
 #[derive(MergedObject, Default)]
-pub struct Query(CoreQuery, crate::fleet::FleetQuery);
+pub struct Query(
+    CoreQuery,
+    crate::fleet::FleetQuery,
+    crate::reservations::ReservationQuery,
+);
 
 /// The root of every mutation.
 #[derive(MergedObject, Default)]
-pub struct Mutation(crate::fleet_mutations::FleetMutation);
+pub struct Mutation(
+    crate::fleet_mutations::FleetMutation,
+    crate::reservations::ReservationMutation,
+);
+
+/// Set by a resolver that returns a stored idempotent response; the transport then adds
+/// `extensions.idempotentReplay: true` to the response.
+#[derive(Clone, Default)]
+pub struct ReplayFlag(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl ReplayFlag {
+    /// Marks the current request as a replay.
+    pub fn mark(ctx: &Context<'_>) {
+        if let Some(flag) = ctx.data_opt::<ReplayFlag>() {
+            flag.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Whether a resolver marked it.
+    pub fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
 
 /// Builds the schema with the shared services every resolver reads. Without a database (for
 /// printing the SDL) no resolver can run.

@@ -107,7 +107,7 @@ pub enum Error {
     Unauthenticated(String),
     #[error("{0}")]
     Forbidden(String),
-    #[error("{kind} {id} not found")]
+    #[error("{}", not_found_message(kind, id))]
     NotFound { kind: &'static str, id: String },
     #[error("{message}")]
     BadUserInput {
@@ -141,6 +141,15 @@ pub enum Error {
     RateLimited(String),
     #[error("internal error: {0}")]
     Internal(#[source] BoxError),
+}
+
+fn not_found_message(kind: &str, id: &str) -> String {
+    // A replayed NOT_FOUND carries its whole message in `id`.
+    if kind == "object" && id.contains(' ') {
+        id.to_owned()
+    } else {
+        format!("{kind} {id} not found")
+    }
 }
 
 /// The result type of the domain.
@@ -177,6 +186,34 @@ impl Error {
     /// An internal error from any source; its text goes to the log only.
     pub fn internal(source: impl Into<BoxError>) -> Self {
         Error::Internal(source.into())
+    }
+
+    /// Rebuilds a client-facing error from its code and message (a replayed idempotent
+    /// response). Unknown codes become `INTERNAL`.
+    pub fn from_code(code: &str, message: String) -> Self {
+        match code {
+            "UNAUTHENTICATED" => Error::Unauthenticated(message),
+            "FORBIDDEN" => Error::Forbidden(message),
+            "NOT_FOUND" => Error::NotFound {
+                kind: "object",
+                id: message,
+            },
+            "BAD_USER_INPUT" => Error::BadUserInput {
+                field: None,
+                message,
+            },
+            "CONFLICT" => Error::Conflict {
+                message,
+                current_version: None,
+            },
+            "QUOTA_EXCEEDED" => Error::QuotaExceeded(message),
+            "UNSCHEDULABLE" => Error::Unschedulable(message),
+            "IDEMPOTENCY_KEY_REUSED" => Error::IdempotencyKeyReused(message),
+            "IDEMPOTENCY_IN_PROGRESS" => Error::IdempotencyInProgress(message),
+            "CURSOR_EXPIRED" => Error::CursorExpired(message),
+            "RATE_LIMITED" => Error::RateLimited(message),
+            _ => Error::internal(message),
+        }
     }
 
     /// The SQLSTATE of a database error inside this error, if any.

@@ -13,5 +13,6 @@ pub mod ids;
 pub mod outbox;
 pub mod page;
 pub mod quota;
+pub mod reservations;
 
 pub use error::{Error, ErrorCode, Result};

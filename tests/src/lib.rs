@@ -180,23 +180,36 @@ async fn prepare_template(
         sqlx::query(&format!("CREATE DATABASE {}", quote_ident(&building)))
             .execute(&mut admin)
             .await?;
-        let db = Db::connect(
-            &base.url(&building),
-            &PoolSettings {
-                max_connections: 1,
-                ..PoolSettings::default()
-            },
-        )
-        .await?;
-        db.migrate().await?;
-        db.pool().close().await;
-        sqlx::query(&format!(
+        // One connection of our own, closed before the rename: a pooled connection may outlive
+        // `Pool::close`, and a rename waits 5 s for every other session, then fails.
+        let mut conn = sqlx::PgConnection::connect(&base.url(&building)).await?;
+        MIGRATOR.run(&mut conn).await?;
+        conn.close().await?;
+        let rename = format!(
             "ALTER DATABASE {} RENAME TO {}",
             quote_ident(&building),
             quote_ident(template)
-        ))
-        .execute(&mut admin)
-        .await?;
+        );
+        // A backend that is still exiting makes the rename fail (55006): end it and try again.
+        let mut tries = 0;
+        loop {
+            sqlx::query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                  WHERE datname = $1 AND pid <> pg_backend_pid()",
+            )
+            .bind(&building)
+            .execute(&mut admin)
+            .await?;
+            match sqlx::query(&rename).execute(&mut admin).await {
+                Ok(_) => break,
+                Err(sqlx::Error::Database(e))
+                    if e.code().as_deref() == Some("55006") && tries < 5 =>
+                {
+                    tries += 1;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
     admin.close().await?;
     Ok(())
@@ -212,6 +225,11 @@ pub struct TestDb {
 
 /// A fresh database cloned from the migrated template, named after the running test.
 pub async fn test_db() -> TestDb {
+    test_db_with(8).await
+}
+
+/// [`test_db`] with a pool of `max_connections`.
+pub async fn test_db_with(max_connections: u32) -> TestDb {
     let cluster = cluster().await;
     let test = std::thread::current()
         .name()
@@ -260,7 +278,7 @@ pub async fn test_db() -> TestDb {
     let db = Db::connect(
         &url,
         &PoolSettings {
-            max_connections: 8,
+            max_connections,
             ..PoolSettings::default()
         },
     )

@@ -39,8 +39,8 @@ pub const SUPERUSER: &str = "compute";
 pub struct EmbeddedOptions {
     /// The data directory; the cluster lives in `<data_dir>/pg`.
     pub data_dir: PathBuf,
-    /// `false` turns off `fsync`, `synchronous_commit` and `full_page_writes`: for throwaway test
-    /// clusters only.
+    /// `false` turns off `fsync`, `synchronous_commit` and `full_page_writes` (and turns on
+    /// `track_commit_timestamp`): for throwaway test clusters only.
     pub durable: bool,
     /// The server's `max_connections`.
     pub max_connections: u32,
@@ -431,10 +431,12 @@ fn spawn_server(
         .stdout(log.try_clone().map_err(Error::internal)?)
         .stderr(log);
     if !options.durable {
+        // Commit timestamps let the torture test check the order of commits.
         for setting in [
             "fsync=off",
             "synchronous_commit=off",
             "full_page_writes=off",
+            "track_commit_timestamp=on",
         ] {
             cmd.args(["-c", setting]);
         }

@@ -12,7 +12,7 @@ use super::state::{NodeAction, allowed_from};
 use super::{DEVICE_COLS, Device, NODE_COLS, Node, POOL_COLS, Pool, SITE_COLS, Site};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
-use crate::idempotency::{self, Actor, Claim};
+use crate::idempotency::{self, Actor, Claim, Outcome};
 use crate::outbox::{self, NewEvent};
 
 /// Maps a violated constraint, by name, to a domain error; anything else passes through.
@@ -114,22 +114,28 @@ pub async fn create_site(
     actor: &Actor,
     input: NewSite,
     idempotency_key: Option<String>,
-) -> Result<Site> {
+) -> Result<Outcome<Site>> {
+    let idempotency_key = idempotency_key
+        .map(|k| idempotency::parse_key("idempotencyKey", &k))
+        .transpose()?;
     let id = crate::ids::new_id("site");
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
-    db.tx(TxKind::Write, |conn| {
+    let result = db.tx(TxKind::Write, |conn| {
         let (id, input, request, key, actor) =
             (id.clone(), input.clone(), request.clone(), idempotency_key.clone(), actor.clone());
         Box::pin(async move {
             if let Some(key) = &key
-                && let Claim::Replay(existing) =
-                    idempotency::claim(conn, &actor, key, "createSite", &request, &id).await?
+                && let Claim::Replay(response) =
+                    idempotency::claim(conn, &actor, key, "createSite", &request).await?
             {
-                return sqlx::query_as(&format!("SELECT {SITE_COLS} FROM sites s WHERE s.id = $1"))
-                    .bind(&existing)
+                if let Some(e) = idempotency::stored_error(&response) {
+                    return Err(e);
+                }
+                let value = sqlx::query_as(&format!("SELECT {SITE_COLS} FROM sites s WHERE s.id = $1"))
+                    .bind(response["id"].as_str().unwrap_or_default())
                     .fetch_one(&mut *conn)
-                    .await
-                    .map_err(Error::from);
+                    .await?;
+                return Ok(Outcome { value, replayed: true });
             }
             let site: Site = sqlx::query_as(&format!(
                 "INSERT INTO sites AS s (id, name, region) VALUES ($1, $2, $3) RETURNING {SITE_COLS}"
@@ -141,10 +147,17 @@ pub async fn create_site(
             .await
             .map_err(|e| on_constraint(e, &[("sites_name_key", &|| conflict(format!("a site named `{}` already exists", input.name), None))]))?;
             emit(conn, "site.created", &site.id, json!(site)).await?;
-            Ok(site)
+            if let Some(key) = &key {
+                idempotency::complete(conn, &actor, key, &json!({ "id": site.id })).await?;
+            }
+            Ok(Outcome { value: site, replayed: false })
         })
     })
-    .await
+    .await;
+    if let (Err(e), Some(key)) = (&result, &idempotency_key) {
+        idempotency::record_error(db, actor, key, "createSite", &request, e).await?;
+    }
+    result
 }
 
 /// Changes a site's name or region.
@@ -212,23 +225,29 @@ pub async fn create_pool(
     actor: &Actor,
     input: NewPool,
     idempotency_key: Option<String>,
-) -> Result<Pool> {
+) -> Result<Outcome<Pool>> {
     check_lost_after(input.kind, input.lost_after_seconds)?;
+    let idempotency_key = idempotency_key
+        .map(|k| idempotency::parse_key("idempotencyKey", &k))
+        .transpose()?;
     let id = crate::ids::new_id("pool");
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
-    db.tx(TxKind::Write, |conn| {
+    let result = db.tx(TxKind::Write, |conn| {
         let (id, input, request, key, actor) =
             (id.clone(), input.clone(), request.clone(), idempotency_key.clone(), actor.clone());
         Box::pin(async move {
             if let Some(key) = &key
-                && let Claim::Replay(existing) =
-                    idempotency::claim(conn, &actor, key, "createPool", &request, &id).await?
+                && let Claim::Replay(response) =
+                    idempotency::claim(conn, &actor, key, "createPool", &request).await?
             {
-                return sqlx::query_as(&format!("SELECT {POOL_COLS} FROM pools p WHERE p.id = $1"))
-                    .bind(&existing)
+                if let Some(e) = idempotency::stored_error(&response) {
+                    return Err(e);
+                }
+                let value = sqlx::query_as(&format!("SELECT {POOL_COLS} FROM pools p WHERE p.id = $1"))
+                    .bind(response["id"].as_str().unwrap_or_default())
                     .fetch_one(&mut *conn)
-                    .await
-                    .map_err(Error::from);
+                    .await?;
+                return Ok(Outcome { value, replayed: true });
             }
             // The foreign key takes the site row FOR KEY SHARE.
             let pool: Pool = sqlx::query_as(&format!(
@@ -255,10 +274,17 @@ pub async fn create_pool(
                 )
             })?;
             emit(conn, "pool.created", &pool.id, json!(pool)).await?;
-            Ok(pool)
+            if let Some(key) = &key {
+                idempotency::complete(conn, &actor, key, &json!({ "id": pool.id })).await?;
+            }
+            Ok(Outcome { value: pool, replayed: false })
         })
     })
-    .await
+    .await;
+    if let (Err(e), Some(key)) = (&result, &idempotency_key) {
+        idempotency::record_error(db, actor, key, "createPool", &request, e).await?;
+    }
+    result
 }
 
 /// Changes to a pool; `None` leaves a field as it is.

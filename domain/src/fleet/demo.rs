@@ -50,14 +50,16 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
         site("ams1", "eu-west"),
         Some("demo:site:ams1".into()),
     )
-    .await?;
+    .await?
+    .value;
     let iad = commands::create_site(
         db,
         &actor,
         site("iad1", "us-east"),
         Some("demo:site:iad1".into()),
     )
-    .await?;
+    .await?
+    .value;
     let pool =
         |site_id: &str, name: &str, kind: PoolKind, lost_after: Option<i64>, vcpu_ratio: f64| {
             NewPool {
@@ -76,21 +78,24 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
         pool(&ams.id, "h100", PoolKind::BareMetal, None, 2.0),
         Some("demo:pool:h100".into()),
     )
-    .await?;
+    .await?
+    .value;
     let a100 = commands::create_pool(
         db,
         &actor,
         pool(&ams.id, "a100-shared", PoolKind::BareMetal, None, 1.5),
         Some("demo:pool:a100".into()),
     )
-    .await?;
+    .await?
+    .value;
     let l4 = commands::create_pool(
         db,
         &actor,
         pool(&iad.id, "l4-cloud", PoolKind::Provider, Some(3600), 1.0),
         Some("demo:pool:l4".into()),
     )
-    .await?;
+    .await?
+    .value;
 
     const H100: i64 = 81_559;
     const A100: i64 = 81_920;

@@ -7,6 +7,8 @@ mod fleet;
 mod graphql_http;
 mod health;
 mod outbox;
+mod reservations;
 mod statements;
+mod torture;
 mod transactions;
 mod websocket;

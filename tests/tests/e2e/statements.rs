@@ -38,7 +38,8 @@ async fn fleet_of(app: &TestApp, nodes: usize) {
         None,
     )
     .await
-    .expect("site");
+    .expect("site")
+    .value;
     for p in 0..2 {
         let pool = commands::create_pool(
             db,
@@ -55,7 +56,8 @@ async fn fleet_of(app: &TestApp, nodes: usize) {
             None,
         )
         .await
-        .expect("pool");
+        .expect("pool")
+        .value;
         for n in 0..nodes / 2 {
             commands::register_node(
                 db,

@@ -1,0 +1,596 @@
+//! Reservations in the graph: queries, objects and the tenant's mutations.
+
+use async_graphql::connection::{Connection, Edge};
+use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
+use chrono::{DateTime, Utc};
+use compute_domain::Error;
+use compute_domain::fleet::model::{self as m, Window};
+use compute_domain::idempotency::Actor;
+use compute_domain::page::{PageRequest, encode_cursor};
+use compute_domain::reservations::model::{AllocationInput, parse_request};
+use compute_domain::reservations::state::State;
+use compute_domain::reservations::{self as rsv, ReservationFilter, commands};
+
+use crate::auth::Role;
+use crate::fleet::{AtomKind, ComputeNodeObj, PoolObj, TaintEffect, WindowInput};
+use crate::loaders::*;
+use crate::schema::{ReplayFlag, db, gql_error, viewer};
+
+/// Where a reservation is in its life.
+#[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ReservationState {
+    /// Holds its quota, not placed yet; retried every 30 seconds.
+    Pending,
+    /// Booked; its window has not started.
+    Scheduled,
+    /// Booked; its window is running.
+    Active,
+    /// Ended early.
+    Released,
+    /// Its window ended.
+    Expired,
+    /// Withdrawn before it started.
+    Cancelled,
+    /// Could not be honoured.
+    Failed,
+}
+
+impl From<State> for ReservationState {
+    fn from(s: State) -> Self {
+        match s {
+            State::Pending => ReservationState::Pending,
+            State::Scheduled => ReservationState::Scheduled,
+            State::Active => ReservationState::Active,
+            State::Released => ReservationState::Released,
+            State::Expired => ReservationState::Expired,
+            State::Cancelled => ReservationState::Cancelled,
+            State::Failed => ReservationState::Failed,
+        }
+    }
+}
+
+impl From<ReservationState> for State {
+    fn from(s: ReservationState) -> Self {
+        match s {
+            ReservationState::Pending => State::Pending,
+            ReservationState::Scheduled => State::Scheduled,
+            ReservationState::Active => State::Active,
+            ReservationState::Released => State::Released,
+            ReservationState::Expired => State::Expired,
+            ReservationState::Cancelled => State::Cancelled,
+            ReservationState::Failed => State::Failed,
+        }
+    }
+}
+
+/// A condition of a reservation, such as `Unschedulable`.
+#[derive(SimpleObject)]
+pub struct ReservationCondition {
+    /// The condition's type.
+    r#type: String,
+    /// `True` or `False`.
+    status: String,
+    /// A machine-readable reason.
+    reason: Option<String>,
+    /// Why, in words.
+    message: Option<String>,
+    /// Since when.
+    since: Option<DateTime<Utc>>,
+}
+
+/// A tenant's claim on GPUs with vCPU, memory and disk, for a window.
+pub struct ReservationObj(pub rsv::Reservation);
+
+#[Object(name = "Reservation")]
+impl ReservationObj {
+    /// The reservation's id (`rsv_…`).
+    pub async fn id(&self) -> ID {
+        ID(self.0.id.clone())
+    }
+    /// The tenant it belongs to.
+    async fn tenant_id(&self) -> &str {
+        &self.0.tenant_id
+    }
+    /// Who created it.
+    async fn created_by(&self) -> &str {
+        &self.0.created_by
+    }
+    /// Its state.
+    async fn state(&self) -> async_graphql::Result<ReservationState> {
+        State::parse(&self.0.state)
+            .map(Into::into)
+            .ok_or_else(|| gql_error(Error::internal("unknown reservation state")))
+    }
+    /// When its window starts.
+    async fn starts_at(&self) -> DateTime<Utc> {
+        self.0.starts_at
+    }
+    /// When its window ends.
+    async fn ends_at(&self) -> DateTime<Utc> {
+        self.0.ends_at
+    }
+    /// When it ended (released, cancelled).
+    async fn ended_at(&self) -> Option<DateTime<Utc>> {
+        self.0.ended_at
+    }
+    /// Conditions, such as `Unschedulable` with the reason in words.
+    async fn conditions(&self) -> Vec<ReservationCondition> {
+        self.0
+            .conditions
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|c| ReservationCondition {
+                        r#type: c["type"].as_str().unwrap_or_default().to_owned(),
+                        status: c["status"].as_str().unwrap_or("Unknown").to_owned(),
+                        reason: c["reason"].as_str().map(str::to_owned),
+                        message: c["message"].as_str().map(str::to_owned),
+                        since: c["since"].as_str().and_then(|s| s.parse().ok()),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+    /// The GPUs it charges against quota (fractions for MIG instances and slots).
+    async fn gpu_charge(&self) -> f64 {
+        self.0.charge_gpu
+    }
+    /// The vCPU it charges.
+    async fn vcpu_charge(&self) -> i64 {
+        self.0.charge_vcpu
+    }
+    /// The memory it charges, in MiB.
+    async fn memory_mib_charge(&self) -> i64 {
+        self.0.charge_memory_mib
+    }
+    /// When placement is tried again (pending only).
+    async fn next_attempt_at(&self) -> Option<DateTime<Utc>> {
+        self.0.next_attempt_at
+    }
+    /// Optimistic-concurrency version.
+    async fn version(&self) -> i64 {
+        self.0.version
+    }
+    /// When it was created.
+    async fn created_at(&self) -> DateTime<Utc> {
+        self.0.created_at
+    }
+    /// When it last changed.
+    async fn updated_at(&self) -> DateTime<Utc> {
+        self.0.updated_at
+    }
+    /// Its pool.
+    async fn pool(&self, ctx: &Context<'_>) -> async_graphql::Result<PoolObj> {
+        ctx.data_unchecked::<Loaders>()
+            .load_one(PoolId(self.0.pool_id.clone()))
+            .await?
+            .map(PoolObj)
+            .ok_or_else(|| gql_error(Error::internal("a reservation without its pool")))
+    }
+    /// Its allocations, in order.
+    async fn allocations(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<AllocationObj>> {
+        Ok(ctx
+            .data_unchecked::<Loaders>()
+            .load_one(AllocationsOfReservation(self.0.id.clone()))
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(AllocationObj)
+            .collect())
+    }
+}
+
+/// One allocation of a reservation: what it asked for, on one node, and where it went.
+pub struct AllocationObj(pub rsv::Allocation);
+
+#[Object(name = "Allocation")]
+impl AllocationObj {
+    /// The allocation's id (`alc_…`).
+    async fn id(&self) -> ID {
+        ID(self.0.id.clone())
+    }
+    /// Whole GPUs, MIG instances or slots.
+    async fn gpu_kind(&self) -> async_graphql::Result<AtomKind> {
+        AtomKind::from_db(&self.0.gpu_kind)
+    }
+    /// How many.
+    async fn gpu_count(&self) -> i32 {
+        self.0.gpu_count
+    }
+    /// The GPU model asked for.
+    async fn model(&self) -> Option<&str> {
+        self.0.model.as_deref()
+    }
+    /// The MIG profile asked for.
+    async fn profile(&self) -> Option<&str> {
+        self.0.profile.as_deref()
+    }
+    /// For slots: of a GPU divided in this many.
+    async fn slots_per_gpu(&self) -> Option<i32> {
+        self.0.slots_per_gpu
+    }
+    /// vCPU.
+    async fn vcpu(&self) -> i64 {
+        self.0.vcpu
+    }
+    /// Memory in MiB.
+    async fn memory_mib(&self) -> i64 {
+        self.0.memory_mib
+    }
+    /// Disk in GiB.
+    async fn disk_gib(&self) -> i64 {
+        self.0.disk_gib
+    }
+    /// The atoms it holds (empty while pending).
+    async fn atoms(&self) -> &[String] {
+        &self.0.atoms
+    }
+    /// The node it was placed on (null while pending). Operators only.
+    async fn compute_node(
+        &self,
+        ctx: &Context<'_>,
+    ) -> async_graphql::Result<Option<ComputeNodeObj>> {
+        let Some(node_id) = &self.0.node_id else {
+            return Ok(None);
+        };
+        if !viewer(ctx)?.has_role(Role::Operator) {
+            return Ok(None);
+        }
+        Ok(ctx
+            .data_unchecked::<Loaders>()
+            .load_one(NodeId(node_id.clone()))
+            .await?
+            .map(ComputeNodeObj::new))
+    }
+    /// The id of the node it was placed on (null while pending).
+    async fn compute_node_id(&self) -> Option<ID> {
+        self.0.node_id.clone().map(ID)
+    }
+}
+
+/// Whether the caller may see `r`.
+pub fn visible(ctx: &Context<'_>, r: &rsv::Reservation) -> async_graphql::Result<bool> {
+    let v = viewer(ctx)?;
+    Ok(v.has_role(Role::Operator) || v.tenant.as_deref() == Some(r.tenant_id.as_str()))
+}
+
+/// `totalCount` of the reservations connection.
+pub struct ReservationCount(ReservationFilter);
+
+#[Object]
+impl ReservationCount {
+    /// How many reservations match, across all pages.
+    async fn total_count(&self, ctx: &Context<'_>) -> async_graphql::Result<i64> {
+        rsv::count_reservations(db(ctx)?, &self.0)
+            .await
+            .map_err(gql_error)
+    }
+}
+
+/// The reservations' queries.
+#[derive(Default)]
+pub struct ReservationQuery;
+
+#[Object]
+impl ReservationQuery {
+    /// A reservation; another tenant's is `NOT_FOUND`.
+    async fn reservation(
+        &self,
+        ctx: &Context<'_>,
+        id: ID,
+    ) -> async_graphql::Result<ReservationObj> {
+        let rid = m::parse_id("id", "rsv", id.as_str()).map_err(gql_error)?;
+        let found = ctx
+            .data_unchecked::<Loaders>()
+            .load_one(ReservationId(rid.clone()))
+            .await?;
+        match found {
+            Some(r) if visible(ctx, &r)? => Ok(ReservationObj(r)),
+            _ => Err(gql_error(Error::NotFound {
+                kind: "reservation",
+                id: rid,
+            })),
+        }
+    }
+
+    /// Reservations: a member's own tenant's; an operator's of every tenant, or of `tenantId`.
+    #[allow(clippy::too_many_arguments)]
+    async fn reservations(
+        &self,
+        ctx: &Context<'_>,
+        state: Option<ReservationState>,
+        pool_id: Option<ID>,
+        #[graphql(desc = "Only reservations whose window overlaps this one.")] window: Option<
+            WindowInput,
+        >,
+        #[graphql(desc = "Operators: only this tenant's.")] tenant_id: Option<String>,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Connection<String, ReservationObj, ReservationCount>> {
+        let v = viewer(ctx)?;
+        let tenant =
+            if v.has_role(Role::Operator) {
+                tenant_id
+            } else {
+                Some(v.tenant.clone().ok_or_else(|| {
+                    gql_error(Error::Forbidden("your token names no tenant".into()))
+                })?)
+            };
+        let filter = ReservationFilter {
+            tenant_id: tenant,
+            state: state.map(Into::into),
+            pool_id: pool_id
+                .map(|p| m::parse_id("poolId", "pool", p.as_str()))
+                .transpose()
+                .map_err(gql_error)?,
+            window: window
+                .map(|w| Window::new("window", w.start, w.end))
+                .transpose()
+                .map_err(gql_error)?,
+        };
+        let args = PageRequest {
+            first: first.map(i64::from),
+            after,
+            last: last.map(i64::from),
+            before,
+        }
+        .resolve()
+        .map_err(gql_error)?;
+        let page = rsv::list_reservations(db(ctx)?, &filter, &args)
+            .await
+            .map_err(gql_error)?;
+        let mut c = Connection::with_additional_fields(
+            page.has_previous,
+            page.has_next,
+            ReservationCount(filter),
+        );
+        c.edges.extend(
+            page.items
+                .into_iter()
+                .map(|r| Edge::new(encode_cursor(&r.id), ReservationObj(r))),
+        );
+        Ok(c)
+    }
+}
+
+/// A taint toleration.
+#[derive(InputObject)]
+pub struct TolerationInput {
+    /// The taint's key.
+    pub key: String,
+    /// Its value; any value when unset.
+    pub value: Option<String>,
+    /// Its effect; any effect when unset.
+    pub effect: Option<TaintEffect>,
+}
+
+/// A label a node must have.
+#[derive(InputObject)]
+pub struct SelectorInput {
+    /// Key.
+    pub key: String,
+    /// Value.
+    pub value: String,
+}
+
+/// One allocation: GPUs of one kind with vCPU, memory and disk, on one node.
+#[derive(InputObject)]
+pub struct AllocationInputGql {
+    /// Whole GPUs (default), MIG instances or slots.
+    pub gpu_kind: Option<AtomKind>,
+    /// How many (1 to 64).
+    pub gpu_count: i64,
+    /// A GPU model, such as `H100-SXM5-80GB`.
+    pub model: Option<String>,
+    /// MIG instances: the profile, such as `1g.10gb`.
+    pub profile: Option<String>,
+    /// Slots: of a GPU divided in this many.
+    pub slots_per_gpu: Option<i64>,
+    /// vCPU.
+    #[graphql(default)]
+    pub vcpu: i64,
+    /// Memory in MiB.
+    #[graphql(default)]
+    pub memory_mib: i64,
+    /// Disk in GiB.
+    #[graphql(default)]
+    pub disk_gib: i64,
+    /// Labels the node must have.
+    #[graphql(default)]
+    pub node_selector: Vec<SelectorInput>,
+    /// Taints the allocation tolerates.
+    #[graphql(default)]
+    pub tolerations: Vec<TolerationInput>,
+}
+
+/// Input of `createReservation`.
+#[derive(InputObject)]
+pub struct CreateReservationInput {
+    /// The pool to reserve in.
+    pub pool_id: ID,
+    /// When the window starts; now when unset.
+    pub starts_at: Option<DateTime<Utc>>,
+    /// When it ends.
+    pub ends_at: DateTime<Utc>,
+    /// What to reserve.
+    pub allocations: Vec<AllocationInputGql>,
+    /// Required: a retry with the same key and input gets the same answer, never a second
+    /// reservation. 1 to 255 printable characters.
+    pub idempotency_key: String,
+}
+
+/// A reservation after a change.
+#[derive(SimpleObject)]
+pub struct ReservationPayload {
+    /// The reservation.
+    pub reservation: ReservationObj,
+    /// Whether this is the stored answer to an earlier request with the same idempotency key.
+    pub idempotent_replay: bool,
+    /// How many placement attempts lost a race to a concurrent change and were replanned.
+    pub placement_retries: i32,
+}
+
+/// Input of `extendReservation`.
+#[derive(InputObject)]
+pub struct ExtendReservationInput {
+    /// The reservation.
+    pub id: ID,
+    /// The new end, later than the current one.
+    pub ends_at: DateTime<Utc>,
+    /// Required, as for `createReservation`.
+    pub idempotency_key: String,
+}
+
+/// Input of `releaseReservation` and `cancelReservation`.
+#[derive(InputObject)]
+pub struct ReservationActionInput {
+    /// The reservation.
+    pub id: ID,
+    /// The version you read; when given, a newer reservation is `CONFLICT`.
+    pub version: Option<i64>,
+}
+
+fn actor(ctx: &Context<'_>) -> async_graphql::Result<(Actor, bool)> {
+    let v = viewer(ctx)?;
+    if !(v.has_role(Role::Member) || v.has_role(Role::Operator)) {
+        return Err(gql_error(Error::Forbidden(
+            "reservations need the member or operator role".into(),
+        )));
+    }
+    Ok((
+        Actor {
+            subject: v.subject.clone(),
+            tenant: v.tenant.clone(),
+        },
+        v.has_role(Role::Operator),
+    ))
+}
+
+fn payload(
+    ctx: &Context<'_>,
+    outcome: compute_domain::idempotency::Outcome<rsv::Reservation>,
+    placement_retries: usize,
+) -> ReservationPayload {
+    if outcome.replayed {
+        ReplayFlag::mark(ctx);
+    }
+    ReservationPayload {
+        reservation: ReservationObj(outcome.value),
+        idempotent_replay: outcome.replayed,
+        placement_retries: placement_retries as i32,
+    }
+}
+
+/// The reservations' mutations.
+#[derive(Default)]
+pub struct ReservationMutation;
+
+#[Object]
+impl ReservationMutation {
+    /// Reserves GPUs for the caller's tenant. The reply says which node and atoms each
+    /// allocation got; without capacity it is `PENDING` with an `Unschedulable` condition, and
+    /// holds its quota. Over quota is `QUOTA_EXCEEDED`.
+    async fn create_reservation(
+        &self,
+        ctx: &Context<'_>,
+        input: CreateReservationInput,
+    ) -> async_graphql::Result<ReservationPayload> {
+        let (actor, _) = actor(ctx)?;
+        let allocations: Vec<AllocationInput> = input
+            .allocations
+            .iter()
+            .map(|a| AllocationInput {
+                gpu_kind: a.gpu_kind.map(Into::into),
+                gpu_count: a.gpu_count,
+                model: a.model.clone(),
+                profile: a.profile.clone(),
+                slots_per_gpu: a.slots_per_gpu,
+                vcpu: a.vcpu,
+                memory_mib: a.memory_mib,
+                disk_gib: a.disk_gib,
+                node_selector: a
+                    .node_selector
+                    .iter()
+                    .map(|s| (s.key.clone(), s.value.clone()))
+                    .collect(),
+                tolerations: a
+                    .tolerations
+                    .iter()
+                    .map(|t| (t.key.clone(), t.value.clone(), t.effect.map(Into::into)))
+                    .collect(),
+            })
+            .collect();
+        let request = parse_request(
+            input.pool_id.as_str(),
+            input.starts_at,
+            input.ends_at,
+            &allocations,
+        )
+        .map_err(gql_error)?;
+        let (outcome, stats) =
+            commands::create_reservation(db(ctx)?, &actor, request, &input.idempotency_key)
+                .await
+                .map_err(gql_error)?;
+        Ok(payload(ctx, outcome, stats.replans))
+    }
+
+    /// Moves the end of a scheduled or active reservation later: all its bookings grow, or none
+    /// (`CONFLICT` names what blocks).
+    async fn extend_reservation(
+        &self,
+        ctx: &Context<'_>,
+        input: ExtendReservationInput,
+    ) -> async_graphql::Result<ReservationPayload> {
+        let (actor, operator) = actor(ctx)?;
+        let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;
+        let outcome = commands::extend_reservation(
+            db(ctx)?,
+            &actor,
+            operator,
+            &id,
+            input.ends_at,
+            &input.idempotency_key,
+        )
+        .await
+        .map_err(gql_error)?;
+        Ok(payload(ctx, outcome, 0))
+    }
+
+    /// Ends a scheduled or active reservation now; quota and capacity come back.
+    async fn release_reservation(
+        &self,
+        ctx: &Context<'_>,
+        input: ReservationActionInput,
+    ) -> async_graphql::Result<ReservationPayload> {
+        let (actor, operator) = actor(ctx)?;
+        let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;
+        let r = commands::release_reservation(db(ctx)?, &actor, operator, &id, input.version)
+            .await
+            .map_err(gql_error)?;
+        Ok(ReservationPayload {
+            reservation: ReservationObj(r),
+            idempotent_replay: false,
+            placement_retries: 0,
+        })
+    }
+
+    /// Withdraws a pending or not yet started reservation.
+    async fn cancel_reservation(
+        &self,
+        ctx: &Context<'_>,
+        input: ReservationActionInput,
+    ) -> async_graphql::Result<ReservationPayload> {
+        let (actor, operator) = actor(ctx)?;
+        let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;
+        let r = commands::cancel_reservation(db(ctx)?, &actor, operator, &id, input.version)
+            .await
+            .map_err(gql_error)?;
+        Ok(ReservationPayload {
+            reservation: ReservationObj(r),
+            idempotent_replay: false,
+            placement_retries: 0,
+        })
+    }
+}

@@ -1,0 +1,830 @@
+//! Creating, extending, releasing and cancelling reservations.
+//!
+//! Lock order (docs/database-locks.md): the idempotency key and the reservation row first, then
+//! `quota_usage` (in key order), `pools` (key share, by the foreign key), `nodes` (`FOR SHARE`),
+//! `devices` and `device_atoms` (`FOR SHARE`), `device_bookings` (inserts), `node_resources`
+//! (guarded updates). Reserving charges quota first; releasing refunds it first.
+//!
+//! Conflicts do not abort the request: each placement attempt runs under a savepoint; a node,
+//! atom or counter conflict (including a lock timeout or deadlock inside the attempt) rolls back
+//! to it and replans without that node, at most three times; then the reservation is `pending`
+//! with an `Unschedulable` condition, still holding its quota.
+
+use chrono::{DateTime, Duration, Utc};
+use serde_json::{Value, json};
+use sqlx::PgConnection;
+
+use super::model::{AllocationRequest, ReservationRequest};
+use super::state::{Action, State, allowed_from};
+use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
+use crate::db::{Db, TxKind};
+use crate::error::{Error, Result};
+use crate::idempotency::{self, Actor, Claim, Outcome};
+use crate::outbox::{self, NewEvent};
+
+/// How many placement attempts an allocation gets before the reservation goes pending.
+pub const MAX_ATTEMPTS: usize = 3;
+/// How long a pending reservation waits before placement is tried again.
+pub const RETRY_SECONDS: i64 = 30;
+/// How far in the past a start may be (clock differences between client and server).
+pub const START_GRACE_SECONDS: i64 = 60;
+
+fn conflict(message: impl Into<String>) -> Error {
+    Error::Conflict {
+        message: message.into(),
+        current_version: None,
+    }
+}
+
+fn tenant_of(actor: &Actor) -> Result<String> {
+    actor.tenant.clone().ok_or_else(|| {
+        Error::bad_input(
+            "tenantId",
+            "the caller's token names no tenant to reserve for",
+        )
+    })
+}
+
+async fn load(conn: &mut PgConnection, id: &str) -> Result<Reservation> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1"
+    ))
+    .bind(id)
+    .fetch_one(&mut *conn)
+    .await?)
+}
+
+async fn allocations_of(conn: &mut PgConnection, id: &str) -> Result<Vec<Allocation>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
+    ))
+    .bind(id)
+    .fetch_all(&mut *conn)
+    .await?)
+}
+
+async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: &str) -> Result<()> {
+    let allocations = allocations_of(conn, &rsv.id).await?;
+    outbox::emit(
+        conn,
+        NewEvent {
+            event_type,
+            tenant_id: Some(&rsv.tenant_id),
+            subject: &rsv.id,
+            data: json!({ "reservation": rsv, "allocations": allocations }),
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// One quota row a reservation charges.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Charge {
+    scope_kind: String,
+    scope_id: String,
+    resource: String,
+    amount: f64,
+}
+
+/// Charges every quota row of the tenant on the pool and its site, all or nothing; returns the
+/// rows charged. Rows are locked in key order first (lock order: quota_usage before anything
+/// of the fleet). A missing row means no limit on that scope and resource.
+async fn charge_quota(
+    conn: &mut PgConnection,
+    tenant: &str,
+    pool_id: &str,
+    site_id: &str,
+    gpu: f64,
+    vcpu: i64,
+    memory: i64,
+) -> Result<Vec<Charge>> {
+    let want = [
+        ("pool", pool_id, "gpu", gpu),
+        ("pool", pool_id, "vcpu", vcpu as f64),
+        ("pool", pool_id, "memory_mib", memory as f64),
+        ("site", site_id, "gpu", gpu),
+        ("site", site_id, "vcpu", vcpu as f64),
+        ("site", site_id, "memory_mib", memory as f64),
+    ];
+    let kinds: Vec<&str> = want.iter().map(|w| w.0).collect();
+    let ids: Vec<&str> = want.iter().map(|w| w.1).collect();
+    let resources: Vec<&str> = want.iter().map(|w| w.2).collect();
+    let amounts: Vec<f64> = want.iter().map(|w| w.3).collect();
+    // `locked` takes the rows FOR UPDATE in key order; the UPDATE then charges those whose limit
+    // allows it (re-reading each row's latest version). Fewer charged than locked: over quota.
+    let rows: Vec<(String, String, String, f64, bool, f64, f64)> = sqlx::query_as(
+        "WITH want AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)), \
+         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q \
+                      JOIN want w USING (scope_kind, scope_id, resource) \
+                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q), \
+         charged AS (UPDATE quota_usage q SET used = q.used + w.amount::numeric, version = q.version + 1, updated_at = compute_now() \
+                       FROM want w, locked l \
+                      WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
+                        AND w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource \
+                        AND q.used + w.amount::numeric <= q.max_amount \
+                  RETURNING q.scope_kind, q.scope_id, q.resource) \
+         SELECT l.scope_kind, l.scope_id, l.resource, w.amount, c.resource IS NOT NULL, q.used::float8, q.max_amount::float8 \
+           FROM locked l \
+           JOIN want w ON w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource \
+           JOIN quota_usage q ON q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
+           LEFT JOIN charged c ON c.scope_kind = l.scope_kind AND c.scope_id = l.scope_id AND c.resource = l.resource",
+    )
+    .bind(tenant)
+    .bind(&kinds)
+    .bind(&ids)
+    .bind(&resources)
+    .bind(&amounts)
+    .fetch_all(&mut *conn)
+    .await?;
+    if let Some((kind, id, resource, amount, _, used, max)) = rows.iter().find(|r| !r.4) {
+        let unit = match resource.as_str() {
+            "gpu" => "GPUs",
+            "vcpu" => "vCPU",
+            _ => "MiB of memory",
+        };
+        return Err(Error::QuotaExceeded(format!(
+            "quota exceeded: tenant {tenant} would hold {} of its {} {unit} on {kind} {id} (holds {}, asks {})",
+            amount_text(used + amount),
+            amount_text(*max),
+            amount_text(*used),
+            amount_text(*amount),
+        )));
+    }
+    Ok(rows
+        .into_iter()
+        .filter(|r| r.3 > 0.0)
+        .map(|(scope_kind, scope_id, resource, amount, _, _, _)| Charge {
+            scope_kind,
+            scope_id,
+            resource,
+            amount,
+        })
+        .collect())
+}
+
+/// An amount as people write it: at most six decimals, no trailing zeros.
+fn amount_text(x: f64) -> String {
+    let s = format!("{x:.6}");
+    s.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
+/// Gives back what a reservation charged, in key order.
+async fn refund_quota(conn: &mut PgConnection, tenant: &str, charged: &Value) -> Result<()> {
+    let charges: Vec<Charge> = serde_json::from_value(charged.clone()).map_err(Error::internal)?;
+    if charges.is_empty() {
+        return Ok(());
+    }
+    let kinds: Vec<&str> = charges.iter().map(|c| c.scope_kind.as_str()).collect();
+    let ids: Vec<&str> = charges.iter().map(|c| c.scope_id.as_str()).collect();
+    let resources: Vec<&str> = charges.iter().map(|c| c.resource.as_str()).collect();
+    let amounts: Vec<f64> = charges.iter().map(|c| c.amount).collect();
+    sqlx::query(
+        "WITH back AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)), \
+         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q JOIN back b USING (scope_kind, scope_id, resource) \
+                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q) \
+         UPDATE quota_usage q SET used = q.used - b.amount::numeric, version = q.version + 1, updated_at = compute_now() \
+           FROM back b, locked l \
+          WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
+            AND b.scope_kind = l.scope_kind AND b.scope_id = l.scope_id AND b.resource = l.resource",
+    )
+    .bind(tenant)
+    .bind(&kinds)
+    .bind(&ids)
+    .bind(&resources)
+    .bind(&amounts)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Where an allocation went.
+#[derive(Debug, Clone)]
+struct Placed {
+    allocation_id: String,
+    node_id: String,
+    atoms: Vec<String>,
+}
+
+/// A node and atoms that fit an allocation now.
+#[derive(Debug, sqlx::FromRow)]
+struct Candidate {
+    node_id: String,
+    atoms: Vec<String>,
+}
+
+/// Eligibility of a node for an allocation: active, reachable, labels, hard taints tolerated.
+/// `$selector` and `$tolerations` are bound by the caller.
+fn node_eligible(selector: usize, tolerations: usize) -> String {
+    format!(
+        "n.lifecycle = 'active' AND n.reachability IN ('connected', 'disconnected') AND n.labels @> ${selector} \
+         AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(n.taints) t \
+              WHERE t->>'effect' IN ('NoSchedule', 'NoExecute') \
+                AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(${tolerations}::jsonb) o \
+                     WHERE o->>'key' = t->>'key' AND (o->>'value' IS NULL OR o->>'value' = t->>'value') \
+                       AND (o->>'effect' IS NULL OR o->>'effect' = t->>'effect')))"
+    )
+}
+
+/// The tightest node that fits `a` over the window, skipping `excluded`: the one with the fewest
+/// matching free atoms, so whole GPUs and whole nodes stay free; nodes whose `PreferNoSchedule`
+/// taints are not tolerated come last.
+async fn candidate(
+    conn: &mut PgConnection,
+    pool_id: &str,
+    a: &AllocationRequest,
+    window: (DateTime<Utc>, DateTime<Utc>),
+    excluded: &[String],
+) -> Result<Option<Candidate>> {
+    let sql = format!(
+        "WITH cand AS ( \
+           SELECT n.id AS node_id, n.taints, array_agg(a.name ORDER BY d.id, a.ordinal) AS free_atoms \
+             FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id \
+            WHERE n.pool_id = $1 AND NOT (n.id = ANY($2)) AND {eligible} \
+              AND d.health <> 'unhealthy' AND NOT d.quarantined \
+              AND a.kind = $5 AND ($6::text IS NULL OR d.model = $6) AND ($7::text IS NULL OR a.profile = $7) \
+              AND ($8::int IS NULL OR (d.layout->>'slots')::int = $8) \
+              AND NOT EXISTS (SELECT 1 FROM device_bookings b WHERE b.atom = a.name AND b.during && tstzrange($9, $10)) \
+            GROUP BY n.id HAVING count(*) >= $11) \
+         SELECT c.node_id, c.free_atoms[1:$11] AS atoms FROM cand c \
+          WHERE NOT EXISTS (SELECT 1 FROM node_resources r \
+                  JOIN (VALUES ('vcpu', $12::bigint), ('memory_mib', $13::bigint), ('disk_gib', $14::bigint)) v(res, need) ON v.res = r.resource \
+                 WHERE r.node_id = c.node_id AND r.allocated + v.need > floor(r.allocatable * r.ratio)) \
+          ORDER BY EXISTS (SELECT 1 FROM jsonb_array_elements(c.taints) t WHERE t->>'effect' = 'PreferNoSchedule' \
+                     AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements($4::jsonb) o WHERE o->>'key' = t->>'key')), \
+                   cardinality(c.free_atoms), c.node_id \
+          LIMIT 1",
+        eligible = node_eligible(3, 4)
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(pool_id)
+        .bind(excluded)
+        .bind(json!(a.node_selector))
+        .bind(json!(a.tolerations))
+        .bind(a.gpu_kind.as_str())
+        .bind(&a.model)
+        .bind(&a.profile)
+        .bind(a.slots_per_gpu)
+        .bind(window.0)
+        .bind(window.1)
+        .bind(i64::from(a.gpu_count))
+        .bind(a.vcpu)
+        .bind(a.memory_mib)
+        .bind(a.disk_gib)
+        .fetch_optional(&mut *conn)
+        .await?)
+}
+
+/// What one placement attempt found.
+enum Attempt {
+    Placed,
+    /// Another transaction got there first; replan without this node.
+    Lost(&'static str),
+}
+
+/// Locks the node and atoms `FOR SHARE` (re-checking eligibility against their latest versions),
+/// books the atoms and counts the scalars. Any shortfall is a lost race.
+async fn attempt(
+    conn: &mut PgConnection,
+    a: &AllocationRequest,
+    allocation_id: &str,
+    c: &Candidate,
+    window: (DateTime<Utc>, DateTime<Utc>),
+) -> Result<Attempt> {
+    let node: Option<(i32,)> = sqlx::query_as(&format!(
+        "SELECT 1 FROM nodes n WHERE n.id = $1 AND {} FOR SHARE",
+        node_eligible(2, 3)
+    ))
+    .bind(&c.node_id)
+    .bind(json!(a.node_selector))
+    .bind(json!(a.tolerations))
+    .fetch_optional(&mut *conn)
+    .await?;
+    if node.is_none() {
+        return Ok(Attempt::Lost("the node changed"));
+    }
+    let atoms: Vec<(String,)> = sqlx::query_as(
+        "SELECT a.name FROM device_atoms a JOIN devices d ON d.id = a.device_id \
+          WHERE a.name = ANY($1) AND d.node_id = $2 AND d.health <> 'unhealthy' AND NOT d.quarantined \
+          ORDER BY a.name FOR SHARE OF a, d",
+    )
+    .bind(&c.atoms)
+    .bind(&c.node_id)
+    .fetch_all(&mut *conn)
+    .await?;
+    if atoms.len() != c.atoms.len() {
+        return Ok(Attempt::Lost("a GPU changed"));
+    }
+    let booked: Vec<(String,)> = sqlx::query_as(
+        "INSERT INTO device_bookings (atom, device_id, allocation_id, during) \
+         SELECT a.name, a.device_id, $2, tstzrange($3, $4) FROM device_atoms a WHERE a.name = ANY($1) \
+         ON CONFLICT DO NOTHING RETURNING atom",
+    )
+    .bind(&c.atoms)
+    .bind(allocation_id)
+    .bind(window.0)
+    .bind(window.1)
+    .fetch_all(&mut *conn)
+    .await?;
+    if booked.len() != c.atoms.len() {
+        return Ok(Attempt::Lost("an atom was booked meanwhile"));
+    }
+    let counted: Vec<(String,)> = sqlx::query_as(
+        "UPDATE node_resources r SET allocated = r.allocated + v.need \
+           FROM (VALUES ('vcpu', $2::bigint), ('memory_mib', $3::bigint), ('disk_gib', $4::bigint)) v(res, need) \
+          WHERE r.node_id = $1 AND r.resource = v.res AND r.allocated + v.need <= floor(r.allocatable * r.ratio) \
+          RETURNING r.resource",
+    )
+    .bind(&c.node_id)
+    .bind(a.vcpu)
+    .bind(a.memory_mib)
+    .bind(a.disk_gib)
+    .fetch_all(&mut *conn)
+    .await?;
+    if counted.len() != 3 {
+        return Ok(Attempt::Lost("the node's vCPU, memory or disk filled up"));
+    }
+    Ok(Attempt::Placed)
+}
+
+/// What placing a whole reservation came to.
+enum Placement {
+    Placed(Vec<Placed>),
+    /// Why not, in words a user understands; nothing is booked.
+    Unschedulable(String),
+}
+
+/// Places every allocation or none.
+async fn place(
+    conn: &mut PgConnection,
+    pool: (&str, &str),
+    allocations: &[(String, AllocationRequest)],
+    window: (DateTime<Utc>, DateTime<Utc>),
+) -> Result<(Placement, usize)> {
+    sqlx::query("SAVEPOINT placement")
+        .execute(&mut *conn)
+        .await?;
+    let mut placed = Vec::new();
+    let mut replans = 0;
+    for (i, (allocation_id, a)) in allocations.iter().enumerate() {
+        let mut excluded: Vec<String> = Vec::new();
+        let mut lost: Vec<&'static str> = Vec::new();
+        loop {
+            let Some(c) = candidate(conn, pool.0, a, window, &excluded).await? else {
+                sqlx::query("ROLLBACK TO SAVEPOINT placement")
+                    .execute(&mut *conn)
+                    .await?;
+                let mut why = format!(
+                    "no schedulable node in pool {} has {} free with {} vCPU, {} MiB of memory and {} GiB of disk{}{} from {} to {}",
+                    pool.1,
+                    a.describe(),
+                    a.vcpu,
+                    a.memory_mib,
+                    a.disk_gib,
+                    if a.node_selector.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            ", labels {}",
+                            a.node_selector
+                                .iter()
+                                .map(|(k, v)| format!("{k}={v}"))
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        )
+                    },
+                    if a.tolerations.is_empty() {
+                        ", without tolerating taints"
+                    } else {
+                        ""
+                    },
+                    window.0.to_rfc3339(),
+                    window.1.to_rfc3339(),
+                );
+                if allocations.len() > 1 {
+                    why = format!("allocation {i}: {why}");
+                }
+                if !lost.is_empty() {
+                    why.push_str(&format!(
+                        " (after {} lost race{}: {})",
+                        lost.len(),
+                        if lost.len() == 1 { "" } else { "s" },
+                        lost.join("; ")
+                    ));
+                }
+                return Ok((Placement::Unschedulable(why), replans));
+            };
+            sqlx::query("SAVEPOINT attempt").execute(&mut *conn).await?;
+            let outcome = match attempt(conn, a, allocation_id, &c, window).await {
+                Ok(o) => o,
+                // A lock wait or a deadlock inside the attempt is a lost race too: the savepoint
+                // undoes the attempt and the transaction goes on.
+                Err(Error::LockTimeout) | Err(Error::Contention { .. }) => {
+                    Attempt::Lost("a lock wait timed out")
+                }
+                Err(e) => return Err(e),
+            };
+            match outcome {
+                Attempt::Placed => {
+                    sqlx::query("RELEASE SAVEPOINT attempt")
+                        .execute(&mut *conn)
+                        .await?;
+                    placed.push(Placed {
+                        allocation_id: allocation_id.clone(),
+                        node_id: c.node_id,
+                        atoms: c.atoms,
+                    });
+                    break;
+                }
+                Attempt::Lost(why) => {
+                    sqlx::query("ROLLBACK TO SAVEPOINT attempt")
+                        .execute(&mut *conn)
+                        .await?;
+                    replans += 1;
+                    lost.push(why);
+                    excluded.push(c.node_id);
+                    if lost.len() >= MAX_ATTEMPTS {
+                        sqlx::query("ROLLBACK TO SAVEPOINT placement")
+                            .execute(&mut *conn)
+                            .await?;
+                        let why = format!(
+                            "{} for {} in pool {}: {} placement attempts lost races to concurrent changes ({})",
+                            if allocations.len() > 1 {
+                                format!("allocation {i}")
+                            } else {
+                                "placement".into()
+                            },
+                            a.describe(),
+                            pool.1,
+                            MAX_ATTEMPTS,
+                            lost.join("; ")
+                        );
+                        return Ok((Placement::Unschedulable(why), replans));
+                    }
+                }
+            }
+        }
+    }
+    sqlx::query("RELEASE SAVEPOINT placement")
+        .execute(&mut *conn)
+        .await?;
+    Ok((Placement::Placed(placed), replans))
+}
+
+/// What creating a reservation did, beyond the reservation itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CreateStats {
+    /// Placement attempts that lost a race and were replanned.
+    pub replans: usize,
+}
+
+/// Creates a reservation: charges quota, places every allocation or none, and records the
+/// response under the idempotency key, all in one transaction.
+pub async fn create_reservation(
+    db: &Db,
+    actor: &Actor,
+    req: ReservationRequest,
+    key: &str,
+) -> Result<(Outcome<Reservation>, CreateStats)> {
+    let tenant = tenant_of(actor)?;
+    let key = idempotency::parse_key("idempotencyKey", key)?;
+    let fingerprint = json!(req);
+    let rsv_id = crate::ids::new_id("rsv");
+    let alloc_ids: Vec<String> = req
+        .allocations
+        .iter()
+        .map(|_| crate::ids::new_id("alc"))
+        .collect();
+    let result = db
+        .tx(TxKind::Write, |conn| {
+            let (actor, key, fingerprint, req, rsv_id, alloc_ids, tenant) =
+                (actor.clone(), key.clone(), fingerprint.clone(), req.clone(), rsv_id.clone(), alloc_ids.clone(), tenant.clone());
+            Box::pin(async move {
+                if let Claim::Replay(response) = idempotency::claim(conn, &actor, &key, "createReservation", &fingerprint).await? {
+                    if let Some(e) = idempotency::stored_error(&response) {
+                        return Err(e);
+                    }
+                    let id = response["reservationId"].as_str().unwrap_or_default().to_owned();
+                    return Ok((Outcome { value: load(conn, &id).await?, replayed: true }, CreateStats::default()));
+                }
+                let pool: Option<(DateTime<Utc>, String, String)> =
+                    sqlx::query_as("SELECT compute_now(), site_id, name FROM pools WHERE id = $1")
+                        .bind(&req.pool_id)
+                        .fetch_optional(&mut *conn)
+                        .await?;
+                let Some((now, site_id, pool_name)) = pool else {
+                    return Err(Error::NotFound { kind: "pool", id: req.pool_id.clone() });
+                };
+                let starts_at = req.starts_at.unwrap_or(now);
+                if starts_at < now - Duration::seconds(START_GRACE_SECONDS) {
+                    return Err(Error::bad_input("startsAt", "`startsAt` is in the past"));
+                }
+                if req.ends_at <= starts_at {
+                    return Err(Error::bad_input("endsAt", "`endsAt` must be after the start"));
+                }
+                let gpu: f64 = req.allocations.iter().map(AllocationRequest::gpu_share).sum();
+                let gpu = (gpu * 1_000_000.0).round() / 1_000_000.0;
+                let vcpu: i64 = req.allocations.iter().map(|a| a.vcpu).sum();
+                let memory: i64 = req.allocations.iter().map(|a| a.memory_mib).sum();
+                let charged = charge_quota(conn, &tenant, &req.pool_id, &site_id, gpu, vcpu, memory).await?;
+
+                sqlx::query(
+                    "INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at, \
+                       charge_gpu, charge_vcpu, charge_memory_mib, charged) \
+                     VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10)",
+                )
+                .bind(&rsv_id)
+                .bind(&tenant)
+                .bind(&actor.subject)
+                .bind(&req.pool_id)
+                .bind(starts_at)
+                .bind(req.ends_at)
+                .bind(gpu)
+                .bind(vcpu)
+                .bind(memory)
+                .bind(json!(charged))
+                .execute(&mut *conn)
+                .await?;
+                let a = &req.allocations;
+                sqlx::query(
+                    "INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, model, profile, slots_per_gpu, \
+                       vcpu, memory_mib, disk_gib, node_selector, tolerations) \
+                     SELECT id, $2, ord - 1, k, c, m, p, s, v, mem, d, sel, tol \
+                       FROM unnest($1::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::int[], $8::bigint[], $9::bigint[], \
+                                   $10::bigint[], $11::jsonb[], $12::jsonb[]) WITH ORDINALITY \
+                         AS t(id, k, c, m, p, s, v, mem, d, sel, tol, ord)",
+                )
+                .bind(&alloc_ids)
+                .bind(&rsv_id)
+                .bind(a.iter().map(|x| x.gpu_kind.as_str()).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| x.gpu_count).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| x.model.clone()).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| x.profile.clone()).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| x.slots_per_gpu).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| x.vcpu).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| x.memory_mib).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| x.disk_gib).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| json!(x.node_selector)).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| json!(x.tolerations)).collect::<Vec<_>>())
+                .execute(&mut *conn)
+                .await?;
+
+                let pairs: Vec<(String, AllocationRequest)> = alloc_ids.iter().cloned().zip(req.allocations.iter().cloned()).collect();
+                let (placement, replans) = place(conn, (&req.pool_id, &pool_name), &pairs, (starts_at, req.ends_at)).await?;
+                let (state, event) = match &placement {
+                    Placement::Placed(placed) => {
+                        sqlx::query(
+                            "UPDATE allocations a SET node_id = p.node_id, atoms = ARRAY(SELECT jsonb_array_elements_text(p.atoms)) \
+                               FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS p(id, node_id, atoms) WHERE a.id = p.id",
+                        )
+                        .bind(placed.iter().map(|p| p.allocation_id.clone()).collect::<Vec<_>>())
+                        .bind(placed.iter().map(|p| p.node_id.clone()).collect::<Vec<_>>())
+                        .bind(placed.iter().map(|p| json!(p.atoms)).collect::<Vec<_>>())
+                        .execute(&mut *conn)
+                        .await?;
+                        if starts_at <= now {
+                            (State::Active, "reservation.active")
+                        } else {
+                            (State::Scheduled, "reservation.scheduled")
+                        }
+                    }
+                    Placement::Unschedulable(_) => (State::Pending, "reservation.pending"),
+                };
+                let conditions = match &placement {
+                    Placement::Unschedulable(why) => json!([{
+                        "type": "Unschedulable", "status": "True", "reason": "NoCapacity", "message": why, "since": now
+                    }]),
+                    Placement::Placed(_) => json!([]),
+                };
+                let rsv: Reservation = sqlx::query_as(&format!(
+                    "UPDATE reservations r SET state = $2, conditions = $3, \
+                       next_attempt_at = CASE WHEN $2 = 'pending' THEN compute_now() + make_interval(secs => $4::float8) END \
+                     WHERE r.id = $1 RETURNING {RSV_COLS}"
+                ))
+                .bind(&rsv_id)
+                .bind(state.as_str())
+                .bind(conditions)
+                .bind(RETRY_SECONDS as f64)
+                .fetch_one(&mut *conn)
+                .await?;
+                emit(conn, &rsv, event).await?;
+                idempotency::complete(conn, &actor, &key, &json!({ "reservationId": rsv.id, "state": rsv.state })).await?;
+                Ok((Outcome { value: rsv, replayed: false }, CreateStats { replans }))
+            })
+        })
+        .await;
+    if let Err(e) = &result {
+        idempotency::record_error(db, actor, &key, "createReservation", &fingerprint, e).await?;
+    }
+    result
+}
+
+/// Locks a reservation the caller may act on (its tenant's; operators any), for `action`.
+async fn lock_for(
+    conn: &mut PgConnection,
+    actor: &Actor,
+    operator: bool,
+    id: &str,
+    version: Option<i64>,
+    action: Action,
+) -> Result<Reservation> {
+    let rsv: Option<Reservation> = sqlx::query_as(&format!(
+        "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1 FOR UPDATE"
+    ))
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let rsv = match rsv {
+        Some(r) if operator || Some(&r.tenant_id) == actor.tenant.as_ref() => r,
+        _ => {
+            return Err(Error::NotFound {
+                kind: "reservation",
+                id: id.to_owned(),
+            });
+        }
+    };
+    if let Some(v) = version
+        && v != rsv.version
+    {
+        return Err(Error::Conflict {
+            message: format!("reservation {id} has version {}, not {v}", rsv.version),
+            current_version: Some(rsv.version),
+        });
+    }
+    if !allowed_from(action).contains(&rsv.state.as_str()) {
+        return Err(Error::Conflict {
+            message: format!(
+                "reservation {id} is {}: {action:?} is not allowed from that state",
+                rsv.state
+            ),
+            current_version: Some(rsv.version),
+        });
+    }
+    Ok(rsv)
+}
+
+/// Ends bookings at now (future ones are removed) and gives back quota and scalars, in the
+/// lock order: quota first.
+async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
+    let (charged,): (Value,) = sqlx::query_as("SELECT charged FROM reservations WHERE id = $1")
+        .bind(&rsv.id)
+        .fetch_one(&mut *conn)
+        .await?;
+    refund_quota(conn, &rsv.tenant_id, &charged).await?;
+    sqlx::query(
+        "WITH mine AS (SELECT id FROM allocations WHERE reservation_id = $1), \
+         gone AS (DELETE FROM device_bookings b USING mine WHERE b.allocation_id = mine.id AND lower(b.during) >= compute_now() RETURNING 1) \
+         UPDATE device_bookings b SET during = tstzrange(lower(b.during), compute_now()) FROM mine \
+          WHERE b.allocation_id = mine.id AND lower(b.during) < compute_now() AND upper(b.during) > compute_now()",
+    )
+    .bind(&rsv.id)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "UPDATE node_resources r SET allocated = r.allocated - s.amount \
+           FROM (SELECT a.node_id, v.res, sum(v.amount)::bigint AS amount FROM allocations a, \
+                   LATERAL (VALUES ('vcpu', a.vcpu), ('memory_mib', a.memory_mib), ('disk_gib', a.disk_gib)) v(res, amount) \
+                  WHERE a.reservation_id = $1 AND a.node_id IS NOT NULL GROUP BY a.node_id, v.res ORDER BY a.node_id, v.res) s \
+          WHERE r.node_id = s.node_id AND r.resource = s.res",
+    )
+    .bind(&rsv.id)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+async fn finish(
+    db: &Db,
+    actor: &Actor,
+    operator: bool,
+    id: &str,
+    version: Option<i64>,
+    action: Action,
+) -> Result<Reservation> {
+    let (to, event) = match action {
+        Action::Release => (State::Released, "reservation.released"),
+        _ => (State::Cancelled, "reservation.cancelled"),
+    };
+    db.tx(TxKind::Write, |conn| {
+        let (actor, id) = (actor.clone(), id.to_owned());
+        Box::pin(async move {
+            let rsv = lock_for(conn, &actor, operator, &id, version, action).await?;
+            give_back(conn, &rsv).await?;
+            let rsv: Reservation = sqlx::query_as(&format!(
+                "UPDATE reservations r SET state = $2, ended_at = compute_now(), next_attempt_at = NULL, \
+                   version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
+            ))
+            .bind(&id)
+            .bind(to.as_str())
+            .fetch_one(&mut *conn)
+            .await?;
+            emit(conn, &rsv, event).await?;
+            Ok(rsv)
+        })
+    })
+    .await
+}
+
+/// Ends a scheduled or active reservation now: bookings end at `compute_now()`, quota and scalars
+/// come back.
+pub async fn release_reservation(
+    db: &Db,
+    actor: &Actor,
+    operator: bool,
+    id: &str,
+    version: Option<i64>,
+) -> Result<Reservation> {
+    finish(db, actor, operator, id, version, Action::Release).await
+}
+
+/// Withdraws a pending or not yet started reservation.
+pub async fn cancel_reservation(
+    db: &Db,
+    actor: &Actor,
+    operator: bool,
+    id: &str,
+    version: Option<i64>,
+) -> Result<Reservation> {
+    finish(db, actor, operator, id, version, Action::Cancel).await
+}
+
+/// Moves the end of a scheduled or active reservation later: every booking grows, or none.
+pub async fn extend_reservation(
+    db: &Db,
+    actor: &Actor,
+    operator: bool,
+    id: &str,
+    ends_at: DateTime<Utc>,
+    key: &str,
+) -> Result<Outcome<Reservation>> {
+    let key = idempotency::parse_key("idempotencyKey", key)?;
+    let fingerprint = json!({ "reservationId": id, "endsAt": ends_at });
+    let result = db
+        .tx(TxKind::Write, |conn| {
+            let (actor, id, key, fingerprint) = (actor.clone(), id.to_owned(), key.clone(), fingerprint.clone());
+            Box::pin(async move {
+                if let Claim::Replay(response) = idempotency::claim(conn, &actor, &key, "extendReservation", &fingerprint).await? {
+                    if let Some(e) = idempotency::stored_error(&response) {
+                        return Err(e);
+                    }
+                    return Ok(Outcome { value: load(conn, &id).await?, replayed: true });
+                }
+                let rsv = lock_for(conn, &actor, operator, &id, None, Action::Extend).await?;
+                if ends_at <= rsv.ends_at {
+                    return Err(Error::bad_input("endsAt", format!("`endsAt` must be later than the current end, {}", rsv.ends_at.to_rfc3339())));
+                }
+                if ends_at - rsv.starts_at > Duration::days(super::model::MAX_DAYS) {
+                    return Err(Error::bad_input("endsAt", format!("a reservation lasts at most {} days", super::model::MAX_DAYS)));
+                }
+                let blockers: Vec<(String, Option<String>, String)> = sqlx::query_as(
+                    "SELECT b.atom, b.allocation_id, b.reason FROM device_bookings b \
+                      WHERE b.atom IN (SELECT unnest(atoms) FROM allocations WHERE reservation_id = $1) \
+                        AND NOT EXISTS (SELECT 1 FROM allocations x WHERE x.reservation_id = $1 AND x.id = b.allocation_id) \
+                        AND b.during && tstzrange($2, $3) ORDER BY b.atom",
+                )
+                .bind(&id)
+                .bind(rsv.ends_at)
+                .bind(ends_at)
+                .fetch_all(&mut *conn)
+                .await?;
+                if !blockers.is_empty() {
+                    let list: Vec<String> = blockers
+                        .iter()
+                        .map(|(atom, alloc, reason)| format!("{atom} is booked by {}", alloc.clone().unwrap_or_else(|| format!("a {reason} hold"))))
+                        .collect();
+                    return Err(conflict(format!("reservation {id} cannot be extended to {}: {}", ends_at.to_rfc3339(), list.join("; "))));
+                }
+                // All bookings grow in one statement; a booking that raced in is refused by the
+                // exclusion constraint, and then none grows.
+                sqlx::query(
+                    "UPDATE device_bookings b SET during = tstzrange(lower(b.during), $2) \
+                      WHERE b.allocation_id IN (SELECT id FROM allocations WHERE reservation_id = $1) AND upper(b.during) = $3",
+                )
+                .bind(&id)
+                .bind(ends_at)
+                .bind(rsv.ends_at)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| match e.as_database_error().and_then(|d| d.constraint()) {
+                    Some("device_bookings_no_overlap") => conflict(format!("reservation {id} cannot be extended: an atom was booked meanwhile")),
+                    _ => Error::from(e),
+                })?;
+                let rsv: Reservation = sqlx::query_as(&format!(
+                    "UPDATE reservations r SET ends_at = $2, version = r.version + 1, updated_at = compute_now() \
+                     WHERE r.id = $1 RETURNING {RSV_COLS}"
+                ))
+                .bind(&id)
+                .bind(ends_at)
+                .fetch_one(&mut *conn)
+                .await?;
+                emit(conn, &rsv, "reservation.extended").await?;
+                idempotency::complete(conn, &actor, &key, &json!({ "reservationId": rsv.id, "endsAt": rsv.ends_at })).await?;
+                Ok(Outcome { value: rsv, replayed: false })
+            })
+        })
+        .await;
+    if let Err(e) = &result {
+        idempotency::record_error(db, actor, &key, "extendReservation", &fingerprint, e).await?;
+    }
+    result
+}

@@ -1,0 +1,149 @@
+//! Reservations: placement that cannot double-book, quotas, and the lifecycle.
+//!
+//! Durable state only. Reads are single statements on the pool, batched by id for the loaders;
+//! every change is one `Db::tx` in [`commands`].
+
+pub mod commands;
+pub mod model;
+pub mod state;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::{FromRow, Postgres, QueryBuilder};
+
+use crate::db::Db;
+use crate::error::Result;
+use crate::page::{Page, PageArgs};
+
+/// A reservation.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Reservation {
+    pub id: String,
+    pub tenant_id: String,
+    pub created_by: String,
+    pub pool_id: String,
+    pub state: String,
+    pub starts_at: DateTime<Utc>,
+    pub ends_at: DateTime<Utc>,
+    pub conditions: Value,
+    pub charge_gpu: f64,
+    pub charge_vcpu: i64,
+    pub charge_memory_mib: i64,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub version: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub ended_at: Option<DateTime<Utc>>,
+}
+
+/// One allocation of a reservation: what it asked for and where it was placed.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Allocation {
+    pub id: String,
+    pub reservation_id: String,
+    pub ordinal: i32,
+    pub gpu_kind: String,
+    pub gpu_count: i32,
+    pub model: Option<String>,
+    pub profile: Option<String>,
+    pub slots_per_gpu: Option<i32>,
+    pub vcpu: i64,
+    pub memory_mib: i64,
+    pub disk_gib: i64,
+    pub node_selector: Value,
+    pub tolerations: Value,
+    pub node_id: Option<String>,
+    pub atoms: Vec<String>,
+}
+
+pub(crate) const RSV_COLS: &str = "r.id, r.tenant_id, r.created_by, r.pool_id, r.state, r.starts_at, r.ends_at, \
+     r.conditions, r.charge_gpu::float8 AS charge_gpu, r.charge_vcpu, r.charge_memory_mib, r.next_attempt_at, \
+     r.version, r.created_at, r.updated_at, r.ended_at";
+pub(crate) const ALLOC_COLS: &str = "a.id, a.reservation_id, a.ordinal, a.gpu_kind, a.gpu_count, a.model, a.profile, \
+     a.slots_per_gpu, a.vcpu, a.memory_mib, a.disk_gib, a.node_selector, a.tolerations, a.node_id, a.atoms";
+
+/// Reservations by id.
+pub async fn get_reservations(db: &Db, ids: &[String]) -> Result<Vec<Reservation>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {RSV_COLS} FROM reservations r WHERE r.id = ANY($1)"
+    ))
+    .bind(ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// The allocations of each reservation, in order.
+pub async fn allocations_by_reservations(db: &Db, ids: &[String]) -> Result<Vec<Allocation>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = ANY($1) ORDER BY a.reservation_id, a.ordinal"
+    ))
+    .bind(ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// Filters of the reservations connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct ReservationFilter {
+    /// Only this tenant's (always set for members).
+    pub tenant_id: Option<String>,
+    pub state: Option<state::State>,
+    pub pool_id: Option<String>,
+    /// Only reservations whose window overlaps this one.
+    pub window: Option<crate::fleet::model::Window>,
+}
+
+fn select<'a>(cols: &str, f: &ReservationFilter) -> QueryBuilder<'a, Postgres> {
+    let mut qb = QueryBuilder::new(format!("SELECT {cols} FROM reservations r WHERE TRUE"));
+    if let Some(t) = &f.tenant_id {
+        qb.push(" AND r.tenant_id = ").push_bind(t.clone());
+    }
+    if let Some(s) = f.state {
+        qb.push(" AND r.state = ").push_bind(s.as_str());
+    }
+    if let Some(p) = &f.pool_id {
+        qb.push(" AND r.pool_id = ").push_bind(p.clone());
+    }
+    if let Some(w) = f.window {
+        qb.push(" AND tstzrange(r.starts_at, r.ends_at) && tstzrange(")
+            .push_bind(w.start)
+            .push(", ")
+            .push_bind(w.end)
+            .push(")");
+    }
+    qb
+}
+
+/// A page of reservations.
+pub async fn list_reservations(
+    db: &Db,
+    filter: &ReservationFilter,
+    page: &PageArgs,
+) -> Result<Page<Reservation>> {
+    let mut qb = select(RSV_COLS, filter);
+    if let Some(after) = &page.after {
+        qb.push(" AND r.id > ").push_bind(after.clone());
+    }
+    if let Some(before) = &page.before {
+        qb.push(" AND r.id < ").push_bind(before.clone());
+    }
+    qb.push(if page.backward {
+        " ORDER BY r.id DESC"
+    } else {
+        " ORDER BY r.id"
+    })
+    .push(" LIMIT ")
+    .push_bind(page.limit + 1);
+    let rows = qb.build_query_as().fetch_all(db.pool()).await?;
+    Ok(Page::from_rows(rows, page))
+}
+
+/// How many reservations match.
+pub async fn count_reservations(db: &Db, filter: &ReservationFilter) -> Result<i64> {
+    let (n,): (i64,) = select("count(*)", filter)
+        .build_query_as()
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}

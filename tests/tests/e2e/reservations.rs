@@ -1,0 +1,606 @@
+//! Reservations through GraphQL: placement, quotas, idempotency and the lifecycle.
+
+use compute_tests::{TestApp, spawn_app};
+use serde_json::{Value, json};
+
+use crate::fleet::{CREATE_POOL, CREATE_SITE, REGISTER};
+
+pub const CREATE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { idempotentReplay placementRetries \
+    reservation { id state startsAt endsAt gpuCharge version conditions { type reason message } \
+    allocations { id gpuKind gpuCount atoms computeNodeId } } } }";
+const EXTEND: &str = "mutation($i: ExtendReservationInput!) { extendReservation(input: $i) { idempotentReplay reservation { id state endsAt version } } }";
+const RELEASE: &str = "mutation($i: ReservationActionInput!) { releaseReservation(input: $i) { reservation { id state endedAt version } } }";
+const CANCEL: &str = "mutation($i: ReservationActionInput!) { cancelReservation(input: $i) { reservation { id state version } } }";
+
+/// A pool with two H100 nodes (2 GPUs each, one tainted), one A100 node with a MIG GPU and a
+/// 4-slot GPU, and a quota of 8 GPUs and 64 vCPU for tenant `acme`.
+pub struct Pool {
+    pub pool: String,
+    pub site: String,
+    pub nodes: Vec<String>,
+}
+
+pub async fn pool(app: &TestApp) -> Pool {
+    let op = app.operator();
+    let site = app
+        .ok(&op, CREATE_SITE, json!({ "i": { "name": "rsv-site" } }))
+        .await["createSite"]["site"]["id"]
+        .as_str()
+        .expect("site")
+        .to_owned();
+    let pool = app
+        .ok(
+            &op,
+            CREATE_POOL,
+            json!({ "i": { "siteId": site, "name": "gpu", "kind": "BARE_METAL" } }),
+        )
+        .await["createPool"]["pool"]["id"]
+        .as_str()
+        .expect("pool")
+        .to_owned();
+    let mut nodes = Vec::new();
+    for (host, taints, devices) in [
+        (
+            "h100-a",
+            json!([]),
+            json!([{ "uuid": "GPU-A0", "model": "H100", "memoryMib": 81559 }, { "uuid": "GPU-A1", "model": "H100", "memoryMib": 81559 }]),
+        ),
+        (
+            "h100-b",
+            json!([{ "key": "dedicated", "value": "train", "effect": "NO_SCHEDULE" }]),
+            json!([{ "uuid": "GPU-B0", "model": "H100", "memoryMib": 81559 }, { "uuid": "GPU-B1", "model": "H100", "memoryMib": 81559 }]),
+        ),
+        (
+            "a100-c",
+            json!([]),
+            json!([
+                { "uuid": "GPU-C0", "model": "A100", "memoryMib": 81920, "mode": "MIG", "layout": { "migProfiles": ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"] } },
+                { "uuid": "GPU-C1", "model": "A100", "memoryMib": 81920, "mode": "TIME_SLICE", "layout": { "slots": 4 } }
+            ]),
+        ),
+    ] {
+        let d = app
+            .ok(&op, REGISTER, json!({ "i": { "poolId": pool, "hostname": host, "taints": taints,
+                "labels": [{ "key": "host", "value": host }],
+                "resources": { "vcpu": 32, "memoryMib": 262144, "diskGib": 1000 }, "devices": devices } }))
+            .await;
+        nodes.push(
+            d["registerNode"]["computeNode"]["id"]
+                .as_str()
+                .expect("node")
+                .to_owned(),
+        );
+    }
+    app.ok(
+        &op,
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "acme", "scopeId": pool, "gpus": 8, "vcpu": 64 } }),
+    )
+    .await;
+    Pool { pool, site, nodes }
+}
+
+pub fn input(pool: &str, key: &str, allocations: Value) -> Value {
+    json!({ "i": { "poolId": pool, "endsAt": "2031-01-01T02:00:00Z", "allocations": allocations, "idempotencyKey": key } })
+}
+
+async fn used(app: &TestApp, resource: &str) -> f64 {
+    let (u,): (f64,) = sqlx::query_as(
+        "SELECT used::float8 FROM quota_usage WHERE tenant_id = 'acme' AND resource = $1",
+    )
+    .bind(resource)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("quota");
+    u
+}
+
+async fn allocated_vcpu(app: &TestApp) -> i64 {
+    let (n,): (i64,) = sqlx::query_as(
+        "SELECT coalesce(sum(allocated), 0)::bigint FROM node_resources WHERE resource = 'vcpu'",
+    )
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("allocated");
+    n
+}
+
+async fn setup() -> (TestApp, Pool, String) {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = pool(&app).await;
+    let member = app.member("acme");
+    (app, p, member)
+}
+
+#[tokio::test]
+async fn a_reservation_is_placed_charged_and_released() {
+    let (app, p, member) = setup().await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "k1",
+                json!([{ "gpuCount": 1, "model": "H100", "vcpu": 8, "memoryMib": 65536 }]),
+            ),
+        )
+        .await;
+    let r = &d["createReservation"]["reservation"];
+    assert_eq!(r["state"], "ACTIVE");
+    assert_eq!(r["gpuCharge"], 1.0);
+    assert_eq!(d["createReservation"]["idempotentReplay"], false);
+    let alloc = &r["allocations"][0];
+    assert_eq!(
+        alloc["computeNodeId"],
+        p.nodes[0].as_str(),
+        "the untainted H100 node"
+    );
+    assert_eq!(alloc["atoms"].as_array().map(Vec::len), Some(1));
+    assert_eq!(
+        (used(&app, "gpu").await, used(&app, "vcpu").await),
+        (1.0, 8.0)
+    );
+    assert_eq!(allocated_vcpu(&app).await, 8);
+    assert_eq!(
+        app.count("outbox WHERE type = 'reservation.active' AND tenant_id = 'acme'")
+            .await,
+        1
+    );
+
+    app.db.advance_clock(600).await;
+    let id = r["id"].clone();
+    let d = app.ok(&member, RELEASE, json!({ "i": { "id": id } })).await;
+    assert_eq!(d["releaseReservation"]["reservation"]["state"], "RELEASED");
+    assert_eq!(
+        d["releaseReservation"]["reservation"]["endedAt"],
+        "2031-01-01T00:10:00+00:00"
+    );
+    assert_eq!(
+        (used(&app, "gpu").await, used(&app, "vcpu").await),
+        (0.0, 0.0),
+        "quota refunded"
+    );
+    assert_eq!(allocated_vcpu(&app).await, 0, "scalars refunded");
+    let (upper,): (String,) =
+        sqlx::query_as("SELECT upper(during)::text FROM device_bookings WHERE allocation_id = $1")
+            .bind(alloc["id"].as_str())
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("booking");
+    assert_eq!(
+        upper, "2031-01-01 00:10:00+00",
+        "the booking ends at the release"
+    );
+    let (code, error) = app
+        .fails(&member, RELEASE, json!({ "i": { "id": id } }))
+        .await;
+    assert_eq!(code, "CONFLICT", "released is terminal: {error}");
+}
+
+#[tokio::test]
+async fn advance_reservations_share_an_atom_without_overlapping() {
+    let (app, p, member) = setup().await;
+    let want = json!([{ "gpuCount": 2, "model": "H100" }]);
+    let window = |start: &str, end: &str, key: &str| json!({ "i": { "poolId": p.pool, "startsAt": start, "endsAt": end, "allocations": want, "idempotencyKey": key } });
+    let first = app
+        .ok(
+            &member,
+            CREATE,
+            window("2031-01-01T04:00:00Z", "2031-01-01T06:00:00Z", "a"),
+        )
+        .await;
+    let second = app
+        .ok(
+            &member,
+            CREATE,
+            window("2031-01-01T06:00:00Z", "2031-01-01T08:00:00Z", "b"),
+        )
+        .await;
+    let atoms =
+        |d: &Value| d["createReservation"]["reservation"]["allocations"][0]["atoms"].clone();
+    assert_eq!(
+        first["createReservation"]["reservation"]["state"],
+        "SCHEDULED"
+    );
+    assert_eq!(atoms(&first), json!(["GPU-A0", "GPU-A1"]));
+    assert_eq!(
+        atoms(&second),
+        atoms(&first),
+        "back to back on the same atoms"
+    );
+    // An overlapping third cannot have them; the tainted node is not tolerated, so it waits.
+    let third = app
+        .ok(
+            &member,
+            CREATE,
+            window("2031-01-01T05:00:00Z", "2031-01-01T07:00:00Z", "c"),
+        )
+        .await;
+    let r = &third["createReservation"]["reservation"];
+    assert_eq!(r["state"], "PENDING");
+    assert_eq!(r["conditions"][0]["type"], "Unschedulable");
+    let why = r["conditions"][0]["message"].as_str().unwrap_or("");
+    assert!(
+        why.contains("no schedulable node in pool gpu has 2 H100 GPUs free"),
+        "{why}"
+    );
+    assert_eq!(
+        used(&app, "gpu").await,
+        6.0,
+        "a pending reservation holds its quota"
+    );
+    // Cancelling the pending one gives its quota back.
+    let d = app
+        .ok(&member, CANCEL, json!({ "i": { "id": r["id"] } }))
+        .await;
+    assert_eq!(d["cancelReservation"]["reservation"]["state"], "CANCELLED");
+    assert_eq!(used(&app, "gpu").await, 4.0);
+    // Cancelling a scheduled one frees its atoms.
+    let id = first["createReservation"]["reservation"]["id"].clone();
+    app.ok(&member, CANCEL, json!({ "i": { "id": id } })).await;
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM device_bookings WHERE allocation_id = $1")
+            .bind(first["createReservation"]["reservation"]["allocations"][0]["id"].as_str())
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("bookings");
+    assert_eq!(n, 0, "a cancelled advance reservation keeps no booking");
+}
+
+#[tokio::test]
+async fn mig_instances_slots_tolerations_and_selectors_place_where_they_should() {
+    let (app, p, member) = setup().await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "mig",
+                json!([{ "gpuKind": "MIG", "profile": "1g.10gb", "gpuCount": 2 }]),
+            ),
+        )
+        .await;
+    let r = &d["createReservation"]["reservation"];
+    assert_eq!(
+        r["allocations"][0]["atoms"],
+        json!(["GPU-C0/mig/2", "GPU-C0/mig/3"])
+    );
+    assert_eq!(r["gpuCharge"], 0.285714, "2 × 1/7 of a GPU");
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "slots",
+                json!([{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 3 }]),
+            ),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["allocations"][0]["atoms"],
+        json!(["GPU-C1/s0", "GPU-C1/s1", "GPU-C1/s2"])
+    );
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "tol",
+                json!([{ "gpuCount": 1, "model": "H100",
+            "nodeSelector": [{ "key": "host", "value": "h100-b" }],
+            "tolerations": [{ "key": "dedicated", "effect": "NO_SCHEDULE" }] }]),
+            ),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["allocations"][0]["computeNodeId"],
+        p.nodes[1].as_str()
+    );
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "sel",
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-b" }] }]),
+            ),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["state"], "PENDING",
+        "a selector without the toleration"
+    );
+    // Cordoning the only untainted H100 node leaves nowhere for whole H100s.
+    let op = app.operator();
+    app.ok(
+        &op,
+        "mutation($i: CordonNodeInput!) { cordonNode(input: $i) { computeNode { id } } }",
+        json!({ "i": { "id": p.nodes[0] } }),
+    )
+    .await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "cordoned",
+                json!([{ "gpuCount": 1, "model": "H100" }]),
+            ),
+        )
+        .await;
+    assert_eq!(d["createReservation"]["reservation"]["state"], "PENDING");
+}
+
+#[tokio::test]
+async fn quota_is_final_and_replayed_and_writes_nothing() {
+    let (app, p, member) = setup().await;
+    let (rows, events) = (app.count("reservations").await, app.count("outbox").await);
+    let too_many = input(&p.pool, "big", json!([{ "gpuCount": 9 }]));
+    let (code, error) = app.fails(&member, CREATE, too_many.clone()).await;
+    assert_eq!(code, "QUOTA_EXCEEDED", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("would hold 9 of its 8 GPUs"),
+        "{error}"
+    );
+    assert_eq!(
+        (app.count("reservations").await, app.count("outbox").await),
+        (rows, events)
+    );
+    assert_eq!(used(&app, "gpu").await, 0.0);
+    // A repeat gets the same answer even after the quota was raised: the first answer is final.
+    app.ok(
+        &app.operator(),
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "acme", "scopeId": p.pool, "gpus": 10 } }),
+    )
+    .await;
+    let (code, _) = app.fails(&member, CREATE, too_many).await;
+    assert_eq!(code, "QUOTA_EXCEEDED", "replayed");
+    // A site quota limits too.
+    app.ok(
+        &app.operator(),
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "acme", "scopeId": p.site, "vcpu": 4 } }),
+    )
+    .await;
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            input(&p.pool, "cpu", json!([{ "gpuCount": 1, "vcpu": 8 }])),
+        )
+        .await;
+    assert_eq!(code, "QUOTA_EXCEEDED");
+    assert!(
+        error["message"].as_str().unwrap_or("").contains("site"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn idempotency_keys_have_exact_semantics() {
+    let (app, p, member) = setup().await;
+    let req = input(&p.pool, "same", json!([{ "gpuCount": 1, "model": "H100" }]));
+    let first = app.ok(&member, CREATE, req.clone()).await;
+    // The reply is lost; the client sends the same request again.
+    let (status, again) = app.graphql(CREATE, req.clone(), Some(&member)).await;
+    assert_eq!(status, 200);
+    assert_eq!(again["extensions"]["idempotentReplay"], true, "{again}");
+    assert_eq!(again["data"]["createReservation"]["idempotentReplay"], true);
+    assert_eq!(
+        again["data"]["createReservation"]["reservation"]["id"],
+        first["createReservation"]["reservation"]["id"]
+    );
+    assert_eq!(app.count("reservations").await, 1, "one effect");
+    assert_eq!(used(&app, "gpu").await, 1.0, "charged once");
+
+    let other_args = input(&p.pool, "same", json!([{ "gpuCount": 2, "model": "H100" }]));
+    let (code, _) = app.fails(&member, CREATE, other_args).await;
+    assert_eq!(code, "IDEMPOTENCY_KEY_REUSED");
+    let colleague = app.token("bob@acme", Some("acme"), &[compute_api::auth::Role::Member]);
+    let theirs = app.ok(&colleague, CREATE, req.clone()).await;
+    assert_ne!(
+        theirs["createReservation"]["reservation"]["id"],
+        first["createReservation"]["reservation"]["id"],
+        "keys are per identity"
+    );
+
+    // A repeat while the first still runs: the key's row is held by an open transaction.
+    let mut holder = sqlx::PgConnection::connect_with_url(&app.db.url).await;
+    sqlx::raw_sql("BEGIN; INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint) VALUES ('acme', 'alice@acme', 'busy', 'createReservation', '{}')")
+        .execute(&mut holder)
+        .await
+        .expect("hold");
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            input(&p.pool, "busy", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(code, "IDEMPOTENCY_IN_PROGRESS", "{error}");
+    assert_eq!(error["extensions"]["retryable"], true);
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .expect("release");
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            input(&p.pool, "", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("idempotencyKey"))
+    );
+    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM idempotency_keys WHERE key = ''")
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("keys");
+    assert_eq!(n, 0, "nothing stored for a request refused by validation");
+}
+
+trait ConnectWithUrl {
+    async fn connect_with_url(url: &str) -> sqlx::PgConnection;
+}
+
+impl ConnectWithUrl for sqlx::PgConnection {
+    async fn connect_with_url(url: &str) -> sqlx::PgConnection {
+        use sqlx::Connection;
+        sqlx::PgConnection::connect(url).await.expect("connect")
+    }
+}
+
+#[tokio::test]
+async fn extend_grows_every_booking_or_none() {
+    let (app, p, member) = setup().await;
+    let a = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "a", json!([{ "gpuCount": 2, "model": "H100" }])),
+        )
+        .await;
+    let a_id = a["createReservation"]["reservation"]["id"].clone();
+    let b = app
+        .ok(&member, CREATE, json!({ "i": { "poolId": p.pool, "startsAt": "2031-01-01T03:00:00Z", "endsAt": "2031-01-01T04:00:00Z",
+            "allocations": [{ "gpuCount": 1, "model": "H100" }], "idempotencyKey": "b" } }))
+        .await;
+    let b_alloc = b["createReservation"]["reservation"]["allocations"][0]["id"]
+        .as_str()
+        .expect("alloc")
+        .to_owned();
+    let d = app.ok(&member, EXTEND, json!({ "i": { "id": a_id, "endsAt": "2031-01-01T03:00:00Z", "idempotencyKey": "e1" } })).await;
+    assert_eq!(
+        d["extendReservation"]["reservation"]["endsAt"],
+        "2031-01-01T03:00:00+00:00"
+    );
+    let (code, error) = app
+        .fails(&member, EXTEND, json!({ "i": { "id": a_id, "endsAt": "2031-01-01T05:00:00Z", "idempotencyKey": "e2" } }))
+        .await;
+    assert_eq!(code, "CONFLICT");
+    assert!(
+        error["message"].as_str().unwrap_or("").contains(&b_alloc),
+        "names the blocker: {error}"
+    );
+    let (uppers,): (Vec<String>,) = sqlx::query_as(
+        "SELECT array_agg(upper(b.during)::text) FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id WHERE a.reservation_id = $1",
+    )
+    .bind(a_id.as_str())
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("bookings");
+    assert_eq!(
+        uppers,
+        vec!["2031-01-01 03:00:00+00", "2031-01-01 03:00:00+00"],
+        "none grew"
+    );
+    let d = app.ok(&member, EXTEND, json!({ "i": { "id": a_id, "endsAt": "2031-01-01T03:00:00Z", "idempotencyKey": "e1" } })).await;
+    assert_eq!(d["extendReservation"]["idempotentReplay"], true);
+}
+
+#[tokio::test]
+async fn tenants_see_only_their_own_reservations() {
+    let (app, p, member) = setup().await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "k", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    let id = d["createReservation"]["reservation"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let other = app.member("globex");
+    for (query, vars) in [
+        (
+            "query($id: ID!) { reservation(id: $id) { id } }",
+            json!({ "id": id }),
+        ),
+        (
+            "query($id: ID!) { node(id: $id) { id } }",
+            json!({ "id": id }),
+        ),
+        (RELEASE, json!({ "i": { "id": id } })),
+        (CANCEL, json!({ "i": { "id": id } })),
+    ] {
+        let (code, _) = app.fails(&other, query, vars).await;
+        assert_eq!(code, "NOT_FOUND", "{query}");
+    }
+    let d = app
+        .ok(&other, "{ reservations { totalCount } }", json!({}))
+        .await;
+    assert_eq!(d["reservations"]["totalCount"], 0);
+    let d = app.ok(&member, "{ reservations(state: ACTIVE) { totalCount edges { node { id allocations { computeNode { id } } } } } }", json!({})).await;
+    assert_eq!(d["reservations"]["totalCount"], 1);
+    assert_eq!(
+        d["reservations"]["edges"][0]["node"]["allocations"][0]["computeNode"],
+        Value::Null,
+        "members do not see nodes"
+    );
+    let d = app
+        .ok(
+            &app.operator(),
+            "query($id: ID!) { node(id: $id) { ... on Reservation { tenantId state } } }",
+            json!({ "id": id }),
+        )
+        .await;
+    assert_eq!(d["node"], json!({ "tenantId": "acme", "state": "ACTIVE" }));
+    let node_token = app.token("daemon", None, &[compute_api::auth::Role::Node]);
+    let (code, _) = app
+        .fails(
+            &node_token,
+            CREATE,
+            input(&p.pool, "n", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(code, "FORBIDDEN");
+}
+
+#[tokio::test]
+async fn a_held_quota_row_is_lock_timeout_and_nothing_is_written() {
+    let (app, p, member) = setup().await;
+    let mut holder = sqlx::PgConnection::connect_with_url(&app.db.url).await;
+    sqlx::raw_sql("BEGIN; SELECT * FROM quota_usage FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .expect("hold");
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            input(&p.pool, "slow", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(code, "LOCK_TIMEOUT", "{error}");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .expect("release");
+    assert_eq!(app.count("reservations").await, 0);
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "slow", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["idempotentReplay"], false,
+        "a lock timeout is not stored: the retry runs"
+    );
+}
