@@ -725,6 +725,108 @@ async fn finish(
     .await
 }
 
+/// Expires a reservation whose window has ended (the reconciler's step): quota first, then scalars
+/// come back; its bookings already end at its end.
+pub(crate) async fn expire(db: &Db, id: &str) -> Result<()> {
+    db.tx(TxKind::Maintenance, |conn| {
+        let id = id.to_owned();
+        Box::pin(async move {
+            let rsv: Option<Reservation> = sqlx::query_as(&format!(
+                "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) AND r.ends_at <= compute_now() FOR UPDATE"
+            ))
+            .bind(&id)
+            .bind(allowed_from(Action::Expire))
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some(rsv) = rsv else {
+                return Err(conflict(format!("reservation {id} is not due to expire")));
+            };
+            give_back(conn, &rsv).await?;
+            let rsv: Reservation = sqlx::query_as(&format!(
+                "UPDATE reservations r SET state = 'expired', ended_at = r.ends_at, next_attempt_at = NULL, \
+                   version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
+            ))
+            .bind(&id)
+            .fetch_one(&mut *conn)
+            .await?;
+            emit(conn, &rsv, "reservation.expired").await?;
+            Ok(())
+        })
+    })
+    .await
+}
+
+/// A pending reservation as a retry reads it: pool, pool name, window, and now.
+type PendingRow = (String, String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
+
+/// Places a pending reservation again (the reconciler's retry). Returns whether it was placed;
+/// otherwise its `Unschedulable` condition says the latest reason and it is tried again later.
+pub(crate) async fn place_pending(
+    db: &Db,
+    id: &str,
+    allocations: Vec<(String, AllocationRequest)>,
+) -> Result<bool> {
+    db.tx(TxKind::Write, |conn| {
+        let (id, allocations) = (id.to_owned(), allocations.clone());
+        Box::pin(async move {
+            // Lock order: the reservation row, then (no quota: a pending reservation already holds
+            // its charge) the fleet rows in `place`.
+            let rsv: Option<PendingRow> = sqlx::query_as(
+                "SELECT r.pool_id, p.name, r.starts_at, r.ends_at, compute_now() FROM reservations r JOIN pools p ON p.id = r.pool_id \
+                  WHERE r.id = $1 AND r.state = 'pending' FOR UPDATE OF r",
+            )
+            .bind(&id)
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some((pool_id, pool_name, starts_at, ends_at, now)) = rsv else {
+                return Err(conflict(format!("reservation {id} is no longer pending")));
+            };
+            // A window that already started is placed from now on.
+            let start = starts_at.max(now);
+            let (placement, _) = place(conn, (&pool_id, &pool_name), &allocations, (start, ends_at)).await?;
+            match placement {
+                Placement::Placed(placed) => {
+                    sqlx::query(
+                        "UPDATE allocations a SET node_id = p.node_id, atoms = ARRAY(SELECT jsonb_array_elements_text(p.atoms)) \
+                           FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS p(id, node_id, atoms) WHERE a.id = p.id",
+                    )
+                    .bind(placed.iter().map(|p| p.allocation_id.clone()).collect::<Vec<_>>())
+                    .bind(placed.iter().map(|p| p.node_id.clone()).collect::<Vec<_>>())
+                    .bind(placed.iter().map(|p| json!(p.atoms)).collect::<Vec<_>>())
+                    .execute(&mut *conn)
+                    .await?;
+                    let state = if start <= now { State::Active } else { State::Scheduled };
+                    let rsv: Reservation = sqlx::query_as(&format!(
+                        "UPDATE reservations r SET state = $2, conditions = '[]', next_attempt_at = NULL, \
+                           version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
+                    ))
+                    .bind(&id)
+                    .bind(state.as_str())
+                    .fetch_one(&mut *conn)
+                    .await?;
+                    emit(conn, &rsv, if state == State::Active { "reservation.active" } else { "reservation.scheduled" }).await?;
+                    Ok(true)
+                }
+                Placement::Unschedulable(why) => {
+                    sqlx::query(
+                        "UPDATE reservations r SET conditions = jsonb_build_array(jsonb_build_object('type', 'Unschedulable', \
+                           'status', 'True', 'reason', 'NoCapacity', 'message', $2::text, 'since', compute_now())), \
+                           next_attempt_at = compute_now() + make_interval(secs => $3::float8), updated_at = compute_now() \
+                         WHERE r.id = $1",
+                    )
+                    .bind(&id)
+                    .bind(&why)
+                    .bind(RETRY_SECONDS as f64)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(false)
+                }
+            }
+        })
+    })
+    .await
+}
+
 /// Ends a scheduled or active reservation now: bookings end at `compute_now()`, quota and scalars
 /// come back.
 pub async fn release_reservation(

@@ -5,6 +5,7 @@
 
 pub mod commands;
 pub mod model;
+pub mod reconcile;
 pub mod state;
 
 use chrono::{DateTime, Utc};

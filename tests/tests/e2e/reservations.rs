@@ -604,3 +604,229 @@ async fn a_held_quota_row_is_lock_timeout_and_nothing_is_written() {
         "a lock timeout is not stored: the retry runs"
     );
 }
+
+async fn state_of(app: &TestApp, id: &Value) -> String {
+    let d = app
+        .ok(
+            &app.operator(),
+            "query($id: ID!) { reservation(id: $id) { state } }",
+            json!({ "id": id }),
+        )
+        .await;
+    d["reservation"]["state"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Time moves reservations: the reconcilers' steps, stepped with the simulated clock.
+#[tokio::test]
+async fn time_starts_expires_and_retries_reservations() {
+    use compute_domain::reservations::reconcile;
+    let (app, p, member) = setup().await;
+    let create = |start: Option<&str>, end: &str, key: &str, alloc: Value| {
+        let mut i = json!({ "i": { "poolId": p.pool, "endsAt": end, "allocations": [alloc], "idempotencyKey": key } });
+        if let Some(s) = start {
+            i["i"]["startsAt"] = json!(s);
+        }
+        i
+    };
+    let id = |d: &Value| d["createReservation"]["reservation"]["id"].clone();
+    let later = app
+        .ok(
+            &member,
+            CREATE,
+            create(
+                Some("2031-01-01T01:00:00Z"),
+                "2031-01-01T02:00:00Z",
+                "later",
+                json!({ "gpuKind": "MIG", "profile": "3g.40gb", "gpuCount": 1 }),
+            ),
+        )
+        .await;
+    let short = app
+        .ok(
+            &member,
+            CREATE,
+            create(
+                None,
+                "2031-01-01T00:30:00Z",
+                "short",
+                json!({ "gpuCount": 2, "model": "H100", "vcpu": 4 }),
+            ),
+        )
+        .await;
+    let waiting = app
+        .ok(
+            &member,
+            CREATE,
+            create(
+                None,
+                "2031-01-01T03:00:00Z",
+                "waiting",
+                json!({ "gpuCount": 2, "model": "H100" }),
+            ),
+        )
+        .await;
+    let doomed = app
+        .ok(
+            &member,
+            CREATE,
+            create(
+                None,
+                "2031-01-01T00:20:00Z",
+                "doomed",
+                json!({ "gpuCount": 2, "model": "H100" }),
+            ),
+        )
+        .await;
+    assert_eq!(state_of(&app, &id(&later)).await, "SCHEDULED");
+    assert_eq!(state_of(&app, &id(&short)).await, "ACTIVE");
+    assert_eq!(state_of(&app, &id(&waiting)).await, "PENDING");
+    assert_eq!(state_of(&app, &id(&doomed)).await, "PENDING");
+    let db = &app.db.db;
+    assert_eq!(
+        reconcile::retry_pending(db).await.expect("retry"),
+        0,
+        "not due yet"
+    );
+    app.db.advance_clock(45).await;
+    assert_eq!(
+        reconcile::retry_pending(db).await.expect("retry"),
+        0,
+        "still no capacity"
+    );
+    let d = app
+        .ok(
+            &member,
+            "query($id: ID!) { reservation(id: $id) { nextAttemptAt conditions { message } } }",
+            json!({ "id": id(&waiting) }),
+        )
+        .await;
+    assert_eq!(
+        d["reservation"]["nextAttemptAt"], "2031-01-01T00:01:15+00:00",
+        "tried again 30 s later"
+    );
+
+    app.db.advance_clock(30 * 60).await; // 00:30:45
+    assert_eq!(
+        reconcile::expire_due(db).await.expect("expire"),
+        2,
+        "the short one and the pending one that never fit"
+    );
+    assert_eq!(state_of(&app, &id(&short)).await, "EXPIRED");
+    assert_eq!(state_of(&app, &id(&doomed)).await, "EXPIRED");
+    assert_eq!(used(&app, "vcpu").await, 0.0, "expiry gives quota back");
+    assert_eq!(allocated_vcpu(&app).await, 0, "and scalars");
+    assert_eq!(
+        reconcile::retry_pending(db).await.expect("retry"),
+        1,
+        "capacity came back"
+    );
+    assert_eq!(state_of(&app, &id(&waiting)).await, "ACTIVE");
+    assert_eq!(
+        reconcile::expire_due(db).await.expect("again"),
+        0,
+        "a step with nothing due does nothing"
+    );
+
+    app.db.advance_clock(30 * 60).await; // 01:00:45
+    assert_eq!(reconcile::activate_due(db).await.expect("activate"), 1);
+    assert_eq!(state_of(&app, &id(&later)).await, "ACTIVE");
+    assert_eq!(reconcile::activate_due(db).await.expect("again"), 0);
+    app.db.advance_clock(2 * 3600).await; // 03:00:45
+    assert_eq!(reconcile::expire_due(db).await.expect("expire"), 2);
+    assert_eq!(used(&app, "gpu").await, 0.0, "every charge came back");
+    for t in [
+        "reservation.active",
+        "reservation.expired",
+        "reservation.scheduled",
+        "reservation.pending",
+    ] {
+        assert!(
+            app.count(&format!("outbox WHERE type = '{t}'")).await >= 1,
+            "{t}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn each_state_refuses_what_the_table_does_not_allow() {
+    let (app, p, member) = setup().await;
+    let scheduled = app
+        .ok(&member, CREATE, json!({ "i": { "poolId": p.pool, "startsAt": "2031-01-01T01:00:00Z", "endsAt": "2031-01-01T02:00:00Z",
+            "allocations": [{ "gpuCount": 1 }], "idempotencyKey": "s" } }))
+        .await;
+    let d = app
+        .ok(
+            &member,
+            RELEASE,
+            json!({ "i": { "id": scheduled["createReservation"]["reservation"]["id"] } }),
+        )
+        .await;
+    assert_eq!(
+        d["releaseReservation"]["reservation"]["state"], "RELEASED",
+        "a scheduled reservation can be released"
+    );
+    let active = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "a", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    let active_id = active["createReservation"]["reservation"]["id"].clone();
+    let (code, error) = app
+        .fails(&member, CANCEL, json!({ "i": { "id": active_id } }))
+        .await;
+    assert_eq!(
+        code, "CONFLICT",
+        "an active reservation is released, not cancelled: {error}"
+    );
+    let (code, error) = app
+        .fails(
+            &member,
+            RELEASE,
+            json!({ "i": { "id": active_id, "version": 7 } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["currentVersion"]),
+        ("CONFLICT", &json!(1))
+    );
+    let (code, _) = app
+        .fails(&member, EXTEND, json!({ "i": { "id": active_id, "endsAt": "2031-01-01T01:00:00Z", "idempotencyKey": "earlier" } }))
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "an extension moves the end later");
+    let (_, body) = app
+        .graphql(
+            CREATE,
+            input(&p.pool, "anon", json!([{ "gpuCount": 1 }])),
+            None,
+        )
+        .await;
+    assert_eq!(compute_tests::first_code(&body), Some("UNAUTHENTICATED"));
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            input(&p.pool, "zero", json!([{ "gpuCount": 0 }])),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("allocations[0].gpuCount"))
+    );
+    let (code, _) = app
+        .fails(
+            &member,
+            CREATE,
+            input(
+                "pool_0000000000000000000000000000beef",
+                "nopool",
+                json!([{ "gpuCount": 1 }]),
+            ),
+        )
+        .await;
+    assert_eq!(code, "NOT_FOUND");
+}

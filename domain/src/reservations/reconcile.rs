@@ -1,0 +1,106 @@
+//! Level-triggered steps that move reservations with time: the reconcilers of the workers call
+//! them (under their leases); tests step them directly with the simulated clock.
+//!
+//! Each step handles what is due now and returns how many it moved; running it again with
+//! nothing due does nothing, so a repeated or concurrent run is harmless.
+
+use serde_json::Value;
+
+use super::commands;
+use super::model::{AllocationRequest, Toleration};
+use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
+use crate::db::{Db, TxKind};
+use crate::error::{Error, Result};
+use crate::fleet::model::AtomKind;
+
+/// Moves every scheduled reservation whose window has started to `active`, with its event, in one
+/// statement.
+pub async fn activate_due(db: &Db) -> Result<u64> {
+    db.tx(TxKind::Maintenance, |conn| {
+        Box::pin(async move {
+            let (n,): (i64,) = sqlx::query_as(&format!(
+                "WITH moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now() \
+                   WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() RETURNING {RSV_COLS}) \
+                 SELECT count(compute_emit('reservation.active', m.tenant_id, m.id, jsonb_build_object('reservation', to_jsonb(m)))) FROM moved m"
+            ))
+            .fetch_one(&mut *conn)
+            .await?;
+            Ok(n as u64)
+        })
+    })
+    .await
+}
+
+/// Expires every pending, scheduled or active reservation whose window has ended: quota first,
+/// then scalars come back. One transaction per reservation.
+pub async fn expire_due(db: &Db) -> Result<u64> {
+    let due: Vec<(String,)> = sqlx::query_as(
+        "SELECT id FROM reservations WHERE state IN ('pending', 'scheduled', 'active') AND ends_at <= compute_now() ORDER BY id LIMIT 500",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    let mut moved = 0;
+    for (id,) in due {
+        match commands::expire(db, &id).await {
+            Ok(()) => moved += 1,
+            // Someone else moved it first (released, or another worker): nothing to do.
+            Err(Error::Conflict { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(moved)
+}
+
+fn request_of(a: &Allocation) -> Result<AllocationRequest> {
+    let node_selector = serde_json::from_value(a.node_selector.clone()).map_err(Error::internal)?;
+    let tolerations: Vec<Toleration> =
+        serde_json::from_value(a.tolerations.clone()).map_err(Error::internal)?;
+    Ok(AllocationRequest {
+        gpu_kind: AtomKind::parse(&a.gpu_kind)
+            .ok_or_else(|| Error::internal("unknown gpu kind"))?,
+        gpu_count: a.gpu_count,
+        model: a.model.clone(),
+        profile: a.profile.clone(),
+        slots_per_gpu: a.slots_per_gpu,
+        vcpu: a.vcpu,
+        memory_mib: a.memory_mib,
+        disk_gib: a.disk_gib,
+        node_selector,
+        tolerations,
+    })
+}
+
+/// Tries again to place every pending reservation whose `next_attempt_at` has come; returns how
+/// many were placed. Those still without capacity get the latest reason and a new attempt time.
+pub async fn retry_pending(db: &Db) -> Result<u64> {
+    let due: Vec<Reservation> = sqlx::query_as(&format!(
+        "SELECT {RSV_COLS} FROM reservations r WHERE r.state = 'pending' AND r.next_attempt_at <= compute_now() \
+          AND r.ends_at > compute_now() ORDER BY r.next_attempt_at, r.id LIMIT 100"
+    ))
+    .fetch_all(db.pool())
+    .await?;
+    let mut placed = 0;
+    for rsv in due {
+        let allocations: Vec<Allocation> = sqlx::query_as(&format!(
+            "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
+        ))
+        .bind(&rsv.id)
+        .fetch_all(db.pool())
+        .await?;
+        let requests = allocations
+            .iter()
+            .map(|a| request_of(a).map(|r| (a.id.clone(), r)))
+            .collect::<Result<Vec<_>>>()?;
+        match commands::place_pending(db, &rsv.id, requests).await {
+            Ok(true) => placed += 1,
+            Ok(_) | Err(Error::Conflict { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(placed)
+}
+
+/// The stored conditions of a reservation (for tests and diagnostics).
+pub fn condition_message(conditions: &Value) -> Option<&str> {
+    conditions.as_array()?.first()?.get("message")?.as_str()
+}
