@@ -756,6 +756,51 @@ pub(crate) async fn expire(db: &Db, id: &str) -> Result<()> {
     .await
 }
 
+/// Fails a scheduled or active reservation one of whose nodes is lost (the reconciler's step):
+/// its bookings end now, quota first, then scalars come back.
+pub(crate) async fn fail_lost(db: &Db, id: &str) -> Result<()> {
+    db.tx(TxKind::Maintenance, |conn| {
+        let id = id.to_owned();
+        Box::pin(async move {
+            let rsv: Option<Reservation> = sqlx::query_as(&format!(
+                "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE"
+            ))
+            .bind(&id)
+            .bind(allowed_from(Action::Fail))
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some(rsv) = rsv else {
+                return Err(conflict(format!("reservation {id} cannot fail now")));
+            };
+            let lost: Vec<(String,)> = sqlx::query_as(
+                "SELECT DISTINCT n.hostname FROM allocations a JOIN nodes n ON n.id = a.node_id \
+                  WHERE a.reservation_id = $1 AND n.reachability = 'lost' ORDER BY 1",
+            )
+            .bind(&id)
+            .fetch_all(&mut *conn)
+            .await?;
+            if lost.is_empty() {
+                return Err(conflict(format!("reservation {id} has no lost node")));
+            }
+            give_back(conn, &rsv).await?;
+            let hosts: Vec<String> = lost.into_iter().map(|(h,)| h).collect();
+            let rsv: Reservation = sqlx::query_as(&format!(
+                "UPDATE reservations r SET state = 'failed', ended_at = compute_now(), next_attempt_at = NULL, \
+                   conditions = jsonb_build_array(jsonb_build_object('type', 'NodeLost', 'status', 'True', 'reason', 'NodeLost', \
+                     'message', $2::text, 'since', compute_now())), \
+                   version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
+            ))
+            .bind(&id)
+            .bind(format!("its node {} was lost", hosts.join(", ")))
+            .fetch_one(&mut *conn)
+            .await?;
+            emit(conn, &rsv, "reservation.failed").await?;
+            Ok(())
+        })
+    })
+    .await
+}
+
 /// A pending reservation as a retry reads it: pool, pool name, window, and now.
 type PendingRow = (String, String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
 

@@ -51,6 +51,27 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
     Ok(moved)
 }
 
+/// Fails every scheduled or active reservation placed on a node that is `lost`; one
+/// transaction per reservation.
+pub async fn fail_lost(db: &Db) -> Result<u64> {
+    let due: Vec<(String,)> = sqlx::query_as(
+        "SELECT DISTINCT r.id FROM reservations r JOIN allocations a ON a.reservation_id = r.id \
+           JOIN nodes n ON n.id = a.node_id \
+          WHERE r.state IN ('scheduled', 'active') AND n.reachability = 'lost' ORDER BY r.id LIMIT 500",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    let mut moved = 0;
+    for (id,) in due {
+        match commands::fail_lost(db, &id).await {
+            Ok(()) => moved += 1,
+            Err(Error::Conflict { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(moved)
+}
+
 fn request_of(a: &Allocation) -> Result<AllocationRequest> {
     let node_selector = serde_json::from_value(a.node_selector.clone()).map_err(Error::internal)?;
     let tolerations: Vec<Toleration> =

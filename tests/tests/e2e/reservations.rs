@@ -830,3 +830,53 @@ async fn each_state_refuses_what_the_table_does_not_allow() {
         .await;
     assert_eq!(code, "NOT_FOUND");
 }
+
+/// A reservation on a node that is lost fails, and gives everything back.
+#[tokio::test]
+async fn a_lost_node_fails_its_reservations() {
+    use compute_domain::reservations::reconcile;
+    let (app, p, member) = setup().await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "x",
+                json!([{ "gpuCount": 1, "model": "H100", "vcpu": 4 }]),
+            ),
+        )
+        .await;
+    let id = d["createReservation"]["reservation"]["id"].clone();
+    assert_eq!(
+        reconcile::fail_lost(&app.db.db).await.expect("step"),
+        0,
+        "no node is lost"
+    );
+    // The gateway (not built yet) marks a provider node lost; here, SQL does.
+    sqlx::query("UPDATE nodes SET reachability = 'lost' WHERE id = $1")
+        .bind(&p.nodes[0])
+        .execute(app.db.db.pool())
+        .await
+        .expect("lose the node");
+    app.db.advance_clock(60).await;
+    assert_eq!(reconcile::fail_lost(&app.db.db).await.expect("step"), 1);
+    let d = app
+        .ok(&member, "query($id: ID!) { reservation(id: $id) { state endedAt conditions { type message } } }", json!({ "id": id }))
+        .await;
+    assert_eq!(d["reservation"]["state"], "FAILED");
+    assert_eq!(d["reservation"]["endedAt"], "2031-01-01T00:01:00+00:00");
+    assert_eq!(
+        d["reservation"]["conditions"][0]["message"],
+        "its node h100-a was lost"
+    );
+    assert_eq!(
+        (used(&app, "gpu").await, allocated_vcpu(&app).await),
+        (0.0, 0)
+    );
+    assert_eq!(
+        reconcile::fail_lost(&app.db.db).await.expect("step"),
+        0,
+        "failed is terminal"
+    );
+}
