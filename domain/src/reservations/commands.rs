@@ -347,6 +347,44 @@ async fn attempt(
     Ok(Attempt::Placed)
 }
 
+/// Writes where each allocation went.
+async fn record_placements(conn: &mut PgConnection, placed: &[Placed]) -> Result<()> {
+    sqlx::query(
+        "UPDATE allocations a SET node_id = p.node_id, atoms = ARRAY(SELECT jsonb_array_elements_text(p.atoms)) \
+           FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS p(id, node_id, atoms) WHERE a.id = p.id",
+    )
+    .bind(placed.iter().map(|p| p.allocation_id.clone()).collect::<Vec<_>>())
+    .bind(placed.iter().map(|p| p.node_id.clone()).collect::<Vec<_>>())
+    .bind(placed.iter().map(|p| json!(p.atoms)).collect::<Vec<_>>())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Ends a locked reservation in a terminal state: quota first, then bookings and scalars come
+/// back; `ended_at` is now, or its end when it expired; its event follows.
+async fn close_out(
+    conn: &mut PgConnection,
+    rsv: &Reservation,
+    to: State,
+    conditions: Option<Value>,
+) -> Result<Reservation> {
+    give_back(conn, rsv).await?;
+    let rsv: Reservation = sqlx::query_as(&format!(
+        "UPDATE reservations r SET state = $2, next_attempt_at = NULL, \
+           ended_at = CASE WHEN $2 = 'expired' THEN r.ends_at ELSE compute_now() END, \
+           conditions = coalesce($3, r.conditions), version = r.version + 1, updated_at = compute_now() \
+         WHERE r.id = $1 RETURNING {RSV_COLS}"
+    ))
+    .bind(&rsv.id)
+    .bind(to.as_str())
+    .bind(conditions)
+    .fetch_one(&mut *conn)
+    .await?;
+    emit(conn, &rsv, &format!("reservation.{}", to.as_str())).await?;
+    Ok(rsv)
+}
+
 /// What placing a whole reservation came to.
 enum Placement {
     Placed(Vec<Placed>),
@@ -573,15 +611,7 @@ pub async fn create_reservation(
                 let (placement, replans) = place(conn, (&req.pool_id, &pool_name), &pairs, (starts_at, req.ends_at)).await?;
                 let (state, event) = match &placement {
                     Placement::Placed(placed) => {
-                        sqlx::query(
-                            "UPDATE allocations a SET node_id = p.node_id, atoms = ARRAY(SELECT jsonb_array_elements_text(p.atoms)) \
-                               FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS p(id, node_id, atoms) WHERE a.id = p.id",
-                        )
-                        .bind(placed.iter().map(|p| p.allocation_id.clone()).collect::<Vec<_>>())
-                        .bind(placed.iter().map(|p| p.node_id.clone()).collect::<Vec<_>>())
-                        .bind(placed.iter().map(|p| json!(p.atoms)).collect::<Vec<_>>())
-                        .execute(&mut *conn)
-                        .await?;
+                        record_placements(conn, placed).await?;
                         if starts_at <= now {
                             (State::Active, "reservation.active")
                         } else {
@@ -701,25 +731,15 @@ async fn finish(
     version: Option<i64>,
     action: Action,
 ) -> Result<Reservation> {
-    let (to, event) = match action {
-        Action::Release => (State::Released, "reservation.released"),
-        _ => (State::Cancelled, "reservation.cancelled"),
+    let to = match action {
+        Action::Release => State::Released,
+        _ => State::Cancelled,
     };
     db.tx(TxKind::Write, |conn| {
         let (actor, id) = (actor.clone(), id.to_owned());
         Box::pin(async move {
             let rsv = lock_for(conn, &actor, operator, &id, version, action).await?;
-            give_back(conn, &rsv).await?;
-            let rsv: Reservation = sqlx::query_as(&format!(
-                "UPDATE reservations r SET state = $2, ended_at = compute_now(), next_attempt_at = NULL, \
-                   version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
-            ))
-            .bind(&id)
-            .bind(to.as_str())
-            .fetch_one(&mut *conn)
-            .await?;
-            emit(conn, &rsv, event).await?;
-            Ok(rsv)
+            close_out(conn, &rsv, to, None).await
         })
     })
     .await
@@ -741,15 +761,7 @@ pub(crate) async fn expire(db: &Db, id: &str) -> Result<()> {
             let Some(rsv) = rsv else {
                 return Err(conflict(format!("reservation {id} is not due to expire")));
             };
-            give_back(conn, &rsv).await?;
-            let rsv: Reservation = sqlx::query_as(&format!(
-                "UPDATE reservations r SET state = 'expired', ended_at = r.ends_at, next_attempt_at = NULL, \
-                   version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
-            ))
-            .bind(&id)
-            .fetch_one(&mut *conn)
-            .await?;
-            emit(conn, &rsv, "reservation.expired").await?;
+            close_out(conn, &rsv, State::Expired, None).await?;
             Ok(())
         })
     })
@@ -782,19 +794,12 @@ pub(crate) async fn fail_lost(db: &Db, id: &str) -> Result<()> {
             if lost.is_empty() {
                 return Err(conflict(format!("reservation {id} has no lost node")));
             }
-            give_back(conn, &rsv).await?;
             let hosts: Vec<String> = lost.into_iter().map(|(h,)| h).collect();
-            let rsv: Reservation = sqlx::query_as(&format!(
-                "UPDATE reservations r SET state = 'failed', ended_at = compute_now(), next_attempt_at = NULL, \
-                   conditions = jsonb_build_array(jsonb_build_object('type', 'NodeLost', 'status', 'True', 'reason', 'NodeLost', \
-                     'message', $2::text, 'since', compute_now())), \
-                   version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
-            ))
-            .bind(&id)
-            .bind(format!("its node {} was lost", hosts.join(", ")))
-            .fetch_one(&mut *conn)
-            .await?;
-            emit(conn, &rsv, "reservation.failed").await?;
+            let condition = json!([{
+                "type": "NodeLost", "status": "True", "reason": "NodeLost",
+                "message": format!("its node {} was lost", hosts.join(", ")),
+            }]);
+            close_out(conn, &rsv, State::Failed, Some(condition)).await?;
             Ok(())
         })
     })
@@ -831,15 +836,7 @@ pub(crate) async fn place_pending(
             let (placement, _) = place(conn, (&pool_id, &pool_name), &allocations, (start, ends_at)).await?;
             match placement {
                 Placement::Placed(placed) => {
-                    sqlx::query(
-                        "UPDATE allocations a SET node_id = p.node_id, atoms = ARRAY(SELECT jsonb_array_elements_text(p.atoms)) \
-                           FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS p(id, node_id, atoms) WHERE a.id = p.id",
-                    )
-                    .bind(placed.iter().map(|p| p.allocation_id.clone()).collect::<Vec<_>>())
-                    .bind(placed.iter().map(|p| p.node_id.clone()).collect::<Vec<_>>())
-                    .bind(placed.iter().map(|p| json!(p.atoms)).collect::<Vec<_>>())
-                    .execute(&mut *conn)
-                    .await?;
+                    record_placements(conn, &placed).await?;
                     let state = if start <= now { State::Active } else { State::Scheduled };
                     let rsv: Reservation = sqlx::query_as(&format!(
                         "UPDATE reservations r SET state = $2, conditions = '[]', next_attempt_at = NULL, \
