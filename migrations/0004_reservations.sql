@@ -53,3 +53,7 @@ CREATE TABLE allocations (
     CONSTRAINT allocations_slots CHECK ((gpu_kind = 'slot') = (slots_per_gpu IS NOT NULL))
 );
 CREATE INDEX allocations_node ON allocations (node_id) WHERE node_id IS NOT NULL;
+
+-- Placement asks "which atoms are booked during this window": one scan of this index returns the
+-- bookings that overlap it, however long the history of ended bookings grows.
+CREATE INDEX device_bookings_during ON device_bookings USING gist (during);

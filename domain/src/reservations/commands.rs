@@ -226,33 +226,61 @@ fn node_eligible(selector: usize, tolerations: usize) -> String {
     )
 }
 
+/// Picks `count` of a node's free atoms (ordered by GPU, then ordinal). MIG instances and slots
+/// are taken from the front, filling partly used GPUs first so whole GPUs stay free; whole GPUs
+/// start at an offset derived from the allocation, so concurrent placements on the same node
+/// rarely reach for the same atoms.
+fn choose_atoms(
+    kind: crate::fleet::model::AtomKind,
+    allocation_id: &str,
+    free: Vec<String>,
+    count: usize,
+) -> Vec<String> {
+    if kind != crate::fleet::model::AtomKind::Gpu || free.len() <= count {
+        return free.into_iter().take(count).collect();
+    }
+    let spread = free.len() - count + 1;
+    let hash = allocation_id
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+    let start = (hash % spread as u64) as usize;
+    free.into_iter().skip(start).take(count).collect()
+}
+
 /// The tightest node that fits `a` over the window, skipping `excluded`: the one with the fewest
 /// matching free atoms, so whole GPUs and whole nodes stay free; nodes whose `PreferNoSchedule`
-/// taints are not tolerated come last.
+/// taints are not tolerated come last. Equally tight nodes are ordered by a hash of the node and
+/// the allocation, so concurrent placements spread over them instead of racing for one.
 async fn candidate(
     conn: &mut PgConnection,
+    allocation_id: &str,
     pool_id: &str,
     a: &AllocationRequest,
     window: (DateTime<Utc>, DateTime<Utc>),
     excluded: &[String],
 ) -> Result<Option<Candidate>> {
+    // `busy` is one index scan (device_bookings_during) for the bookings that overlap the window;
+    // the atoms are then filtered with a hashed lookup instead of a probe per atom.
     let sql = format!(
-        "WITH cand AS ( \
+        "WITH busy AS MATERIALIZED (SELECT b.atom FROM device_bookings b WHERE b.during && tstzrange($9, $10)), \
+         cand AS ( \
            SELECT n.id AS node_id, n.taints, array_agg(a.name ORDER BY d.id, a.ordinal) AS free_atoms \
              FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id \
             WHERE n.pool_id = $1 AND NOT (n.id = ANY($2)) AND {eligible} \
               AND d.health <> 'unhealthy' AND NOT d.quarantined \
               AND a.kind = $5 AND ($6::text IS NULL OR d.model = $6) AND ($7::text IS NULL OR a.profile = $7) \
               AND ($8::int IS NULL OR (d.layout->>'slots')::int = $8) \
-              AND NOT EXISTS (SELECT 1 FROM device_bookings b WHERE b.atom = a.name AND b.during && tstzrange($9, $10)) \
+              AND a.name NOT IN (SELECT atom FROM busy) \
             GROUP BY n.id HAVING count(*) >= $11) \
-         SELECT c.node_id, c.free_atoms[1:$11] AS atoms FROM cand c \
+         SELECT c.node_id, c.free_atoms AS atoms FROM cand c \
           WHERE NOT EXISTS (SELECT 1 FROM node_resources r \
                   JOIN (VALUES ('vcpu', $12::bigint), ('memory_mib', $13::bigint), ('disk_gib', $14::bigint)) v(res, need) ON v.res = r.resource \
                  WHERE r.node_id = c.node_id AND r.allocated + v.need > floor(r.allocatable * r.ratio)) \
           ORDER BY EXISTS (SELECT 1 FROM jsonb_array_elements(c.taints) t WHERE t->>'effect' = 'PreferNoSchedule' \
                      AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements($4::jsonb) o WHERE o->>'key' = t->>'key')), \
-                   cardinality(c.free_atoms), c.node_id \
+                   cardinality(c.free_atoms), md5(c.node_id || $15) \
           LIMIT 1",
         eligible = node_eligible(3, 4)
     );
@@ -271,6 +299,7 @@ async fn candidate(
         .bind(a.vcpu)
         .bind(a.memory_mib)
         .bind(a.disk_gib)
+        .bind(allocation_id)
         .fetch_optional(&mut *conn)
         .await?)
 }
@@ -330,9 +359,13 @@ async fn attempt(
         return Ok(Attempt::Lost("an atom was booked meanwhile"));
     }
     let counted: Vec<(String,)> = sqlx::query_as(
-        "UPDATE node_resources r SET allocated = r.allocated + v.need \
-           FROM (VALUES ('vcpu', $2::bigint), ('memory_mib', $3::bigint), ('disk_gib', $4::bigint)) v(res, need) \
-          WHERE r.node_id = $1 AND r.resource = v.res AND r.allocated + v.need <= floor(r.allocatable * r.ratio) \
+        // The rows are locked in resource order first: an UPDATE locks in the order its plan
+        // visits rows, and two orders on one node deadlock.
+        "WITH locked AS (SELECT node_id, resource FROM node_resources WHERE node_id = $1 ORDER BY resource FOR UPDATE) \
+         UPDATE node_resources r SET allocated = r.allocated + v.need \
+           FROM locked l, (VALUES ('vcpu', $2::bigint), ('memory_mib', $3::bigint), ('disk_gib', $4::bigint)) v(res, need) \
+          WHERE r.node_id = l.node_id AND r.resource = l.resource AND r.resource = v.res \
+            AND r.allocated + v.need <= floor(r.allocatable * r.ratio) \
           RETURNING r.resource",
     )
     .bind(&c.node_id)
@@ -408,7 +441,8 @@ async fn place(
         let mut excluded: Vec<String> = Vec::new();
         let mut lost: Vec<&'static str> = Vec::new();
         loop {
-            let Some(c) = candidate(conn, pool.0, a, window, &excluded).await? else {
+            let Some(mut c) = candidate(conn, allocation_id, pool.0, a, window, &excluded).await?
+            else {
                 sqlx::query("ROLLBACK TO SAVEPOINT placement")
                     .execute(&mut *conn)
                     .await?;
@@ -452,6 +486,12 @@ async fn place(
                 }
                 return Ok((Placement::Unschedulable(why), replans));
             };
+            c.atoms = choose_atoms(
+                a.gpu_kind,
+                allocation_id,
+                std::mem::take(&mut c.atoms),
+                a.gpu_count as usize,
+            );
             sqlx::query("SAVEPOINT attempt").execute(&mut *conn).await?;
             let outcome = match attempt(conn, a, allocation_id, &c, window).await {
                 Ok(o) => o,
@@ -711,11 +751,14 @@ async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
     .execute(&mut *conn)
     .await?;
     sqlx::query(
-        "UPDATE node_resources r SET allocated = r.allocated - s.amount \
-           FROM (SELECT a.node_id, v.res, sum(v.amount)::bigint AS amount FROM allocations a, \
+        // Locked in (node, resource) order first, as placement locks them.
+        "WITH back AS (SELECT a.node_id, v.res, sum(v.amount)::bigint AS amount FROM allocations a, \
                    LATERAL (VALUES ('vcpu', a.vcpu), ('memory_mib', a.memory_mib), ('disk_gib', a.disk_gib)) v(res, amount) \
-                  WHERE a.reservation_id = $1 AND a.node_id IS NOT NULL GROUP BY a.node_id, v.res ORDER BY a.node_id, v.res) s \
-          WHERE r.node_id = s.node_id AND r.resource = s.res",
+                  WHERE a.reservation_id = $1 AND a.node_id IS NOT NULL GROUP BY a.node_id, v.res), \
+         locked AS (SELECT r.node_id, r.resource FROM node_resources r JOIN back b ON b.node_id = r.node_id AND b.res = r.resource \
+                     ORDER BY r.node_id, r.resource FOR UPDATE OF r) \
+         UPDATE node_resources r SET allocated = r.allocated - b.amount FROM back b, locked l \
+          WHERE r.node_id = l.node_id AND r.resource = l.resource AND b.node_id = l.node_id AND b.res = l.resource",
     )
     .bind(&rsv.id)
     .execute(&mut *conn)
