@@ -137,6 +137,9 @@ pub enum Error {
     Contention { sqlstate: String, attempts: u32 },
     #[error("{0}")]
     CursorExpired(String),
+    /// A fenced transaction found its lease taken over or expired; nothing was written.
+    #[error("{0}")]
+    LeaseLost(String),
     #[error("{0}")]
     RateLimited(String),
     #[error("internal error: {0}")]
@@ -169,6 +172,7 @@ impl Error {
             Error::IdempotencyKeyReused(_) => ErrorCode::IdempotencyKeyReused,
             Error::IdempotencyInProgress(_) => ErrorCode::IdempotencyInProgress,
             Error::LockTimeout | Error::Contention { .. } => ErrorCode::LockTimeout,
+            Error::LeaseLost(_) => ErrorCode::Conflict,
             Error::CursorExpired(_) => ErrorCode::CursorExpired,
             Error::RateLimited(_) => ErrorCode::RateLimited,
             Error::Internal(_) => ErrorCode::Internal,

@@ -10,9 +10,11 @@ pub mod error;
 pub mod fleet;
 pub mod idempotency;
 pub mod ids;
+pub mod leases;
 pub mod outbox;
 pub mod page;
 pub mod quota;
 pub mod reservations;
+pub mod work_queue;
 
 pub use error::{Error, ErrorCode, Result};

@@ -185,14 +185,27 @@ impl Db {
     /// [`MAX_ATTEMPTS`] times in all; past that the caller gets [`Error::Contention`]
     /// (`LOCK_TIMEOUT`). A lock wait past the kind's `lock_timeout` is [`Error::LockTimeout`] at
     /// once: waiting again would only wait again.
-    pub async fn tx<T, F>(&self, kind: TxKind, mut body: F) -> Result<T>
+    pub async fn tx<T, F>(&self, kind: TxKind, body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
+    {
+        self.run(kind, None, body).await
+    }
+
+    async fn run<T, F>(
+        &self,
+        kind: TxKind,
+        fence: Option<&crate::leases::Fence>,
+        mut body: F,
+    ) -> Result<T>
     where
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
         let mut attempt = 1;
         loop {
-            match self.try_tx(kind, &mut body).await {
+            match self.try_tx(kind, fence, &mut body).await {
                 Err(Error::Contention { sqlstate, .. }) if attempt < MAX_ATTEMPTS => {
                     debug!(tx.kind = ?kind, tx.attempt = attempt, sqlstate, "transaction retried");
                     attempt += 1;
@@ -209,11 +222,35 @@ impl Db {
         }
     }
 
-    async fn try_tx<T, F>(&self, kind: TxKind, body: &mut F) -> Result<T>
+    /// Runs `body` in a transaction of `kind` whose first statement is the lease fence: the lease
+    /// row `FOR SHARE` at the holder's epoch. A lost lease is [`Error::LeaseLost`] and nothing is
+    /// written; a takeover waits for this transaction to end.
+    pub async fn fenced_tx<T, F>(
+        &self,
+        fence: &crate::leases::Fence,
+        kind: TxKind,
+        body: F,
+    ) -> Result<T>
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
+    {
+        self.run(kind, Some(fence), body).await
+    }
+
+    async fn try_tx<T, F>(
+        &self,
+        kind: TxKind,
+        fence: Option<&crate::leases::Fence>,
+        body: &mut F,
+    ) -> Result<T>
     where
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T>,
     {
         let mut tx = self.pool.begin_with(kind.begin_statement()).await?;
+        if let Some(fence) = fence {
+            crate::leases::check(&mut tx, fence).await?;
+        }
         let value = body(&mut tx).await?;
         tx.commit().await?;
         Ok(value)

@@ -6,6 +6,7 @@ mod embedded;
 mod fleet;
 mod graphql_http;
 mod health;
+mod leases;
 mod outbox;
 mod reservations;
 mod statements;

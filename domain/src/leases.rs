@@ -1,0 +1,99 @@
+//! Leases with fencing: rows in `leases`, acquired and renewed with one guarded upsert, and a
+//! fence that is the first statement of every transaction done under a lease.
+//!
+//! Names: `shard:<kind>:<n>`, `pool:<id>`, `site:<id>`, `singleton:<name>`, `gateway:<id>`.
+//! Shard, pool, site and singleton leases live [`TTL`] and are renewed every [`RENEW_EVERY`].
+
+use std::time::Duration;
+
+use sqlx::PgConnection;
+
+use crate::db::Db;
+use crate::error::{Error, Result};
+
+/// How long a lease lives without renewal.
+pub const TTL: Duration = Duration::from_secs(15);
+/// How often a holder renews.
+pub const RENEW_EVERY: Duration = Duration::from_secs(5);
+
+/// A held lease: what a fenced transaction proves it still holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub name: String,
+    pub owner: String,
+    pub epoch: i64,
+}
+
+/// Acquires `name` for `owner`, or renews it when `owner` holds it. Returns the fence, or `None`
+/// when another owner holds an unexpired lease. A takeover increments the epoch; it waits for
+/// the old holder's fenced transactions (their `FOR SHARE`) to end.
+pub async fn acquire(db: &Db, name: &str, owner: &str, ttl: Duration) -> Result<Option<Fence>> {
+    let epoch: Option<(i64,)> = sqlx::query_as(
+        "INSERT INTO leases AS l (name, owner, epoch, expires_at) \
+         VALUES ($1, $2, 1, compute_now() + make_interval(secs => $3::float8)) \
+         ON CONFLICT (name) DO UPDATE \
+            SET owner = EXCLUDED.owner, \
+                epoch = CASE WHEN l.owner = EXCLUDED.owner THEN l.epoch ELSE l.epoch + 1 END, \
+                expires_at = EXCLUDED.expires_at, updated_at = compute_now() \
+          WHERE l.owner = EXCLUDED.owner OR l.expires_at < compute_now() \
+         RETURNING l.epoch",
+    )
+    .bind(name)
+    .bind(owner)
+    .bind(ttl.as_secs_f64())
+    .fetch_optional(db.pool())
+    .await?;
+    Ok(epoch.map(|(epoch,)| Fence {
+        name: name.to_owned(),
+        owner: owner.to_owned(),
+        epoch,
+    }))
+}
+
+/// Renews a held lease at its epoch; `false` when it was lost (taken over, or expired and taken).
+pub async fn renew(db: &Db, fence: &Fence, ttl: Duration) -> Result<bool> {
+    let done = sqlx::query(
+        "UPDATE leases SET expires_at = compute_now() + make_interval(secs => $4::float8), updated_at = compute_now() \
+          WHERE name = $1 AND owner = $2 AND epoch = $3 AND expires_at > compute_now()",
+    )
+    .bind(&fence.name)
+    .bind(&fence.owner)
+    .bind(fence.epoch)
+    .bind(ttl.as_secs_f64())
+    .execute(db.pool())
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Gives a lease up at once (on shutdown), so another process need not wait for its expiry.
+pub async fn release(db: &Db, fence: &Fence) -> Result<()> {
+    sqlx::query(
+        "UPDATE leases SET expires_at = '-infinity' WHERE name = $1 AND owner = $2 AND epoch = $3",
+    )
+    .bind(&fence.name)
+    .bind(&fence.owner)
+    .bind(fence.epoch)
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+/// The first statement of a fenced transaction: the lease row `FOR SHARE` at the holder's epoch.
+/// A plain existence check would not fence under READ COMMITTED; the row lock does.
+pub async fn check(conn: &mut PgConnection, fence: &Fence) -> Result<()> {
+    let held: Option<(i32,)> = sqlx::query_as(
+        "SELECT 1 FROM leases WHERE name = $1 AND owner = $2 AND epoch = $3 AND expires_at > compute_now() FOR SHARE",
+    )
+    .bind(&fence.name)
+    .bind(&fence.owner)
+    .bind(fence.epoch)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if held.is_none() {
+        return Err(Error::LeaseLost(format!(
+            "lease {} (epoch {}) is no longer held by {}",
+            fence.name, fence.epoch, fence.owner
+        )));
+    }
+    Ok(())
+}

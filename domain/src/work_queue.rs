@@ -1,0 +1,112 @@
+//! The work queue: reconcilers are woken by rows enqueued in the transaction that changed the
+//! state, claimed with `FOR UPDATE SKIP LOCKED` by the holder of the row's shard lease, deleted on
+//! success only if `gen` is still the claimed one, and retried with exponential backoff on
+//! failure. Reconcilers are level-triggered and resync, so a lost row only costs time.
+
+use std::time::Duration;
+
+use sqlx::PgConnection;
+
+use crate::error::Result;
+
+/// A claimed item.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Item {
+    pub kind: String,
+    pub key: String,
+    /// The generation claimed (`work_queue.gen`).
+    #[sqlx(rename = "gen")]
+    pub generation: i64,
+    pub attempts: i32,
+}
+
+/// The longest backoff after failures.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
+
+/// Enqueues `key` of `kind` (or bumps its `gen` if present), due after `delay`, in the caller's
+/// transaction. The shard is a hash of the key over `shards`.
+pub async fn enqueue(
+    conn: &mut PgConnection,
+    kind: &str,
+    key: &str,
+    shards: i32,
+    delay: Duration,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO work_queue AS w (kind, key, shard, not_before) \
+         VALUES ($1, $2, (abs(hashtextextended($2, 0)) % $3)::int, compute_now() + make_interval(secs => $4::float8)) \
+         ON CONFLICT (kind, key) DO UPDATE \
+            SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), updated_at = compute_now()",
+    )
+    .bind(kind)
+    .bind(key)
+    .bind(shards.max(1))
+    .bind(delay.as_secs_f64())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Claims up to `limit` due items of `kind` in `shards`, for `claim_for`. Run it in a transaction
+/// fenced by the shard leases; other claimers skip the rows this one locks.
+pub async fn claim(
+    conn: &mut PgConnection,
+    kind: &str,
+    shards: &[i32],
+    limit: i64,
+    claim_for: Duration,
+) -> Result<Vec<Item>> {
+    Ok(sqlx::query_as(
+        "UPDATE work_queue w SET claimed_until = compute_now() + make_interval(secs => $4::float8), claimed_gen = w.gen, \
+                updated_at = compute_now() \
+           FROM (SELECT kind, key FROM work_queue \
+                  WHERE kind = $1 AND shard = ANY($2) AND not_before <= compute_now() \
+                    AND (claimed_until IS NULL OR claimed_until < compute_now()) \
+                  ORDER BY not_before, key LIMIT $3 FOR UPDATE SKIP LOCKED) due \
+          WHERE w.kind = due.kind AND w.key = due.key \
+         RETURNING w.kind, w.key, w.gen, w.attempts",
+    )
+    .bind(kind)
+    .bind(shards)
+    .bind(limit)
+    .bind(claim_for.as_secs_f64())
+    .fetch_all(&mut *conn)
+    .await?)
+}
+
+/// Marks a claimed item done: deleted only if nobody enqueued it again meanwhile; otherwise it
+/// stays, unclaimed, and runs again. Returns whether it was deleted.
+pub async fn complete(conn: &mut PgConnection, item: &Item) -> Result<bool> {
+    let deleted = sqlx::query("DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3")
+        .bind(&item.kind)
+        .bind(&item.key)
+        .bind(item.generation)
+        .execute(&mut *conn)
+        .await?;
+    if deleted.rows_affected() == 0 {
+        sqlx::query("UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL WHERE kind = $1 AND key = $2")
+            .bind(&item.kind)
+            .bind(&item.key)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(deleted.rows_affected() == 1)
+}
+
+/// Records a failure: the error is kept for operators and the item is due again after an
+/// exponential backoff (1 s, 2 s, 4 s, … up to [`MAX_BACKOFF`]).
+pub async fn fail(conn: &mut PgConnection, item: &Item, error: &str) -> Result<()> {
+    sqlx::query(
+        "UPDATE work_queue SET attempts = attempts + 1, last_error = $3, claimed_until = NULL, claimed_gen = NULL, \
+                not_before = compute_now() + make_interval(secs => least(power(2, attempts)::float8, $4::float8)), \
+                updated_at = compute_now() \
+          WHERE kind = $1 AND key = $2",
+    )
+    .bind(&item.kind)
+    .bind(&item.key)
+    .bind(error)
+    .bind(MAX_BACKOFF.as_secs_f64())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,262 @@
+//! Leases with fencing, and the work queue.
+
+use std::time::Duration;
+
+use compute_domain::db::TxKind;
+use compute_domain::leases::{self, TTL};
+use compute_domain::work_queue;
+use compute_domain::{Error, ErrorCode};
+use compute_tests::test_db;
+use sqlx::Connection;
+
+#[tokio::test]
+async fn a_lease_is_held_renewed_lost_and_taken_over_with_a_new_epoch() {
+    let t = test_db().await;
+    t.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = &t.db;
+    let a = leases::acquire(db, "singleton:expiry", "worker-a", TTL)
+        .await
+        .expect("acquire")
+        .expect("free");
+    assert_eq!(a.epoch, 1);
+    assert!(
+        leases::acquire(db, "singleton:expiry", "worker-b", TTL)
+            .await
+            .expect("try")
+            .is_none(),
+        "held by a"
+    );
+    t.advance_clock(10).await;
+    assert!(
+        leases::renew(db, &a, TTL).await.expect("renew"),
+        "a renews in time"
+    );
+    t.advance_clock(14).await;
+    assert!(
+        leases::acquire(db, "singleton:expiry", "worker-b", TTL)
+            .await
+            .expect("try")
+            .is_none(),
+        "the renewal counted"
+    );
+    t.advance_clock(2).await; // 16 s after the renewal: expired
+    let b = leases::acquire(db, "singleton:expiry", "worker-b", TTL)
+        .await
+        .expect("acquire")
+        .expect("expired");
+    assert_eq!(b.epoch, 2, "a takeover increments the epoch");
+    assert!(
+        !leases::renew(db, &a, TTL).await.expect("renew"),
+        "a lost it"
+    );
+    let again = leases::acquire(db, "singleton:expiry", "worker-b", TTL)
+        .await
+        .expect("renew by acquire")
+        .expect("held");
+    assert_eq!(again.epoch, 2, "the holder's own acquire keeps the epoch");
+
+    sqlx::query("CREATE TABLE effects (by text)")
+        .execute(db.pool())
+        .await
+        .expect("table");
+    let write = |fence: leases::Fence| async move {
+        db.fenced_tx(&fence, TxKind::Maintenance, |conn| {
+            let by = fence.owner.clone();
+            Box::pin(async move {
+                sqlx::query("INSERT INTO effects VALUES ($1)")
+                    .bind(by)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .await
+    };
+    let err = write(a.clone()).await.expect_err("fenced out");
+    assert!(matches!(err, Error::LeaseLost(_)), "{err:?}");
+    assert_eq!(err.code(), ErrorCode::Conflict);
+    write(b.clone()).await.expect("the holder writes");
+    let rows: Vec<(String,)> = sqlx::query_as("SELECT by FROM effects")
+        .fetch_all(db.pool())
+        .await
+        .expect("rows");
+    assert_eq!(
+        rows,
+        vec![("worker-b".to_owned(),)],
+        "the zombie wrote nothing"
+    );
+    leases::release(db, &b).await.expect("release");
+    let c = leases::acquire(db, "singleton:expiry", "worker-c", TTL)
+        .await
+        .expect("acquire")
+        .expect("released");
+    assert_eq!(c.epoch, 3);
+}
+
+/// A takeover waits for the old holder's fenced transaction: the zombie either commits while it
+/// still holds the lease, or never.
+#[tokio::test]
+async fn a_takeover_waits_for_the_old_holders_fenced_transaction() {
+    let t = test_db().await;
+    t.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let a = leases::acquire(&t.db, "singleton:x", "a", TTL)
+        .await
+        .expect("acquire")
+        .expect("free");
+    let mut zombie = sqlx::PgConnection::connect(&t.url).await.expect("connect");
+    sqlx::query("BEGIN")
+        .execute(&mut zombie)
+        .await
+        .expect("begin");
+    leases::check(&mut zombie, &a).await.expect("fence holds");
+    t.advance_clock(20).await;
+    let db = t.db.clone();
+    let takeover = tokio::spawn(async move { leases::acquire(&db, "singleton:x", "b", TTL).await });
+    let mut waiting = false;
+    for _ in 0..200 {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(t.db.pool())
+        .await
+        .expect("activity");
+        if n > 0 {
+            waiting = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(waiting, "the takeover waits on the zombie's FOR SHARE");
+    sqlx::query("COMMIT")
+        .execute(&mut zombie)
+        .await
+        .expect("commit");
+    let b = takeover
+        .await
+        .expect("join")
+        .expect("acquire")
+        .expect("taken over");
+    assert_eq!(b.epoch, 2);
+}
+
+#[tokio::test]
+async fn the_work_queue_never_loses_a_wake_up() {
+    let t = test_db().await;
+    t.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = &t.db;
+    let enqueue = |key: &'static str| async move {
+        db.tx(TxKind::Write, |conn| {
+            Box::pin(async move {
+                work_queue::enqueue(conn, "reservation", key, 4, Duration::ZERO).await
+            })
+        })
+        .await
+        .expect("enqueue")
+    };
+    enqueue("rsv_1").await;
+    enqueue("rsv_1").await;
+    let (n, generation): (i64, i64) = sqlx::query_as("SELECT count(*), max(gen) FROM work_queue")
+        .fetch_one(db.pool())
+        .await
+        .expect("rows");
+    assert_eq!(
+        (n, generation),
+        (1, 2),
+        "one row per key; enqueueing again bumps gen"
+    );
+
+    let all_shards = [0, 1, 2, 3];
+    let claim = || async {
+        db.tx(TxKind::Maintenance, |conn| {
+            Box::pin(async move {
+                work_queue::claim(
+                    conn,
+                    "reservation",
+                    &all_shards,
+                    10,
+                    Duration::from_secs(60),
+                )
+                .await
+            })
+        })
+        .await
+        .expect("claim")
+    };
+    let items = claim().await;
+    assert_eq!(items.len(), 1);
+    assert!(
+        claim().await.is_empty(),
+        "a claimed item is not claimed twice"
+    );
+    enqueue("rsv_1").await; // dirtied again while it runs
+    let done = db
+        .tx(TxKind::Maintenance, |conn| {
+            let item = items[0].clone();
+            Box::pin(async move { work_queue::complete(conn, &item).await })
+        })
+        .await
+        .expect("complete");
+    assert!(!done, "a key enqueued during the run survives");
+    let items = claim().await;
+    assert_eq!(items[0].generation, 3, "and runs again");
+    db.tx(TxKind::Maintenance, |conn| {
+        let item = items[0].clone();
+        Box::pin(async move { work_queue::fail(conn, &item, "node daemon unreachable").await })
+    })
+    .await
+    .expect("fail");
+    assert!(claim().await.is_empty(), "backing off");
+    t.advance_clock(1).await;
+    let items = claim().await;
+    assert_eq!(items[0].attempts, 1);
+    let (error,): (String,) = sqlx::query_as("SELECT last_error FROM work_queue")
+        .fetch_one(db.pool())
+        .await
+        .expect("row");
+    assert_eq!(error, "node daemon unreachable", "kept for operators");
+    assert!(
+        db.tx(TxKind::Maintenance, |conn| {
+            let item = items[0].clone();
+            Box::pin(async move { work_queue::complete(conn, &item).await })
+        })
+        .await
+        .expect("complete")
+    );
+    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM work_queue")
+        .fetch_one(db.pool())
+        .await
+        .expect("rows");
+    assert_eq!(n, 0);
+
+    // Two claimers at once take disjoint rows (SKIP LOCKED).
+    for k in ["a", "b", "c", "d", "e", "f"] {
+        enqueue(k).await;
+    }
+    let mut one = sqlx::PgConnection::connect(&t.url).await.expect("connect");
+    let mut two = sqlx::PgConnection::connect(&t.url).await.expect("connect");
+    sqlx::query("BEGIN").execute(&mut one).await.expect("begin");
+    sqlx::query("BEGIN").execute(&mut two).await.expect("begin");
+    let first = work_queue::claim(
+        &mut one,
+        "reservation",
+        &all_shards,
+        3,
+        Duration::from_secs(60),
+    )
+    .await
+    .expect("claim");
+    let second = work_queue::claim(
+        &mut two,
+        "reservation",
+        &all_shards,
+        10,
+        Duration::from_secs(60),
+    )
+    .await
+    .expect("claim");
+    assert_eq!(first.len() + second.len(), 6);
+    assert!(
+        first.iter().all(|a| second.iter().all(|b| a.key != b.key)),
+        "disjoint"
+    );
+}
