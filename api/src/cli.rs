@@ -330,10 +330,20 @@ pub async fn dev(args: DevArgs) -> Result<()> {
         pg.map(|p| p.port()).unwrap_or_default(),
     );
     drop(out);
-    server
-        .run(listener, shutdown_signal())
-        .await
-        .map_err(Error::internal)?;
+    // Every role in-process: the reservation reconciler (the workers' only role built so far).
+    let (stop_workers, workers_stopped) = tokio::sync::oneshot::channel::<()>();
+    let reconciler = tokio::spawn(
+        compute_workers::Reconciler::new(database.db.clone(), "dev").run(
+            std::time::Duration::from_secs(1),
+            async move {
+                let _ = workers_stopped.await;
+            },
+        ),
+    );
+    let served = server.run(listener, shutdown_signal()).await;
+    let _ = stop_workers.send(());
+    let _ = reconciler.await;
+    served.map_err(Error::internal)?;
     drop(database);
     info!("stopped");
     Ok(())

@@ -1,11 +1,25 @@
-//! The background side of Better Compute: the lease keeper, the work-queue loop, the reconcilers
-//! and outbox delivery, run by the `compute-worker` binary (and in-process by `compute-api dev`).
+//! The background side of Better Compute, run by the `compute-worker` binary and in-process by
+//! `compute-api dev`.
+//!
+//! Built so far: the reservation reconciler ([`Reconciler`]) under the lease
+//! `singleton:reservations`: it retries pending reservations, starts and expires them with time,
+//! fails those on lost nodes, and prunes idempotency keys. Its steps are level-triggered and safe
+//! to run twice or concurrently (every change is a guarded update of the state table's
+//! transitions); the lease keeps two processes from doing the same work, not from corrupting it.
+//! Still to come (the workers issue): sharded work-queue loops, the capacity-rollup reconciler,
+//! outbox pruning, webhook delivery, and the worker's own `/metrics` and `/healthz`.
 //!
 //! Architecture invariant: no GraphQL here, and no SQL text: statements live in
 //! `compute-domain`.
-//!
-//! Status: the foundation only. Leases, the work queue and the reconcilers are issue 6; until
-//! they land, `compute-worker` refuses to start rather than pretend to work.
+
+use std::future::Future;
+use std::time::Duration;
+
+use compute_domain::db::Db;
+use compute_domain::leases::{self, Fence, RENEW_EVERY, TTL};
+use compute_domain::reservations::reconcile;
+use compute_domain::{Result, idempotency};
+use tracing::{info, warn};
 
 /// The roles a worker process can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +40,127 @@ impl Role {
             "outbox" => Some(Role::Outbox),
             "all" => Some(Role::All),
             _ => None,
+        }
+    }
+}
+
+/// The lease the reservation reconciler runs under.
+pub const RESERVATIONS_LEASE: &str = "singleton:reservations";
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pass {
+    /// Whether this process held the lease (and so did the work).
+    pub held: bool,
+    pub placed: u64,
+    pub started: u64,
+    pub expired: u64,
+    pub failed: u64,
+}
+
+/// The reservation reconciler of one process.
+#[derive(Debug, Clone)]
+pub struct Reconciler {
+    db: Db,
+    owner: String,
+    fence: Option<Fence>,
+}
+
+impl Reconciler {
+    /// A reconciler for this process; `owner` names it in the lease (host and pid, say).
+    pub fn new(db: Db, owner: impl Into<String>) -> Self {
+        Reconciler {
+            db,
+            owner: owner.into(),
+            fence: None,
+        }
+    }
+
+    /// Acquires or renews the lease; returns whether this process holds it.
+    pub async fn keep_lease(&mut self) -> Result<bool> {
+        let fence = match &self.fence {
+            Some(f) if leases::renew(&self.db, f, TTL).await? => Some(f.clone()),
+            _ => leases::acquire(&self.db, RESERVATIONS_LEASE, &self.owner, TTL).await?,
+        };
+        match (&self.fence, &fence) {
+            (None, Some(f)) => info!(
+                lease.name = RESERVATIONS_LEASE,
+                lease.epoch = f.epoch,
+                "lease acquired"
+            ),
+            (Some(f), None) => warn!(
+                lease.name = RESERVATIONS_LEASE,
+                lease.epoch = f.epoch,
+                "lease lost; work stops"
+            ),
+            _ => {}
+        }
+        self.fence = fence;
+        Ok(self.fence.is_some())
+    }
+
+    /// One pass: if this process holds the lease, retry pending reservations, start and expire
+    /// them, fail those on lost nodes.
+    pub async fn pass(&mut self) -> Result<Pass> {
+        if !self.keep_lease().await? {
+            return Ok(Pass::default());
+        }
+        Ok(Pass {
+            held: true,
+            expired: reconcile::expire_due(&self.db).await?,
+            failed: reconcile::fail_lost(&self.db).await?,
+            placed: reconcile::retry_pending(&self.db).await?,
+            started: reconcile::activate_due(&self.db).await?,
+        })
+    }
+
+    /// Gives the lease up (on shutdown).
+    pub async fn release(&mut self) {
+        if let Some(f) = self.fence.take() {
+            let _ = leases::release(&self.db, &f).await;
+        }
+    }
+
+    /// Runs passes every `every` until `stop` resolves; prunes idempotency keys hourly. A pass
+    /// that fails is logged and the loop goes on; a lost lease stops the work at the next pass.
+    pub async fn run(mut self, every: Duration, stop: impl Future<Output = ()>) {
+        tokio::pin!(stop);
+        let mut ticker = tokio::time::interval(every.min(RENEW_EVERY));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_prune = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                () = &mut stop => {
+                    self.release().await;
+                    info!("reconciler stopped");
+                    return;
+                }
+                _ = ticker.tick() => {
+                    // The pass itself is cancelled if `stop` comes first.
+                    let pass = tokio::select! {
+                        () = &mut stop => { self.release().await; return; }
+                        pass = self.pass() => pass,
+                    };
+                    match pass {
+                        Ok(p) if p.placed + p.started + p.expired + p.failed > 0 => info!(
+                            reservations.placed = p.placed,
+                            reservations.started = p.started,
+                            reservations.expired = p.expired,
+                            reservations.failed = p.failed,
+                            "reconciler pass"
+                        ),
+                        Ok(_) => {}
+                        Err(e) => warn!(error = %e, "reconciler pass failed"),
+                    }
+                    if self.fence.is_some() && last_prune.elapsed() > Duration::from_secs(3600) {
+                        last_prune = tokio::time::Instant::now();
+                        match idempotency::prune(&self.db, idempotency::RETENTION_HOURS).await {
+                            Ok(n) => info!(idempotency.pruned = n, "idempotency keys pruned"),
+                            Err(e) => warn!(error = %e, "pruning idempotency keys failed"),
+                        }
+                    }
+                }
+            }
         }
     }
 }

@@ -880,3 +880,44 @@ async fn a_lost_node_fails_its_reservations() {
         "failed is terminal"
     );
 }
+
+/// The reconciler does the work only where it holds the lease, and moves reservations with time.
+#[tokio::test]
+async fn the_reconciler_works_where_it_holds_the_lease() {
+    use compute_workers::Reconciler;
+    let (app, p, member) = setup().await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "r", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    let id = d["createReservation"]["reservation"]["id"].clone();
+    app.ok(
+        &member,
+        EXTEND,
+        json!({ "i": { "id": id, "endsAt": "2031-01-01T02:30:00Z", "idempotencyKey": "x" } }),
+    )
+    .await;
+    let mut a = Reconciler::new(app.db.db.clone(), "worker-a");
+    let mut b = Reconciler::new(app.db.db.clone(), "worker-b");
+    let first = a.pass().await.expect("pass");
+    assert!(first.held);
+    assert_eq!(first.expired, 0, "nothing due yet");
+    assert!(!b.pass().await.expect("pass").held, "a holds the lease");
+    app.db.advance_clock(3 * 3600).await;
+    let pass = a.pass().await.expect("pass");
+    assert_eq!(
+        (pass.held, pass.expired),
+        (true, 1),
+        "a took its expired lease back and expired the reservation"
+    );
+    assert!(!b.pass().await.expect("pass").held);
+    assert_eq!(state_of(&app, &id).await, "EXPIRED");
+    a.release().await;
+    assert!(
+        b.pass().await.expect("pass").held,
+        "a released lease is taken at once"
+    );
+}
