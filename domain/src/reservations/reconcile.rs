@@ -4,8 +4,6 @@
 //! Each step handles what is due now and returns how many it moved; running it again with
 //! nothing due does nothing, so a repeated or concurrent run is harmless.
 
-use serde_json::Value;
-
 use super::commands;
 use super::model::{AllocationRequest, Toleration};
 use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
@@ -119,9 +117,4 @@ pub async fn retry_pending(db: &Db) -> Result<u64> {
         }
     }
     Ok(placed)
-}
-
-/// The stored conditions of a reservation (for tests and diagnostics).
-pub fn condition_message(conditions: &Value) -> Option<&str> {
-    conditions.as_array()?.first()?.get("message")?.as_str()
 }
