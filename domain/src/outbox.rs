@@ -39,3 +39,130 @@ pub async fn emit(conn: &mut PgConnection, event: NewEvent<'_>) -> Result<String
         .await?;
     Ok(id)
 }
+
+/// A position in the outbox: the `(txid, seq)` of the last event seen. Clients see it as an
+/// opaque string ([`Cursor::encode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Cursor {
+    pub txid: i64,
+    pub seq: i64,
+}
+
+const CURSOR_PREFIX: &str = "o1";
+
+impl Cursor {
+    /// The cursor before every event.
+    pub const START: Cursor = Cursor { txid: 0, seq: 0 };
+
+    /// The opaque form clients see.
+    pub fn encode(&self) -> String {
+        format!("{CURSOR_PREFIX}.{:x}.{:x}", self.txid, self.seq)
+    }
+
+    /// Parses [`Cursor::encode`]'s form; anything else is `BAD_USER_INPUT` on `field`.
+    pub fn decode(field: &str, s: &str) -> crate::Result<Cursor> {
+        let bad = || crate::Error::bad_input(field, format!("`{s}` is not an event cursor"));
+        let mut parts = s.split('.');
+        if parts.next() != Some(CURSOR_PREFIX) {
+            return Err(bad());
+        }
+        let mut num = || {
+            parts
+                .next()
+                .and_then(|p| i64::from_str_radix(p, 16).ok())
+                .filter(|n| *n >= 0)
+                .ok_or_else(bad)
+        };
+        let cursor = Cursor {
+            txid: num()?,
+            seq: num()?,
+        };
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        Ok(cursor)
+    }
+}
+
+/// An event as readers see it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
+pub struct Event {
+    pub id: String,
+    #[sqlx(skip)]
+    #[serde(skip)]
+    pub cursor: Option<Cursor>,
+    #[sqlx(rename = "type")]
+    pub event_type: String,
+    pub tenant_id: Option<String>,
+    pub subject: String,
+    pub data: Value,
+    pub time: chrono::DateTime<chrono::Utc>,
+    #[serde(skip)]
+    txid: i64,
+    #[serde(skip)]
+    seq: i64,
+}
+
+/// What a reader may see.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventFilter {
+    /// `Some(t)`: only tenant `t`'s events. `None`: every event (operators).
+    pub tenant_id: Option<String>,
+    /// Only these types, when not empty.
+    pub types: Vec<String>,
+    /// Only these subjects, when not empty.
+    pub subjects: Vec<String>,
+}
+
+/// Reads up to `limit` events after `after`, in `(txid, seq)` order, taking only rows of
+/// transactions older than every transaction still running: a transaction that took a lower
+/// `seq` but commits later can never appear behind the cursor.
+pub async fn read_after(
+    db: &crate::db::Db,
+    after: Cursor,
+    filter: &EventFilter,
+    limit: i64,
+) -> crate::Result<Vec<Event>> {
+    let rows: Vec<Event> = sqlx::query_as(
+        "SELECT o.id, o.type, o.tenant_id, o.subject, o.data, o.time, o.txid::text::bigint AS txid, o.seq \
+           FROM outbox o \
+          WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
+            AND (o.txid, o.seq) > ($1::text::xid8, $2) \
+            AND ($3::text IS NULL OR o.tenant_id = $3) \
+            AND (cardinality($4::text[]) = 0 OR o.type = ANY($4)) \
+            AND (cardinality($5::text[]) = 0 OR o.subject = ANY($5)) \
+          ORDER BY o.txid, o.seq LIMIT $6",
+    )
+    .bind(after.txid.to_string())
+    .bind(after.seq)
+    .bind(&filter.tenant_id)
+    .bind(&filter.types)
+    .bind(&filter.subjects)
+    .bind(limit)
+    .fetch_all(db.pool())
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|mut e| {
+            e.cursor = Some(Cursor {
+                txid: e.txid,
+                seq: e.seq,
+            });
+            e
+        })
+        .collect())
+}
+
+/// The cursor of the present: after the last event a reader may take now. A subscription without
+/// `after` starts here.
+pub async fn head(db: &crate::db::Db) -> crate::Result<Cursor> {
+    let row: Option<(i64, i64)> = sqlx::query_as(
+        "SELECT o.txid::text::bigint, o.seq FROM outbox o WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
+          ORDER BY o.txid DESC, o.seq DESC LIMIT 1",
+    )
+    .fetch_optional(db.pool())
+    .await?;
+    Ok(row
+        .map(|(txid, seq)| Cursor { txid, seq })
+        .unwrap_or(Cursor::START))
+}

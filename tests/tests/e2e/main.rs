@@ -8,6 +8,7 @@ mod graphql_http;
 mod health;
 mod leases;
 mod outbox;
+mod outbox_reader;
 mod reservations;
 mod statements;
 mod torture;
