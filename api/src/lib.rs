@@ -6,6 +6,7 @@
 
 pub mod auth;
 pub mod cli;
+pub mod events;
 pub mod fleet;
 pub mod fleet_mutations;
 pub mod graphql_http;

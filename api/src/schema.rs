@@ -1,8 +1,6 @@
 //! The GraphQL schema: types map from domain types, errors map to stable `extensions.code`.
 
-use async_graphql::{
-    Context, EmptySubscription, Enum, ErrorExtensions, MergedObject, Object, Schema, SimpleObject,
-};
+use async_graphql::{Context, Enum, ErrorExtensions, MergedObject, Object, Schema, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::db::Db;
 use compute_domain::{Error, ErrorCode};
@@ -11,7 +9,7 @@ use tracing::error;
 use crate::auth::{Role, Viewer};
 
 /// The schema type served by the API.
-pub type ApiSchema = Schema<Query, Mutation, EmptySubscription>;
+pub type ApiSchema = Schema<Query, Mutation, crate::events::SubscriptionRoot>;
 
 /// The root of every query.
 #[derive(MergedObject, Default)]
@@ -50,10 +48,14 @@ impl ReplayFlag {
 /// Builds the schema with the shared services every resolver reads. Without a database (for
 /// printing the SDL) no resolver can run.
 pub fn build(db: Option<Db>) -> ApiSchema {
-    let mut builder = Schema::build(Query::default(), Mutation::default(), EmptySubscription)
-        .register_output_type::<crate::fleet::NodeInterface>()
-        .limit_depth(32)
-        .limit_complexity(100_000);
+    let mut builder = Schema::build(
+        Query::default(),
+        Mutation::default(),
+        crate::events::SubscriptionRoot,
+    )
+    .register_output_type::<crate::fleet::NodeInterface>()
+    .limit_depth(32)
+    .limit_complexity(100_000);
     if let Some(db) = db {
         builder = builder.data(crate::loaders::loaders(db.clone())).data(db);
     }
