@@ -13,7 +13,7 @@ use async_graphql::{Context, ID, Json, Object, Subscription};
 use chrono::{DateTime, Utc};
 use compute_domain::db::Db;
 use compute_domain::outbox::{self, Cursor, Event, EventFilter};
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 use tracing::warn;
 
 use crate::auth::Role;
@@ -93,6 +93,74 @@ impl SubscriptionRoot {
             subjects,
         };
         Ok(follow(db, cursor, filter))
+    }
+
+    /// A reservation as it is after each change, from now on (another tenant's is `NOT_FOUND`).
+    async fn reservation(
+        &self,
+        ctx: &Context<'_>,
+        id: ID,
+    ) -> async_graphql::Result<impl Stream<Item = crate::reservations::ReservationObj> + use<>>
+    {
+        let rid =
+            compute_domain::fleet::model::parse_id("id", "rsv", id.as_str()).map_err(gql_error)?;
+        let db = db(ctx)?.clone();
+        let found = compute_domain::reservations::get_reservations(&db, std::slice::from_ref(&rid))
+            .await
+            .map_err(gql_error)?;
+        match found.first() {
+            Some(r) if crate::reservations::visible(ctx, r)? => {}
+            _ => {
+                return Err(gql_error(compute_domain::Error::NotFound {
+                    kind: "reservation",
+                    id: rid,
+                }));
+            }
+        }
+        let cursor = outbox::head(&db).await.map_err(gql_error)?;
+        let filter = EventFilter {
+            tenant_id: None,
+            types: vec![],
+            subjects: vec![rid.clone()],
+        };
+        Ok(follow(db.clone(), cursor, filter).filter_map(move |_| {
+            let (db, rid) = (db.clone(), rid.clone());
+            async move {
+                compute_domain::reservations::get_reservations(&db, &[rid])
+                    .await
+                    .ok()
+                    .and_then(|mut v| v.pop())
+                    .map(crate::reservations::ReservationObj)
+            }
+        }))
+    }
+
+    /// A compute node as it is after each change, from now on (operators only).
+    async fn compute_node(
+        &self,
+        ctx: &Context<'_>,
+        id: ID,
+    ) -> async_graphql::Result<impl Stream<Item = crate::fleet::ComputeNodeObj> + use<>> {
+        crate::fleet::require_operator(ctx)?;
+        let nid =
+            compute_domain::fleet::model::parse_id("id", "node", id.as_str()).map_err(gql_error)?;
+        let db = db(ctx)?.clone();
+        let cursor = outbox::head(&db).await.map_err(gql_error)?;
+        let filter = EventFilter {
+            tenant_id: None,
+            types: vec![],
+            subjects: vec![nid.clone()],
+        };
+        Ok(follow(db.clone(), cursor, filter).filter_map(move |_| {
+            let (db, nid) = (db.clone(), nid.clone());
+            async move {
+                compute_domain::fleet::get_nodes(&db, &[nid])
+                    .await
+                    .ok()
+                    .and_then(|mut v| v.pop())
+                    .map(crate::fleet::ComputeNodeObj::new)
+            }
+        }))
     }
 }
 
