@@ -506,7 +506,7 @@ pub struct Taint {
     effect: TaintEffect,
 }
 
-/// A condition of a node, such as `NodeUnreachable`.
+/// A condition of a node or reservation, such as `NodeUnreachable` or `Unschedulable`.
 #[derive(SimpleObject)]
 pub struct Condition {
     /// The condition's type.
@@ -536,6 +536,24 @@ pub struct NodeResource {
     allocated: i64,
     /// `limit - allocated`.
     free: i64,
+}
+
+/// Conditions as stored (`[{"type", "status", "reason", "message", "since"}]`).
+pub fn conditions_of(stored: &Value) -> Vec<Condition> {
+    stored
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|c| Condition {
+                    r#type: c["type"].as_str().unwrap_or_default().to_owned(),
+                    status: c["status"].as_str().unwrap_or("Unknown").to_owned(),
+                    reason: c["reason"].as_str().map(str::to_owned),
+                    message: c["message"].as_str().map(str::to_owned),
+                    since: c["since"].as_str().and_then(|s| s.parse().ok()),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// A machine in a pool (`nodes` in SQL), with its subtree when the connection that returned it
@@ -712,21 +730,7 @@ impl ComputeNodeObj {
     }
     /// Conditions.
     async fn conditions(&self) -> Vec<Condition> {
-        self.0
-            .conditions
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|c| Condition {
-                        r#type: c["type"].as_str().unwrap_or_default().to_owned(),
-                        status: c["status"].as_str().unwrap_or("Unknown").to_owned(),
-                        reason: c["reason"].as_str().map(str::to_owned),
-                        message: c["message"].as_str().map(str::to_owned),
-                        since: c["since"].as_str().and_then(|s| s.parse().ok()),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+        conditions_of(&self.0.conditions)
     }
     /// The generation of the node's spec; moves with every spec change.
     async fn generation(&self) -> i64 {

@@ -12,7 +12,9 @@ use compute_domain::reservations::state::State;
 use compute_domain::reservations::{self as rsv, ReservationFilter, commands};
 
 use crate::auth::Role;
-use crate::fleet::{AtomKind, ComputeNodeObj, PoolObj, TaintEffect, WindowInput};
+use crate::fleet::{
+    AtomKind, ComputeNodeObj, Condition, PoolObj, TaintEffect, WindowInput, conditions_of,
+};
 use crate::loaders::*;
 use crate::schema::{ReplayFlag, db, gql_error, viewer};
 
@@ -63,21 +65,6 @@ impl From<ReservationState> for State {
     }
 }
 
-/// A condition of a reservation, such as `Unschedulable`.
-#[derive(SimpleObject)]
-pub struct ReservationCondition {
-    /// The condition's type.
-    r#type: String,
-    /// `True` or `False`.
-    status: String,
-    /// A machine-readable reason.
-    reason: Option<String>,
-    /// Why, in words.
-    message: Option<String>,
-    /// Since when.
-    since: Option<DateTime<Utc>>,
-}
-
 /// A tenant's claim on GPUs with vCPU, memory and disk, for a window.
 pub struct ReservationObj(pub rsv::Reservation);
 
@@ -114,22 +101,8 @@ impl ReservationObj {
         self.0.ended_at
     }
     /// Conditions, such as `Unschedulable` with the reason in words.
-    async fn conditions(&self) -> Vec<ReservationCondition> {
-        self.0
-            .conditions
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|c| ReservationCondition {
-                        r#type: c["type"].as_str().unwrap_or_default().to_owned(),
-                        status: c["status"].as_str().unwrap_or("Unknown").to_owned(),
-                        reason: c["reason"].as_str().map(str::to_owned),
-                        message: c["message"].as_str().map(str::to_owned),
-                        since: c["since"].as_str().and_then(|s| s.parse().ok()),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+    async fn conditions(&self) -> Vec<Condition> {
+        conditions_of(&self.0.conditions)
     }
     /// The GPUs it charges against quota (fractions for MIG instances and slots).
     async fn gpu_charge(&self) -> f64 {

@@ -736,11 +736,7 @@ async fn lock_for(
 /// Ends bookings at now (future ones are removed) and gives back quota and scalars, in the
 /// lock order: quota first.
 async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
-    let (charged,): (Value,) = sqlx::query_as("SELECT charged FROM reservations WHERE id = $1")
-        .bind(&rsv.id)
-        .fetch_one(&mut *conn)
-        .await?;
-    refund_quota(conn, &rsv.tenant_id, &charged).await?;
+    refund_quota(conn, &rsv.tenant_id, &rsv.charged).await?;
     sqlx::query(
         "WITH mine AS (SELECT id FROM allocations WHERE reservation_id = $1), \
          gone AS (DELETE FROM device_bookings b USING mine WHERE b.allocation_id = mine.id AND lower(b.during) >= compute_now() RETURNING 1) \

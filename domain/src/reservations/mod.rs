@@ -31,6 +31,8 @@ pub struct Reservation {
     pub charge_gpu: f64,
     pub charge_vcpu: i64,
     pub charge_memory_mib: i64,
+    /// The quota rows charged, as refunds read them.
+    pub charged: Value,
     pub next_attempt_at: Option<DateTime<Utc>>,
     pub version: i64,
     pub created_at: DateTime<Utc>,
@@ -59,7 +61,7 @@ pub struct Allocation {
 }
 
 pub(crate) const RSV_COLS: &str = "r.id, r.tenant_id, r.created_by, r.pool_id, r.state, r.starts_at, r.ends_at, \
-     r.conditions, r.charge_gpu::float8 AS charge_gpu, r.charge_vcpu, r.charge_memory_mib, r.next_attempt_at, \
+     r.conditions, r.charge_gpu::float8 AS charge_gpu, r.charge_vcpu, r.charge_memory_mib, r.charged, r.next_attempt_at, \
      r.version, r.created_at, r.updated_at, r.ended_at";
 pub(crate) const ALLOC_COLS: &str = "a.id, a.reservation_id, a.ordinal, a.gpu_kind, a.gpu_count, a.model, a.profile, \
      a.slots_per_gpu, a.vcpu, a.memory_mib, a.disk_gib, a.node_selector, a.tolerations, a.node_id, a.atoms";
