@@ -106,6 +106,10 @@ pub enum KeySource {
     Jwks { algorithm: Algorithm, jwks: String },
 }
 
+/// Seconds of clock difference allowed on `exp` and `nbf`; an open connection also closes this
+/// long after its token's `exp`.
+pub const LEEWAY_SECONDS: u64 = 5;
+
 /// Checks bearer tokens against the configured keys, issuer and audience.
 pub struct Verifier {
     algorithm: Algorithm,
@@ -190,7 +194,7 @@ impl Verifier {
         validation.set_audience(&[audience]);
         validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
         validation.validate_nbf = true;
-        validation.leeway = 5;
+        validation.leeway = LEEWAY_SECONDS;
         Ok(Verifier {
             algorithm,
             keys,

@@ -1,29 +1,49 @@
-//! Live events: the `events` subscription, read from the outbox through its cursor.
+//! Live events: the subscriptions, fed by the process's one outbox tailer.
 //!
-//! Each subscription reads the outbox from its cursor (below the oldest running transaction, in
-//! `(txid, seq)` order), so a client that reconnects with the last cursor it saw gets everything
-//! it missed, then live events, without a gap or a duplicate. Today each subscription polls the
-//! outbox itself every [`POLL`]; the shared tailer that reads the outbox once per process and fans
-//! out in memory, the `NOTIFY` wake-up and SSE come with the subscriptions issue.
+//! Every subscription is a [`Feed`](crate::tailer::Feed) of the outbox after a cursor: the
+//! events the caller may see, in `(txid, seq)` order, each once. A client that reconnects with
+//! the last cursor it saw (the `after` argument, or `Last-Event-ID` over SSE) gets everything it
+//! missed and then live events, without a gap or a duplicate at the seam; without a cursor a
+//! subscription starts at the present. A cursor older than the outbox retention window is
+//! `CURSOR_EXPIRED`.
+//!
+//! The transports learn where each item sits in the stream through [`StreamPosition`], and put
+//! it in `extensions.cursor` of the `next` message (WebSocket) or the `id:` line (SSE).
 
-use std::collections::VecDeque;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
 use async_graphql::{Context, ID, Json, Object, Subscription};
 use chrono::{DateTime, Utc};
-use compute_domain::db::Db;
 use compute_domain::outbox::{self, Cursor, Event, EventFilter};
-use futures_util::{Stream, StreamExt};
-use tracing::warn;
+use futures_util::Stream;
 
 use crate::auth::Role;
 use crate::schema::{db, gql_error, viewer};
+use crate::tailer::{Feed, Tailer};
 
-/// How often a subscription looks for new events.
-pub const POLL: Duration = Duration::from_millis(250);
+/// Where the item a subscription yielded last sits in the outbox. A transport puts one in each
+/// subscription request's data and reads it after each response.
+#[derive(Clone, Default)]
+pub struct StreamPosition(Arc<Mutex<Option<Cursor>>>);
+
+impl StreamPosition {
+    fn set(&self, cursor: Option<Cursor>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = cursor;
+    }
+
+    /// The cursor of the last item, if the subscription yielded one.
+    pub fn get(&self) -> Option<Cursor> {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A resume point the transport took from the request (SSE `Last-Event-ID`); it wins over the
+/// `after` argument, being later.
+#[derive(Clone, Copy, Debug)]
+pub struct ResumeAfter(pub Cursor);
 
 /// A change, as the outbox recorded it.
-pub struct EventObj(Event);
+pub struct EventObj(Arc<Event>);
 
 #[Object(name = "Event")]
 impl EventObj {
@@ -57,6 +77,88 @@ impl EventObj {
     }
 }
 
+fn tailer<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Tailer> {
+    ctx.data::<Tailer>().map_err(|_| {
+        gql_error(compute_domain::Error::internal(
+            "subscriptions need the outbox tailer, and this schema has none",
+        ))
+    })
+}
+
+/// Where a subscription starts: the transport's resume point, else `after`, else the present.
+async fn start(ctx: &Context<'_>, after: Option<String>) -> async_graphql::Result<Cursor> {
+    let given = match ctx.data_opt::<ResumeAfter>() {
+        Some(r) => Some(r.0),
+        None => after
+            .map(|c| Cursor::decode("after", &c))
+            .transpose()
+            .map_err(gql_error)?,
+    };
+    match given {
+        Some(c) => {
+            outbox::check_not_expired(db(ctx)?, c)
+                .await
+                .map_err(gql_error)?;
+            Ok(c)
+        }
+        None => Ok(tailer(ctx)?.present().await),
+    }
+}
+
+/// Maps each event of `feed` through `map` (which may skip it), recording each item's position.
+fn follow<T, F, Fut>(
+    feed: Feed,
+    position: Option<StreamPosition>,
+    map: F,
+) -> impl Stream<Item = async_graphql::Result<T>> + use<T, F, Fut>
+where
+    T: Send + 'static,
+    F: FnMut(Arc<Event>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = compute_domain::Result<Option<T>>> + Send,
+{
+    futures_util::stream::unfold((feed, map, false), move |(mut feed, mut map, done)| {
+        let position = position.clone();
+        async move {
+            if done {
+                return None;
+            }
+            loop {
+                let event = match feed.next().await {
+                    Ok(Some(e)) => e,
+                    Ok(None) => return None,
+                    Err(e) => return Some((Err(gql_error(e)), (feed, map, true))),
+                };
+                let cursor = event.cursor;
+                match map(event).await {
+                    Ok(Some(item)) => {
+                        if let Some(p) = &position {
+                            p.set(cursor);
+                        }
+                        return Some((Ok(item), (feed, map, false)));
+                    }
+                    Ok(None) => continue,
+                    Err(e) => return Some((Err(gql_error(e)), (feed, map, true))),
+                }
+            }
+        }
+    })
+}
+
+/// The event stream's queries.
+#[derive(Default)]
+pub struct EventsQuery;
+
+#[Object]
+impl EventsQuery {
+    /// The cursor of the present: every event committed so far is at or before it. Read it in
+    /// the same request as the objects a page shows, then subscribe with `after:` it, and no
+    /// change made between the query and the subscription is missed.
+    async fn event_cursor(&self, ctx: &Context<'_>) -> async_graphql::Result<String> {
+        viewer(ctx)?;
+        Ok(outbox::head(db(ctx)?).await.map_err(gql_error)?.encode())
+    }
+}
+
 /// The root of every subscription.
 #[derive(Default)]
 pub struct SubscriptionRoot;
@@ -68,10 +170,15 @@ impl SubscriptionRoot {
     async fn events(
         &self,
         ctx: &Context<'_>,
+        #[graphql(desc = "Resume after this event's cursor; without it, start at the present.")]
         after: Option<String>,
-        #[graphql(default)] types: Vec<String>,
-        #[graphql(default)] subjects: Vec<String>,
-    ) -> async_graphql::Result<impl Stream<Item = EventObj> + use<>> {
+        #[graphql(desc = "Only these event types (all when null or empty).")] types: Option<
+            Vec<String>,
+        >,
+        #[graphql(desc = "Only events about these ids (all when null or empty).")] subjects: Option<
+            Vec<String>,
+        >,
+    ) -> async_graphql::Result<impl Stream<Item = async_graphql::Result<EventObj>> + use<>> {
         let v = viewer(ctx)?;
         let tenant_id = if v.has_role(Role::Operator) {
             None
@@ -82,119 +189,197 @@ impl SubscriptionRoot {
                 ))
             })?)
         };
-        let db = db(ctx)?.clone();
-        let cursor = match after {
-            Some(c) => Cursor::decode("after", &c).map_err(gql_error)?,
-            None => outbox::head(&db).await.map_err(gql_error)?,
-        };
+        let cursor = start(ctx, after).await?;
         let filter = EventFilter {
             tenant_id,
-            types,
-            subjects,
+            types: types.unwrap_or_default(),
+            subjects: subjects.unwrap_or_default(),
         };
-        Ok(follow(db, cursor, filter))
+        let feed = tailer(ctx)?.feed(cursor, filter);
+        Ok(follow(
+            feed,
+            ctx.data_opt::<StreamPosition>().cloned(),
+            |e| async move { Ok(Some(EventObj(e))) },
+        ))
     }
 
-    /// A reservation as it is after each change, from now on (another tenant's is `NOT_FOUND`).
+    /// A reservation as it is after each change (another tenant's is `NOT_FOUND`).
     async fn reservation(
         &self,
         ctx: &Context<'_>,
         id: ID,
-    ) -> async_graphql::Result<impl Stream<Item = crate::reservations::ReservationObj> + use<>>
-    {
+        #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
+        after: Option<String>,
+    ) -> async_graphql::Result<
+        impl Stream<Item = async_graphql::Result<crate::reservations::ReservationObj>> + use<>,
+    > {
         let rid =
             compute_domain::fleet::model::parse_id("id", "rsv", id.as_str()).map_err(gql_error)?;
         let db = db(ctx)?.clone();
         let found = compute_domain::reservations::get_reservations(&db, std::slice::from_ref(&rid))
             .await
             .map_err(gql_error)?;
-        match found.first() {
-            Some(r) if crate::reservations::visible(ctx, r)? => {}
+        let tenant = match found.first() {
+            Some(r) if crate::reservations::visible(ctx, r)? => r.tenant_id.clone(),
             _ => {
                 return Err(gql_error(compute_domain::Error::NotFound {
                     kind: "reservation",
                     id: rid,
                 }));
             }
-        }
-        let cursor = outbox::head(&db).await.map_err(gql_error)?;
+        };
+        let cursor = start(ctx, after).await?;
         let filter = EventFilter {
-            tenant_id: None,
+            tenant_id: Some(tenant),
             types: vec![],
             subjects: vec![rid.clone()],
         };
-        Ok(follow(db.clone(), cursor, filter).filter_map(move |_| {
-            let (db, rid) = (db.clone(), rid.clone());
-            async move {
-                compute_domain::reservations::get_reservations(&db, &[rid])
-                    .await
-                    .ok()
-                    .and_then(|mut v| v.pop())
-                    .map(crate::reservations::ReservationObj)
-            }
-        }))
+        let feed = tailer(ctx)?.feed(cursor, filter);
+        Ok(follow(
+            feed,
+            ctx.data_opt::<StreamPosition>().cloned(),
+            move |_| {
+                let (db, rid) = (db.clone(), rid.clone());
+                async move {
+                    let mut found =
+                        compute_domain::reservations::get_reservations(&db, &[rid]).await?;
+                    Ok(found.pop().map(crate::reservations::ReservationObj))
+                }
+            },
+        ))
     }
 
-    /// A compute node as it is after each change, from now on (operators only).
+    /// A compute node as it is after each change (operators only).
     async fn compute_node(
         &self,
         ctx: &Context<'_>,
         id: ID,
-    ) -> async_graphql::Result<impl Stream<Item = crate::fleet::ComputeNodeObj> + use<>> {
+        #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
+        after: Option<String>,
+    ) -> async_graphql::Result<
+        impl Stream<Item = async_graphql::Result<crate::fleet::ComputeNodeObj>> + use<>,
+    > {
         crate::fleet::require_operator(ctx)?;
         let nid =
             compute_domain::fleet::model::parse_id("id", "node", id.as_str()).map_err(gql_error)?;
         let db = db(ctx)?.clone();
-        let cursor = outbox::head(&db).await.map_err(gql_error)?;
+        if compute_domain::fleet::get_nodes(&db, std::slice::from_ref(&nid))
+            .await
+            .map_err(gql_error)?
+            .is_empty()
+        {
+            return Err(gql_error(compute_domain::Error::NotFound {
+                kind: "compute node",
+                id: nid,
+            }));
+        }
+        let cursor = start(ctx, after).await?;
         let filter = EventFilter {
             tenant_id: None,
             types: vec![],
             subjects: vec![nid.clone()],
         };
-        Ok(follow(db.clone(), cursor, filter).filter_map(move |_| {
-            let (db, nid) = (db.clone(), nid.clone());
-            async move {
-                compute_domain::fleet::get_nodes(&db, &[nid])
-                    .await
-                    .ok()
-                    .and_then(|mut v| v.pop())
-                    .map(crate::fleet::ComputeNodeObj::new)
-            }
-        }))
+        let feed = tailer(ctx)?.feed(cursor, filter);
+        Ok(follow(
+            feed,
+            ctx.data_opt::<StreamPosition>().cloned(),
+            move |_| {
+                let (db, nid) = (db.clone(), nid.clone());
+                async move {
+                    let mut found = compute_domain::fleet::get_nodes(&db, &[nid]).await?;
+                    Ok(found.pop().map(crate::fleet::ComputeNodeObj::new))
+                }
+            },
+        ))
+    }
+
+    /// A pool as it is after each change that can move its capacity: a reservation placed,
+    /// started, ended or released on it, a node of it changed, or a device of one of its nodes
+    /// changed. Select `capacity` (and `capacity(window:)`) for a dashboard.
+    async fn pool_capacity(
+        &self,
+        ctx: &Context<'_>,
+        id: ID,
+        #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
+        after: Option<String>,
+    ) -> async_graphql::Result<
+        impl Stream<Item = async_graphql::Result<crate::fleet::PoolObj>> + use<>,
+    > {
+        viewer(ctx)?;
+        let pid =
+            compute_domain::fleet::model::parse_id("id", "pool", id.as_str()).map_err(gql_error)?;
+        let db = db(ctx)?.clone();
+        if compute_domain::fleet::get_pools(&db, std::slice::from_ref(&pid))
+            .await
+            .map_err(gql_error)?
+            .is_empty()
+        {
+            return Err(gql_error(compute_domain::Error::NotFound {
+                kind: "pool",
+                id: pid,
+            }));
+        }
+        let cursor = start(ctx, after).await?;
+        let nodes = compute_domain::fleet::node_ids_of_pool(&db, &pid)
+            .await
+            .map_err(gql_error)?;
+        let relevance = PoolRelevance {
+            pool_id: pid.clone(),
+            nodes: nodes.into_iter().collect(),
+        };
+        // Fleet events are not a tenant's, so this follows every event and keeps those about
+        // the pool: one stream for the whole dashboard tile, never one per node.
+        let feed = tailer(ctx)?.feed(cursor, EventFilter::default());
+        let relevance = Arc::new(Mutex::new(relevance));
+        Ok(follow(
+            feed,
+            ctx.data_opt::<StreamPosition>().cloned(),
+            move |event| {
+                let (db, pid, relevance) = (db.clone(), pid.clone(), relevance.clone());
+                async move {
+                    let concerns = relevance
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .concerns(&event);
+                    if !concerns {
+                        return Ok(None);
+                    }
+                    let mut found = compute_domain::fleet::get_pools(&db, &[pid]).await?;
+                    Ok(found.pop().map(crate::fleet::PoolObj))
+                }
+            },
+        ))
     }
 }
 
-struct Follow {
-    db: Db,
-    cursor: Cursor,
-    filter: EventFilter,
-    buffered: VecDeque<Event>,
+/// Which events move a pool's capacity.
+struct PoolRelevance {
+    pool_id: String,
+    nodes: std::collections::HashSet<String>,
 }
 
-/// The stream of events after `cursor`; it ends if the database fails.
-fn follow(db: Db, cursor: Cursor, filter: EventFilter) -> impl Stream<Item = EventObj> {
-    let state = Follow {
-        db,
-        cursor,
-        filter,
-        buffered: VecDeque::new(),
-    };
-    futures_util::stream::unfold(state, |mut s| async move {
-        loop {
-            if let Some(event) = s.buffered.pop_front() {
-                if let Some(c) = event.cursor {
-                    s.cursor = c;
-                }
-                return Some((EventObj(event), s));
-            }
-            match outbox::read_after(&s.db, s.cursor, &s.filter, 100).await {
-                Ok(events) if events.is_empty() => tokio::time::sleep(POLL).await,
-                Ok(events) => s.buffered.extend(events),
-                Err(e) => {
-                    warn!(error = %e, "event subscription ended: reading the outbox failed");
-                    return None;
-                }
-            }
+impl PoolRelevance {
+    fn concerns(&mut self, event: &Event) -> bool {
+        let d = &event.data;
+        let pool_of =
+            |v: &serde_json::Value| v.get("pool_id").and_then(|p| p.as_str()).map(str::to_owned);
+        if event.subject == self.pool_id {
+            return true;
         }
-    })
+        // A node's event: the node itself, or {node, devices} when it registers.
+        if let Some(pool) = pool_of(d).or_else(|| d.get("node").and_then(pool_of)) {
+            if pool == self.pool_id && event.subject.starts_with("node_") {
+                self.nodes.insert(event.subject.clone());
+            }
+            return pool == self.pool_id;
+        }
+        // A reservation's event.
+        if let Some(pool) = d.get("reservation").and_then(pool_of) {
+            return pool == self.pool_id;
+        }
+        // A device's event.
+        d.get("node_id")
+            .and_then(|n| n.as_str())
+            .is_some_and(|n| self.nodes.contains(n))
+    }
 }

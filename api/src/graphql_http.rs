@@ -164,6 +164,9 @@ struct GetParams {
 
 /// `POST /graphql`.
 pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    if crate::sse::wants_event_stream(&headers) {
+        return crate::sse::post(State(app), headers, body).await;
+    }
     let Some(media) = negotiate(headers.get(header::ACCEPT)) else {
         return not_acceptable();
     };
@@ -217,9 +220,12 @@ pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) 
 
 /// `GET /graphql`: GraphiQL for browsers, the WebSocket upgrade, or a query in the query string.
 pub async fn get(State(app): State<AppState>, req: Request) -> Response {
-    let (mut parts, _body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     if crate::ws::is_upgrade(&parts.headers) {
         return crate::ws::upgrade(app, &mut parts).await;
+    }
+    if crate::sse::wants_event_stream(&parts.headers) {
+        return crate::sse::get(State(app), Request::from_parts(parts, body)).await;
     }
     let params = match Query::<GetParams>::try_from_uri(&parts.uri) {
         Ok(Query(p)) => p,
@@ -282,7 +288,7 @@ fn not_acceptable() -> Response {
     )
 }
 
-fn build_request(
+pub(crate) fn build_request(
     query: Option<Value>,
     operation_name: Option<Value>,
     variables: Option<Value>,
@@ -312,7 +318,7 @@ fn build_request(
 }
 
 /// The type of the operation the request selects, when the document parses and names one.
-fn operation_type(
+pub(crate) fn operation_type(
     request: &mut async_graphql::Request,
 ) -> Result<Option<OperationType>, ServerError> {
     let name = request.operation_name.clone();
@@ -379,7 +385,7 @@ async fn execute(
     render(app, media, response)
 }
 
-fn set_code(e: &mut ServerError, code: &str) {
+pub(crate) fn set_code(e: &mut ServerError, code: &str) {
     let ext = e.extensions.get_or_insert_with(Default::default);
     ext.set("code", code);
 }
@@ -390,8 +396,10 @@ fn has_code(e: &ServerError) -> bool {
         .is_some_and(|x| x.get("code").is_some())
 }
 
-/// Serializes a response per the specification, giving every error a code.
-fn render(app: &AppState, media: MediaType, mut response: async_graphql::Response) -> Response {
+/// Gives every error of `response` a code (and hides the text of uncoded resolver errors),
+/// counts them, and says whether it is a request error: no `data`, because the document did not
+/// parse or validate or the operation could not start.
+pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
     let request_error = response.data == async_graphql::Value::Null
         && !response.errors.is_empty()
         && response.errors.iter().all(|e| e.path.is_empty());
@@ -399,6 +407,9 @@ fn render(app: &AppState, media: MediaType, mut response: async_graphql::Respons
         if !has_code(e) {
             if request_error {
                 set_code(e, VALIDATION_FAILED);
+            } else if is_input_error(&e.message) {
+                // async-graphql could not coerce an argument or variable: the caller's input.
+                set_code(e, ErrorCode::BadUserInput.as_str());
             } else {
                 // A resolver error that did not go through `gql_error`: never show its text.
                 let error_id = compute_domain::ids::new_id("err");
@@ -415,6 +426,20 @@ fn render(app: &AppState, media: MediaType, mut response: async_graphql::Respons
         app.metrics
             .record_graphql_error(static_code(code.as_deref()));
     }
+    request_error
+}
+
+/// Whether an uncoded error is async-graphql's report of an argument or variable it could not
+/// coerce to its input type.
+fn is_input_error(message: &str) -> bool {
+    message.starts_with("Failed to parse ")
+        || message.starts_with("Expected input type ")
+        || message.starts_with("Invalid value for argument ")
+}
+
+/// The JSON of a prepared response: `data` unless it is a request error, `errors` and
+/// `extensions` when there are any.
+pub fn response_json(response: &async_graphql::Response, request_error: bool) -> Value {
     let mut body = serde_json::Map::new();
     if !request_error {
         body.insert("data".into(), json!(response.data));
@@ -425,6 +450,13 @@ fn render(app: &AppState, media: MediaType, mut response: async_graphql::Respons
     if !response.extensions.is_empty() {
         body.insert("extensions".into(), json!(response.extensions));
     }
+    Value::Object(body)
+}
+
+/// Serializes a response per the specification, giving every error a code.
+fn render(app: &AppState, media: MediaType, mut response: async_graphql::Response) -> Response {
+    let request_error = prepare(app, &mut response);
+    let body = response_json(&response, request_error);
     let status = if request_error && media == MediaType::GraphqlResponseJson {
         StatusCode::BAD_REQUEST
     } else {
@@ -433,7 +465,7 @@ fn render(app: &AppState, media: MediaType, mut response: async_graphql::Respons
     (
         status,
         [(header::CONTENT_TYPE, media.content_type())],
-        Value::Object(body).to_string(),
+        body.to_string(),
     )
         .into_response()
 }

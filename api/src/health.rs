@@ -112,8 +112,11 @@ pub async fn metrics(State(app): State<AppState>) -> Response {
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        app.metrics
-            .render(app.db.pool_stats(), app.clock.last_reading().skew_ms),
+        app.metrics.render(
+            app.db.pool_stats(),
+            app.clock.last_reading().skew_ms,
+            app.tailer.stats(),
+        ),
     )
         .into_response()
 }

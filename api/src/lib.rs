@@ -1,4 +1,4 @@
-//! The GraphQL API of Better Compute: schema, auth, transports (HTTP, WebSocket), health and
+//! The GraphQL API of Better Compute: schema, auth, transports (HTTP, WebSocket, SSE), the outbox tailer, health and
 //! metrics, and the `compute-api` command line.
 //!
 //! Architecture invariant: no SQL text here. Every statement lives in `compute-domain`; this
@@ -16,4 +16,6 @@ pub mod metrics;
 pub mod reservations;
 pub mod schema;
 pub mod server;
+pub mod sse;
+pub mod tailer;
 pub mod ws;

@@ -70,7 +70,12 @@ impl Metrics {
     }
 
     /// Renders everything in the Prometheus text format.
-    pub fn render(&self, pool: PoolStats, clock_skew_ms: i64) -> String {
+    pub fn render(
+        &self,
+        pool: PoolStats,
+        clock_skew_ms: i64,
+        stream: &crate::tailer::StreamStats,
+    ) -> String {
         let inner = self.lock();
         let mut out = String::new();
         let _ = writeln!(
@@ -151,6 +156,49 @@ impl Metrics {
             "compute_clock_skew_seconds {}",
             clock_skew_ms as f64 / 1000.0
         );
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        for (name, kind, help, value) in [
+            (
+                "compute_subscriptions_open",
+                "gauge",
+                "Subscriptions open now, on every transport.",
+                stream.open.load(std::sync::atomic::Ordering::Relaxed) as f64,
+            ),
+            (
+                "compute_subscription_events_delivered_total",
+                "counter",
+                "Events handed to subscriptions.",
+                load(&stream.delivered) as f64,
+            ),
+            (
+                "compute_subscription_fallbacks_total",
+                "counter",
+                "Times a slow subscription fell behind the live stream and read the outbox to catch up.",
+                load(&stream.fallbacks) as f64,
+            ),
+            (
+                "compute_outbox_tailer_polls_total",
+                "counter",
+                "Reads of the outbox by this process's tailer.",
+                load(&stream.polls) as f64,
+            ),
+            (
+                "compute_outbox_tailer_events_total",
+                "counter",
+                "Events this process's tailer read from the outbox.",
+                load(&stream.read) as f64,
+            ),
+            (
+                "compute_outbox_tailer_lag_seconds",
+                "gauge",
+                "How far behind the newest committed event the tailer was at its last read (0 when it read everything there was).",
+                stream.lag_ms.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1000.0,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            let _ = writeln!(out, "{name} {value}");
+        }
         out
     }
 }

@@ -17,6 +17,7 @@ pub struct Query(
     CoreQuery,
     crate::fleet::FleetQuery,
     crate::reservations::ReservationQuery,
+    crate::events::EventsQuery,
 );
 
 /// The root of every mutation.
@@ -47,7 +48,7 @@ impl ReplayFlag {
 
 /// Builds the schema with the shared services every resolver reads. Without a database (for
 /// printing the SDL) no resolver can run.
-pub fn build(db: Option<Db>) -> ApiSchema {
+pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
     let mut builder = Schema::build(
         Query::default(),
         Mutation::default(),
@@ -56,8 +57,11 @@ pub fn build(db: Option<Db>) -> ApiSchema {
     .register_output_type::<crate::fleet::NodeInterface>()
     .limit_depth(32)
     .limit_complexity(100_000);
-    if let Some(db) = db {
-        builder = builder.data(crate::loaders::loaders(db.clone())).data(db);
+    if let Some((db, tailer)) = services {
+        builder = builder
+            .data(crate::loaders::loaders(db.clone()))
+            .data(db)
+            .data(tailer);
     }
     builder.finish()
 }

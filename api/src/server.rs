@@ -16,6 +16,7 @@ use tracing::info;
 use crate::auth::Verifier;
 use crate::metrics::Metrics;
 use crate::schema::{self, ApiSchema};
+use crate::tailer::{StreamConfig, Tailer};
 
 /// What every handler shares. Cheap to clone.
 #[derive(Clone)]
@@ -28,6 +29,8 @@ pub struct Inner {
     pub schema: ApiSchema,
     pub verifier: Verifier,
     pub metrics: Metrics,
+    /// The process's one outbox reader, which feeds every subscription.
+    pub tailer: Tailer,
     /// Turns `true` when the server begins to shut down.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -45,6 +48,10 @@ pub fn router(app: AppState) -> Router {
         .route(
             "/graphql",
             get(crate::graphql_http::get).post(crate::graphql_http::post),
+        )
+        .route(
+            "/graphql/stream",
+            get(crate::sse::get).post(crate::sse::post),
         )
         .route("/healthz", get(crate::health::healthz))
         .route("/readyz", get(crate::health::readyz))
@@ -65,10 +72,21 @@ pub struct Server {
 impl Server {
     /// Anchors the clock to the database and builds the state.
     pub async fn new(db: Db, verifier: Verifier) -> compute_domain::Result<Server> {
+        Server::with_config(db, verifier, StreamConfig::default()).await
+    }
+
+    /// [`Server::new`] with the tailer and streaming transports set by `stream`.
+    pub async fn with_config(
+        db: Db,
+        verifier: Verifier,
+        stream: StreamConfig,
+    ) -> compute_domain::Result<Server> {
         let clock = Clock::anchored(&db).await?;
         let (shutdown_tx, shutdown) = watch::channel(false);
+        let tailer = Tailer::new(db.clone(), stream);
         let app = AppState(Arc::new(Inner {
-            schema: schema::build(Some(db.clone())),
+            schema: schema::build(Some((db.clone(), tailer.clone()))),
+            tailer,
             db,
             clock,
             verifier,
@@ -101,6 +119,12 @@ impl Server {
                 }
             },
         ));
+        let tailer = tokio::spawn(app.tailer.clone().run({
+            let mut rx = app.shutdown.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        }));
         let result = axum::serve(listener, router(app))
             .with_graceful_shutdown(async move {
                 stop.await;
@@ -109,6 +133,7 @@ impl Server {
             })
             .await;
         sampler.abort();
+        tailer.abort();
         result
     }
 }

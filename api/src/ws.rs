@@ -1,24 +1,66 @@
-//! GraphQL over WebSocket on `/graphql`: the `graphql-transport-ws` protocol and the legacy
-//! `graphql-ws` subprotocol of `subscriptions-transport-ws`, chosen by `Sec-WebSocket-Protocol`.
+//! GraphQL over WebSocket on `/graphql`, our own protocol layer over
+//! `Schema::execute_stream`: the `graphql-transport-ws` protocol of graphql-ws (its
+//! `PROTOCOL.md`), and the legacy `graphql-ws` subprotocol of `subscriptions-transport-ws`,
+//! chosen by `Sec-WebSocket-Protocol`.
 //!
-//! Credentials come in the `connection_init` payload (`{"Authorization": "Bearer <jwt>"}`), or
-//! in the upgrade request's `Authorization` header. On shutdown every connection gets a close
-//! frame (1001, going away).
+//! `graphql-transport-ws`, case by case:
+//! * credentials in the `connection_init` payload (`{"Authorization": "Bearer <jwt>"}`), or in
+//!   the upgrade request's `Authorization` header; a bad token closes with `4403 Forbidden`;
+//! * no `connection_init` within the init timeout: `4408 Connection initialisation timeout`;
+//! * a second `connection_init`: `4429 Too many initialisation requests`;
+//! * `subscribe` before the acknowledgement: `4401 Unauthorized`;
+//! * `subscribe` with the id of an operation still running:
+//!   `4409 Subscriber for <id> already exists`;
+//! * anything that is not a valid message: `4400` with what was wrong;
+//! * `ping` is answered with `pong`; the server also pings every keep-alive interval;
+//! * an operation that fails before it yields (the document does not parse or validate, or the
+//!   subscription cannot start: `NOT_FOUND`, `CURSOR_EXPIRED`, …) gets one `error` message and
+//!   no `complete`; otherwise `next` messages, each subscription item with
+//!   `extensions.cursor`, then `complete` when it ends;
+//! * a token that expires while the connection is open closes it with `4403 Forbidden`;
+//! * on shutdown every running operation gets `complete`, then the connection `1001`.
+//!
+//! The legacy protocol has no close codes of its own for these cases: it gets
+//! `connection_error` before the same close codes, `ka` keep-alives, and `start`/`stop`/`data`.
 
-use std::future::ready;
-use std::str::FromStr;
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::time::Duration;
 
-use async_graphql::Data;
-use async_graphql::http::{WebSocket as GqlWebSocket, WebSocketProtocols, WsMessage};
 use axum::extract::FromRequestParts;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, Sleep};
+use tracing::debug;
 
-use crate::auth::bearer;
+use crate::auth::{Viewer, bearer};
+use crate::events::StreamPosition;
+use crate::graphql_http::{build_request, prepare, response_json};
 use crate::server::AppState;
+
+/// The two subprotocols.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// `graphql-transport-ws`, of the graphql-ws library.
+    TransportWs,
+    /// `graphql-ws`, of the legacy subscriptions-transport-ws library.
+    Legacy,
+}
+
+impl Protocol {
+    fn name(self) -> &'static str {
+        match self {
+            Protocol::TransportWs => "graphql-transport-ws",
+            Protocol::Legacy => "graphql-ws",
+        }
+    }
+}
 
 /// Whether the request asks for a WebSocket upgrade.
 pub fn is_upgrade(headers: &HeaderMap) -> bool {
@@ -29,13 +71,17 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
 }
 
 /// The first subprotocol the client offers that this server speaks.
-fn select_protocol(headers: &HeaderMap) -> Option<WebSocketProtocols> {
+fn select_protocol(headers: &HeaderMap) -> Option<Protocol> {
     headers
         .get(header::SEC_WEBSOCKET_PROTOCOL)?
         .to_str()
         .ok()?
         .split(',')
-        .find_map(|p| WebSocketProtocols::from_str(p.trim()).ok())
+        .find_map(|p| match p.trim() {
+            "graphql-transport-ws" => Some(Protocol::TransportWs),
+            "graphql-ws" => Some(Protocol::Legacy),
+            _ => None,
+        })
 }
 
 /// Upgrades `GET /graphql` to a GraphQL WebSocket.
@@ -63,81 +109,368 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
         Ok(ws) => ws,
         Err(rejection) => return rejection.into_response(),
     };
-    ws.protocols([protocol.sec_websocket_protocol()])
+    ws.protocols([protocol.name()])
         .on_upgrade(move |socket| serve(app, socket, protocol, header_viewer))
 }
 
-async fn serve(
+/// What an operation's task hands to the connection.
+enum Out {
+    Next(Value),
+    Error(Value),
+    Complete,
+}
+
+/// Why the connection loop ended.
+enum End {
+    /// The client went away or closed.
+    Gone,
+    /// Close with this code and reason.
+    Close(u16, String),
+}
+
+type Sink = SplitSink<WebSocket, Message>;
+
+struct Conn {
     app: AppState,
-    socket: WebSocket,
-    protocol: WebSocketProtocols,
-    header_viewer: Option<crate::auth::Viewer>,
-) {
-    let (mut sink, stream) = socket.split();
-    let input = stream
-        .take_while(|m| ready(!matches!(m, Err(_) | Ok(Message::Close(_)))))
-        .filter_map(|m| {
-            ready(match m {
-                Ok(Message::Text(t)) => Some(t.as_str().as_bytes().to_vec()),
-                Ok(Message::Binary(b)) => Some(b.to_vec()),
-                _ => None,
-            })
-        });
-    let mut connection_data = Data::default();
-    if let Some(viewer) = header_viewer {
-        connection_data.insert(viewer);
+    protocol: Protocol,
+    sink: Sink,
+    viewer: Option<Viewer>,
+    init_received: bool,
+    acked: bool,
+    ops: HashMap<String, tokio::task::AbortHandle>,
+    out_tx: mpsc::Sender<(String, Out)>,
+    expiry: Pin<Box<Sleep>>,
+}
+
+/// A far deadline, for timers that are off.
+fn never() -> Instant {
+    Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)
+}
+
+/// When `viewer`'s token stops being valid, by the same rule (and leeway) as verification.
+fn expiry_of(viewer: Option<&Viewer>) -> Instant {
+    match viewer {
+        Some(v) => {
+            let now = chrono::Utc::now().timestamp();
+            let left = (v.expires_at + crate::auth::LEEWAY_SECONDS as i64 - now).max(0);
+            Instant::now() + Duration::from_secs(left as u64)
+        }
+        None => never(),
     }
-    let init_app = app.clone();
-    let mut messages = GqlWebSocket::new(app.schema.clone(), input, protocol)
-        .connection_data(connection_data)
-        .on_connection_init(move |payload| async move {
-            let mut data = Data::default();
-            let token = ["Authorization", "authorization", "token"]
-                .iter()
-                .find_map(|k| payload.get(*k).and_then(|v| v.as_str()));
-            if let Some(token) = token {
-                let token = bearer(token).unwrap_or(token);
-                let viewer = init_app
-                    .verifier
-                    .verify(token)
-                    .map_err(|e| async_graphql::Error::new(e.to_string()))?;
-                data.insert(viewer);
-            }
-            Ok(data)
-        });
+}
+
+/// A close reason that fits a close frame (at most 123 bytes).
+fn fit_reason(reason: &str) -> String {
+    let mut end = reason.len().min(123);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason[..end].to_owned()
+}
+
+async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Option<Viewer>) {
+    let (sink, mut stream) = socket.split();
+    let (out_tx, mut out_rx) = mpsc::channel::<(String, Out)>(16);
+    let config = app.tailer.config().clone();
+    let mut conn = Conn {
+        expiry: Box::pin(tokio::time::sleep_until(expiry_of(viewer.as_ref()))),
+        app: app.clone(),
+        protocol,
+        sink,
+        viewer,
+        init_received: false,
+        acked: false,
+        ops: HashMap::new(),
+        out_tx,
+    };
+    let init_deadline = tokio::time::sleep(config.init_timeout);
+    tokio::pin!(init_deadline);
+    let mut keep_alive =
+        tokio::time::interval_at(Instant::now() + config.keep_alive, config.keep_alive);
     let mut shutdown = app.shutdown.clone();
     let stopping = async move {
         let _ = shutdown.wait_for(|stopping| *stopping).await;
     };
     tokio::pin!(stopping);
-    loop {
+    let end = loop {
         tokio::select! {
-            message = messages.next() => match message {
-                Some(WsMessage::Text(text)) => {
-                    if sink.send(Message::Text(text.into())).await.is_err() {
-                        return;
-                    }
+            message = stream.next() => {
+                let text = match message {
+                    None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break End::Gone,
+                    Some(Ok(Message::Text(t))) => t.as_str().to_owned(),
+                    Some(Ok(Message::Binary(b))) => match String::from_utf8(b.to_vec()) {
+                        Ok(t) => t,
+                        Err(_) => break End::Close(4400, "Invalid message received: not UTF-8".into()),
+                    },
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+                };
+                match conn.handle(&text).await {
+                    Ok(()) => {}
+                    Err(end) => break end,
                 }
-                Some(WsMessage::Close(code, reason)) => {
-                    let _ = sink
-                        .send(Message::Close(Some(CloseFrame { code, reason: reason.into() })))
-                        .await;
-                    return;
+            }
+            Some((id, out)) = out_rx.recv() => {
+                if !conn.ops.contains_key(&id) {
+                    continue; // the client completed it; drop what was still queued
                 }
-                None => {
-                    let _ = sink.send(Message::Close(None)).await;
-                    return;
+                if matches!(out, Out::Error(_) | Out::Complete) {
+                    conn.ops.remove(&id);
                 }
-            },
+                if conn.send_out(&id, out).await.is_err() {
+                    break End::Gone;
+                }
+            }
+            () = &mut init_deadline, if !conn.init_received => {
+                break End::Close(4408, "Connection initialisation timeout".into());
+            }
+            _ = keep_alive.tick(), if conn.acked => {
+                let ka = match protocol {
+                    Protocol::TransportWs => json!({ "type": "ping" }),
+                    Protocol::Legacy => json!({ "type": "ka" }),
+                };
+                if conn.send(ka).await.is_err() {
+                    break End::Gone;
+                }
+            }
+            () = &mut conn.expiry => {
+                if protocol == Protocol::Legacy {
+                    let _ = conn.send(json!({ "type": "connection_error", "payload": { "message": "the bearer token has expired" } })).await;
+                }
+                break End::Close(4403, "Forbidden: the bearer token has expired".into());
+            }
             () = &mut stopping => {
-                let _ = sink
-                    .send(Message::Close(Some(CloseFrame {
-                        code: 1001,
-                        reason: "server shutting down".into(),
-                    })))
-                    .await;
-                return;
+                let ids: Vec<String> = conn.ops.keys().cloned().collect();
+                for id in ids {
+                    let _ = conn.send_out(&id, Out::Complete).await;
+                }
+                break End::Close(1001, "server shutting down".into());
             }
         }
+    };
+    for (_, op) in conn.ops.drain() {
+        op.abort();
     }
+    match end {
+        End::Gone => {
+            let _ = conn.sink.close().await;
+        }
+        End::Close(code, reason) => {
+            debug!(code, reason = %reason, "closing a GraphQL WebSocket");
+            let _ = conn
+                .sink
+                .send(Message::Close(Some(CloseFrame {
+                    code,
+                    reason: fit_reason(&reason).into(),
+                })))
+                .await;
+            let _ = conn.sink.close().await;
+        }
+    }
+}
+
+fn invalid(what: impl std::fmt::Display) -> End {
+    End::Close(4400, format!("Invalid message received: {what}"))
+}
+
+impl Conn {
+    async fn send(&mut self, message: Value) -> Result<(), axum::Error> {
+        self.sink
+            .send(Message::Text(message.to_string().into()))
+            .await
+    }
+
+    async fn send_out(&mut self, id: &str, out: Out) -> Result<(), axum::Error> {
+        let message = match (self.protocol, out) {
+            (Protocol::TransportWs, Out::Next(p)) => {
+                json!({ "id": id, "type": "next", "payload": p })
+            }
+            (Protocol::Legacy, Out::Next(p)) => json!({ "id": id, "type": "data", "payload": p }),
+            (_, Out::Error(p)) => json!({ "id": id, "type": "error", "payload": p }),
+            (_, Out::Complete) => json!({ "id": id, "type": "complete" }),
+        };
+        self.send(message).await
+    }
+
+    /// Handles one client message; `Err` ends the connection.
+    async fn handle(&mut self, text: &str) -> Result<(), End> {
+        let message: Value = serde_json::from_str(text).map_err(|_| invalid("not JSON"))?;
+        let Some(kind) = message.get("type").and_then(Value::as_str) else {
+            return Err(invalid("no `type`"));
+        };
+        match (self.protocol, kind) {
+            (_, "connection_init") => self.init(message.get("payload")).await,
+            (Protocol::TransportWs, "ping") => {
+                let mut pong = json!({ "type": "pong" });
+                if let Some(p) = message.get("payload") {
+                    pong["payload"] = p.clone();
+                }
+                self.send(pong).await.map_err(|_| End::Gone)
+            }
+            (Protocol::TransportWs, "pong") => Ok(()),
+            (Protocol::TransportWs, "subscribe") | (Protocol::Legacy, "start") => {
+                self.subscribe(&message).await
+            }
+            (Protocol::TransportWs, "complete") | (Protocol::Legacy, "stop") => {
+                let id = op_id(&message)?;
+                if let Some(op) = self.ops.remove(&id) {
+                    op.abort();
+                }
+                Ok(())
+            }
+            (Protocol::Legacy, "connection_terminate") => {
+                Err(End::Close(1000, "connection terminated".into()))
+            }
+            (_, other) => Err(invalid(format!("unexpected message type `{other}`"))),
+        }
+    }
+
+    async fn init(&mut self, payload: Option<&Value>) -> Result<(), End> {
+        if self.init_received {
+            return Err(End::Close(4429, "Too many initialisation requests".into()));
+        }
+        self.init_received = true;
+        let token = match payload {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(map)) => ["Authorization", "authorization", "token"]
+                .iter()
+                .find_map(|k| map.get(*k))
+                .map(|v| {
+                    v.as_str().ok_or_else(|| {
+                        invalid("the `Authorization` of the payload is not a string")
+                    })
+                })
+                .transpose()?,
+            Some(_) => return Err(invalid("the `connection_init` payload is not an object")),
+        };
+        if let Some(token) = token {
+            let token = bearer(token).unwrap_or(token);
+            match self.app.verifier.verify(token) {
+                Ok(viewer) => {
+                    self.expiry.as_mut().reset(expiry_of(Some(&viewer)));
+                    self.viewer = Some(viewer);
+                }
+                Err(e) => {
+                    if self.protocol == Protocol::Legacy {
+                        let _ = self
+                            .send(json!({ "type": "connection_error", "payload": { "message": e.to_string() } }))
+                            .await;
+                    }
+                    return Err(End::Close(4403, format!("Forbidden: {e}")));
+                }
+            }
+        }
+        self.acked = true;
+        self.send(json!({ "type": "connection_ack" }))
+            .await
+            .map_err(|_| End::Gone)?;
+        if self.protocol == Protocol::Legacy {
+            self.send(json!({ "type": "ka" }))
+                .await
+                .map_err(|_| End::Gone)?;
+        }
+        Ok(())
+    }
+
+    async fn subscribe(&mut self, message: &Value) -> Result<(), End> {
+        if !self.acked {
+            return Err(End::Close(4401, "Unauthorized".into()));
+        }
+        let id = op_id(message)?;
+        let Some(payload) = message.get("payload").and_then(Value::as_object) else {
+            return Err(invalid("the subscribe message has no payload object"));
+        };
+        if self.ops.contains_key(&id) {
+            match self.protocol {
+                Protocol::TransportWs => {
+                    return Err(End::Close(
+                        4409,
+                        format!("Subscriber for {id} already exists"),
+                    ));
+                }
+                // subscriptions-transport-ws replaces the operation with the same id.
+                Protocol::Legacy => {
+                    if let Some(op) = self.ops.remove(&id) {
+                        op.abort();
+                    }
+                }
+            }
+        }
+        let request = build_request(
+            payload.get("query").cloned(),
+            payload.get("operationName").cloned(),
+            payload.get("variables").cloned(),
+            payload.get("extensions").cloned(),
+        )
+        .map_err(invalid)?;
+        if self.ops.len() >= self.app.tailer.config().max_operations {
+            let errors = json!([{
+                "message": format!("at most {} operations may run at once on one connection", self.app.tailer.config().max_operations),
+                "extensions": { "code": compute_domain::ErrorCode::RateLimited.as_str() }
+            }]);
+            return self
+                .send_out(&id, Out::Error(errors))
+                .await
+                .map_err(|_| End::Gone);
+        }
+        let handle = tokio::spawn(run_operation(
+            self.app.clone(),
+            id.clone(),
+            request,
+            self.viewer.clone(),
+            self.out_tx.clone(),
+        ));
+        self.ops.insert(id, handle.abort_handle());
+        Ok(())
+    }
+}
+
+fn op_id(message: &Value) -> Result<String, End> {
+    match message.get("id").and_then(Value::as_str) {
+        Some(id) if !id.is_empty() => Ok(id.to_owned()),
+        _ => Err(invalid("the message has no `id`")),
+    }
+}
+
+/// Runs one operation and hands its messages to the connection.
+async fn run_operation(
+    app: AppState,
+    id: String,
+    mut request: async_graphql::Request,
+    viewer: Option<Viewer>,
+    out: mpsc::Sender<(String, Out)>,
+) {
+    if let Some(v) = viewer {
+        request = request.data(v);
+    }
+    let position = StreamPosition::default();
+    let replay = crate::schema::ReplayFlag::default();
+    request = request.data(position.clone()).data(replay.clone());
+    let mut responses = app.schema.execute_stream(request);
+    let mut first = true;
+    while let Some(mut response) = responses.next().await {
+        let request_error = prepare(&app, &mut response);
+        if first && response.data == async_graphql::Value::Null && !response.errors.is_empty() {
+            let errors = serde_json::to_value(&response.errors).unwrap_or(Value::Null);
+            let _ = out.send((id, Out::Error(errors))).await;
+            return;
+        }
+        first = false;
+        if let Some(cursor) = position.get() {
+            response.extensions.insert(
+                "cursor".into(),
+                async_graphql::Value::String(cursor.encode()),
+            );
+        }
+        if replay.is_set() {
+            response.extensions.insert(
+                "idempotentReplay".into(),
+                async_graphql::Value::Boolean(true),
+            );
+        }
+        let payload = response_json(&response, request_error);
+        if out.send((id.clone(), Out::Next(payload))).await.is_err() {
+            return;
+        }
+    }
+    let _ = out.send((id, Out::Complete)).await;
 }

@@ -114,6 +114,17 @@ pub struct EventFilter {
     pub subjects: Vec<String>,
 }
 
+impl EventFilter {
+    /// Whether `event` passes the filter: the same test [`read_after`] makes in SQL.
+    pub fn matches(&self, event: &Event) -> bool {
+        self.tenant_id
+            .as_ref()
+            .is_none_or(|t| event.tenant_id.as_ref() == Some(t))
+            && (self.types.is_empty() || self.types.contains(&event.event_type))
+            && (self.subjects.is_empty() || self.subjects.contains(&event.subject))
+    }
+}
+
 /// Reads up to `limit` events after `after`, in `(txid, seq)` order, taking only rows of
 /// transactions older than every transaction still running: a transaction that took a lower
 /// `seq` but commits later can never appear behind the cursor.
@@ -165,4 +176,79 @@ pub async fn head(db: &crate::db::Db) -> crate::Result<Cursor> {
     Ok(row
         .map(|(txid, seq)| Cursor { txid, seq })
         .unwrap_or(Cursor::START))
+}
+
+/// The default retention window of the outbox: events older than this are pruned, and a cursor
+/// at or before the pruned front is `CURSOR_EXPIRED`.
+pub const RETENTION: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
+
+/// The front of the stream that pruning removed: every event at or before it may be gone.
+pub async fn pruned_through(db: &crate::db::Db) -> crate::Result<Cursor> {
+    let (txid, seq): (i64, i64) = sqlx::query_as(
+        "SELECT pruned_txid::text::bigint, pruned_seq FROM outbox_retention WHERE singleton",
+    )
+    .fetch_one(db.pool())
+    .await?;
+    Ok(Cursor { txid, seq })
+}
+
+/// Fails with `CURSOR_EXPIRED` when events after `after` may have been pruned.
+pub async fn check_not_expired(db: &crate::db::Db, after: Cursor) -> crate::Result<()> {
+    let front = pruned_through(db).await?;
+    if after < front {
+        return Err(crate::Error::CursorExpired(format!(
+            "the cursor {} is older than the outbox retention window; resubscribe without `after`",
+            after.encode()
+        )));
+    }
+    Ok(())
+}
+
+/// Prunes up to `batch` of the oldest events whose time is before `compute_now() - retention`,
+/// from the front of the stream, and records the new front. Never goes past `limit` when one is
+/// given (the slowest reader that must not lose events). Returns how many rows it deleted.
+pub async fn prune(
+    db: &crate::db::Db,
+    retention: std::time::Duration,
+    limit: Option<Cursor>,
+    batch: i64,
+) -> crate::Result<u64> {
+    let limit = limit.unwrap_or(Cursor {
+        txid: i64::MAX,
+        seq: i64::MAX,
+    });
+    let (deleted,): (i64,) = sqlx::query_as(
+        "WITH head AS ( \
+             SELECT o.txid, o.seq FROM outbox o \
+              WHERE o.time < compute_now() - make_interval(secs => $1::float8) \
+                AND o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
+                AND (o.txid, o.seq) <= ($2::text::xid8, $3) \
+              ORDER BY o.txid, o.seq LIMIT $4), \
+           front AS (SELECT txid, seq FROM head ORDER BY txid DESC, seq DESC LIMIT 1), \
+           gone AS (DELETE FROM outbox o USING front f WHERE (o.txid, o.seq) <= (f.txid, f.seq) RETURNING 1), \
+           moved AS (UPDATE outbox_retention r SET pruned_txid = f.txid, pruned_seq = f.seq, \
+                            pruned_at = compute_now(), updated_at = compute_now() \
+                       FROM front f WHERE r.singleton AND (f.txid, f.seq) > (r.pruned_txid, r.pruned_seq) \
+                     RETURNING 1) \
+         SELECT (SELECT count(*) FROM gone) + 0 * (SELECT count(*) FROM moved)",
+    )
+    .bind(retention.as_secs_f64())
+    .bind(limit.txid.to_string())
+    .bind(limit.seq)
+    .bind(batch)
+    .fetch_one(db.pool())
+    .await?;
+    Ok(deleted as u64)
+}
+
+/// Listens for the poke `compute_emit` sends and calls `on_poke` for each, until the listening
+/// connection fails (the error is returned; call again to reconnect).
+pub async fn listen_for_pokes(db: &crate::db::Db, on_poke: impl Fn()) -> crate::Result<()> {
+    let mut listener = sqlx::postgres::PgListener::connect_with(db.pool()).await?;
+    listener.listen(NOTIFY_CHANNEL).await?;
+    tracing::debug!("listening for outbox pokes");
+    loop {
+        listener.recv().await?;
+        on_poke();
+    }
 }

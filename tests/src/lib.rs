@@ -386,6 +386,11 @@ pub fn init_logging() {
 
 /// Starts the API on `127.0.0.1:0` over `db`.
 pub async fn spawn_app_on(db: TestDb) -> TestApp {
+    spawn_app_with(db, compute_api::tailer::StreamConfig::default()).await
+}
+
+/// Starts the API on `127.0.0.1:0` over `db`, with the streaming settings `stream`.
+pub async fn spawn_app_with(db: TestDb, stream: compute_api::tailer::StreamConfig) -> TestApp {
     init_logging();
     let verifier = Verifier::new(
         KeySource::Hs256(Secret::new(TEST_SECRET)),
@@ -393,7 +398,7 @@ pub async fn spawn_app_on(db: TestDb) -> TestApp {
         TEST_AUDIENCE,
     )
     .expect("verifier");
-    let server = Server::new(db.db.clone(), verifier)
+    let server = Server::with_config(db.db.clone(), verifier, stream)
         .await
         .expect("server state");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

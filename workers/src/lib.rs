@@ -121,7 +121,8 @@ impl Reconciler {
         }
     }
 
-    /// Runs passes every `every` until `stop` resolves; prunes idempotency keys hourly. A pass
+    /// Runs passes every `every` until `stop` resolves; prunes idempotency keys and
+    /// outbox events past their retention hourly. A pass
     /// that fails is logged and the loop goes on; a lost lease stops the work at the next pass.
     pub async fn run(mut self, every: Duration, stop: impl Future<Output = ()>) {
         tokio::pin!(stop);
@@ -157,6 +158,10 @@ impl Reconciler {
                         match idempotency::prune(&self.db, idempotency::RETENTION_HOURS).await {
                             Ok(n) => info!(idempotency.pruned = n, "idempotency keys pruned"),
                             Err(e) => warn!(error = %e, "pruning idempotency keys failed"),
+                        }
+                        match compute_domain::outbox::prune(&self.db, compute_domain::outbox::RETENTION, None, 10_000).await {
+                            Ok(n) => info!(outbox.pruned = n, "outbox events past the retention window pruned"),
+                            Err(e) => warn!(error = %e, "pruning the outbox failed"),
                         }
                     }
                 }

@@ -304,6 +304,15 @@ pub async fn get_pools(db: &Db, ids: &[String]) -> Result<Vec<Pool>> {
     .await?)
 }
 
+/// The ids of a pool's nodes, retired ones included.
+pub async fn node_ids_of_pool(db: &Db, pool_id: &str) -> Result<Vec<String>> {
+    let rows: Vec<(String,)> = sqlx::query_as("SELECT n.id FROM nodes n WHERE n.pool_id = $1")
+        .bind(pool_id)
+        .fetch_all(db.pool())
+        .await?;
+    Ok(rows.into_iter().map(|(id,)| id).collect())
+}
+
 /// Nodes by id.
 pub async fn get_nodes(db: &Db, ids: &[String]) -> Result<Vec<Node>> {
     Ok(sqlx::query_as(&format!(

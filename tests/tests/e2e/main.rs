@@ -1,4 +1,4 @@
-//! End-to-end tests: the real server, through real HTTP and WebSocket, on a real PostgreSQL.
+//! End-to-end tests: the real server, through real HTTP, WebSocket and SSE, on a real PostgreSQL.
 
 mod auth;
 mod clock;
@@ -11,6 +11,7 @@ mod outbox;
 mod outbox_reader;
 mod reservations;
 mod statements;
+mod subscriptions;
 mod torture;
 mod transactions;
 mod websocket;

@@ -1,0 +1,241 @@
+//! GraphQL over Server-Sent Events: the distinct connections mode of the graphql-sse protocol,
+//! on `/graphql/stream` (GET or POST), and on `/graphql` when `Accept` asks for
+//! `text/event-stream`.
+//!
+//! One request, one operation, one event stream. Each result is a `next` event whose data is the
+//! execution result; a subscription item also has an `id:` line holding its outbox cursor, so an
+//! `EventSource` that reconnects sends it back as `Last-Event-ID` and the subscription resumes
+//! after it, with nothing lost or doubled. The stream ends with a `complete` event. As the
+//! protocol asks, a document that does not parse or validate is reported in a `next` event on an
+//! accepted stream, not with a `400`. A bad bearer token is `401` (an `EventSource` must not
+//! retry it), with the same events in the body. A token that expires while the stream is open
+//! ends it with an `UNAUTHENTICATED` error; shutdown ends it with `complete`. A comment line
+//! keeps idle streams alive.
+
+use std::convert::Infallible;
+
+use async_graphql::parser::types::OperationType;
+use axum::body::Bytes;
+use axum::extract::{Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use compute_domain::ErrorCode;
+use compute_domain::outbox::Cursor;
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::auth::{Viewer, bearer};
+use crate::events::{ResumeAfter, StreamPosition};
+use crate::graphql_http::{
+    BAD_REQUEST, PARSE_FAILED, build_request, operation_type, prepare, response_json,
+};
+use crate::server::AppState;
+
+/// Whether `Accept` asks for an event stream.
+pub fn wants_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("text/event-stream"))
+}
+
+/// The body of a POST.
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Body {
+    query: Option<Value>,
+    operation_name: Option<Value>,
+    variables: Option<Value>,
+    extensions: Option<Value>,
+}
+
+/// The query string of a GET.
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Params {
+    query: Option<String>,
+    operation_name: Option<String>,
+    variables: Option<String>,
+    extensions: Option<String>,
+}
+
+/// `POST /graphql/stream`, and `POST /graphql` with `Accept: text/event-stream`.
+pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let request = serde_json::from_slice::<Body>(&body)
+        .map_err(|e| format!("the body is not a GraphQL request object: {e}"))
+        .and_then(|b| build_request(b.query, b.operation_name, b.variables, b.extensions));
+    respond(app, &headers, request, false).await
+}
+
+/// `GET /graphql/stream`, and `GET /graphql` with `Accept: text/event-stream`.
+pub async fn get(State(app): State<AppState>, req: Request) -> Response {
+    let (parts, _) = req.into_parts();
+    let request = match Query::<Params>::try_from_uri(&parts.uri) {
+        Ok(Query(p)) => {
+            let json = |name: &str, raw: Option<String>| -> Result<Option<Value>, String> {
+                raw.map(|s| {
+                    serde_json::from_str::<Value>(&s)
+                        .map_err(|e| format!("`{name}` is not JSON: {e}"))
+                })
+                .transpose()
+            };
+            json("variables", p.variables).and_then(|variables| {
+                build_request(
+                    p.query.map(Value::String),
+                    p.operation_name.map(Value::String),
+                    variables,
+                    json("extensions", p.extensions)?,
+                )
+            })
+        }
+        Err(e) => Err(e.body_text()),
+    };
+    respond(app, &parts.headers, request, true).await
+}
+
+/// An event stream of one `next` with `errors`, then `complete`.
+fn failed(status: StatusCode, code: &str, message: &str) -> Response {
+    let errors = json!({ "errors": [{ "message": message, "extensions": { "code": code } }] });
+    let events = futures_util::stream::iter([
+        Ok::<_, Infallible>(SseEvent::default().event("next").data(errors.to_string())),
+        Ok(SseEvent::default().event("complete").data("")),
+    ]);
+    (status, Sse::new(events)).into_response()
+}
+
+async fn respond(
+    app: AppState,
+    headers: &HeaderMap,
+    request: Result<async_graphql::Request, String>,
+    is_get: bool,
+) -> Response {
+    let viewer = match headers.get(header::AUTHORIZATION) {
+        None => None,
+        Some(value) => {
+            let verified = value
+                .to_str()
+                .ok()
+                .and_then(bearer)
+                .ok_or_else(|| "the Authorization header must be `Bearer <jwt>`".to_owned())
+                .and_then(|t| app.verifier.verify(t).map_err(|e| e.to_string()));
+            match verified {
+                Ok(v) => Some(v),
+                Err(why) => {
+                    return failed(
+                        StatusCode::UNAUTHORIZED,
+                        ErrorCode::Unauthenticated.as_str(),
+                        &why,
+                    );
+                }
+            }
+        }
+    };
+    let mut request = match request {
+        Ok(r) => r,
+        Err(message) => return failed(StatusCode::OK, BAD_REQUEST, &message),
+    };
+    match operation_type(&mut request) {
+        Err(e) => return failed(StatusCode::OK, PARSE_FAILED, &e.message),
+        Ok(Some(OperationType::Mutation)) if is_get => {
+            return failed(
+                StatusCode::OK,
+                BAD_REQUEST,
+                "mutations are not allowed over GET; use POST",
+            );
+        }
+        Ok(_) => {}
+    }
+    if let Some(last) = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.trim().is_empty())
+    {
+        match Cursor::decode("Last-Event-ID", last.trim()) {
+            Ok(c) => request = request.data(ResumeAfter(c)),
+            Err(e) => {
+                return failed(
+                    StatusCode::OK,
+                    ErrorCode::BadUserInput.as_str(),
+                    &e.to_string(),
+                );
+            }
+        }
+    }
+    let keep_alive = app.tailer.config().keep_alive;
+    let (tx, mut rx) = mpsc::channel::<SseEvent>(16);
+    tokio::spawn(run(app, request, viewer, tx));
+    let events = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok::<_, Infallible>);
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(keep_alive))
+        .into_response()
+}
+
+/// Runs the operation, turning its results into events, until it ends, the client goes away,
+/// the token expires or the server shuts down.
+async fn run(
+    app: AppState,
+    mut request: async_graphql::Request,
+    viewer: Option<Viewer>,
+    tx: mpsc::Sender<SseEvent>,
+) {
+    let expires = match &viewer {
+        Some(v) => {
+            let left =
+                v.expires_at + crate::auth::LEEWAY_SECONDS as i64 - chrono::Utc::now().timestamp();
+            std::time::Duration::from_secs(left.max(0) as u64)
+        }
+        None => std::time::Duration::from_secs(100 * 365 * 24 * 3600),
+    };
+    if let Some(v) = viewer {
+        request = request.data(v);
+    }
+    let position = StreamPosition::default();
+    let replay = crate::schema::ReplayFlag::default();
+    request = request.data(position.clone()).data(replay.clone());
+    let mut responses = app.schema.execute_stream(request);
+    let expiry = tokio::time::sleep(expires);
+    tokio::pin!(expiry);
+    let mut shutdown = app.shutdown.clone();
+    let stopping = async move {
+        let _ = shutdown.wait_for(|s| *s).await;
+    };
+    tokio::pin!(stopping);
+    loop {
+        let response = tokio::select! {
+            r = responses.next() => r,
+            () = tx.closed() => return,
+            () = &mut expiry => {
+                let errors = json!({ "errors": [{ "message": "the bearer token has expired", "extensions": { "code": ErrorCode::Unauthenticated.as_str() } }] });
+                let _ = tx.send(SseEvent::default().event("next").data(errors.to_string())).await;
+                break;
+            }
+            () = &mut stopping => break,
+        };
+        let Some(mut response) = response else { break };
+        let request_error = prepare(&app, &mut response);
+        if replay.is_set() {
+            response.extensions.insert(
+                "idempotentReplay".into(),
+                async_graphql::Value::Boolean(true),
+            );
+        }
+        let mut event = SseEvent::default().event("next");
+        if let Some(cursor) = position.get() {
+            let cursor = cursor.encode();
+            response.extensions.insert(
+                "cursor".into(),
+                async_graphql::Value::String(cursor.clone()),
+            );
+            event = event.id(cursor);
+        }
+        let data = response_json(&response, request_error).to_string();
+        if tx.send(event.data(data)).await.is_err() {
+            return;
+        }
+    }
+    let _ = tx
+        .send(SseEvent::default().event("complete").data(""))
+        .await;
+}

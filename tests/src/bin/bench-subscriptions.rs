@@ -1,0 +1,301 @@
+//! Measures live subscriptions: opens many graphql-transport-ws subscriptions against one
+//! `compute-api serve` process, commits events at a steady rate, and prints the commit-to-delivery
+//! latency, the deliveries per second and the API process's memory.
+//!
+//! ```sh
+//! cargo build --release -p compute-api -p compute-tests
+//! target/release/bench-subscriptions [subscribers] [tenants] [events/s] [seconds]
+//! ```
+//!
+//! Each subscriber is a member of one of `tenants` tenants and subscribes to its tenant's
+//! `events`; each event belongs to one tenant, so it reaches `subscribers / tenants` subscribers.
+//! Latency runs from just before the committing statement is sent to the moment the subscriber
+//! has read the `next` message. The clients run in this process on the same two cores as the API
+//! and PostgreSQL. Asserts nothing: a benchmark, not a test.
+
+#![allow(clippy::print_stdout, reason = "a benchmark prints its figures")]
+
+use std::io::Write;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use compute_api::auth::Role;
+use futures_util::{SinkExt, StreamExt};
+use serde_json::json;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// User plus system CPU seconds of `pid`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// The event number in a `next` message (`"subject":"e<n>"`), without parsing all of it.
+fn event_number(text: &str) -> Option<usize> {
+    let at = text.find("\"subject\":\"e")? + "\"subject\":\"e".len();
+    let digits: String = text[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |i: usize, d: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
+    let subscribers = arg(1, 1000);
+    let tenants = arg(2, 100).max(1);
+    let rate = arg(3, 100).max(1);
+    let seconds = arg(4, 10).max(1);
+
+    let binary = std::env::current_exe()
+        .expect("own path")
+        .with_file_name("compute-api");
+    if !binary.exists() {
+        eprintln!(
+            "{} is missing: build it first with `cargo build --release -p compute-api -p compute-tests`",
+            binary.display()
+        );
+        std::process::exit(2);
+    }
+    let test_db = compute_tests::test_db_with(4).await;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
+    let addr = listener.local_addr().expect("addr");
+    drop(listener);
+    let mut server = tokio::process::Command::new(&binary)
+        .args(["serve", "--listen", &addr.to_string()])
+        .env("DATABASE_URL", &test_db.url)
+        .env("COMPUTE_JWT_HS256_SECRET", compute_tests::TEST_SECRET)
+        .env("COMPUTE_JWT_ISSUER", compute_tests::TEST_ISSUER)
+        .env("COMPUTE_JWT_AUDIENCE", compute_tests::TEST_AUDIENCE)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start compute-api serve");
+    let pid = server.id().expect("pid");
+    let http = reqwest::Client::new();
+    let base = format!("http://{addr}");
+    let ready = Instant::now();
+    while http
+        .get(format!("{base}/readyz"))
+        .send()
+        .await
+        .map(|r| !r.status().is_success())
+        .unwrap_or(true)
+    {
+        assert!(
+            ready.elapsed() < Duration::from_secs(30),
+            "the API did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let token = |t: usize| {
+        compute_tests::mint(compute_tests::claims(
+            &format!("bench@t{t}"),
+            Some(&format!("t{t}")),
+            &[Role::Member],
+            3600,
+        ))
+    };
+    let cursor: serde_json::Value = http
+        .post(format!("{base}/graphql"))
+        .bearer_auth(token(0))
+        .json(&json!({ "query": "{ eventCursor }" }))
+        .send()
+        .await
+        .expect("eventCursor")
+        .json()
+        .await
+        .expect("json");
+    let cursor = cursor["data"]["eventCursor"].clone();
+    let rss_idle = rss_kib(pid);
+
+    let total_events = rate * seconds;
+    let start = Instant::now();
+    let sent_at: Arc<Vec<AtomicU64>> =
+        Arc::new((0..total_events).map(|_| AtomicU64::new(0)).collect());
+    let received = Arc::new(AtomicUsize::new(0));
+    let connected = Arc::new(AtomicUsize::new(0));
+    print!("opening {subscribers} subscriptions over {tenants} tenants … ");
+    let _ = std::io::stdout().flush();
+    let opened = Instant::now();
+    let mut readers = Vec::with_capacity(subscribers);
+    let gate = Arc::new(tokio::sync::Semaphore::new(200));
+    for i in 0..subscribers {
+        let (sent_at, received, connected, gate) = (
+            sent_at.clone(),
+            received.clone(),
+            connected.clone(),
+            gate.clone(),
+        );
+        let token = token(i % tenants);
+        let cursor = cursor.clone();
+        readers.push(tokio::spawn(async move {
+            let permit = gate.acquire_owned().await.expect("gate");
+            let mut req = format!("ws://{addr}/graphql").into_client_request().expect("req");
+            req.headers_mut().insert(
+                "Sec-WebSocket-Protocol",
+                "graphql-transport-ws".parse().expect("header"),
+            );
+            let (mut ws, _) = tokio_tungstenite::connect_async(req).await.expect("connect");
+            ws.send(Message::Text(
+                json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } })
+                    .to_string()
+                    .into(),
+            ))
+            .await
+            .expect("init");
+            ws.next().await.expect("ack").expect("ack");
+            ws.send(Message::Text(
+                json!({ "id": "1", "type": "subscribe", "payload": {
+                    "query": "subscription($a: String) { events(after: $a, types: [\"bench.tick\"]) { id subject } }",
+                    "variables": { "a": cursor } } })
+                .to_string()
+                .into(),
+            ))
+            .await
+            .expect("subscribe");
+            connected.fetch_add(1, Ordering::Relaxed);
+            drop(permit);
+            let mut latencies = Vec::new();
+            while let Some(Ok(msg)) = ws.next().await {
+                if let Message::Text(t) = msg {
+                    let now = start.elapsed().as_micros() as u64;
+                    if let Some(n) = event_number(t.as_str()) {
+                        let sent = sent_at[n].load(Ordering::Relaxed);
+                        latencies.push(now.saturating_sub(sent));
+                        received.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            latencies
+        }));
+    }
+    while connected.load(Ordering::Relaxed) < subscribers {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let rss_connected = rss_kib(pid);
+    println!("{:.1} s", opened.elapsed().as_secs_f64());
+
+    let writer = sqlx::PgPool::connect(&test_db.url).await.expect("writer");
+    let per_tenant: Vec<usize> = (0..tenants)
+        .map(|t| (0..subscribers).filter(|i| i % tenants == t).count())
+        .collect();
+    let expected: usize = (0..total_events).map(|n| per_tenant[n % tenants]).sum();
+    println!(
+        "committing {total_events} events at {rate}/s for {seconds} s; {expected} deliveries expected"
+    );
+    let cpu_before = cpu_seconds(pid);
+    let mut rss_peak = rss_connected;
+    let emit_started = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+    for n in 0..total_events {
+        tick.tick().await;
+        sent_at[n].store(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+        sqlx::query("SELECT compute_emit('bench.tick', $1, $2, '{}')")
+            .bind(format!("t{}", n % tenants))
+            .bind(format!("e{n}"))
+            .execute(&writer)
+            .await
+            .expect("emit");
+        if n % rate == 0 {
+            rss_peak = rss_peak.max(rss_kib(pid));
+        }
+    }
+    let emitted = emit_started.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while received.load(Ordering::Relaxed) < expected && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        rss_peak = rss_peak.max(rss_kib(pid));
+    }
+    let delivered_in = emit_started.elapsed();
+    let cpu = cpu_seconds(pid) - cpu_before;
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .unwrap_or_default();
+    let fallbacks = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("compute_subscription_fallbacks_total "))
+        .unwrap_or("?")
+        .to_owned();
+    let _ = server.start_kill();
+    let _ = server.wait().await;
+    let mut latencies: Vec<u64> = Vec::with_capacity(expected);
+    for r in readers {
+        if let Ok(l) = r.await {
+            latencies.extend(l);
+        }
+    }
+    latencies.sort_unstable();
+    let got = latencies.len();
+    let ms = |us: u64| us as f64 / 1000.0;
+    println!(
+        "subscribers        {subscribers} ({} per tenant)",
+        subscribers / tenants
+    );
+    println!(
+        "events committed   {total_events} in {:.2} s ({:.0}/s)",
+        emitted.as_secs_f64(),
+        total_events as f64 / emitted.as_secs_f64()
+    );
+    println!(
+        "deliveries         {got} of {expected} expected, {:.0}/s",
+        got as f64 / delivered_in.as_secs_f64()
+    );
+    println!(
+        "latency ms         p50 {:.1}  p99 {:.1}  max {:.1}",
+        ms(percentile(&latencies, 0.50)),
+        ms(percentile(&latencies, 0.99)),
+        ms(latencies.last().copied().unwrap_or(0))
+    );
+    println!(
+        "API memory (RSS)   idle {} MiB, {} subscribers {} MiB, peak {} MiB",
+        rss_idle / 1024,
+        subscribers,
+        rss_connected / 1024,
+        rss_peak / 1024
+    );
+    println!(
+        "API CPU            {:.2} s over the {:.1} s run ({:.0}% of one core)",
+        cpu,
+        delivered_in.as_secs_f64(),
+        100.0 * cpu / delivered_in.as_secs_f64()
+    );
+    println!("slow-subscriber fallbacks {fallbacks}");
+}

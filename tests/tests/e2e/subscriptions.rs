@@ -1,0 +1,793 @@
+//! Subscriptions through the real transports: graphql-transport-ws (every close code of its
+//! protocol), the legacy graphql-ws, and Server-Sent Events; resuming with a cursor; the
+//! late-commit case; tenant isolation; a slow subscriber that falls back to the database and
+//! catches up; CURSOR_EXPIRED after pruning; the metrics.
+
+use std::time::Duration;
+
+use compute_api::auth::Role;
+use compute_api::tailer::StreamConfig;
+use compute_tests::{TestApp, claims, mint, spawn_app, spawn_app_with, test_db};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn connect(app: &TestApp, protocol: &str) -> Ws {
+    let mut req = format!("ws://{}/graphql", app.addr)
+        .into_client_request()
+        .expect("request");
+    req.headers_mut()
+        .insert("Sec-WebSocket-Protocol", protocol.parse().expect("header"));
+    tokio_tungstenite::connect_async(req)
+        .await
+        .expect("upgrade")
+        .0
+}
+
+async fn send(ws: &mut Ws, v: Value) {
+    ws.send(Message::Text(v.to_string().into()))
+        .await
+        .expect("send");
+}
+
+/// The next text message, skipping the server's keep-alive pings.
+async fn next_msg(ws: &mut Ws) -> Value {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            match ws.next().await.expect("a message").expect("no error") {
+                Message::Text(t) => {
+                    let v: Value = serde_json::from_str(t.as_str()).expect("json");
+                    if v["type"] == "ping" || v["type"] == "ka" {
+                        continue;
+                    }
+                    return v;
+                }
+                Message::Ping(_) | Message::Pong(_) => continue,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("a message within 30 s")
+}
+
+/// Reads until the server closes; returns the close code and reason.
+async fn close_of(ws: &mut Ws) -> (u16, String) {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            match ws.next().await {
+                Some(Ok(Message::Close(Some(f)))) => {
+                    return (u16::from(f.code), f.reason.to_string());
+                }
+                Some(Ok(Message::Close(None))) => return (1005, String::new()),
+                Some(Ok(_)) => continue,
+                other => panic!("expected a close frame, got {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("a close within 30 s")
+}
+
+async fn init(ws: &mut Ws, token: &str) {
+    send(ws, json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } })).await;
+    assert_eq!(next_msg(ws).await["type"], "connection_ack");
+}
+
+async fn subscribe(app: &TestApp, token: &str, id: &str, query: &str, variables: Value) -> Ws {
+    let mut ws = connect(app, "graphql-transport-ws").await;
+    init(&mut ws, token).await;
+    send(&mut ws, json!({ "id": id, "type": "subscribe", "payload": { "query": query, "variables": variables } })).await;
+    ws
+}
+
+const EVENTS: &str = "subscription($after: String, $types: [String!]) { events(after: $after, types: $types) { id cursor type tenantId subject data } }";
+
+/// Commits one event per subject, each in its own transaction, in order.
+async fn emit(app: &TestApp, tenant: Option<&str>, subjects: &[&str]) {
+    for s in subjects {
+        sqlx::query("SELECT compute_emit('test.tick', $1, $2, jsonb_build_object('n', $2::text))")
+            .bind(tenant)
+            .bind(*s)
+            .execute(app.db.db.pool())
+            .await
+            .expect("emit");
+    }
+}
+
+fn event_of(msg: &Value) -> &Value {
+    assert_eq!(msg["type"], "next", "{msg}");
+    &msg["payload"]["data"]["events"]
+}
+
+/// The subjects of the next `n` events.
+async fn subjects(ws: &mut Ws, n: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let msg = next_msg(ws).await;
+        let e = event_of(&msg);
+        assert_eq!(
+            msg["payload"]["extensions"]["cursor"], e["cursor"],
+            "each next carries its cursor"
+        );
+        out.push(e["subject"].as_str().expect("subject").to_owned());
+    }
+    out
+}
+
+/// The cursor of the present, read through the API: subscribing after it misses nothing
+/// committed from now on, however long the subscription takes to start.
+async fn now(app: &TestApp) -> Value {
+    app.ok(&app.member("acme"), "{ eventCursor }", json!({}))
+        .await["eventCursor"]
+        .clone()
+}
+
+#[tokio::test]
+async fn every_close_code_of_graphql_transport_ws() {
+    let app = spawn_app_with(
+        test_db().await,
+        StreamConfig {
+            init_timeout: Duration::from_millis(300),
+            ..StreamConfig::default()
+        },
+    )
+    .await;
+    let member = app.member("acme");
+
+    // 4408: no connection_init in time.
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    assert_eq!(
+        close_of(&mut ws).await,
+        (4408, "Connection initialisation timeout".into())
+    );
+
+    // 4429: a second connection_init.
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    init(&mut ws, &member).await;
+    send(&mut ws, json!({ "type": "connection_init" })).await;
+    assert_eq!(
+        close_of(&mut ws).await,
+        (4429, "Too many initialisation requests".into())
+    );
+
+    // 4401: subscribe before the acknowledgement.
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    send(
+        &mut ws,
+        json!({ "id": "1", "type": "subscribe", "payload": { "query": "{ serverTime }" } }),
+    )
+    .await;
+    assert_eq!(close_of(&mut ws).await, (4401, "Unauthorized".into()));
+
+    // 4403: a bad token in connection_init.
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    send(
+        &mut ws,
+        json!({ "type": "connection_init", "payload": { "Authorization": "Bearer nope" } }),
+    )
+    .await;
+    let (code, reason) = close_of(&mut ws).await;
+    assert_eq!(code, 4403, "{reason}");
+    assert!(reason.starts_with("Forbidden"), "{reason}");
+    assert!(reason.len() <= 123);
+
+    // 4409: a subscribe with the id of a running operation.
+    let mut ws = subscribe(&app, &member, "dup", EVENTS, json!({})).await;
+    send(
+        &mut ws,
+        json!({ "id": "dup", "type": "subscribe", "payload": { "query": EVENTS } }),
+    )
+    .await;
+    assert_eq!(
+        close_of(&mut ws).await,
+        (4409, "Subscriber for dup already exists".into())
+    );
+
+    // 4400: not JSON, and a type the protocol does not have.
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    ws.send(Message::Text("{nope".into())).await.expect("send");
+    assert_eq!(
+        close_of(&mut ws).await,
+        (4400, "Invalid message received: not JSON".into())
+    );
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    init(&mut ws, &member).await;
+    send(&mut ws, json!({ "type": "start", "id": "x" })).await;
+    let (code, reason) = close_of(&mut ws).await;
+    assert_eq!(code, 4400);
+    assert!(reason.contains("`start`"), "{reason}");
+
+    // 4403 again when the token expires while the connection is open. The token is 4 s past
+    // `exp`, inside the 5 s leeway, so it is accepted and the connection closes about 1 s later.
+    let mut c = claims("late", Some("acme"), &[Role::Member], 0);
+    c.exp = chrono::Utc::now().timestamp() - 4;
+    let late = mint(c);
+    let mut ws = subscribe(&app, &late, "s", EVENTS, json!({})).await;
+    assert_eq!(
+        close_of(&mut ws).await,
+        (4403, "Forbidden: the bearer token has expired".into())
+    );
+}
+
+#[tokio::test]
+async fn pings_pongs_keep_alive_and_operation_errors() {
+    let app = spawn_app_with(
+        test_db().await,
+        StreamConfig {
+            keep_alive: Duration::from_millis(200),
+            ..StreamConfig::default()
+        },
+    )
+    .await;
+    let member = app.member("acme");
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    init(&mut ws, &member).await;
+    send(&mut ws, json!({ "type": "ping", "payload": { "n": 1 } })).await;
+    assert_eq!(
+        next_msg(&mut ws).await,
+        json!({ "type": "pong", "payload": { "n": 1 } })
+    );
+    // The server pings on its own.
+    let ping = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Message::Text(t) = ws.next().await.expect("msg").expect("ok") {
+                let v: Value = serde_json::from_str(t.as_str()).expect("json");
+                if v["type"] == "ping" {
+                    return v;
+                }
+            }
+        }
+    })
+    .await
+    .expect("a keep-alive ping");
+    assert_eq!(ping, json!({ "type": "ping" }));
+
+    // A document that does not validate: one `error` message with the code, and no complete.
+    send(
+        &mut ws,
+        json!({ "id": "v", "type": "subscribe", "payload": { "query": "subscription { nope }" } }),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "error", "{msg}");
+    assert_eq!(msg["id"], "v");
+    assert_eq!(
+        msg["payload"][0]["extensions"]["code"],
+        "GRAPHQL_VALIDATION_FAILED"
+    );
+    // A subscription that cannot start: `error` with the domain code.
+    send(&mut ws, json!({ "id": "c", "type": "subscribe", "payload": { "query": "subscription { events(after: \"zz\") { id } }" } })).await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "error", "{msg}");
+    assert_eq!(msg["payload"][0]["extensions"]["code"], "BAD_USER_INPUT");
+    send(&mut ws, json!({ "id": "r", "type": "subscribe", "payload": { "query": "subscription { reservation(id: \"rsv_0000000000000000000000000000000a\") { id } }" } })).await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "error", "{msg}");
+    assert_eq!(msg["payload"][0]["extensions"]["code"], "NOT_FOUND");
+    // The ids of failed operations are free again; a query still gets next then complete.
+    send(
+        &mut ws,
+        json!({ "id": "v", "type": "subscribe", "payload": { "query": "{ viewer { subject } }" } }),
+    )
+    .await;
+    assert_eq!(
+        next_msg(&mut ws).await["payload"]["data"]["viewer"]["subject"],
+        "alice@acme"
+    );
+    assert_eq!(
+        next_msg(&mut ws).await,
+        json!({ "id": "v", "type": "complete" })
+    );
+}
+
+#[tokio::test]
+async fn resume_over_websocket_with_nothing_lost_or_doubled() {
+    let app = spawn_app().await;
+    let after = now(&app).await;
+    let member = app.member("acme");
+    let mut ws = subscribe(
+        &app,
+        &member,
+        "e",
+        EVENTS,
+        json!({ "after": after, "types": ["test.tick"] }),
+    )
+    .await;
+    emit(&app, Some("acme"), &["a", "b"]).await;
+    let first = next_msg(&mut ws).await;
+    assert_eq!(event_of(&first)["subject"], "a");
+    let cursor = event_of(&first)["cursor"].clone();
+    // The connection drops before "b" is read; more commit while it is away.
+    drop(ws);
+    emit(&app, Some("acme"), &["c", "d"]).await;
+    let mut ws = subscribe(
+        &app,
+        &member,
+        "e",
+        EVENTS,
+        json!({ "after": cursor, "types": ["test.tick"] }),
+    )
+    .await;
+    assert_eq!(subjects(&mut ws, 3).await, ["b", "c", "d"]);
+    emit(&app, Some("acme"), &["e"]).await;
+    assert_eq!(subjects(&mut ws, 1).await, ["e"], "then live, no duplicate");
+}
+
+#[tokio::test]
+async fn a_late_commit_is_neither_skipped_nor_overtaken_on_the_wire() {
+    let app = spawn_app().await;
+    let after = now(&app).await;
+    let op = app.operator();
+    let mut ws = subscribe(
+        &app,
+        &op,
+        "e",
+        EVENTS,
+        json!({ "after": after, "types": ["test.tick"] }),
+    )
+    .await;
+    // The earlier transaction takes the lower seq and stays open.
+    let mut early = app.db.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT compute_emit('test.tick', NULL, 'early', '{}')")
+        .execute(&mut *early)
+        .await
+        .expect("emit early");
+    emit(&app, None, &["later"]).await;
+    let nothing = tokio::time::timeout(Duration::from_millis(800), next_msg(&mut ws)).await;
+    assert!(
+        nothing.is_err(),
+        "the later event waits for the earlier transaction: {nothing:?}"
+    );
+    early.commit().await.expect("commit");
+    assert_eq!(subjects(&mut ws, 2).await, ["early", "later"]);
+}
+
+#[tokio::test]
+async fn tenants_see_only_their_own_events() {
+    let app = spawn_app().await;
+    let after = now(&app).await;
+    let mut acme = subscribe(
+        &app,
+        &app.member("acme"),
+        "e",
+        EVENTS,
+        json!({ "after": after, "types": ["test.tick"] }),
+    )
+    .await;
+    let mut op = subscribe(
+        &app,
+        &app.operator(),
+        "e",
+        EVENTS,
+        json!({ "after": after, "types": ["test.tick"] }),
+    )
+    .await;
+    emit(&app, Some("globex"), &["theirs"]).await;
+    emit(&app, None, &["fleet"]).await;
+    emit(&app, Some("acme"), &["ours"]).await;
+    assert_eq!(
+        subjects(&mut acme, 1).await,
+        ["ours"],
+        "nothing of globex, nothing of the fleet"
+    );
+    assert_eq!(subjects(&mut op, 3).await, ["theirs", "fleet", "ours"]);
+    // Another tenant's reservation and a node are not a member's to follow.
+    let mut ws = subscribe(
+        &app,
+        &app.member("acme"),
+        "n",
+        "subscription { computeNode(id: \"node_0000000000000000000000000000000a\") { id } }",
+        json!({}),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "error");
+    assert_eq!(msg["payload"][0]["extensions"]["code"], "FORBIDDEN");
+}
+
+#[tokio::test]
+async fn a_slow_subscriber_falls_back_to_the_database_and_catches_up() {
+    // Channels of 2 events and a ring of 4: a burst of 60 events overflows both, so every
+    // subscriber behind it must read the database to catch up.
+    let app = spawn_app_with(
+        test_db().await,
+        StreamConfig {
+            channel_capacity: 2,
+            ring: 4,
+            ..StreamConfig::default()
+        },
+    )
+    .await;
+    let after = now(&app).await;
+    let member = app.member("acme");
+    let mut slow = subscribe(
+        &app,
+        &member,
+        "e",
+        EVENTS,
+        json!({ "after": after, "types": ["test.tick"] }),
+    )
+    .await;
+    let mut fast = subscribe(
+        &app,
+        &member,
+        "e",
+        EVENTS,
+        json!({ "after": after, "types": ["test.tick"] }),
+    )
+    .await;
+    // One transaction, so the tailer reads and publishes the 60 at once.
+    sqlx::query("SELECT compute_emit('test.tick', 'acme', 's' || lpad(g::text, 2, '0'), '{}') FROM generate_series(1, 60) g")
+        .execute(app.db.db.pool())
+        .await
+        .expect("burst");
+    let expected: Vec<String> = (1..=60).map(|g| format!("s{g:02}")).collect();
+    // The fast one reads everything while the slow one reads nothing.
+    assert_eq!(subjects(&mut fast, 60).await, expected);
+    emit(&app, Some("acme"), &["after"]).await;
+    assert_eq!(subjects(&mut fast, 1).await, ["after"]);
+    // The slow one then gets every event, in order, once, and rejoins the live stream.
+    let mut all = expected.clone();
+    all.push("after".into());
+    assert_eq!(subjects(&mut slow, 61).await, all);
+    emit(&app, Some("acme"), &["live"]).await;
+    assert_eq!(subjects(&mut slow, 1).await, ["live"]);
+    let metrics = app
+        .http
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("body");
+    let fallbacks: f64 = metric(&metrics, "compute_subscription_fallbacks_total");
+    assert!(
+        fallbacks >= 2.0,
+        "both fell behind the channel and caught up: {fallbacks}"
+    );
+    assert_eq!(metric(&metrics, "compute_subscriptions_open"), 2.0);
+    assert!(metric(&metrics, "compute_subscription_events_delivered_total") >= 124.0);
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} in /metrics"))
+}
+
+#[tokio::test]
+async fn a_cursor_before_the_pruned_front_is_expired() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2030-01-01T00:00:00Z").await;
+    let after = now(&app).await;
+    let member = app.member("acme");
+    let mut ws = subscribe(
+        &app,
+        &member,
+        "e",
+        EVENTS,
+        json!({ "after": after, "types": ["test.tick"] }),
+    )
+    .await;
+    emit(&app, Some("acme"), &["old", "older"]).await;
+    let old = next_msg(&mut ws).await;
+    let cursor = event_of(&old)["cursor"].clone();
+    assert_eq!(subjects(&mut ws, 1).await, ["older"]);
+    app.db.advance_clock(8 * 24 * 3600).await;
+    emit(&app, Some("acme"), &["new"]).await;
+    // Both old events go; the front is "older", so a client that saw only "old" has lost one.
+    let pruned =
+        compute_domain::outbox::prune(&app.db.db, compute_domain::outbox::RETENTION, None, 1000)
+            .await
+            .expect("prune");
+    assert!(pruned >= 2, "the week-old events are pruned");
+    let mut again = subscribe(&app, &member, "e", EVENTS, json!({ "after": cursor })).await;
+    let msg = next_msg(&mut again).await;
+    assert_eq!(msg["type"], "error", "{msg}");
+    assert_eq!(msg["payload"][0]["extensions"]["code"], "CURSOR_EXPIRED");
+    // The new event was kept: a cursor after the pruned front still works.
+    let front = next_msg(&mut ws).await;
+    assert_eq!(event_of(&front)["subject"], "new");
+}
+
+#[tokio::test]
+async fn the_legacy_graphql_ws_protocol() {
+    let app = spawn_app().await;
+    let after = now(&app).await;
+    let member = app.member("acme");
+    let mut ws = connect(&app, "graphql-ws").await;
+    send(&mut ws, json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {member}") } })).await;
+    assert_eq!(next_msg(&mut ws).await["type"], "connection_ack");
+    send(&mut ws, json!({ "id": "1", "type": "start", "payload": { "query": EVENTS, "variables": { "after": after, "types": ["test.tick"] } } })).await;
+    emit(&app, Some("acme"), &["x"]).await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "data", "{msg}");
+    assert_eq!(msg["id"], "1");
+    assert_eq!(msg["payload"]["data"]["events"]["subject"], "x");
+    send(
+        &mut ws,
+        json!({ "id": "2", "type": "start", "payload": { "query": "subscription { nope }" } }),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "error");
+    assert_eq!(
+        msg["payload"][0]["extensions"]["code"],
+        "GRAPHQL_VALIDATION_FAILED"
+    );
+    send(&mut ws, json!({ "id": "1", "type": "stop" })).await;
+    emit(&app, Some("acme"), &["y"]).await;
+    send(
+        &mut ws,
+        json!({ "id": "3", "type": "start", "payload": { "query": "{ viewer { subject } }" } }),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(
+        (msg["type"].clone(), msg["id"].clone()),
+        (json!("data"), json!("3")),
+        "nothing more of the stopped one: {msg}"
+    );
+    assert_eq!(
+        next_msg(&mut ws).await,
+        json!({ "id": "3", "type": "complete" })
+    );
+    let mut bad = connect(&app, "graphql-ws").await;
+    send(
+        &mut bad,
+        json!({ "type": "connection_init", "payload": { "Authorization": "Bearer nope" } }),
+    )
+    .await;
+    assert_eq!(next_msg(&mut bad).await["type"], "connection_error");
+    assert_eq!(close_of(&mut bad).await.0, 4403);
+}
+
+/// One server-sent event.
+#[derive(Debug, Default, Clone)]
+struct Sse {
+    event: String,
+    id: Option<String>,
+    data: String,
+}
+
+struct SseStream {
+    res: reqwest::Response,
+    buf: String,
+}
+
+impl SseStream {
+    async fn open(
+        app: &TestApp,
+        token: &str,
+        body: Value,
+        last_event_id: Option<&str>,
+    ) -> (u16, SseStream) {
+        let mut req = app
+            .http
+            .post(app.url("/graphql/stream"))
+            .header("Accept", "text/event-stream")
+            .bearer_auth(token)
+            .json(&body);
+        if let Some(id) = last_event_id {
+            req = req.header("Last-Event-ID", id);
+        }
+        let res = req.send().await.expect("POST /graphql/stream");
+        let status = res.status().as_u16();
+        assert_eq!(
+            res.headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("text/event-stream")
+        );
+        (
+            status,
+            SseStream {
+                res,
+                buf: String::new(),
+            },
+        )
+    }
+
+    /// The next event, skipping keep-alive comments.
+    async fn next(&mut self) -> Sse {
+        tokio::time::timeout(WAIT, async {
+            loop {
+                if let Some(end) = self.buf.find("\n\n") {
+                    let block: String = self.buf.drain(..end + 2).collect();
+                    let mut e = Sse::default();
+                    for line in block.lines() {
+                        if let Some(v) = line.strip_prefix("event:") {
+                            e.event = v.trim().to_owned();
+                        } else if let Some(v) = line.strip_prefix("id:") {
+                            e.id = Some(v.trim().to_owned());
+                        } else if let Some(v) = line.strip_prefix("data:") {
+                            e.data.push_str(v.trim_start());
+                        }
+                    }
+                    if e.event.is_empty() {
+                        continue; // a comment
+                    }
+                    return e;
+                }
+                let chunk = self
+                    .res
+                    .chunk()
+                    .await
+                    .expect("read")
+                    .expect("the stream is open");
+                self.buf
+                    .push_str(std::str::from_utf8(&chunk).expect("utf-8"));
+            }
+        })
+        .await
+        .expect("an event within 30 s")
+    }
+
+    async fn subjects(&mut self, n: usize) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let e = self.next().await;
+            assert_eq!(e.event, "next", "{e:?}");
+            let v: Value = serde_json::from_str(&e.data).expect("json");
+            let ev = &v["data"]["events"];
+            assert_eq!(
+                e.id.as_deref(),
+                ev["cursor"].as_str(),
+                "the id line holds the cursor"
+            );
+            out.push((
+                ev["subject"].as_str().expect("subject").to_owned(),
+                e.id.expect("id"),
+            ));
+        }
+        out
+    }
+}
+
+#[tokio::test]
+async fn sse_streams_and_resumes_with_last_event_id() {
+    let app = spawn_app().await;
+    let after = now(&app).await;
+    let member = app.member("acme");
+    let body = json!({ "query": EVENTS, "variables": { "after": after, "types": ["test.tick"] } });
+    let (status, mut sse) = SseStream::open(&app, &member, body.clone(), None).await;
+    assert_eq!(status, 200);
+    emit(&app, Some("acme"), &["a", "b"]).await;
+    let got = sse.subjects(2).await;
+    assert_eq!(got[0].0, "a");
+    assert_eq!(got[1].0, "b");
+    let last = got[0].1.clone();
+    drop(sse); // the connection drops after "a" was handled
+    emit(&app, Some("acme"), &["c"]).await;
+    let (_, mut sse) = SseStream::open(&app, &member, body.clone(), Some(&last)).await;
+    let got: Vec<String> = sse.subjects(2).await.into_iter().map(|(s, _)| s).collect();
+    assert_eq!(
+        got,
+        ["b", "c"],
+        "from Last-Event-ID: nothing lost, nothing doubled"
+    );
+    emit(&app, Some("acme"), &["d"]).await;
+    assert_eq!(sse.subjects(1).await[0].0, "d");
+
+    // The same on /graphql with Accept: text/event-stream, and a query ends with complete.
+    let res = app
+        .http
+        .post(app.url("/graphql"))
+        .header("Accept", "text/event-stream")
+        .bearer_auth(&member)
+        .json(&json!({ "query": "{ viewer { subject } }" }))
+        .send()
+        .await
+        .expect("post");
+    let mut q = SseStream {
+        res,
+        buf: String::new(),
+    };
+    let e = q.next().await;
+    assert_eq!(e.event, "next");
+    assert!(e.data.contains("alice@acme"), "{e:?}");
+    assert_eq!(q.next().await.event, "complete");
+
+    // A validation error is a `next` with errors on an accepted stream, then complete.
+    let (status, mut bad) = SseStream::open(
+        &app,
+        &member,
+        json!({ "query": "subscription { nope }" }),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let e = bad.next().await;
+    let v: Value = serde_json::from_str(&e.data).expect("json");
+    assert_eq!(
+        v["errors"][0]["extensions"]["code"],
+        "GRAPHQL_VALIDATION_FAILED"
+    );
+    assert_eq!(bad.next().await.event, "complete");
+    // A bad token is 401, so an EventSource does not retry it.
+    let (status, _) = SseStream::open(&app, "nope", body, None).await;
+    assert_eq!(status, 401);
+}
+
+#[tokio::test]
+async fn pool_capacity_follows_reservations_on_the_pool() {
+    let app = spawn_app().await;
+    let p = crate::reservations::pool(&app).await;
+    let after = now(&app).await;
+    let member = app.member("acme");
+    let mut ws = subscribe(
+        &app,
+        &member,
+        "p",
+        "subscription($id: ID!, $after: String) { poolCapacity(id: $id, after: $after) { id capacity { kind total free } } }",
+        json!({ "id": p.pool, "after": after }),
+    )
+    .await;
+    app.ok(
+        &member,
+        crate::reservations::CREATE,
+        crate::reservations::input(&p.pool, "dash", json!([{ "gpuCount": 2 }])),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "next", "{msg}");
+    let pool = &msg["payload"]["data"]["poolCapacity"];
+    assert_eq!(pool["id"], json!(p.pool));
+    let gpu = pool["capacity"]
+        .as_array()
+        .expect("capacity")
+        .iter()
+        .find(|c| c["kind"] == "GPU")
+        .expect("a GPU row")
+        .clone();
+    assert_eq!(
+        gpu["total"].as_i64().expect("total") - gpu["free"].as_i64().expect("free"),
+        2,
+        "the two GPUs just reserved are not free: {gpu}"
+    );
+    assert!(msg["payload"]["extensions"]["cursor"].is_string());
+}
+
+#[tokio::test]
+async fn shutdown_completes_subscriptions_then_closes() {
+    let app = spawn_app().await;
+    let member = app.member("acme");
+    let mut ws = subscribe(&app, &member, "e", EVENTS, json!({})).await;
+    // The subscription is running once the server counts it.
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let m = app
+                .http
+                .get(app.url("/metrics"))
+                .send()
+                .await
+                .expect("metrics")
+                .text()
+                .await
+                .expect("body");
+            if metric(&m, "compute_subscriptions_open") >= 1.0 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the subscription opens");
+    let closing = tokio::spawn(async move {
+        let complete = next_msg(&mut ws).await;
+        (complete, close_of(&mut ws).await)
+    });
+    app.shutdown().await;
+    let (complete, close) = closing.await.expect("join");
+    assert_eq!(complete, json!({ "id": "e", "type": "complete" }));
+    assert_eq!(close, (1001, "server shutting down".into()));
+}
