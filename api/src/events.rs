@@ -94,14 +94,17 @@ async fn start(ctx: &Context<'_>, after: Option<String>) -> async_graphql::Resul
             .transpose()
             .map_err(gql_error)?,
     };
+    // Checked against the front the tailer read with its last poll, so thousands of clients
+    // resuming after a restart cost no query each; a feed that must read the database checks
+    // the front there again.
+    let tailer = tailer(ctx)?;
     match given {
         Some(c) => {
-            outbox::check_not_expired(db(ctx)?, c)
-                .await
-                .map_err(gql_error)?;
+            tailer.present().await;
+            tailer.check_not_expired(c).map_err(gql_error)?;
             Ok(c)
         }
-        None => Ok(tailer(ctx)?.present().await),
+        None => Ok(tailer.present().await),
     }
 }
 

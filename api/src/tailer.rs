@@ -103,6 +103,8 @@ struct State {
     ring: VecDeque<Arc<Event>>,
     /// The ring holds every event after this cursor.
     ring_floor: Cursor,
+    /// The outbox's pruned front at the last read: a cursor before it is expired.
+    front: Cursor,
     channels: HashMap<Topic, broadcast::Sender<Arc<Event>>>,
 }
 
@@ -130,6 +132,7 @@ impl Tailer {
                 cursor: Cursor::START,
                 ring: VecDeque::new(),
                 ring_floor: Cursor::START,
+                front: Cursor::START,
                 channels: HashMap::new(),
             }),
             poke: Notify::new(),
@@ -170,8 +173,16 @@ impl Tailer {
     pub async fn run(self, stop: impl std::future::Future<Output = ()>) {
         tokio::pin!(stop);
         let start = loop {
-            match outbox::head(&self.0.db).await {
-                Ok(c) => break c,
+            let read = async {
+                let head = outbox::head(&self.0.db).await?;
+                let front = outbox::pruned_through(&self.0.db).await?;
+                Ok::<_, compute_domain::Error>((head, front))
+            };
+            match read.await {
+                Ok((head, front)) => {
+                    self.lock().front = front;
+                    break head;
+                }
                 Err(e) => {
                     warn!(error = %e, "outbox tailer: cannot read the head of the outbox; retrying in 1 s");
                     tokio::select! {
@@ -189,7 +200,6 @@ impl Tailer {
         self.0.started.send_replace(true);
         info!(cursor = %start.encode(), "outbox tailer started");
         let listener = tokio::spawn(listen(self.0.db.clone(), self.clone()));
-        let all = EventFilter::default();
         const BATCH: i64 = 1000;
         // After a poke that found nothing (an older transaction still running holds the rows
         // back), look again soon rather than a whole poll interval later.
@@ -197,8 +207,9 @@ impl Tailer {
         loop {
             let cursor = self.lock().cursor;
             self.0.stats.polls.fetch_add(1, Ordering::Relaxed);
-            let wait = match outbox::read_after(&self.0.db, cursor, &all, BATCH).await {
-                Ok(events) => {
+            let wait = match outbox::read_all_after(&self.0.db, cursor, BATCH).await {
+                Ok((events, front)) => {
+                    self.lock().front = front;
                     let full = events.len() as i64 == BATCH;
                     let n = events.len();
                     if let Some(last) = events.last() {
@@ -303,6 +314,12 @@ impl Tailer {
         (rx, backlog)
     }
 
+    /// `CURSOR_EXPIRED` when `after` is before the pruned front the tailer saw at its last read
+    /// (at most a poll interval old; a feed that must read the database checks again there).
+    pub fn check_not_expired(&self, after: Cursor) -> compute_domain::Result<()> {
+        outbox::check_against(self.lock().front, after)
+    }
+
     /// Wakes the tailer now.
     pub fn poke(&self) {
         self.0.poke.notify_one();
@@ -379,6 +396,9 @@ impl Feed {
                 continue;
             }
             if self.catching_up {
+                // Only a feed that must read the database can find events pruned: one whose
+                // cursor the ring still covers gets everything from memory.
+                outbox::check_not_expired(self.tailer.db(), self.cursor).await?;
                 let events =
                     outbox::read_after(self.tailer.db(), self.cursor, &self.filter, CATCH_UP_BATCH)
                         .await?;

@@ -109,7 +109,12 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
         Ok(ws) => ws,
         Err(rejection) => return rejection.into_response(),
     };
+    // tungstenite's defaults (128 KiB read and write buffers per connection) would cost
+    // ~150 KiB for every idle subscriber; GraphQL messages are small, and the buffers grow when
+    // one is not.
     ws.protocols([protocol.name()])
+        .read_buffer_size(4 * 1024)
+        .write_buffer_size(0)
         .on_upgrade(move |socket| serve(app, socket, protocol, header_viewer))
 }
 

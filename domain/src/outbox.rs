@@ -164,6 +164,75 @@ pub async fn read_after(
         .collect())
 }
 
+/// One row of [`read_all_after`]: the front, and an event when there is one.
+#[derive(sqlx::FromRow)]
+struct FrontAndEvent {
+    front_txid: i64,
+    front_seq: i64,
+    id: Option<String>,
+    #[sqlx(rename = "type")]
+    event_type: Option<String>,
+    tenant_id: Option<String>,
+    subject: Option<String>,
+    data: Option<Value>,
+    time: Option<chrono::DateTime<chrono::Utc>>,
+    txid: Option<i64>,
+    seq: Option<i64>,
+}
+
+/// [`read_after`] without a filter, and the pruned front ([`pruned_through`]) in the same
+/// statement: what a tailer needs each poll, in one round trip.
+pub async fn read_all_after(
+    db: &crate::db::Db,
+    after: Cursor,
+    limit: i64,
+) -> crate::Result<(Vec<Event>, Cursor)> {
+    let rows: Vec<FrontAndEvent> = sqlx::query_as(
+        "SELECT r.pruned_txid::text::bigint AS front_txid, r.pruned_seq AS front_seq, \
+                o.id, o.type, o.tenant_id, o.subject, o.data, o.time, o.txid, o.seq \
+           FROM outbox_retention r \
+           LEFT JOIN LATERAL ( \
+                SELECT o.id, o.type, o.tenant_id, o.subject, o.data, o.time, \
+                       o.txid::text::bigint AS txid, o.seq \
+                  FROM outbox o \
+                 WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
+                   AND (o.txid, o.seq) > ($1::text::xid8, $2) \
+                 ORDER BY o.txid, o.seq LIMIT $3) o ON true \
+          WHERE r.singleton \
+          ORDER BY o.txid, o.seq",
+    )
+    .bind(after.txid.to_string())
+    .bind(after.seq)
+    .bind(limit)
+    .fetch_all(db.pool())
+    .await?;
+    let front = rows
+        .first()
+        .map(|r| Cursor {
+            txid: r.front_txid,
+            seq: r.front_seq,
+        })
+        .unwrap_or(Cursor::START);
+    let events = rows
+        .into_iter()
+        .filter_map(|r| {
+            let (txid, seq) = (r.txid?, r.seq?);
+            Some(Event {
+                id: r.id?,
+                cursor: Some(Cursor { txid, seq }),
+                event_type: r.event_type?,
+                tenant_id: r.tenant_id,
+                subject: r.subject?,
+                data: r.data?,
+                time: r.time?,
+                txid,
+                seq,
+            })
+        })
+        .collect();
+    Ok((events, front))
+}
+
 /// The cursor of the present: after the last event a reader may take now. A subscription without
 /// `after` starts here.
 pub async fn head(db: &crate::db::Db) -> crate::Result<Cursor> {
@@ -194,7 +263,11 @@ pub async fn pruned_through(db: &crate::db::Db) -> crate::Result<Cursor> {
 
 /// Fails with `CURSOR_EXPIRED` when events after `after` may have been pruned.
 pub async fn check_not_expired(db: &crate::db::Db, after: Cursor) -> crate::Result<()> {
-    let front = pruned_through(db).await?;
+    check_against(pruned_through(db).await?, after)
+}
+
+/// `CURSOR_EXPIRED` when `after` is before `front`, the pruned front of the outbox.
+pub fn check_against(front: Cursor, after: Cursor) -> crate::Result<()> {
     if after < front {
         return Err(crate::Error::CursorExpired(format!(
             "the cursor {} is older than the outbox retention window; resubscribe without `after`",

@@ -12,6 +12,7 @@ pub mod sqlscan;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use compute_api::auth::{Claims, KeySource, Role, Secret, Verifier};
@@ -359,7 +360,8 @@ pub const TEST_SECRET: &str = "test-secret-test-secret-test-secret-0123";
 /// The real server on a loopback port, on a database of its own.
 pub struct TestApp {
     pub addr: SocketAddr,
-    pub db: TestDb,
+    /// The database; shared with any other API process started on it ([`spawn_app_sharing`]).
+    pub db: Arc<TestDb>,
     pub http: reqwest::Client,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
@@ -391,6 +393,19 @@ pub async fn spawn_app_on(db: TestDb) -> TestApp {
 
 /// Starts the API on `127.0.0.1:0` over `db`, with the streaming settings `stream`.
 pub async fn spawn_app_with(db: TestDb, stream: compute_api::tailer::StreamConfig) -> TestApp {
+    start_app(Arc::new(db), stream).await
+}
+
+/// A second API process (as far as the database can tell) on the database of `other`.
+pub async fn spawn_app_sharing(other: &TestApp) -> TestApp {
+    start_app(
+        other.db.clone(),
+        compute_api::tailer::StreamConfig::default(),
+    )
+    .await
+}
+
+async fn start_app(db: Arc<TestDb>, stream: compute_api::tailer::StreamConfig) -> TestApp {
     init_logging();
     let verifier = Verifier::new(
         KeySource::Hs256(Secret::new(TEST_SECRET)),

@@ -194,7 +194,7 @@ async fn main() {
                     let now = start.elapsed().as_micros() as u64;
                     if let Some(n) = event_number(t.as_str()) {
                         let sent = sent_at[n].load(Ordering::Relaxed);
-                        latencies.push(now.saturating_sub(sent));
+                        latencies.push((n, now.saturating_sub(sent)));
                         received.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -256,13 +256,19 @@ async fn main() {
         .to_owned();
     let _ = server.start_kill();
     let _ = server.wait().await;
-    let mut latencies: Vec<u64> = Vec::with_capacity(expected);
+    let mut by_event: Vec<(usize, u64)> = Vec::with_capacity(expected);
     for r in readers {
         if let Ok(l) = r.await {
-            latencies.extend(l);
+            by_event.extend(l);
         }
     }
+    let mut latencies: Vec<u64> = by_event.iter().map(|(_, l)| *l).collect();
     latencies.sort_unstable();
+    // The worst second tells a steady cost from a periodic one.
+    let mut per_second: Vec<Vec<u64>> = vec![Vec::new(); seconds];
+    for (n, l) in &by_event {
+        per_second[(n / rate).min(seconds - 1)].push(*l);
+    }
     let got = latencies.len();
     let ms = |us: u64| us as f64 / 1000.0;
     println!(
@@ -284,6 +290,14 @@ async fn main() {
         ms(percentile(&latencies, 0.99)),
         ms(latencies.last().copied().unwrap_or(0))
     );
+    let p99s: Vec<String> = per_second
+        .iter_mut()
+        .map(|v| {
+            v.sort_unstable();
+            format!("{:.0}", ms(percentile(v, 0.99)))
+        })
+        .collect();
+    println!("p99 ms by second   {}", p99s.join(" "));
     println!(
         "API memory (RSS)   idle {} MiB, {} subscribers {} MiB, peak {} MiB",
         rss_idle / 1024,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use compute_api::auth::Role;
 use compute_api::tailer::StreamConfig;
-use compute_tests::{TestApp, claims, mint, spawn_app, spawn_app_with, test_db};
+use compute_tests::{TestApp, claims, mint, spawn_app, spawn_app_sharing, spawn_app_with, test_db};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
@@ -490,7 +490,9 @@ async fn a_cursor_before_the_pruned_front_is_expired() {
             .await
             .expect("prune");
     assert!(pruned >= 2, "the week-old events are pruned");
-    let mut again = subscribe(&app, &member, "e", EVENTS, json!({ "after": cursor })).await;
+    // A client that reconnects, to another API process, with the cursor of "old".
+    let other = spawn_app_sharing(&app).await;
+    let mut again = subscribe(&other, &member, "e", EVENTS, json!({ "after": cursor })).await;
     let msg = next_msg(&mut again).await;
     assert_eq!(msg["type"], "error", "{msg}");
     assert_eq!(msg["payload"][0]["extensions"]["code"], "CURSOR_EXPIRED");
