@@ -330,16 +330,21 @@ pub async fn dev(args: DevArgs) -> Result<()> {
         pg.map(|p| p.port()).unwrap_or_default(),
     );
     drop(out);
-    // Every role in-process: the reservation reconciler (the workers' only role built so far).
+    // Every worker role in-process: the work queue, the resync, pruning and webhook delivery.
     let (stop_workers, workers_stopped) = tokio::sync::oneshot::channel::<()>();
-    let reconciler = tokio::spawn(
-        compute_workers::Reconciler::new(database.db.clone(), "dev").run(
-            std::time::Duration::from_secs(1),
-            async move {
-                let _ = workers_stopped.await;
-            },
-        ),
-    );
+    let reconciler = tokio::spawn(compute_workers::run(
+        database.db.clone(),
+        compute_workers::Options {
+            role: compute_workers::Role::All,
+            owner: format!("dev:{}", std::process::id()),
+            resync_every: std::time::Duration::from_secs(5),
+            queue_idle: std::time::Duration::from_millis(200),
+        },
+        None,
+        async move {
+            let _ = workers_stopped.await;
+        },
+    ));
     let served = server.run(listener, shutdown_signal()).await;
     let _ = stop_workers.send(());
     let _ = reconciler.await;

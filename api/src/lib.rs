@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod reservations;
 pub mod schema;
 pub mod server;
+pub mod sinks;
 pub mod sse;
 pub mod tailer;
 pub mod ws;

@@ -18,6 +18,7 @@ pub struct Query(
     crate::fleet::FleetQuery,
     crate::reservations::ReservationQuery,
     crate::events::EventsQuery,
+    crate::sinks::SinkQuery,
 );
 
 /// The root of every mutation.
@@ -25,6 +26,7 @@ pub struct Query(
 pub struct Mutation(
     crate::fleet_mutations::FleetMutation,
     crate::reservations::ReservationMutation,
+    crate::sinks::SinkMutation,
 );
 
 /// Set by a resolver that returns a stored idempotent response; the transport then adds

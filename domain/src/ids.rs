@@ -5,7 +5,9 @@
 //! ids of the same shape.
 
 /// The prefixes of the system's entities.
-pub const PREFIXES: [&str; 8] = ["site", "pool", "node", "dev", "rsv", "alc", "cmd", "evt"];
+pub const PREFIXES: [&str; 9] = [
+    "site", "pool", "node", "dev", "rsv", "alc", "cmd", "evt", "snk",
+];
 
 /// A new id with `prefix`, time-ordered by the wall clock of this process.
 pub fn new_id(prefix: &str) -> String {

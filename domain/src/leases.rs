@@ -97,3 +97,15 @@ pub async fn check(conn: &mut PgConnection, fence: &Fence) -> Result<()> {
     }
     Ok(())
 }
+
+/// How many unexpired leases have a name starting with `prefix` (the live workers, from their
+/// presence leases).
+pub async fn count_live(db: &Db, prefix: &str) -> Result<i64> {
+    let (n,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM leases WHERE starts_with(name, $1) AND expires_at > compute_now()",
+    )
+    .bind(prefix)
+    .fetch_one(db.pool())
+    .await?;
+    Ok(n)
+}

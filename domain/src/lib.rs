@@ -15,6 +15,7 @@ pub mod outbox;
 pub mod page;
 pub mod quota;
 pub mod reservations;
+pub mod sinks;
 pub mod work_queue;
 
 pub use error::{Error, ErrorCode, Result};

@@ -20,6 +20,17 @@ pub struct Item {
     pub attempts: i32,
 }
 
+/// How many shards each kind of work is split into; a worker holds the lease
+/// `shard:<kind>:<n>` of each shard it works on.
+pub const SHARDS: i32 = 8;
+
+/// Reconcile one reservation (key: its id): start, expire or retry it when due.
+pub const RESERVATION: &str = "reservation";
+/// Recompute one pool's capacity rollup (key: the pool's id).
+pub const POOL_CAPACITY: &str = "pool_capacity";
+/// Work that does nothing, for the benchmark of the queue itself.
+pub const NOOP: &str = "noop";
+
 /// The longest backoff after failures.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
 
@@ -72,6 +83,33 @@ pub async fn claim(
     .bind(claim_for.as_secs_f64())
     .fetch_all(&mut *conn)
     .await?)
+}
+
+/// Finishes a claimed item whose run succeeded. If nobody enqueued it again meanwhile, it is
+/// deleted, or, when `next` is given, kept and due again at `next` (a reconciler's next
+/// wake-up); if it was enqueued again, it stays, unclaimed, and runs again. Returns whether the
+/// claimed generation was the last one.
+pub async fn finish(
+    conn: &mut PgConnection,
+    item: &Item,
+    next: Option<chrono::DateTime<chrono::Utc>>,
+) -> Result<bool> {
+    let (current,): (bool,) = sqlx::query_as(
+        "WITH gone AS (DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3 AND $4::timestamptz IS NULL RETURNING 1), \
+              later AS (UPDATE work_queue SET not_before = $4, claimed_until = NULL, claimed_gen = NULL, attempts = 0, \
+                               last_error = NULL, updated_at = compute_now() \
+                         WHERE kind = $1 AND key = $2 AND gen = $3 AND $4::timestamptz IS NOT NULL RETURNING 1), \
+              again AS (UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL, updated_at = compute_now() \
+                         WHERE kind = $1 AND key = $2 AND gen <> $3 RETURNING 1) \
+         SELECT EXISTS (SELECT 1 FROM gone) OR EXISTS (SELECT 1 FROM later)",
+    )
+    .bind(&item.kind)
+    .bind(&item.key)
+    .bind(item.generation)
+    .bind(next)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(current)
 }
 
 /// Marks a claimed item done: deleted only if nobody enqueued it again meanwhile; otherwise it

@@ -1,16 +1,29 @@
 //! The background side of Better Compute, run by the `compute-worker` binary and in-process by
 //! `compute-api dev`.
 //!
-//! Built so far: the reservation reconciler ([`Reconciler`]) under the lease
-//! `singleton:reservations`: it retries pending reservations, starts and expires them with time,
-//! fails those on lost nodes, and prunes idempotency keys. Its steps are level-triggered and safe
-//! to run twice or concurrently (every change is a guarded update of the state table's
-//! transitions); the lease keeps two processes from doing the same work, not from corrupting it.
-//! Still to come (the workers issue): sharded work-queue loops, the capacity-rollup reconciler,
-//! outbox pruning, webhook delivery, and the worker's own `/metrics` and `/healthz`.
+//! - [`queue::QueueWorker`]: the sharded work-queue loop. Each process holds a fair share of the
+//!   shard leases `shard:<kind>:<n>` and runs the reconcilers of the keys enqueued in them:
+//!   `reservation` (start, expire, retry one reservation) and `pool_capacity` (keep one pool's
+//!   rollup true).
+//! - [`Reconciler`]: under `singleton:reservations`, the resync: every pass looks for any
+//!   reservation whose time has come however it was missed (a lost queue row only costs time),
+//!   and hourly it prunes idempotency keys and the outbox.
+//! - [`dispatch::Dispatcher`]: webhook delivery, one task per sink under
+//!   `singleton:outbox-dispatch:<sink id>`.
+//! - [`lease::HeldLease`]: leases renewed in the background, whose loss cancels the work bound
+//!   to them at once.
+//!
+//! Every step is level-triggered and safe to run twice (guarded updates of the state table's
+//! transitions; fenced transactions for what a lease owns).
 //!
 //! Architecture invariant: no GraphQL here, and no SQL text: statements live in
 //! `compute-domain`.
+
+pub mod cli;
+pub mod dispatch;
+pub mod http;
+pub mod lease;
+pub mod queue;
 
 use std::future::Future;
 use std::time::Duration;
@@ -43,6 +56,13 @@ impl Role {
         }
     }
 }
+
+/// Outbox events older than this are pruned even if a sink has not received them (the sink is
+/// then marked `behind`).
+pub const HARD_MAX_AGE: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// How often the reservation resync runs by default.
+pub const RESYNC_EVERY: Duration = Duration::from_secs(60);
 
 /// The lease the reservation reconciler runs under.
 pub const RESERVATIONS_LEASE: &str = "singleton:reservations";
@@ -121,8 +141,9 @@ impl Reconciler {
         }
     }
 
-    /// Runs passes every `every` until `stop` resolves; prunes idempotency keys and
-    /// outbox events past their retention hourly. A pass
+    /// Runs passes every `every` until `stop` resolves; prunes idempotency keys and outbox
+    /// events past their retention hourly (never events an active sink still needs, unless they
+    /// are past [`HARD_MAX_AGE`]). A pass
     /// that fails is logged and the loop goes on; a lost lease stops the work at the next pass.
     pub async fn run(mut self, every: Duration, stop: impl Future<Output = ()>) {
         tokio::pin!(stop);
@@ -159,7 +180,7 @@ impl Reconciler {
                             Ok(n) => info!(idempotency.pruned = n, "idempotency keys pruned"),
                             Err(e) => warn!(error = %e, "pruning idempotency keys failed"),
                         }
-                        match compute_domain::outbox::prune(&self.db, compute_domain::outbox::RETENTION, None, 10_000).await {
+                        match compute_domain::sinks::prune_outbox(&self.db, compute_domain::outbox::RETENTION, HARD_MAX_AGE).await {
                             Ok(n) => info!(outbox.pruned = n, "outbox events past the retention window pruned"),
                             Err(e) => warn!(error = %e, "pruning the outbox failed"),
                         }
@@ -167,5 +188,66 @@ impl Reconciler {
                 }
             }
         }
+    }
+}
+
+/// What a worker process runs, and how.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub role: Role,
+    /// Names this process in every lease it takes.
+    pub owner: String,
+    /// How often the resync runs.
+    pub resync_every: Duration,
+    /// How long the queue loop idles when nothing is due.
+    pub queue_idle: Duration,
+}
+
+/// The counters of one worker process, for its `/metrics`.
+#[derive(Clone)]
+pub struct Stats {
+    pub queue: std::sync::Arc<queue::QueueStats>,
+    pub dispatch: std::sync::Arc<dispatch::DispatchStats>,
+}
+
+/// Runs the roles of `options` until `stop` resolves, then lets every lease go.
+pub async fn run(
+    db: Db,
+    options: Options,
+    stats_out: Option<tokio::sync::oneshot::Sender<Stats>>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let reconcile = matches!(options.role, Role::Reconcile | Role::All);
+    let outbox = matches!(options.role, Role::Outbox | Role::All);
+    let queue = queue::QueueWorker::new(db.clone(), options.owner.clone(), &queue::KINDS);
+    let dispatcher = dispatch::Dispatcher::new(db.clone(), options.owner.clone());
+    if let Some(tx) = stats_out {
+        let _ = tx.send(Stats {
+            queue: queue.stats(),
+            dispatch: dispatcher.stats(),
+        });
+    }
+    let mut tasks = Vec::new();
+    if reconcile {
+        tasks.push(tokio::spawn(
+            queue.run(options.queue_idle, stopped(stop_rx.clone())),
+        ));
+        tasks.push(tokio::spawn(
+            Reconciler::new(db.clone(), options.owner.clone())
+                .run(options.resync_every, stopped(stop_rx.clone())),
+        ));
+    }
+    if outbox {
+        tasks.push(tokio::spawn(dispatcher.run(stopped(stop_rx.clone()))));
+    }
+    info!(role = ?options.role, owner = %options.owner, "worker running");
+    stop.await;
+    let _ = stop_tx.send(true);
+    for t in tasks {
+        let _ = t.await;
     }
 }

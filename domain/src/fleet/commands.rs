@@ -448,7 +448,55 @@ async fn adjust_rollup(
         .bind(device_ids)
         .execute(&mut *conn)
         .await?;
+    // The rollup reconciler checks the pools against the atoms, in this transaction (the
+    // work-queue rows come last in the lock order).
+    sqlx::query(
+        "INSERT INTO work_queue AS w (kind, key, shard) \
+         SELECT DISTINCT $2, n.pool_id, (abs(hashtextextended(n.pool_id, 0)) % $3)::int \
+           FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = ANY($1) ORDER BY 2 \
+         ON CONFLICT (kind, key) DO UPDATE SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), \
+            updated_at = compute_now()",
+    )
+    .bind(device_ids)
+    .bind(crate::work_queue::POOL_CAPACITY)
+    .bind(crate::work_queue::SHARDS)
+    .execute(&mut *conn)
+    .await?;
     Ok(())
+}
+
+/// The pool capacity reconciler's work for one pool (a work-queue key): makes the pool's rollup
+/// rows equal the atoms of its nodes that are not retired, counted again from the atoms. Returns
+/// how many rows it had to correct (0 when the rollup was true).
+pub async fn recompute_rollup(db: &Db, pool_id: &str) -> Result<u64> {
+    db.tx(TxKind::Maintenance, |conn| {
+        let pool_id = pool_id.to_owned();
+        Box::pin(async move {
+            let (fixed,): (i64,) = sqlx::query_as(
+                "WITH truth AS ( \
+                     SELECT d.model, a.kind, coalesce(a.profile, '') AS profile, count(*)::int AS atoms \
+                       FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id \
+                      WHERE n.pool_id = $1 AND n.retired_at IS NULL GROUP BY 1, 2, 3), \
+                   upserted AS ( \
+                     INSERT INTO pool_capacity_rollup AS r (pool_id, model, kind, profile, atoms) \
+                     SELECT $1, t.model, t.kind, t.profile, t.atoms FROM truth t ORDER BY 2, 3, 4 \
+                     ON CONFLICT (pool_id, model, kind, profile) DO UPDATE \
+                        SET atoms = EXCLUDED.atoms, version = r.version + 1 WHERE r.atoms <> EXCLUDED.atoms \
+                     RETURNING 1), \
+                   zeroed AS ( \
+                     UPDATE pool_capacity_rollup r SET atoms = 0, version = r.version + 1 \
+                      WHERE r.pool_id = $1 AND r.atoms <> 0 \
+                        AND NOT EXISTS (SELECT 1 FROM truth t WHERE t.model = r.model AND t.kind = r.kind AND t.profile = r.profile) \
+                     RETURNING 1) \
+                 SELECT (SELECT count(*) FROM upserted) + (SELECT count(*) FROM zeroed)",
+            )
+            .bind(&pool_id)
+            .fetch_one(&mut *conn)
+            .await?;
+            Ok(fixed as u64)
+        })
+    })
+    .await
 }
 
 /// Registers a node with its resources and GPUs, and their atoms.

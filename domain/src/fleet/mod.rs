@@ -149,13 +149,13 @@ const NODE_SCHEDULABLE: &str =
 const DEVICE_SCHEDULABLE: &str = "d.health <> 'unhealthy' AND NOT d.quarantined";
 
 /// A SELECT being built, with its WHERE conditions.
-struct Select<'a> {
+pub(crate) struct Select<'a> {
     qb: QueryBuilder<'a, Postgres>,
     has_where: bool,
 }
 
 impl<'a> Select<'a> {
-    fn new(sql: impl Into<String>) -> Self {
+    pub(crate) fn new(sql: impl Into<String>) -> Self {
         Select {
             qb: QueryBuilder::new(sql.into()),
             has_where: false,
@@ -163,7 +163,7 @@ impl<'a> Select<'a> {
     }
 
     /// Starts one more condition.
-    fn and(&mut self) -> &mut QueryBuilder<'a, Postgres> {
+    pub(crate) fn and(&mut self) -> &mut QueryBuilder<'a, Postgres> {
         self.qb
             .push(if self.has_where { " AND " } else { " WHERE " });
         self.has_where = true;
@@ -171,7 +171,7 @@ impl<'a> Select<'a> {
     }
 
     /// Runs the query as one page ordered by `key`.
-    async fn fetch_page<T>(self, db: &Db, key: &str, page: &PageArgs) -> Result<Page<T>>
+    pub(crate) async fn fetch_page<T>(self, db: &Db, key: &str, page: &PageArgs) -> Result<Page<T>>
     where
         T: for<'r> FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
     {

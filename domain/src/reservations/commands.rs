@@ -75,6 +75,15 @@ async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: &str) -> R
         },
     )
     .await?;
+    // Its reconciler looks at it again (and sets its next wake-up), in this transaction.
+    crate::work_queue::enqueue(
+        conn,
+        crate::work_queue::RESERVATION,
+        &rsv.id,
+        crate::work_queue::SHARDS,
+        std::time::Duration::ZERO,
+    )
+    .await?;
     Ok(())
 }
 

@@ -14,19 +14,106 @@ use crate::fleet::model::AtomKind;
 /// Moves every scheduled reservation whose window has started to `active`, with its event, in one
 /// statement.
 pub async fn activate_due(db: &Db) -> Result<u64> {
+    activate(db, None).await
+}
+
+/// [`activate_due`] for every due reservation, or only `id`; the moved ones are enqueued for
+/// their reconciler (their next wake-up is their end).
+async fn activate(db: &Db, id: Option<&str>) -> Result<u64> {
     db.tx(TxKind::Maintenance, |conn| {
+        let id = id.map(str::to_owned);
         Box::pin(async move {
             let (n,): (i64,) = sqlx::query_as(&format!(
                 "WITH moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now() \
-                   WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() RETURNING {RSV_COLS}) \
-                 SELECT count(compute_emit('reservation.active', m.tenant_id, m.id, jsonb_build_object('reservation', to_jsonb(m)))) FROM moved m"
+                   WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() AND ($1::text IS NULL OR r.id = $1) \
+                   RETURNING {RSV_COLS}), \
+                      woken AS (INSERT INTO work_queue AS w (kind, key, shard) \
+                                SELECT $2, m.id, (abs(hashtextextended(m.id, 0)) % $3)::int FROM moved m ORDER BY m.id \
+                                ON CONFLICT (kind, key) DO UPDATE SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), \
+                                   updated_at = compute_now() \
+                                RETURNING 1) \
+                 SELECT count(compute_emit('reservation.active', m.tenant_id, m.id, jsonb_build_object('reservation', to_jsonb(m)))) \
+                        + 0 * (SELECT count(*) FROM woken) FROM moved m"
             ))
+            .bind(id)
+            .bind(crate::work_queue::RESERVATION)
+            .bind(crate::work_queue::SHARDS)
             .fetch_one(&mut *conn)
             .await?;
             Ok(n as u64)
         })
     })
     .await
+}
+
+/// What [`reconcile_one`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    Nothing,
+    Placed,
+    StillPending,
+    Started,
+    Expired,
+}
+
+/// The reservation reconciler's work for one reservation (a work-queue key): does what is due
+/// now (place a pending one whose retry time has come, start a scheduled one whose window has
+/// begun, expire one whose window has ended), and returns when it is due again (`None` when it
+/// is terminal). Level-triggered: running it again, or early, does nothing wrong.
+pub async fn reconcile_one(
+    db: &Db,
+    id: &str,
+) -> Result<(Step, Option<chrono::DateTime<chrono::Utc>>)> {
+    let load = || async {
+        let found: Option<Reservation> = sqlx::query_as(&format!(
+            "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(db.pool())
+        .await?;
+        Ok::<_, Error>(found)
+    };
+    let Some(rsv) = load().await? else {
+        return Ok((Step::Nothing, None));
+    };
+    let now = db.compute_now().await?;
+    let live = matches!(rsv.state.as_str(), "pending" | "scheduled" | "active");
+    let mut step = Step::Nothing;
+    if live && rsv.ends_at <= now {
+        match commands::expire(db, id).await {
+            Ok(()) | Err(Error::Conflict { .. }) => step = Step::Expired,
+            Err(e) => return Err(e),
+        }
+    } else if rsv.state == "pending" && rsv.next_attempt_at.is_none_or(|t| t <= now) {
+        let allocations: Vec<Allocation> = sqlx::query_as(&format!(
+            "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
+        ))
+        .bind(id)
+        .fetch_all(db.pool())
+        .await?;
+        let requests = allocations
+            .iter()
+            .map(|a| request_of(a).map(|r| (a.id.clone(), r)))
+            .collect::<Result<Vec<_>>>()?;
+        step = match commands::place_pending(db, id, requests).await {
+            Ok(true) => Step::Placed,
+            Ok(false) | Err(Error::Conflict { .. }) => Step::StillPending,
+            Err(e) => return Err(e),
+        };
+    } else if rsv.state == "scheduled" && rsv.starts_at <= now {
+        activate(db, Some(id)).await?;
+        step = Step::Started;
+    }
+    let next = match load().await? {
+        Some(r) => match r.state.as_str() {
+            "pending" => Some(r.next_attempt_at.map_or(r.ends_at, |t| t.min(r.ends_at))),
+            "scheduled" => Some(r.starts_at.min(r.ends_at)),
+            "active" => Some(r.ends_at),
+            _ => None,
+        },
+        None => None,
+    };
+    Ok((step, next))
 }
 
 /// Expires every pending, scheduled or active reservation whose window has ended: quota first,

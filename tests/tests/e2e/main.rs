@@ -15,3 +15,4 @@ mod subscriptions;
 mod torture;
 mod transactions;
 mod websocket;
+mod workers;

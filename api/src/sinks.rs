@@ -1,0 +1,298 @@
+//! Webhook sinks in the graph: a tenant's (or, for operators, the fleet's) event sinks, their
+//! delivery state, and the mutations that manage them.
+
+use async_graphql::connection::{Connection, Edge};
+use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
+use chrono::{DateTime, Utc};
+use compute_domain::Error;
+use compute_domain::page::{PageRequest, encode_cursor};
+use compute_domain::sinks::{self, Scope, Sink, SinkChange};
+
+use crate::auth::Role;
+use crate::schema::{db, gql_error, viewer};
+
+/// Whose sinks the caller manages: a member its tenant's; an operator the fleet's (which
+/// receive every event) and, to look at, every tenant's.
+fn scope(ctx: &Context<'_>) -> async_graphql::Result<(Scope, String)> {
+    let v = viewer(ctx)?;
+    let tenant_id = if v.has_role(Role::Operator) {
+        None
+    } else if v.has_role(Role::Member) {
+        Some(
+            v.tenant
+                .clone()
+                .ok_or_else(|| gql_error(Error::Forbidden("your token names no tenant".into())))?,
+        )
+    } else {
+        return Err(gql_error(Error::Forbidden(
+            "event sinks are for members and operators".into(),
+        )));
+    };
+    Ok((Scope { tenant_id }, v.subject.clone()))
+}
+
+fn sink_id(field: &str, id: &ID) -> async_graphql::Result<String> {
+    compute_domain::fleet::model::parse_id(field, "snk", id.as_str()).map_err(gql_error)
+}
+
+/// How a sink's delivery is going.
+#[derive(Enum, Clone, Copy, PartialEq, Eq)]
+pub enum EventSinkState {
+    /// Delivering, or nothing to deliver.
+    Healthy,
+    /// Its last deliveries failed; it is retried with backoff.
+    Failing,
+    /// Events it had not received were pruned past the outbox's hard maximum age.
+    Behind,
+}
+
+/// Where events are POSTed, signed, at least once, in order.
+pub struct EventSinkObj(Sink);
+
+#[Object(name = "EventSink")]
+impl EventSinkObj {
+    /// The sink's id (`snk_…`).
+    async fn id(&self) -> ID {
+        ID(self.0.id.clone())
+    }
+    /// The tenant whose events it receives; null for an operator's sink of every event.
+    async fn tenant_id(&self) -> Option<&str> {
+        self.0.tenant_id.as_deref()
+    }
+    /// Where each event is POSTed.
+    async fn url(&self) -> &str {
+        &self.0.url
+    }
+    /// The event types it receives; every type when empty.
+    async fn types(&self) -> &[String] {
+        &self.0.types
+    }
+    /// Whether it is delivered.
+    async fn active(&self) -> bool {
+        self.0.active
+    }
+    /// How delivery is going.
+    async fn state(&self) -> EventSinkState {
+        match self.0.state.as_str() {
+            "failing" => EventSinkState::Failing,
+            "behind" => EventSinkState::Behind,
+            _ => EventSinkState::Healthy,
+        }
+    }
+    /// After the last event delivered (an event cursor, as subscriptions use).
+    async fn cursor(&self) -> String {
+        self.0.cursor().encode()
+    }
+    /// Seconds since the oldest event it has not received yet was committed; 0 when it has
+    /// everything.
+    async fn lag_seconds(&self) -> f64 {
+        self.0.lag_seconds
+    }
+    /// Events delivered so far.
+    async fn delivered(&self) -> i64 {
+        self.0.delivered
+    }
+    /// Failures in a row.
+    async fn failures(&self) -> i32 {
+        self.0.failures
+    }
+    /// When it is tried again, while it backs off.
+    async fn next_attempt_at(&self) -> Option<DateTime<Utc>> {
+        self.0.next_attempt_at
+    }
+    /// The last time a batch was delivered.
+    async fn last_success_at(&self) -> Option<DateTime<Utc>> {
+        self.0.last_success_at
+    }
+    /// The last failure, as the worker saw it.
+    async fn last_error(&self) -> Option<&str> {
+        self.0.last_error.as_deref()
+    }
+    /// When the last failure happened.
+    async fn last_error_at(&self) -> Option<DateTime<Utc>> {
+        self.0.last_error_at
+    }
+    /// For optimistic concurrency on `updateEventSink`.
+    async fn version(&self) -> i64 {
+        self.0.version
+    }
+    async fn created_at(&self) -> DateTime<Utc> {
+        self.0.created_at
+    }
+    async fn updated_at(&self) -> DateTime<Utc> {
+        self.0.updated_at
+    }
+}
+
+/// `totalCount` of the sinks connection.
+pub struct SinkCount(Scope);
+
+#[Object]
+impl SinkCount {
+    /// How many sinks there are, across all pages.
+    async fn total_count(&self, ctx: &Context<'_>) -> async_graphql::Result<i64> {
+        sinks::count(db(ctx)?, &self.0).await.map_err(gql_error)
+    }
+}
+
+/// The sink queries.
+#[derive(Default)]
+pub struct SinkQuery;
+
+#[Object]
+impl SinkQuery {
+    /// The caller's event sinks (an operator sees every sink), by id.
+    async fn event_sinks(
+        &self,
+        ctx: &Context<'_>,
+        first: Option<i32>,
+        after: Option<String>,
+        last: Option<i32>,
+        before: Option<String>,
+    ) -> async_graphql::Result<Connection<String, EventSinkObj, SinkCount>> {
+        let (scope, _) = scope(ctx)?;
+        let args = PageRequest {
+            first: first.map(i64::from),
+            after,
+            last: last.map(i64::from),
+            before,
+        }
+        .resolve()
+        .map_err(gql_error)?;
+        let page = sinks::list(db(ctx)?, &scope, &args)
+            .await
+            .map_err(gql_error)?;
+        let mut c =
+            Connection::with_additional_fields(page.has_previous, page.has_next, SinkCount(scope));
+        c.edges.extend(
+            page.items
+                .into_iter()
+                .map(|s| Edge::new(encode_cursor(&s.id), EventSinkObj(s))),
+        );
+        Ok(c)
+    }
+
+    /// One event sink (another tenant's is `NOT_FOUND`).
+    async fn event_sink(&self, ctx: &Context<'_>, id: ID) -> async_graphql::Result<EventSinkObj> {
+        let (scope, _) = scope(ctx)?;
+        let id = sink_id("id", &id)?;
+        sinks::get(db(ctx)?, &scope, &id)
+            .await
+            .map(EventSinkObj)
+            .map_err(gql_error)
+    }
+}
+
+/// A new sink.
+#[derive(InputObject)]
+pub struct CreateEventSinkInput {
+    /// Where to POST each event (`http://` or `https://`).
+    url: String,
+    /// Only these event types (such as `reservation.active`); every type when empty.
+    #[graphql(default)]
+    types: Vec<String>,
+}
+
+/// A sink and its signing secret, shown this once.
+#[derive(SimpleObject)]
+pub struct CreateEventSinkPayload {
+    event_sink: EventSinkObj,
+    /// The HMAC-SHA256 key of the `Compute-Signature` header. Store it now: it is never shown
+    /// again.
+    secret: String,
+}
+
+/// A change to a sink; omitted fields stay as they are.
+#[derive(InputObject)]
+pub struct UpdateEventSinkInput {
+    id: ID,
+    url: Option<String>,
+    types: Option<Vec<String>>,
+    /// `false` pauses delivery; `true` resumes it at once, clearing the failure count.
+    active: Option<bool>,
+    /// Fails with `CONFLICT` when the sink is at another version.
+    expected_version: Option<i64>,
+}
+
+/// The sink after the change.
+#[derive(SimpleObject)]
+pub struct UpdateEventSinkPayload {
+    event_sink: EventSinkObj,
+}
+
+/// The sink to delete.
+#[derive(InputObject)]
+pub struct DeleteEventSinkInput {
+    id: ID,
+}
+
+/// What was deleted.
+#[derive(SimpleObject)]
+pub struct DeleteEventSinkPayload {
+    deleted_event_sink_id: ID,
+}
+
+/// The sink mutations.
+#[derive(Default)]
+pub struct SinkMutation;
+
+#[Object]
+impl SinkMutation {
+    /// Creates a sink that receives events from now on, and returns its signing secret once.
+    async fn create_event_sink(
+        &self,
+        ctx: &Context<'_>,
+        input: CreateEventSinkInput,
+    ) -> async_graphql::Result<CreateEventSinkPayload> {
+        let (scope, by) = scope(ctx)?;
+        let (sink, secret) = sinks::create(db(ctx)?, &scope, &by, &input.url, input.types)
+            .await
+            .map_err(gql_error)?;
+        Ok(CreateEventSinkPayload {
+            event_sink: EventSinkObj(sink),
+            secret,
+        })
+    }
+
+    /// Changes a sink's URL, types or activity.
+    async fn update_event_sink(
+        &self,
+        ctx: &Context<'_>,
+        input: UpdateEventSinkInput,
+    ) -> async_graphql::Result<UpdateEventSinkPayload> {
+        let (scope, _) = scope(ctx)?;
+        let id = sink_id("id", &input.id)?;
+        let sink = sinks::update(
+            db(ctx)?,
+            &scope,
+            &id,
+            SinkChange {
+                url: input.url,
+                types: input.types,
+                active: input.active,
+                expected_version: input.expected_version,
+            },
+        )
+        .await
+        .map_err(gql_error)?;
+        Ok(UpdateEventSinkPayload {
+            event_sink: EventSinkObj(sink),
+        })
+    }
+
+    /// Deletes a sink; its delivery stops.
+    async fn delete_event_sink(
+        &self,
+        ctx: &Context<'_>,
+        input: DeleteEventSinkInput,
+    ) -> async_graphql::Result<DeleteEventSinkPayload> {
+        let (scope, _) = scope(ctx)?;
+        let id = sink_id("id", &input.id)?;
+        let sink = sinks::delete(db(ctx)?, &scope, &id)
+            .await
+            .map_err(gql_error)?;
+        Ok(DeleteEventSinkPayload {
+            deleted_event_sink_id: ID(sink.id),
+        })
+    }
+}

@@ -1,0 +1,481 @@
+//! Webhook sinks: where a tenant (or an operator, for every event) wants its events POSTed, and
+//! each sink's position in the outbox.
+//!
+//! A sink starts at the present when it is created. Its worker (the holder of
+//! `singleton:outbox-dispatch:<sink id>`) reads the events after the sink's cursor, delivers them
+//! in order, and saves the new cursor in a transaction fenced by that lease after every batch.
+//! Failures back off exponentially (2, 4, 8 … 300 s) and, after [`FAILING_AFTER`] in a row, mark
+//! the sink `failing`; other sinks are not held up. A sink whose undelivered events were pruned
+//! past the outbox's hard maximum age is marked `behind` and resumes at the pruned front.
+
+use serde::Serialize;
+use sqlx::{FromRow, PgConnection};
+
+use crate::db::{Db, TxKind};
+use crate::error::{Error, Result};
+use crate::outbox::{Cursor, EventFilter};
+use crate::page::{Page, PageArgs};
+
+/// Consecutive failures after which a sink shows as `failing`.
+pub const FAILING_AFTER: i32 = 3;
+/// The longest wait between two attempts of a failing sink.
+pub const MAX_BACKOFF_SECONDS: f64 = 300.0;
+
+/// A sink, with its position.
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Sink {
+    pub id: String,
+    pub tenant_id: Option<String>,
+    pub url: String,
+    pub types: Vec<String>,
+    pub active: bool,
+    pub state: String,
+    pub failures: i32,
+    pub next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_success_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_error: Option<String>,
+    pub last_error_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub created_by: String,
+    pub version: i64,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub updated_at: chrono::DateTime<chrono::Utc>,
+    #[serde(skip)]
+    pub cursor_txid: i64,
+    #[serde(skip)]
+    pub cursor_seq: i64,
+    /// Events delivered so far.
+    pub delivered: i64,
+    /// `compute_now()` minus the time of the oldest event the sink has not received yet, in
+    /// seconds; 0 when it has everything.
+    pub lag_seconds: f64,
+}
+
+impl Sink {
+    /// After the last event delivered.
+    pub fn cursor(&self) -> Cursor {
+        Cursor {
+            txid: self.cursor_txid,
+            seq: self.cursor_seq,
+        }
+    }
+
+    /// What the sink receives.
+    pub fn filter(&self) -> EventFilter {
+        EventFilter {
+            tenant_id: self.tenant_id.clone(),
+            types: self.types.clone(),
+            subjects: vec![],
+        }
+    }
+}
+
+const SINK_COLS: &str = "s.id, s.tenant_id, s.url, s.types, s.active, s.state, s.failures, s.next_attempt_at, \
+     s.last_success_at, s.last_error, s.last_error_at, s.created_by, s.version, s.created_at, s.updated_at, \
+     c.txid::text::bigint AS cursor_txid, c.seq AS cursor_seq, c.delivered, \
+     coalesce(extract(epoch FROM compute_now() - ( \
+        SELECT o.time FROM outbox o \
+         WHERE (o.txid, o.seq) > (c.txid, c.seq) AND o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
+           AND (s.tenant_id IS NULL OR o.tenant_id = s.tenant_id) \
+           AND (cardinality(s.types) = 0 OR o.type = ANY(s.types)) \
+         ORDER BY o.txid, o.seq LIMIT 1)), 0)::float8 AS lag_seconds";
+
+/// Who is asking: a tenant sees its own sinks; an operator (`None`) its fleet sinks and every
+/// tenant's.
+#[derive(Debug, Clone)]
+pub struct Scope {
+    pub tenant_id: Option<String>,
+}
+
+fn check_url(url: &str) -> Result<()> {
+    let rest = url
+        .strip_prefix("https://")
+        .or_else(|| url.strip_prefix("http://"))
+        .ok_or_else(|| Error::bad_input("url", "the url must start with http:// or https://"))?;
+    let host = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if host.is_empty() || host.contains(char::is_whitespace) || url.len() > 2000 {
+        return Err(Error::bad_input(
+            "url",
+            format!("`{url}` is not a URL this server can POST to"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_types(types: &[String]) -> Result<()> {
+    for t in types {
+        let ok = t.split('.').count() >= 2
+            && t.split('.').all(|p| {
+                !p.is_empty()
+                    && p.starts_with(|c: char| c.is_ascii_lowercase())
+                    && p.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            });
+        if !ok {
+            return Err(Error::bad_input(
+                "types",
+                format!(
+                    "`{t}` is not an event type (dotted lowercase names, such as reservation.active)"
+                ),
+            ));
+        }
+    }
+    if types.len() > 100 {
+        return Err(Error::bad_input("types", "at most 100 types"));
+    }
+    Ok(())
+}
+
+/// A fresh signing secret: 32 random bytes from the operating system, hex.
+fn new_secret() -> Result<String> {
+    let mut buf = [0u8; 32];
+    getrandom::fill(&mut buf).map_err(|e| Error::internal(format!("getrandom: {e}")))?;
+    Ok(format!(
+        "whsec_{}",
+        buf.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    ))
+}
+
+/// Reads one sink in `conn`.
+async fn get_in(conn: &mut PgConnection, id: &str) -> Result<Option<Sink>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {SINK_COLS} FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id WHERE s.id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?)
+}
+
+/// One sink as `scope` may see it, or `NOT_FOUND`.
+pub async fn get(db: &Db, scope: &Scope, id: &str) -> Result<Sink> {
+    let mut conn = db.pool().acquire().await?;
+    match get_in(&mut conn, id).await? {
+        Some(s) if visible(scope, &s) => Ok(s),
+        _ => Err(Error::NotFound {
+            kind: "event sink",
+            id: id.to_owned(),
+        }),
+    }
+}
+
+fn visible(scope: &Scope, sink: &Sink) -> bool {
+    scope.tenant_id.is_none() || scope.tenant_id == sink.tenant_id
+}
+
+/// Creates a sink for `scope` that starts at the present; returns it and its signing secret
+/// (which is never shown again).
+pub async fn create(
+    db: &Db,
+    scope: &Scope,
+    created_by: &str,
+    url: &str,
+    types: Vec<String>,
+) -> Result<(Sink, String)> {
+    check_url(url)?;
+    check_types(&types)?;
+    let secret = new_secret()?;
+    let id = crate::ids::new_id("snk");
+    let sink = db
+        .tx(TxKind::Write, |conn| {
+            let (id, url, types, secret) = (id.clone(), url.to_owned(), types.clone(), secret.clone());
+            let (tenant, by) = (scope.tenant_id.clone(), created_by.to_owned());
+            Box::pin(async move {
+                sqlx::query(
+                    "INSERT INTO event_sinks (id, tenant_id, url, types, secret, created_by) VALUES ($1, $2, $3, $4, $5, $6)",
+                )
+                .bind(&id)
+                .bind(&tenant)
+                .bind(&url)
+                .bind(&types)
+                .bind(&secret)
+                .bind(&by)
+                .execute(&mut *conn)
+                .await?;
+                // The present: after the last event any reader can take now.
+                sqlx::query(
+                    "INSERT INTO outbox_cursors (sink_id, txid, seq) \
+                     SELECT $1, coalesce(max(o.txid), '0'::xid8), coalesce(( \
+                         SELECT max(o2.seq) FROM outbox o2 WHERE o2.txid = max(o.txid)), 0) \
+                       FROM outbox o WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot())",
+                )
+                .bind(&id)
+                .execute(&mut *conn)
+                .await?;
+                let sink = get_in(conn, &id)
+                    .await?
+                    .ok_or_else(|| Error::internal("a sink vanished in its own transaction"))?;
+                crate::outbox::emit(
+                    conn,
+                    crate::outbox::NewEvent {
+                        event_type: "event_sink.created",
+                        tenant_id: tenant.as_deref(),
+                        subject: &id,
+                        data: serde_json::to_value(&sink).map_err(Error::internal)?,
+                    },
+                )
+                .await?;
+                Ok(sink)
+            })
+        })
+        .await?;
+    Ok((sink, secret))
+}
+
+/// What `update` changes; `None` leaves a field as it is.
+#[derive(Debug, Clone, Default)]
+pub struct SinkChange {
+    pub url: Option<String>,
+    pub types: Option<Vec<String>>,
+    pub active: Option<bool>,
+    pub expected_version: Option<i64>,
+}
+
+/// Changes a sink. Re-activating a sink clears its failures, so it is tried at once.
+pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Result<Sink> {
+    if let Some(url) = &change.url {
+        check_url(url)?;
+    }
+    if let Some(types) = &change.types {
+        check_types(types)?;
+    }
+    get(db, scope, id).await?;
+    db.tx(TxKind::Write, |conn| {
+        let (id, change) = (id.to_owned(), change.clone());
+        Box::pin(async move {
+            let done = sqlx::query(
+                "UPDATE event_sinks SET url = coalesce($2, url), types = coalesce($3, types), \
+                        active = coalesce($4, active), \
+                        failures = CASE WHEN $4 THEN 0 ELSE failures END, \
+                        next_attempt_at = CASE WHEN $4 THEN NULL ELSE next_attempt_at END, \
+                        state = CASE WHEN $4 AND state = 'failing' THEN 'healthy' ELSE state END, \
+                        version = version + 1, updated_at = compute_now() \
+                  WHERE id = $1 AND ($5::bigint IS NULL OR version = $5)",
+            )
+            .bind(&id)
+            .bind(&change.url)
+            .bind(&change.types)
+            .bind(change.active)
+            .bind(change.expected_version)
+            .execute(&mut *conn)
+            .await?;
+            let sink = get_in(conn, &id).await?.ok_or_else(|| Error::NotFound {
+                kind: "event sink",
+                id: id.clone(),
+            })?;
+            if done.rows_affected() == 0 {
+                return Err(Error::Conflict {
+                    message: format!(
+                        "event sink {id} is at version {}, not {}",
+                        sink.version,
+                        change.expected_version.unwrap_or_default()
+                    ),
+                    current_version: Some(sink.version),
+                });
+            }
+            crate::outbox::emit(
+                conn,
+                crate::outbox::NewEvent {
+                    event_type: "event_sink.updated",
+                    tenant_id: sink.tenant_id.as_deref(),
+                    subject: &id,
+                    data: serde_json::to_value(&sink).map_err(Error::internal)?,
+                },
+            )
+            .await?;
+            Ok(sink)
+        })
+    })
+    .await
+}
+
+/// Deletes a sink and its position.
+pub async fn delete(db: &Db, scope: &Scope, id: &str) -> Result<Sink> {
+    let sink = get(db, scope, id).await?;
+    db.tx(TxKind::Write, |conn| {
+        let sink = sink.clone();
+        Box::pin(async move {
+            sqlx::query("DELETE FROM event_sinks WHERE id = $1")
+                .bind(&sink.id)
+                .execute(&mut *conn)
+                .await?;
+            crate::outbox::emit(
+                conn,
+                crate::outbox::NewEvent {
+                    event_type: "event_sink.deleted",
+                    tenant_id: sink.tenant_id.as_deref(),
+                    subject: &sink.id,
+                    data: serde_json::json!({ "id": sink.id }),
+                },
+            )
+            .await?;
+            Ok(())
+        })
+    })
+    .await?;
+    Ok(sink)
+}
+
+/// A page of the sinks `scope` may see, by id.
+pub async fn list(db: &Db, scope: &Scope, page: &PageArgs) -> Result<Page<Sink>> {
+    let mut q = crate::fleet::Select::new(format!(
+        "SELECT {SINK_COLS} FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id"
+    ));
+    if let Some(t) = &scope.tenant_id {
+        q.and().push("s.tenant_id = ").push_bind(t.clone());
+    }
+    q.fetch_page(db, "s.id", page).await
+}
+
+/// The ids of active sinks that are due (not backing off), oldest first.
+pub async fn due(db: &Db) -> Result<Vec<String>> {
+    let rows: Vec<(String,)> = sqlx::query_as(
+        "SELECT id FROM event_sinks WHERE active AND (next_attempt_at IS NULL OR next_attempt_at <= compute_now()) ORDER BY id",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    Ok(rows.into_iter().map(|(id,)| id).collect())
+}
+
+/// A sink with its secret, for its dispatcher.
+#[derive(Debug, Clone, FromRow)]
+pub struct Delivery {
+    pub id: String,
+    pub tenant_id: Option<String>,
+    pub url: String,
+    pub types: Vec<String>,
+    pub secret: String,
+    pub active: bool,
+    pub next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub cursor_txid: i64,
+    pub cursor_seq: i64,
+}
+
+impl Delivery {
+    pub fn cursor(&self) -> Cursor {
+        Cursor {
+            txid: self.cursor_txid,
+            seq: self.cursor_seq,
+        }
+    }
+    pub fn filter(&self) -> EventFilter {
+        EventFilter {
+            tenant_id: self.tenant_id.clone(),
+            types: self.types.clone(),
+            subjects: vec![],
+        }
+    }
+}
+
+/// The dispatcher's view of a sink (read inside its fenced transaction or alone).
+pub async fn delivery(conn: &mut PgConnection, id: &str) -> Result<Option<Delivery>> {
+    Ok(sqlx::query_as(
+        "SELECT s.id, s.tenant_id, s.url, s.types, s.secret, s.active, s.next_attempt_at, \
+                c.txid::text::bigint AS cursor_txid, c.seq AS cursor_seq \
+           FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id WHERE s.id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?)
+}
+
+/// Saves a sink's progress after a delivered batch (in the dispatcher's fenced transaction):
+/// the new cursor, the count, and a healthy state.
+pub async fn save_progress(
+    conn: &mut PgConnection,
+    id: &str,
+    cursor: Cursor,
+    delivered: i64,
+) -> Result<()> {
+    sqlx::query(
+        "WITH c AS (UPDATE outbox_cursors SET txid = $2::text::xid8, seq = $3, delivered = delivered + $4, updated_at = compute_now() \
+                     WHERE sink_id = $1 AND ($2::text::xid8, $3) >= (txid, seq)) \
+         UPDATE event_sinks SET failures = 0, next_attempt_at = NULL, last_success_at = compute_now(), \
+                state = CASE WHEN state = 'behind' THEN 'behind' ELSE 'healthy' END, updated_at = compute_now() \
+          WHERE id = $1",
+    )
+    .bind(id)
+    .bind(cursor.txid.to_string())
+    .bind(cursor.seq)
+    .bind(delivered)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Records a failed delivery (in the dispatcher's fenced transaction): the error, one more
+/// failure, and the time of the next attempt. Returns the wait before it, in seconds.
+pub async fn record_failure(conn: &mut PgConnection, id: &str, error: &str) -> Result<f64> {
+    let error: String = error.chars().take(1000).collect();
+    let (wait,): (f64,) = sqlx::query_as(
+        "UPDATE event_sinks SET failures = failures + 1, last_error = $2, last_error_at = compute_now(), \
+                next_attempt_at = compute_now() + make_interval(secs => least(power(2, failures + 1), $3)::float8), \
+                state = CASE WHEN failures + 1 >= $4 AND state <> 'behind' THEN 'failing' ELSE state END, \
+                updated_at = compute_now() \
+          WHERE id = $1 RETURNING least(power(2, failures), $3)::float8",
+    )
+    .bind(id)
+    .bind(&error)
+    .bind(MAX_BACKOFF_SECONDS)
+    .bind(FAILING_AFTER)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(wait)
+}
+
+/// Prunes the outbox: events past `retention` that every active sink has passed, and events
+/// past `hard_max_age` whatever the sinks; a sink left before the pruned front is moved to it
+/// and marked `behind`. Returns how many events were deleted.
+pub async fn prune_outbox(
+    db: &Db,
+    retention: std::time::Duration,
+    hard_max_age: std::time::Duration,
+) -> Result<u64> {
+    let slowest: Option<(i64, i64)> = sqlx::query_as(
+        "SELECT c.txid::text::bigint, c.seq FROM outbox_cursors c JOIN event_sinks s ON s.id = c.sink_id \
+          WHERE s.active ORDER BY c.txid, c.seq LIMIT 1",
+    )
+    .fetch_optional(db.pool())
+    .await?;
+    let limit = slowest.map(|(txid, seq)| Cursor { txid, seq });
+    let mut pruned = 0;
+    loop {
+        let n = crate::outbox::prune(db, retention, limit, 10_000).await?;
+        pruned += n;
+        if n < 10_000 {
+            break;
+        }
+    }
+    loop {
+        let n = crate::outbox::prune(db, hard_max_age, None, 10_000).await?;
+        pruned += n;
+        if n < 10_000 {
+            break;
+        }
+    }
+    let behind = sqlx::query(
+        "WITH f AS (SELECT pruned_txid, pruned_seq FROM outbox_retention WHERE singleton), \
+              moved AS (UPDATE outbox_cursors c SET txid = f.pruned_txid, seq = f.pruned_seq, updated_at = compute_now() \
+                          FROM f WHERE (c.txid, c.seq) < (f.pruned_txid, f.pruned_seq) RETURNING c.sink_id) \
+         UPDATE event_sinks s SET state = 'behind', \
+                last_error = 'events this sink had not received were pruned past the outbox''s hard maximum age', \
+                last_error_at = compute_now(), updated_at = compute_now() \
+           FROM moved m WHERE s.id = m.sink_id",
+    )
+    .execute(db.pool())
+    .await?;
+    if behind.rows_affected() > 0 {
+        tracing::warn!(
+            sinks = behind.rows_affected(),
+            "event sinks fell behind the outbox's hard maximum age: undelivered events were pruned"
+        );
+    }
+    Ok(pruned)
+}
+
+/// How many sinks `scope` may see.
+pub async fn count(db: &Db, scope: &Scope) -> Result<i64> {
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM event_sinks WHERE $1::text IS NULL OR tenant_id = $1")
+            .bind(&scope.tenant_id)
+            .fetch_one(db.pool())
+            .await?;
+    Ok(n)
+}

@@ -1,0 +1,550 @@
+//! The workers: leases whose loss stops work at once, shards spread over workers and taken
+//! over, the reservation reconciler through the work queue on the simulated clock, event sinks
+//! through GraphQL, and webhook delivery surviving a SIGKILLed worker process.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use compute_domain::work_queue::SHARDS;
+use compute_tests::{TestApp, spawn_app};
+use compute_workers::dispatch::signature;
+use compute_workers::lease::{Bound, HeldLease};
+use compute_workers::queue::{KINDS, QueueWorker};
+use serde_json::{Value, json};
+
+use crate::reservations::{CREATE, input, pool};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test]
+async fn a_lost_lease_stops_its_work_at_once() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = &app.db.db;
+    let a = HeldLease::acquire_with(
+        db,
+        "singleton:test-work",
+        "worker-a",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+    )
+    .await
+    .expect("acquire")
+    .expect("free");
+    assert!(
+        HeldLease::acquire(db, "singleton:test-work", "worker-b")
+            .await
+            .expect("acquire")
+            .is_none(),
+        "held: the other worker waits"
+    );
+    // Worker A is partway through work that would run forever.
+    let work = a.bound(std::future::pending::<()>());
+    // A stops renewing in time (its clock says 15 s passed); B takes over with a new epoch.
+    app.db.advance_clock(16).await;
+    let b = HeldLease::acquire(db, "singleton:test-work", "worker-b")
+        .await
+        .expect("acquire")
+        .expect("expired, so free");
+    assert_eq!(b.fence().epoch, a.fence().epoch + 1);
+    // A's next renewal finds the lease gone, and its work is cancelled then, not at its end.
+    let outcome = tokio::time::timeout(WAIT, work)
+        .await
+        .expect("cancelled in time");
+    assert!(matches!(outcome, Bound::LeaseLost));
+    assert!(a.is_lost());
+    // And a fenced write by A now fails: the fence is what guarantees it.
+    let write = db
+        .fenced_tx(a.fence(), compute_domain::db::TxKind::Write, |conn| {
+            Box::pin(async move {
+                sqlx::query("SELECT compute_emit('test.zombie', NULL, 'x', '{}')")
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .await;
+    assert!(
+        matches!(write, Err(compute_domain::Error::LeaseLost(_))),
+        "{write:?}"
+    );
+    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM outbox WHERE type = 'test.zombie'")
+        .fetch_one(db.pool())
+        .await
+        .expect("count");
+    assert_eq!(n, 0, "the zombie wrote nothing");
+}
+
+#[tokio::test]
+async fn shards_spread_over_workers_and_move_when_one_dies() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = &app.db.db;
+    let mut a = QueueWorker::new(db.clone(), "worker-a", &KINDS);
+    let mut b = QueueWorker::new(db.clone(), "worker-b", &KINDS);
+    a.rebalance().await.expect("a");
+    assert_eq!(
+        a.held().len() as i32,
+        SHARDS * 2,
+        "alone, a takes every shard of both kinds"
+    );
+    b.rebalance().await.expect("b joins");
+    a.rebalance().await.expect("a gives back");
+    b.rebalance().await.expect("b takes its share");
+    let (ha, hb) = (a.held(), b.held());
+    assert_eq!(
+        (ha.len() as i32, hb.len() as i32),
+        (SHARDS, SHARDS),
+        "{ha:?} {hb:?}"
+    );
+    assert!(ha.iter().all(|s| !hb.contains(s)), "no shard held twice");
+    // Worker a dies (no release, no renewal): after the TTL its shards are free for b.
+    drop(a);
+    app.db.advance_clock(16).await;
+    b.rebalance().await.expect("b takes over");
+    assert_eq!(b.held().len() as i32, SHARDS * 2);
+}
+
+async fn state_of(app: &TestApp, token: &str, id: &Value) -> String {
+    app.ok(
+        token,
+        "query($id: ID!) { reservation(id: $id) { state } }",
+        json!({ "id": id }),
+    )
+    .await["reservation"]["state"]
+        .as_str()
+        .expect("state")
+        .to_owned()
+}
+
+async fn used_gpu(app: &TestApp) -> f64 {
+    let (u,): (f64,) = sqlx::query_as(
+        "SELECT used::float8 FROM quota_usage WHERE tenant_id = 'acme' AND resource = 'gpu' AND scope_kind = 'pool'",
+    )
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("quota");
+    u
+}
+
+/// Steps `w` until nothing is due now (after renewing its leases, as time may have moved).
+async fn drain(w: &mut QueueWorker) -> usize {
+    w.rebalance().await.expect("rebalance");
+    let mut total = 0;
+    loop {
+        let n = w.step().await.expect("step");
+        if n == 0 {
+            return total;
+        }
+        total += n;
+    }
+}
+
+#[tokio::test]
+async fn the_queue_schedules_a_pending_reservation_after_a_release_and_expires_an_active_one() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = pool(&app).await;
+    let member = app.member("acme");
+    let mut w = QueueWorker::new(app.db.db.clone(), "worker-q", &KINDS);
+    w.rebalance().await.expect("shards");
+    // Both untainted H100s, until 01:00.
+    let first = app
+        .ok(
+            &member,
+            CREATE,
+            json!({ "i": { "poolId": p.pool, "endsAt": "2031-01-01T01:00:00Z", "idempotencyKey": "first",
+                "allocations": [{ "gpuCount": 2, "model": "H100" }] } }),
+        )
+        .await["createReservation"]["reservation"]["id"]
+        .clone();
+    let waiting = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "waiting",
+                json!([{ "gpuCount": 2, "model": "H100" }]),
+            ),
+        )
+        .await["createReservation"]["reservation"]["id"]
+        .clone();
+    assert_eq!(state_of(&app, &member, &waiting).await, "PENDING");
+    assert!(
+        drain(&mut w).await >= 2,
+        "each change woke its reservation's reconciler"
+    );
+    assert_eq!(state_of(&app, &member, &first).await, "ACTIVE");
+    assert_eq!(state_of(&app, &member, &waiting).await, "PENDING");
+
+    // Capacity frees up at 00:00:10; the retry period is 30 s from the last attempt (00:00).
+    app.db.advance_clock(10).await;
+    app.ok(
+        &member,
+        "mutation($i: ReservationActionInput!) { releaseReservation(input: $i) { reservation { state } } }",
+        json!({ "i": { "id": first } }),
+    )
+    .await;
+    drain(&mut w).await;
+    assert_eq!(
+        state_of(&app, &member, &waiting).await,
+        "PENDING",
+        "not before its retry time"
+    );
+    app.db.advance_clock(20).await; // 00:00:30: one retry period after the last attempt
+    drain(&mut w).await;
+    assert_eq!(
+        state_of(&app, &member, &waiting).await,
+        "ACTIVE",
+        "placed within one retry period"
+    );
+    let before = used_gpu(&app).await;
+    assert_eq!(before, 2.0);
+
+    // It ends at 02:00 (`input`'s end): the queue row wakes its reconciler then.
+    app.db.advance_clock(2 * 3600).await;
+    assert!(drain(&mut w).await >= 1);
+    assert_eq!(state_of(&app, &member, &waiting).await, "EXPIRED");
+    assert_eq!(used_gpu(&app).await, 0.0, "the quota came back");
+    let (rows,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM work_queue WHERE kind = 'reservation'")
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("rows");
+    assert_eq!(rows, 0, "nothing left to do for terminal reservations");
+    let (bookings,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id \
+          JOIN reservations r ON r.id = a.reservation_id WHERE r.id = $1 AND upper(b.during) > compute_now()",
+    )
+    .bind(waiting.as_str())
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("bookings");
+    assert_eq!(
+        bookings, 0,
+        "nothing left booked for the terminal reservation"
+    );
+}
+
+#[tokio::test]
+async fn the_rollup_reconciler_corrects_a_drifted_rollup() {
+    let app = spawn_app().await;
+    let p = pool(&app).await;
+    let db = &app.db.db;
+    let mut w = QueueWorker::new(db.clone(), "worker-r", &KINDS);
+    w.rebalance().await.expect("shards");
+    drain(&mut w).await; // the registrations enqueued their pool
+    let truth: Vec<(String, String, i32)> = sqlx::query_as(
+        "SELECT model, kind, atoms FROM pool_capacity_rollup WHERE pool_id = $1 ORDER BY 1, 2, 3",
+    )
+    .bind(&p.pool)
+    .fetch_all(db.pool())
+    .await
+    .expect("rollup");
+    assert!(!truth.is_empty());
+    sqlx::query("UPDATE pool_capacity_rollup SET atoms = atoms + 7 WHERE pool_id = $1")
+        .bind(&p.pool)
+        .execute(db.pool())
+        .await
+        .expect("drift");
+    assert_eq!(
+        compute_domain::fleet::commands::recompute_rollup(db, &p.pool)
+            .await
+            .expect("recompute"),
+        truth.len() as u64,
+        "every drifted row corrected"
+    );
+    let after: Vec<(String, String, i32)> = sqlx::query_as(
+        "SELECT model, kind, atoms FROM pool_capacity_rollup WHERE pool_id = $1 ORDER BY 1, 2, 3",
+    )
+    .bind(&p.pool)
+    .fetch_all(db.pool())
+    .await
+    .expect("rollup");
+    assert_eq!(after, truth);
+}
+
+const CREATE_SINK: &str = "mutation($i: CreateEventSinkInput!) { createEventSink(input: $i) { secret eventSink { id url types state cursor active tenantId } } }";
+const SINKS: &str = "{ eventSinks { totalCount edges { node { id state delivered lagSeconds lastError failures cursor } } } }";
+
+#[tokio::test]
+async fn event_sinks_are_managed_per_tenant() {
+    let app = spawn_app().await;
+    let acme = app.member("acme");
+    let d = app
+        .ok(
+            &acme,
+            CREATE_SINK,
+            json!({ "i": { "url": "http://127.0.0.1:9/hook", "types": ["reservation.active"] } }),
+        )
+        .await;
+    let sink = &d["createEventSink"];
+    assert!(
+        sink["secret"]
+            .as_str()
+            .expect("secret")
+            .starts_with("whsec_")
+    );
+    assert_eq!(sink["eventSink"]["tenantId"], "acme");
+    assert_eq!(sink["eventSink"]["state"], "HEALTHY");
+    let id = sink["eventSink"]["id"].clone();
+    // Bad input leaves nothing behind.
+    let before: (i64,) = sqlx::query_as("SELECT count(*) FROM event_sinks")
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("n");
+    let (code, _) = app
+        .fails(&acme, CREATE_SINK, json!({ "i": { "url": "ftp://x" } }))
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT");
+    let (code, _) = app
+        .fails(
+            &acme,
+            CREATE_SINK,
+            json!({ "i": { "url": "http://x", "types": ["Nope"] } }),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT");
+    let after: (i64,) = sqlx::query_as("SELECT count(*) FROM event_sinks")
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("n");
+    assert_eq!(before, after);
+    // Another tenant neither sees nor changes it.
+    let globex = app.member("globex");
+    assert_eq!(
+        app.ok(&globex, SINKS, json!({})).await["eventSinks"]["totalCount"],
+        0
+    );
+    let (code, _) = app
+        .fails(&globex, "mutation($i: DeleteEventSinkInput!) { deleteEventSink(input: $i) { deletedEventSinkId } }", json!({ "i": { "id": id } }))
+        .await;
+    assert_eq!(code, "NOT_FOUND");
+    // The owner pauses it, with a version check, then deletes it.
+    let (code, _) = app
+        .fails(&acme, "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active } } }", json!({ "i": { "id": id, "active": false, "expectedVersion": 7 } }))
+        .await;
+    assert_eq!(code, "CONFLICT");
+    let d = app
+        .ok(&acme, "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active version } } }", json!({ "i": { "id": id, "active": false, "expectedVersion": 1 } }))
+        .await;
+    assert_eq!(
+        d["updateEventSink"]["eventSink"],
+        json!({ "active": false, "version": 2 })
+    );
+    assert_eq!(
+        app.ok(&acme, SINKS, json!({})).await["eventSinks"]["totalCount"],
+        1
+    );
+    app.ok(
+        &acme,
+        "mutation($i: DeleteEventSinkInput!) { deleteEventSink(input: $i) { deletedEventSinkId } }",
+        json!({ "i": { "id": id } }),
+    )
+    .await;
+    assert_eq!(
+        app.ok(&acme, SINKS, json!({})).await["eventSinks"]["totalCount"],
+        0
+    );
+}
+
+/// A local webhook receiver: records each delivery's event id after checking its signature,
+/// taking `delay` per request.
+#[derive(Clone)]
+struct Receiver {
+    secret: Arc<Mutex<String>>,
+    got: Arc<Mutex<Vec<String>>>,
+    bad: Arc<Mutex<u32>>,
+    delay: Duration,
+}
+
+async fn receive(
+    State(r): State<Receiver>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> axum::http::StatusCode {
+    tokio::time::sleep(r.delay).await;
+    let h = |k: &str| {
+        headers
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    let ts: i64 = h("compute-timestamp").parse().unwrap_or(0);
+    let secret = r.secret.lock().expect("secret").clone();
+    if h("compute-signature") != signature(&secret, ts, &body) {
+        *r.bad.lock().expect("bad") += 1;
+        return axum::http::StatusCode::UNAUTHORIZED;
+    }
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    assert_eq!(
+        v["id"].as_str(),
+        Some(h("compute-event-id").as_str()),
+        "the id header is the event's id"
+    );
+    if h("compute-event-type") == "test.tick" {
+        r.got.lock().expect("got").push(h("compute-event-id"));
+    }
+    axum::http::StatusCode::NO_CONTENT
+}
+
+async fn start_receiver(delay: Duration) -> (Receiver, String) {
+    let r = Receiver {
+        secret: Arc::default(),
+        got: Arc::default(),
+        bad: Arc::default(),
+        delay,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let router = axum::Router::new()
+        .route("/hook", axum::routing::post(receive))
+        .with_state(r.clone());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    (r, url)
+}
+
+fn worker_process(app: &TestApp) -> tokio::process::Child {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("port")
+        .local_addr()
+        .expect("addr")
+        .port();
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_test-worker"))
+        .args(["--role", "outbox", "--listen", &format!("127.0.0.1:{port}")])
+        .env("DATABASE_URL", &app.db.url)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start a worker process")
+}
+
+#[tokio::test]
+async fn a_webhook_sink_survives_a_sigkilled_worker() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (receiver, url) = start_receiver(Duration::from_millis(10)).await;
+    let acme = app.member("acme");
+    let d = app
+        .ok(&acme, CREATE_SINK, json!({ "i": { "url": url } }))
+        .await;
+    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    // 300 events of acme (and some of another tenant, which the sink must not get).
+    sqlx::query(
+        "SELECT compute_emit('test.tick', 'acme', 'e' || g, '{}') FROM generate_series(1, 150) g",
+    )
+    .execute(app.db.db.pool())
+    .await
+    .expect("emit");
+    sqlx::query(
+        "SELECT compute_emit('test.tick', 'globex', 'g' || g, '{}') FROM generate_series(1, 20) g",
+    )
+    .execute(app.db.db.pool())
+    .await
+    .expect("emit");
+    sqlx::query(
+        "SELECT compute_emit('test.tick', 'acme', 'e' || g, '{}') FROM generate_series(151, 300) g",
+    )
+    .execute(app.db.db.pool())
+    .await
+    .expect("emit");
+    let committed: HashSet<String> = sqlx::query_as::<_, (String,)>(
+        "SELECT id FROM outbox WHERE tenant_id = 'acme' AND type = 'test.tick'",
+    )
+    .fetch_all(app.db.db.pool())
+    .await
+    .expect("ids")
+    .into_iter()
+    .map(|(id,)| id)
+    .collect();
+    assert_eq!(committed.len(), 300);
+
+    // The first worker delivers part of the stream and is killed mid-batch.
+    let mut first = worker_process(&app);
+    tokio::time::timeout(WAIT, async {
+        while receiver.got.lock().expect("got").len() < 130 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the first worker delivers");
+    first.kill().await.expect("SIGKILL");
+    let at_kill = receiver.got.lock().expect("got").len();
+    let (saved,): (i64,) = sqlx::query_as("SELECT delivered FROM outbox_cursors")
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("cursor");
+    assert!(
+        saved >= 100 && (saved as usize) <= at_kill + 1,
+        "a batch was saved (the sink's own creation event counts too): {saved} of {at_kill}"
+    );
+
+    // Its lease runs out (15 s of business time); a second worker takes the sink over.
+    app.db.advance_clock(16).await;
+    let _second = worker_process(&app);
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let got: HashSet<String> = receiver.got.lock().expect("got").iter().cloned().collect();
+            if got.len() >= committed.len() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the second worker delivers the rest");
+    let got = receiver.got.lock().expect("got").clone();
+    let unique: HashSet<String> = got.iter().cloned().collect();
+    assert_eq!(
+        unique, committed,
+        "deduplicated by id: exactly the committed set"
+    );
+    let mut counts: HashMap<&String, usize> = HashMap::new();
+    for id in &got {
+        *counts.entry(id).or_default() += 1;
+    }
+    let resent = got.len() - unique.len();
+    assert!(
+        resent <= 100,
+        "at most the unsaved batch was sent again: {resent}"
+    );
+    assert_eq!(
+        *receiver.bad.lock().expect("bad"),
+        0,
+        "every signature verified"
+    );
+    // In order: each event's first delivery comes after the one before it.
+    let order: Vec<&String> = {
+        let mut seen = HashSet::new();
+        got.iter().filter(|id| seen.insert(*id)).collect()
+    };
+    let mut expected: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT seq, id FROM outbox WHERE tenant_id = 'acme' AND type = 'test.tick' ORDER BY txid, seq",
+    )
+    .fetch_all(app.db.db.pool())
+    .await
+    .expect("order");
+    let expected: Vec<String> = expected.drain(..).map(|(_, id)| id).collect();
+    assert_eq!(
+        order.into_iter().cloned().collect::<Vec<_>>(),
+        expected,
+        "in order per sink"
+    );
+    let d = app.ok(&acme, SINKS, json!({})).await;
+    let s = &d["eventSinks"]["edges"][0]["node"];
+    assert_eq!(s["state"], "HEALTHY");
+    assert_eq!(s["lagSeconds"], 0.0);
+}

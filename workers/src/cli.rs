@@ -1,0 +1,138 @@
+//! The `compute-worker` command line.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use compute_domain::db::{Db, PoolSettings};
+
+use crate::{Options, Role};
+
+/// compute-worker: runs the reconcilers and webhook delivery under leases.
+#[derive(Debug, Parser)]
+#[command(name = "compute-worker", version)]
+pub struct Args {
+    /// Which work to run: reconcile (work queue, resync, pruning), outbox (webhooks) or all.
+    #[arg(long, default_value = "all", value_parser = parse_role)]
+    pub role: Role,
+    /// PostgreSQL URL (the same database as the API's).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Connections of the database pool.
+    #[arg(long, env = "COMPUTE_DB_MAX_CONNECTIONS", default_value_t = 8)]
+    pub db_max_connections: u32,
+    /// Address of the worker's own `/healthz` and `/metrics`.
+    #[arg(long, env = "COMPUTE_WORKER_LISTEN", default_value = "127.0.0.1:9091")]
+    pub listen: SocketAddr,
+    /// Seconds between two resync passes of the reservation reconciler.
+    #[arg(long, env = "COMPUTE_RESYNC_EVERY", default_value_t = 60.0)]
+    pub resync_seconds: f64,
+    /// Log format: pretty or json.
+    #[arg(long, env = "COMPUTE_LOG_FORMAT", default_value = "pretty")]
+    pub log_format: String,
+}
+
+fn parse_role(s: &str) -> Result<Role, String> {
+    Role::parse(s).ok_or_else(|| format!("unknown role `{s}`: use reconcile, outbox or all"))
+}
+
+/// This process's name in the leases it takes: `worker:<host>:<pid>`.
+pub fn owner() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into());
+    format!("worker:{host}:{}", std::process::id())
+}
+
+/// The binary's `main`.
+pub async fn main() -> ExitCode {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if args.log_format == "json" {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+    let db = match Db::connect(
+        &args.database_url,
+        &PoolSettings {
+            max_connections: args.db_max_connections.max(2),
+            ..PoolSettings::default()
+        },
+    )
+    .await
+    {
+        Ok(db) => db,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "compute-worker: cannot connect: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match db.migration_status().await {
+        Ok(s) if s.is_current() => {}
+        Ok(s) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "compute-worker: the database has {} of {} migrations; run `compute-api migrate` first",
+                s.applied,
+                s.expected
+            );
+            return ExitCode::FAILURE;
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "compute-worker: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "compute-worker: cannot listen on {} for /healthz and /metrics: {e} (set --listen)",
+                args.listen
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let (stats_tx, stats_rx) = tokio::sync::oneshot::channel();
+    let options = Options {
+        role: args.role,
+        owner: owner(),
+        resync_every: Duration::from_secs_f64(args.resync_seconds.max(1.0)),
+        queue_idle: Duration::from_millis(200),
+    };
+    tracing::info!(listen = %args.listen, "worker /healthz and /metrics");
+    let work = tokio::spawn(crate::run(db, options, Some(stats_tx), stop_signal()));
+    if let Ok(stats) = stats_rx.await {
+        let server = axum::serve(listener, crate::http::router(stats));
+        tokio::spawn(async move {
+            let _ = server.await;
+        });
+    }
+    let _ = work.await;
+    ExitCode::SUCCESS
+}
+
+/// SIGINT or SIGTERM: the worker then releases its leases, so another takes over at once
+/// instead of after the leases' TTL.
+pub async fn stop_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}

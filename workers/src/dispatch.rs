@@ -1,0 +1,295 @@
+//! Webhook delivery: every active sink is delivered by the worker holding its lease
+//! `singleton:outbox-dispatch:<sink id>`, in order, at least once.
+//!
+//! A sink's task reads up to [`BATCH`] events after the sink's saved cursor, POSTs them one by
+//! one, then saves the cursor of the last one delivered in a transaction fenced by the lease. A
+//! crash between a POST and the save re-sends at most that batch (receivers deduplicate by the
+//! `Compute-Event-Id` header). A failed POST stops the batch there: the cursor saved covers only
+//! what was delivered, the failure is recorded and the sink backs off (2, 4 … 300 s) without
+//! holding up any other sink. A lost lease stops the task at once.
+//!
+//! Each request: `POST <url>` with the event as JSON (`id`, `type`, `tenantId`, `subject`,
+//! `time`, `data`), and the headers `Compute-Event-Id`, `Compute-Event-Type`,
+//! `Compute-Timestamp` (seconds since the epoch) and `Compute-Signature: v1=<hex>`, the
+//! HMAC-SHA256 of `<timestamp>.<body>` under the sink's secret. A 2xx answer is a delivery.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use compute_domain::db::{Db, TxKind};
+use compute_domain::outbox::{self, Cursor, Event};
+use compute_domain::sinks;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tracing::{debug, info, warn};
+
+use crate::lease::{Bound, HeldLease};
+
+/// Events read and delivered between two saves of a sink's cursor.
+pub const BATCH: i64 = 100;
+/// How long one POST may take.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct DispatchStats {
+    pub delivered: AtomicU64,
+    pub failed: AtomicU64,
+    pub batches: AtomicU64,
+}
+
+/// The signature header's value for `body` sent at `timestamp` with `secret`.
+pub fn signature(secret: &str, timestamp: i64, body: &[u8]) -> String {
+    let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(secret.as_bytes()) else {
+        unreachable!("HMAC takes keys of any length")
+    };
+    mac.update(timestamp.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    let digest = mac.finalize().into_bytes();
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("v1={hex}")
+}
+
+/// The JSON body of an event's delivery.
+pub fn body_of(event: &Event) -> Vec<u8> {
+    serde_json::json!({
+        "id": event.id,
+        "type": event.event_type,
+        "tenantId": event.tenant_id,
+        "subject": event.subject,
+        "time": event.time,
+        "data": event.data,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// The dispatchers of one worker process.
+pub struct Dispatcher {
+    db: Db,
+    owner: String,
+    http: reqwest::Client,
+    tasks: HashMap<String, tokio::task::JoinHandle<()>>,
+    stats: Arc<DispatchStats>,
+    /// How long a caught-up sink waits before it looks for new events.
+    pub idle: Duration,
+}
+
+impl Dispatcher {
+    pub fn new(db: Db, owner: impl Into<String>) -> Self {
+        Dispatcher {
+            db,
+            owner: owner.into(),
+            http: reqwest::Client::builder()
+                .timeout(REQUEST_TIMEOUT)
+                .user_agent(concat!(
+                    "better-compute-webhooks/",
+                    env!("CARGO_PKG_VERSION")
+                ))
+                .build()
+                .unwrap_or_default(),
+            tasks: HashMap::new(),
+            stats: Arc::default(),
+            idle: Duration::from_millis(250),
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> Arc<DispatchStats> {
+        self.stats.clone()
+    }
+
+    /// How many sinks this process delivers now.
+    pub fn sinks_held(&self) -> usize {
+        self.tasks.values().filter(|t| !t.is_finished()).count()
+    }
+
+    /// Takes the lease of every active sink nobody holds and starts delivering it.
+    pub async fn rebalance(&mut self) -> compute_domain::Result<()> {
+        self.tasks.retain(|_, t| !t.is_finished());
+        for id in sinks::due(&self.db).await? {
+            if self.tasks.contains_key(&id) {
+                continue;
+            }
+            let name = format!("singleton:outbox-dispatch:{id}");
+            if let Some(lease) = HeldLease::acquire(&self.db, &name, &self.owner).await? {
+                info!(sink = %id, "delivering an event sink");
+                let task = tokio::spawn(deliver_sink(
+                    self.db.clone(),
+                    self.http.clone(),
+                    lease,
+                    id.clone(),
+                    self.stats.clone(),
+                    self.idle,
+                ));
+                self.tasks.insert(id, task);
+            }
+        }
+        Ok(())
+    }
+
+    /// Rebalances every few seconds until `stop` resolves, then stops every sink's task and
+    /// lets their leases go.
+    pub async fn run(mut self, stop: impl std::future::Future<Output = ()>) {
+        tokio::pin!(stop);
+        loop {
+            if let Err(e) = self.rebalance().await {
+                warn!(error = %e, "webhook dispatch: looking for sinks failed");
+            }
+            tokio::select! {
+                () = &mut stop => break,
+                () = tokio::time::sleep(Duration::from_secs(2)) => {}
+            }
+        }
+        for (_, task) in self.tasks.drain() {
+            task.abort();
+        }
+        info!("webhook dispatch stopped");
+    }
+}
+
+/// Why a sink's task ends.
+enum Stop {
+    Deleted,
+    Inactive,
+}
+
+/// Delivers one sink while its lease holds.
+async fn deliver_sink(
+    db: Db,
+    http: reqwest::Client,
+    lease: HeldLease,
+    id: String,
+    stats: Arc<DispatchStats>,
+    idle: Duration,
+) {
+    loop {
+        let outcome = lease
+            .bound(deliver_batch(&db, &http, &lease, &id, &stats))
+            .await;
+        let wait = match outcome {
+            Bound::LeaseLost => {
+                warn!(sink = %id, "sink lease lost; another worker resumes from the saved cursor");
+                return;
+            }
+            Bound::Done(Ok(Ok(0))) => idle,
+            Bound::Done(Ok(Ok(_))) => Duration::ZERO,
+            Bound::Done(Ok(Err(Stop::Deleted))) => {
+                info!(sink = %id, "sink deleted; delivery stops");
+                lease.release(&db).await;
+                return;
+            }
+            Bound::Done(Ok(Err(Stop::Inactive))) => {
+                info!(sink = %id, "sink deactivated or backing off; delivery pauses");
+                lease.release(&db).await;
+                return;
+            }
+            Bound::Done(Err(e)) => {
+                warn!(sink = %id, error = %e, "sink delivery failed");
+                Duration::from_secs(1)
+            }
+        };
+        if !wait.is_zero() {
+            tokio::select! {
+                () = lease.lost() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+}
+
+/// Delivers one batch; `Ok(Ok(n))` with the number delivered.
+async fn deliver_batch(
+    db: &Db,
+    http: &reqwest::Client,
+    lease: &HeldLease,
+    id: &str,
+    stats: &DispatchStats,
+) -> compute_domain::Result<Result<usize, Stop>> {
+    let mut conn = db.pool().acquire().await?;
+    let Some(sink) = sinks::delivery(&mut conn, id).await? else {
+        return Ok(Err(Stop::Deleted));
+    };
+    drop(conn);
+    if !sink.active {
+        return Ok(Err(Stop::Inactive));
+    }
+    if let Some(at) = sink.next_attempt_at
+        && at > db.compute_now().await?
+    {
+        return Ok(Err(Stop::Inactive));
+    }
+    let events = outbox::read_after(db, sink.cursor(), &sink.filter(), BATCH).await?;
+    if events.is_empty() {
+        return Ok(Ok(0));
+    }
+    stats.batches.fetch_add(1, Ordering::Relaxed);
+    let mut last: Option<Cursor> = None;
+    let mut delivered = 0i64;
+    let mut failure: Option<String> = None;
+    for event in &events {
+        match post(http, &sink.url, &sink.secret, event).await {
+            Ok(()) => {
+                last = event.cursor;
+                delivered += 1;
+            }
+            Err(why) => {
+                failure = Some(why);
+                break;
+            }
+        }
+    }
+    stats
+        .delivered
+        .fetch_add(delivered as u64, Ordering::Relaxed);
+    db.fenced_tx(lease.fence(), TxKind::Maintenance, |conn| {
+        let (failure, id) = (failure.clone(), id.to_owned());
+        Box::pin(async move {
+            if let Some(cursor) = last {
+                sinks::save_progress(conn, &id, cursor, delivered).await?;
+            }
+            if let Some(why) = &failure {
+                let wait = sinks::record_failure(conn, &id, why).await?;
+                debug!(sink = %id, wait, "sink backs off");
+            }
+            Ok(())
+        })
+    })
+    .await?;
+    if let Some(why) = failure {
+        stats.failed.fetch_add(1, Ordering::Relaxed);
+        warn!(sink = %id, error = %why, delivered, "a webhook delivery failed; the sink backs off");
+        return Ok(Err(Stop::Inactive));
+    }
+    Ok(Ok(delivered as usize))
+}
+
+async fn post(
+    http: &reqwest::Client,
+    url: &str,
+    secret: &str,
+    event: &Event,
+) -> Result<(), String> {
+    let body = body_of(event);
+    let timestamp = chrono::Utc::now().timestamp();
+    let response = http
+        .post(url)
+        .header("Content-Type", "application/json")
+        .header("Compute-Event-Id", &event.id)
+        .header("Compute-Event-Type", &event.event_type)
+        .header("Compute-Timestamp", timestamp.to_string())
+        .header("Compute-Signature", signature(secret, timestamp, &body))
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| format!("POST {url}: {e}"))?;
+    let status = response.status();
+    if status.is_success() {
+        Ok(())
+    } else {
+        Err(format!("POST {url}: HTTP {status}"))
+    }
+}

@@ -1,0 +1,327 @@
+//! The sharded work-queue loop: each worker process holds the leases of a fair share of the
+//! shards of each kind, claims due rows of those shards, runs the kind's reconciler for each key,
+//! and finishes the rows, every database step in a transaction fenced by the shard's lease.
+//!
+//! Fair share: every worker holds a presence lease `singleton:worker:<owner>`; with `w` live
+//! workers, each takes up to `ceil(SHARDS / w)` shards of a kind and gives back any above that,
+//! so shards spread when a worker joins and move when one dies (its leases expire after their
+//! TTL). A run cut short by a lost lease is dropped at once; its rows stay claimed until
+//! `claim_for` passes and the shard's next holder runs them (reconcilers are level-triggered, so
+//! running a key twice is harmless).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use compute_domain::db::{Db, TxKind};
+use compute_domain::work_queue::{self, Item, NOOP, POOL_CAPACITY, RESERVATION, SHARDS};
+use compute_domain::{Error, Result};
+use tracing::{debug, info, warn};
+
+use crate::lease::{Bound, HeldLease};
+
+/// Counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct QueueStats {
+    pub succeeded: AtomicU64,
+    pub failed: AtomicU64,
+    pub rescheduled: AtomicU64,
+    pub lease_losses: AtomicU64,
+}
+
+/// The kinds a reconcile worker runs.
+pub const KINDS: [&str; 2] = [RESERVATION, POOL_CAPACITY];
+
+/// One worker process's share of the queue.
+pub struct QueueWorker {
+    db: Db,
+    owner: String,
+    kinds: Vec<&'static str>,
+    presence: Option<HeldLease>,
+    shards: BTreeMap<(&'static str, i32), HeldLease>,
+    /// How many due rows one claim takes.
+    pub batch: i64,
+    /// How long a claim keeps other claimers off a row.
+    pub claim_for: Duration,
+    stats: Arc<QueueStats>,
+}
+
+/// The presence lease of `owner`.
+pub fn presence_lease(owner: &str) -> String {
+    let clean: String = owner
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    format!("singleton:worker:{clean}")
+}
+
+/// Runs the reconciler of `kind` for `key`; returns when the key is due again, if ever.
+pub async fn run_item(
+    db: &Db,
+    kind: &str,
+    key: &str,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>> {
+    match kind {
+        RESERVATION => {
+            let (step, next) =
+                compute_domain::reservations::reconcile::reconcile_one(db, key).await?;
+            if step != compute_domain::reservations::reconcile::Step::Nothing {
+                debug!(reservation = key, ?step, "reservation reconciled");
+            }
+            Ok(next)
+        }
+        POOL_CAPACITY => {
+            let fixed = compute_domain::fleet::commands::recompute_rollup(db, key).await?;
+            if fixed > 0 {
+                warn!(
+                    pool = key,
+                    rows = fixed,
+                    "pool capacity rollup had drifted from the atoms; corrected"
+                );
+            }
+            Ok(None)
+        }
+        NOOP => Ok(None),
+        other => Err(Error::internal(format!(
+            "no reconciler for work of kind `{other}`"
+        ))),
+    }
+}
+
+impl QueueWorker {
+    pub fn new(db: Db, owner: impl Into<String>, kinds: &[&'static str]) -> Self {
+        QueueWorker {
+            db,
+            owner: owner.into(),
+            kinds: kinds.to_vec(),
+            presence: None,
+            shards: BTreeMap::new(),
+            batch: 100,
+            claim_for: Duration::from_secs(60),
+            stats: Arc::default(),
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> Arc<QueueStats> {
+        self.stats.clone()
+    }
+
+    /// The shards held now, as `(kind, n)`.
+    pub fn held(&self) -> Vec<(&'static str, i32)> {
+        self.shards.keys().copied().collect()
+    }
+
+    /// Keeps the presence lease, drops lost shards, and takes or gives back shards to hold a
+    /// fair share of each kind.
+    pub async fn rebalance(&mut self) -> Result<()> {
+        let present = match &self.presence {
+            Some(p) => p.refresh(&self.db).await?,
+            None => false,
+        };
+        if !present {
+            self.presence =
+                HeldLease::acquire(&self.db, &presence_lease(&self.owner), &self.owner).await?;
+        }
+        let mut lost = Vec::new();
+        for (k, lease) in &self.shards {
+            if !lease.refresh(&self.db).await? {
+                lost.push(*k);
+            }
+        }
+        for k in lost {
+            self.shards.remove(&k);
+            self.stats.lease_losses.fetch_add(1, Ordering::Relaxed);
+        }
+        let live = compute_domain::leases::count_live(&self.db, "singleton:worker:").await?;
+        let live = live.max(1) as i32;
+        let share = (SHARDS + live - 1) / live;
+        // Start looking at a place that depends on the owner, so workers do not all race for
+        // shard 0 first.
+        let offset =
+            self.owner
+                .bytes()
+                .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32)) as i32;
+        for kind in self.kinds.clone() {
+            let mine: Vec<i32> = self
+                .shards
+                .keys()
+                .filter(|(k, _)| *k == kind)
+                .map(|(_, n)| *n)
+                .collect();
+            if mine.len() as i32 > share {
+                for n in mine.iter().rev().take(mine.len() - share as usize) {
+                    if let Some(lease) = self.shards.remove(&(kind, *n)) {
+                        info!(
+                            lease.name = lease.name(),
+                            share, live, "giving a shard back to spread the work"
+                        );
+                        lease.release(&self.db).await;
+                    }
+                }
+                continue;
+            }
+            let mut held = mine.len() as i32;
+            for i in 0..SHARDS {
+                if held >= share {
+                    break;
+                }
+                let n = (offset.rem_euclid(SHARDS) + i) % SHARDS;
+                if self.shards.contains_key(&(kind, n)) {
+                    continue;
+                }
+                let name = format!("shard:{kind}:{n}");
+                if let Some(lease) = HeldLease::acquire(&self.db, &name, &self.owner).await? {
+                    self.shards.insert((kind, n), lease);
+                    held += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One pass over the held shards: claims a batch of due rows of each, runs them, and
+    /// finishes them. Returns how many rows it ran.
+    pub async fn step(&mut self) -> Result<usize> {
+        let mut ran = 0;
+        let keys: Vec<_> = self.shards.keys().copied().collect();
+        for key in keys {
+            let Some(lease) = self.shards.get(&key) else {
+                continue;
+            };
+            match run_shard(
+                &self.db,
+                lease,
+                key,
+                self.batch,
+                self.claim_for,
+                &self.stats,
+            )
+            .await
+            {
+                Ok(n) => ran += n,
+                Err(Error::LeaseLost(why)) => {
+                    warn!(shard = %lease.name(), %why, "shard lease lost during a run; its rows wait for the next holder");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(ran)
+    }
+
+    /// Gives every lease back (on shutdown).
+    pub async fn release_all(&mut self) {
+        for (_, lease) in std::mem::take(&mut self.shards) {
+            lease.release(&self.db).await;
+        }
+        if let Some(p) = self.presence.take() {
+            p.release(&self.db).await;
+        }
+    }
+
+    /// Rebalances every renewal period and steps until `stop` resolves; idles `idle` when
+    /// nothing is due.
+    pub async fn run(mut self, idle: Duration, stop: impl std::future::Future<Output = ()>) {
+        tokio::pin!(stop);
+        let mut last_rebalance: Option<tokio::time::Instant> = None;
+        loop {
+            if last_rebalance.is_none_or(|t| t.elapsed() >= compute_domain::leases::RENEW_EVERY) {
+                last_rebalance = Some(tokio::time::Instant::now());
+                if let Err(e) = self.rebalance().await {
+                    warn!(error = %e, "work queue: rebalancing shards failed");
+                }
+            }
+            let ran = tokio::select! {
+                () = &mut stop => break,
+                r = self.step() => r,
+            };
+            let wait = match ran {
+                Ok(0) => idle,
+                Ok(_) => Duration::ZERO,
+                Err(e) => {
+                    warn!(error = %e, "work queue pass failed");
+                    idle.max(Duration::from_secs(1))
+                }
+            };
+            if !wait.is_zero() {
+                tokio::select! {
+                    () = &mut stop => break,
+                    () = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
+        self.release_all().await;
+        info!("work queue stopped");
+    }
+}
+
+/// Claims, runs and finishes one batch of one shard under its lease.
+async fn run_shard(
+    db: &Db,
+    lease: &HeldLease,
+    (kind, shard): (&'static str, i32),
+    batch: i64,
+    claim_for: Duration,
+    stats: &QueueStats,
+) -> Result<usize> {
+    let items: Vec<Item> = db
+        .fenced_tx(lease.fence(), TxKind::Maintenance, |conn| {
+            Box::pin(async move { work_queue::claim(conn, kind, &[shard], batch, claim_for).await })
+        })
+        .await?;
+    if items.is_empty() {
+        return Ok(0);
+    }
+    let mut outcomes = Vec::with_capacity(items.len());
+    for item in &items {
+        match lease.bound(run_item(db, kind, &item.key)).await {
+            Bound::Done(r) => outcomes.push(r.map_err(|e| e.to_string())),
+            Bound::LeaseLost => {
+                stats.lease_losses.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::LeaseLost(format!("{} lost mid-batch", lease.name())));
+            }
+        }
+    }
+    let n = items.len();
+    // Finished in key order, the order every multi-key enqueue takes the same rows in.
+    let mut done: Vec<(Item, std::result::Result<_, String>)> = items
+        .iter()
+        .cloned()
+        .zip(outcomes.iter().cloned())
+        .collect();
+    done.sort_by(|a, b| a.0.key.cmp(&b.0.key));
+    db.fenced_tx(lease.fence(), TxKind::Maintenance, |conn| {
+        let done = done.clone();
+        Box::pin(async move {
+            for (item, outcome) in done.iter().map(|(i, o)| (i, o.clone())) {
+                match outcome {
+                    Ok(next) => {
+                        work_queue::finish(conn, item, next).await?;
+                    }
+                    Err(why) => work_queue::fail(conn, item, &why).await?,
+                }
+            }
+            Ok(())
+        })
+    })
+    .await?;
+    for outcome in &outcomes {
+        match outcome {
+            Ok(Some(_)) => stats.rescheduled.fetch_add(1, Ordering::Relaxed),
+            Ok(None) => stats.succeeded.fetch_add(1, Ordering::Relaxed),
+            Err(why) => {
+                warn!(kind, why = %why, "work item failed; retried after its backoff");
+                stats.failed.fetch_add(1, Ordering::Relaxed)
+            }
+        };
+    }
+    Ok(n)
+}
