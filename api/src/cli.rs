@@ -336,6 +336,7 @@ pub async fn dev(args: DevArgs) -> Result<()> {
         database.db.clone(),
         compute_workers::Options {
             role: compute_workers::Role::All,
+            kinds: compute_workers::queue::KINDS.to_vec(),
             owner: format!("dev:{}", std::process::id()),
             resync_every: std::time::Duration::from_secs(5),
             queue_idle: std::time::Duration::from_millis(200),

@@ -29,6 +29,13 @@ pub struct Args {
     /// Seconds between two resync passes of the reservation reconciler.
     #[arg(long, env = "COMPUTE_RESYNC_EVERY", default_value_t = 60.0)]
     pub resync_seconds: f64,
+    /// The work-queue kinds this process runs (comma-separated); `noop` is for benchmarks.
+    #[arg(
+        long,
+        env = "COMPUTE_QUEUE_KINDS",
+        default_value = "reservation,pool_capacity"
+    )]
+    pub queue_kinds: String,
     /// Log format: pretty or json.
     #[arg(long, env = "COMPUTE_LOG_FORMAT", default_value = "pretty")]
     pub log_format: String,
@@ -101,8 +108,28 @@ pub async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let mut kinds = Vec::new();
+    for k in args
+        .queue_kinds
+        .split(',')
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+    {
+        match crate::queue::ALL_KINDS.iter().find(|known| **known == k) {
+            Some(known) => kinds.push(*known),
+            None => {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "compute-worker: unknown work kind `{k}` (known: {})",
+                    crate::queue::ALL_KINDS.join(", ")
+                );
+                return ExitCode::from(2);
+            }
+        }
+    }
     let (stats_tx, stats_rx) = tokio::sync::oneshot::channel();
     let options = Options {
+        kinds,
         role: args.role,
         owner: owner(),
         resync_every: Duration::from_secs_f64(args.resync_seconds.max(1.0)),

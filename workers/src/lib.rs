@@ -195,6 +195,8 @@ impl Reconciler {
 #[derive(Debug, Clone)]
 pub struct Options {
     pub role: Role,
+    /// The work-queue kinds to run ([`queue::KINDS`] normally).
+    pub kinds: Vec<&'static str>,
     /// Names this process in every lease it takes.
     pub owner: String,
     /// How often the resync runs.
@@ -223,7 +225,7 @@ pub async fn run(
     };
     let reconcile = matches!(options.role, Role::Reconcile | Role::All);
     let outbox = matches!(options.role, Role::Outbox | Role::All);
-    let queue = queue::QueueWorker::new(db.clone(), options.owner.clone(), &queue::KINDS);
+    let queue = queue::QueueWorker::new(db.clone(), options.owner.clone(), &options.kinds);
     let dispatcher = dispatch::Dispatcher::new(db.clone(), options.owner.clone());
     if let Some(tx) = stats_out {
         let _ = tx.send(Stats {

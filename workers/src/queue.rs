@@ -33,6 +33,9 @@ pub struct QueueStats {
 /// The kinds a reconcile worker runs.
 pub const KINDS: [&str; 2] = [RESERVATION, POOL_CAPACITY];
 
+/// Every kind a worker can run (`noop` only for the benchmark).
+pub const ALL_KINDS: [&str; 3] = [RESERVATION, POOL_CAPACITY, NOOP];
+
 /// One worker process's share of the queue.
 pub struct QueueWorker {
     db: Db,

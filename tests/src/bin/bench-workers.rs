@@ -1,0 +1,228 @@
+//! Measures the workers: work-queue throughput (enqueue, then claim and finish) with 1, 2 and 4
+//! worker processes, and webhook deliveries per second to a local receiver.
+//!
+//! ```sh
+//! cargo build --release -p compute-tests
+//! target/release/bench-workers [items] [events]
+//! ```
+//!
+//! The workers are real `compute-worker` processes (this package's `test-worker` build of it),
+//! on a throwaway embedded PostgreSQL, on the same two cores as this process. Queue items are of
+//! the `noop` kind, so the figure is the queue's own cost (claim, fenced finish), not a
+//! reconciler's. Asserts nothing: a benchmark, not a test.
+
+#![allow(clippy::print_stdout, reason = "a benchmark prints its figures")]
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use compute_domain::db::{Db, TxKind};
+use compute_domain::work_queue::{self, NOOP, SHARDS};
+
+fn worker(binary: &std::path::Path, url: &str, role: &str, kinds: &str) -> tokio::process::Child {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(0);
+    tokio::process::Command::new(binary)
+        .args([
+            "--role",
+            role,
+            "--queue-kinds",
+            kinds,
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start a worker")
+}
+
+async fn count(db: &Db, sql: &str) -> i64 {
+    let (n,): (i64,) = sqlx::query_as(sql)
+        .fetch_one(db.pool())
+        .await
+        .expect("count");
+    n
+}
+
+async fn queue_run(binary: &std::path::Path, items: usize, processes: usize) {
+    let test_db = compute_tests::test_db_with(8).await;
+    let db = test_db.db.clone();
+    let mut children: Vec<_> = (0..processes)
+        .map(|_| worker(binary, &test_db.url, "reconcile", NOOP))
+        .collect();
+    // Wait until the shards have spread over the processes (they rebalance every 5 s).
+    let spread = Instant::now();
+    let share = (SHARDS as usize).div_ceil(processes) as i64;
+    loop {
+        let owners = count(
+            &db,
+            "SELECT count(DISTINCT owner) FROM leases WHERE name LIKE 'shard:noop:%' AND expires_at > compute_now()",
+        )
+        .await;
+        let most = count(
+            &db,
+            "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM leases WHERE name LIKE 'shard:noop:%' AND expires_at > compute_now() GROUP BY owner) c",
+        )
+        .await;
+        let total = count(
+            &db,
+            "SELECT count(*) FROM leases WHERE name LIKE 'shard:noop:%' AND expires_at > compute_now()",
+        )
+        .await;
+        if owners as usize == processes && most <= share && total == SHARDS as i64 {
+            break;
+        }
+        if spread.elapsed() > Duration::from_secs(60) {
+            println!("  (shards did not spread in 60 s: {owners} owners, {total} shards held)");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Enqueue everything due a few seconds from now, so the workers start on a full queue.
+    let delay = Duration::from_secs(4);
+    let enqueue_started = Instant::now();
+    let clients = 4;
+    let per = items / clients;
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let db = db.clone();
+        tasks.push(tokio::spawn(async move {
+            for chunk in (0..per).collect::<Vec<_>>().chunks(100) {
+                let keys: Vec<String> = chunk.iter().map(|i| format!("k{c}-{i}")).collect();
+                db.tx(TxKind::Write, |conn| {
+                    let keys = keys.clone();
+                    Box::pin(async move {
+                        for k in &keys {
+                            work_queue::enqueue(conn, NOOP, k, SHARDS, delay).await?;
+                        }
+                        Ok(())
+                    })
+                })
+                .await
+                .expect("enqueue");
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let enqueued = enqueue_started.elapsed();
+    let total = per * clients;
+    let due_at = enqueue_started + delay;
+    if Instant::now() > due_at {
+        println!(
+            "  (enqueueing took longer than the {delay:?} delay; the claim figure includes some of it)"
+        );
+    }
+    tokio::time::sleep_until(due_at.into()).await;
+    let started = Instant::now();
+    while count(&db, "SELECT count(*) FROM work_queue WHERE kind = 'noop'").await > 0 {
+        if started.elapsed() > Duration::from_secs(300) {
+            println!("  (gave up after 300 s)");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let drained = started.elapsed();
+    println!(
+        "  {processes} worker process(es): enqueue {:>6.0}/s ({total} in {:.2} s, 4 clients, 100 a transaction); claim + finish {:>6.0}/s ({:.2} s)",
+        total as f64 / enqueued.as_secs_f64(),
+        enqueued.as_secs_f64(),
+        total as f64 / drained.as_secs_f64(),
+        drained.as_secs_f64()
+    );
+    for c in &mut children {
+        let _ = c.start_kill();
+    }
+    for c in &mut children {
+        let _ = c.wait().await;
+    }
+}
+
+async fn webhook_run(binary: &std::path::Path, events: usize) {
+    let test_db = compute_tests::test_db_with(4).await;
+    let db = test_db.db.clone();
+    let received = Arc::new(AtomicU64::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let counter = received.clone();
+    let router = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move || {
+            let counter = counter.clone();
+            async move {
+                counter.fetch_add(1, Ordering::Relaxed);
+                axum::http::StatusCode::NO_CONTENT
+            }
+        }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    compute_domain::sinks::create(
+        &db,
+        &compute_domain::sinks::Scope {
+            tenant_id: Some("bench".into()),
+        },
+        "bench",
+        &url,
+        vec!["bench.tick".into()],
+    )
+    .await
+    .expect("sink");
+    sqlx::query("SELECT compute_emit('bench.tick', 'bench', 'e' || g, jsonb_build_object('n', g)) FROM generate_series(1, $1) g")
+        .bind(events as i32)
+        .execute(db.pool())
+        .await
+        .expect("events");
+    let started = Instant::now();
+    let mut child = worker(binary, &test_db.url, "outbox", "reservation");
+    while (received.load(Ordering::Relaxed) as usize) < events {
+        if started.elapsed() > Duration::from_secs(300) {
+            println!("  (gave up after 300 s)");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let took = started.elapsed();
+    println!(
+        "  1 worker process, 1 sink: {} deliveries in {:.2} s = {:.0}/s (includes the process's start-up)",
+        received.load(Ordering::Relaxed),
+        took.as_secs_f64(),
+        received.load(Ordering::Relaxed) as f64 / took.as_secs_f64()
+    );
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let items: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(20_000);
+    let events: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let binary = std::env::current_exe()
+        .expect("own path")
+        .with_file_name("test-worker");
+    if !binary.exists() {
+        println!(
+            "{} is missing: build with `cargo build --release -p compute-tests`",
+            binary.display()
+        );
+        std::process::exit(2);
+    }
+    println!("work queue, {items} noop items:");
+    for processes in [1, 2, 4] {
+        queue_run(&binary, items, processes).await;
+    }
+    println!("webhooks, {events} events to a local receiver:");
+    webhook_run(&binary, events).await;
+}
