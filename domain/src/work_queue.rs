@@ -85,6 +85,22 @@ pub async fn claim(
     .await?)
 }
 
+/// Enqueues every pool for the capacity-rollup reconciler (the resync: a lost queue row only
+/// costs time). Returns how many pools.
+pub async fn enqueue_all_pools(db: &crate::db::Db) -> Result<u64> {
+    let done = sqlx::query(
+        "INSERT INTO work_queue AS w (kind, key, shard) \
+         SELECT $1, p.id, (abs(hashtextextended(p.id, 0)) % $2)::int FROM pools p ORDER BY p.id \
+         ON CONFLICT (kind, key) DO UPDATE SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), \
+            updated_at = compute_now()",
+    )
+    .bind(POOL_CAPACITY)
+    .bind(SHARDS)
+    .execute(db.pool())
+    .await?;
+    Ok(done.rows_affected())
+}
+
 /// Finishes a claimed item whose run succeeded. If nobody enqueued it again meanwhile, it is
 /// deleted, or, when `next` is given, kept and due again at `next` (a reconciler's next
 /// wake-up); if it was enqueued again, it stays, unclaimed, and runs again. Returns whether the

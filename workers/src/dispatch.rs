@@ -187,6 +187,10 @@ async fn deliver_sink(
                 lease.release(&db).await;
                 return;
             }
+            Bound::Done(Err(compute_domain::Error::LeaseLost(why))) => {
+                warn!(sink = %id, %why, "sink lease lost at the save; another worker resumes from the saved cursor");
+                return;
+            }
             Bound::Done(Err(e)) => {
                 warn!(sink = %id, error = %e, "sink delivery failed");
                 Duration::from_secs(1)

@@ -7,7 +7,8 @@
 //!   rollup true).
 //! - [`Reconciler`]: under `singleton:reservations`, the resync: every pass looks for any
 //!   reservation whose time has come however it was missed (a lost queue row only costs time),
-//!   and hourly it prunes idempotency keys and the outbox.
+//!   every 5 minutes it enqueues every pool for its rollup check, and hourly it prunes
+//!   idempotency keys and the outbox.
 //! - [`dispatch::Dispatcher`]: webhook delivery, one task per sink under
 //!   `singleton:outbox-dispatch:<sink id>`.
 //! - [`lease::HeldLease`]: leases renewed in the background, whose loss cancels the work bound
@@ -61,6 +62,9 @@ impl Role {
 /// then marked `behind`).
 pub const HARD_MAX_AGE: Duration = Duration::from_secs(30 * 24 * 3600);
 
+/// How often every pool's capacity rollup is checked against its atoms, whatever was enqueued.
+pub const ROLLUP_RESYNC_EVERY: Duration = Duration::from_secs(300);
+
 /// How often the reservation resync runs by default.
 pub const RESYNC_EVERY: Duration = Duration::from_secs(60);
 
@@ -84,6 +88,7 @@ pub struct Reconciler {
     db: Db,
     owner: String,
     fence: Option<Fence>,
+    last_rollup_resync: Option<tokio::time::Instant>,
 }
 
 impl Reconciler {
@@ -93,6 +98,7 @@ impl Reconciler {
             db,
             owner: owner.into(),
             fence: None,
+            last_rollup_resync: None,
         }
     }
 
@@ -124,6 +130,14 @@ impl Reconciler {
     pub async fn pass(&mut self) -> Result<Pass> {
         if !self.keep_lease().await? {
             return Ok(Pass::default());
+        }
+        if self
+            .last_rollup_resync
+            .is_none_or(|t| t.elapsed() >= ROLLUP_RESYNC_EVERY)
+        {
+            let pools = compute_domain::work_queue::enqueue_all_pools(&self.db).await?;
+            self.last_rollup_resync = Some(tokio::time::Instant::now());
+            tracing::debug!(pools, "every pool enqueued for its rollup check");
         }
         Ok(Pass {
             held: true,

@@ -718,6 +718,25 @@ async fn sse_streams_and_resumes_with_last_event_id() {
     // A bad token is 401, so an EventSource does not retry it.
     let (status, _) = SseStream::open(&app, "nope", body, None).await;
     assert_eq!(status, 401);
+    // A token that expires while the stream is open ends it: UNAUTHENTICATED, then complete.
+    // (4 s past `exp` is inside the verifier's 5 s leeway, so it ends about 1 s later.)
+    let mut c = claims("late", Some("acme"), &[Role::Member], 0);
+    c.exp = chrono::Utc::now().timestamp() - 4;
+    let (status, mut late) = SseStream::open(
+        &app,
+        &mint(c),
+        json!({ "query": EVENTS, "variables": { "types": ["test.tick"] } }),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let e = late.next().await;
+    let v: Value = serde_json::from_str(&e.data).expect("json");
+    assert_eq!(
+        v["errors"][0]["extensions"]["code"], "UNAUTHENTICATED",
+        "{e:?}"
+    );
+    assert_eq!(late.next().await.event, "complete");
 }
 
 #[tokio::test]

@@ -548,3 +548,174 @@ async fn a_webhook_sink_survives_a_sigkilled_worker() {
     assert_eq!(s["state"], "HEALTHY");
     assert_eq!(s["lagSeconds"], 0.0);
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("port")
+}
+
+async fn sink_row(app: &TestApp, id: &str) -> (i32, String, Option<String>) {
+    sqlx::query_as("SELECT failures, state, last_error FROM event_sinks WHERE id = $1")
+        .bind(id)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("sink")
+}
+
+#[tokio::test]
+async fn a_failing_sink_backs_off_without_holding_up_the_others() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (good, url) = start_receiver(Duration::ZERO).await;
+    let acme = app.member("acme");
+    let d = app
+        .ok(&acme, CREATE_SINK, json!({ "i": { "url": url } }))
+        .await;
+    *good.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    // Nobody listens on this port: every POST fails.
+    let dead = format!("http://127.0.0.1:{}/hook", free_port());
+    let bad = app
+        .ok(&acme, CREATE_SINK, json!({ "i": { "url": dead } }))
+        .await["createEventSink"]["eventSink"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    sqlx::query(
+        "SELECT compute_emit('test.tick', 'acme', 'e' || g, '{}') FROM generate_series(1, 5) g",
+    )
+    .execute(app.db.db.pool())
+    .await
+    .expect("emit");
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-d");
+    dispatcher.idle = Duration::from_millis(20);
+    dispatcher.rebalance().await.expect("rebalance");
+    let wait_for = |expected: i32| {
+        let app = &app;
+        let bad = bad.clone();
+        async move {
+            tokio::time::timeout(WAIT, async {
+                loop {
+                    let row = sink_row(app, &bad).await;
+                    if row.0 >= expected {
+                        return row;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await
+            .expect("the failure is recorded")
+        }
+    };
+    let (failures, state, error) = wait_for(1).await;
+    assert_eq!((failures, state.as_str()), (1, "healthy"));
+    assert!(
+        error.expect("an error").contains("POST"),
+        "the error says what failed"
+    );
+    // Meanwhile the healthy sink got everything.
+    tokio::time::timeout(WAIT, async {
+        while good.got.lock().expect("got").len() < 5 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the healthy sink is not held up");
+    // It backs off: not retried before its time, retried after.
+    dispatcher.rebalance().await.expect("rebalance");
+    assert_eq!(sink_row(&app, &bad).await.0, 1, "backing off");
+    for n in [2, 3] {
+        app.db.advance_clock(300).await;
+        dispatcher.rebalance().await.expect("rebalance");
+        wait_for(n).await;
+    }
+    let d = app
+        .ok(
+            &acme,
+            "query($id: ID!) { eventSink(id: $id) { state failures nextAttemptAt lastError } }",
+            json!({ "id": bad }),
+        )
+        .await;
+    assert_eq!(d["eventSink"]["state"], "FAILING", "{d}");
+    assert_eq!(d["eventSink"]["failures"], 3);
+    // The next attempt is 8 s after the third failure.
+    let (wait,): (f64,) = sqlx::query_as(
+        "SELECT extract(epoch FROM next_attempt_at - last_error_at)::float8 FROM event_sinks WHERE id = $1",
+    )
+    .bind(&bad)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("backoff");
+    assert_eq!(wait, 8.0);
+}
+
+#[tokio::test]
+async fn outbox_pruning_waits_for_sinks_up_to_the_hard_maximum() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = &app.db.db;
+    let scope = compute_domain::sinks::Scope {
+        tenant_id: Some("acme".into()),
+    };
+    let (sink, _) =
+        compute_domain::sinks::create(db, &scope, "test", "http://127.0.0.1:9/x", vec![])
+            .await
+            .expect("sink");
+    sqlx::query(
+        "SELECT compute_emit('test.tick', 'acme', 'e' || g, '{}') FROM generate_series(1, 3) g",
+    )
+    .execute(db.pool())
+    .await
+    .expect("emit");
+    let ticks = || async {
+        let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM outbox WHERE type = 'test.tick'")
+            .fetch_one(db.pool())
+            .await
+            .expect("count");
+        n
+    };
+    app.db.advance_clock(8 * 24 * 3600).await;
+    compute_domain::sinks::prune_outbox(
+        db,
+        compute_domain::outbox::RETENTION,
+        compute_workers::HARD_MAX_AGE,
+    )
+    .await
+    .expect("prune");
+    assert_eq!(
+        ticks().await,
+        3,
+        "past the retention, but the sink has not received them"
+    );
+    assert_eq!(
+        compute_domain::sinks::get(db, &scope, &sink.id)
+            .await
+            .expect("sink")
+            .state,
+        "healthy"
+    );
+    app.db.advance_clock(23 * 24 * 3600).await; // 31 days
+    let pruned = compute_domain::sinks::prune_outbox(
+        db,
+        compute_domain::outbox::RETENTION,
+        compute_workers::HARD_MAX_AGE,
+    )
+    .await
+    .expect("prune");
+    assert!(pruned >= 3);
+    assert_eq!(ticks().await, 0, "past the hard maximum they go anyway");
+    let after = compute_domain::sinks::get(db, &scope, &sink.id)
+        .await
+        .expect("sink");
+    assert_eq!(after.state, "behind", "and the sink says it fell behind");
+    assert_eq!(
+        after.cursor(),
+        compute_domain::outbox::pruned_through(db)
+            .await
+            .expect("front")
+    );
+}
