@@ -93,6 +93,13 @@ impl Viewer {
     pub fn has_role(&self, role: Role) -> bool {
         self.roles.contains(&role)
     }
+
+    /// How long the token stays valid from now, by the same rule (and leeway) as
+    /// verification: an open connection ends after this.
+    pub fn valid_for(&self) -> std::time::Duration {
+        let left = self.expires_at + LEEWAY_SECONDS as i64 - chrono::Utc::now().timestamp();
+        std::time::Duration::from_secs(left.max(0) as u64)
+    }
 }
 
 /// Where the verification keys come from.

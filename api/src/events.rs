@@ -37,6 +37,49 @@ impl StreamPosition {
     }
 }
 
+/// What a streaming transport (WebSocket, SSE) attaches to each operation, and reads back from
+/// each of its responses.
+pub struct Streaming {
+    position: StreamPosition,
+    replay: crate::schema::ReplayFlag,
+}
+
+impl Streaming {
+    /// Attaches the caller, a [`StreamPosition`] and a replay flag to `request`.
+    pub fn attach(
+        mut request: async_graphql::Request,
+        viewer: Option<crate::auth::Viewer>,
+    ) -> (async_graphql::Request, Streaming) {
+        if let Some(v) = viewer {
+            request = request.data(v);
+        }
+        let s = Streaming {
+            position: StreamPosition::default(),
+            replay: crate::schema::ReplayFlag::default(),
+        };
+        let request = request.data(s.position.clone()).data(s.replay.clone());
+        (request, s)
+    }
+
+    /// Adds `extensions.cursor` (the item's place in the outbox) and
+    /// `extensions.idempotentReplay` to a response; returns the cursor.
+    pub fn decorate(&self, response: &mut async_graphql::Response) -> Option<Cursor> {
+        let cursor = self.position.get();
+        if let Some(c) = cursor {
+            response
+                .extensions
+                .insert("cursor".into(), async_graphql::Value::String(c.encode()));
+        }
+        if self.replay.is_set() {
+            response.extensions.insert(
+                "idempotentReplay".into(),
+                async_graphql::Value::Boolean(true),
+            );
+        }
+        cursor
+    }
+}
+
 /// A resume point the transport took from the request (SSE `Last-Event-ID`); it wins over the
 /// `after` argument, being later.
 #[derive(Clone, Copy, Debug)]

@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::auth::{Viewer, bearer};
-use crate::events::{ResumeAfter, StreamPosition};
+use crate::events::{ResumeAfter, Streaming};
 use crate::graphql_http::{
     BAD_REQUEST, PARSE_FAILED, build_request, operation_type, prepare, response_json,
 };
@@ -176,24 +176,15 @@ async fn respond(
 /// the token expires or the server shuts down.
 async fn run(
     app: AppState,
-    mut request: async_graphql::Request,
+    request: async_graphql::Request,
     viewer: Option<Viewer>,
     tx: mpsc::Sender<SseEvent>,
 ) {
-    let expires = match &viewer {
-        Some(v) => {
-            let left =
-                v.expires_at + crate::auth::LEEWAY_SECONDS as i64 - chrono::Utc::now().timestamp();
-            std::time::Duration::from_secs(left.max(0) as u64)
-        }
-        None => std::time::Duration::from_secs(100 * 365 * 24 * 3600),
-    };
-    if let Some(v) = viewer {
-        request = request.data(v);
-    }
-    let position = StreamPosition::default();
-    let replay = crate::schema::ReplayFlag::default();
-    request = request.data(position.clone()).data(replay.clone());
+    let expires = viewer.as_ref().map_or(
+        std::time::Duration::from_secs(100 * 365 * 24 * 3600),
+        Viewer::valid_for,
+    );
+    let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = app.schema.execute_stream(request);
     let expiry = tokio::time::sleep(expires);
     tokio::pin!(expiry);
@@ -215,20 +206,9 @@ async fn run(
         };
         let Some(mut response) = response else { break };
         let request_error = prepare(&app, &mut response);
-        if replay.is_set() {
-            response.extensions.insert(
-                "idempotentReplay".into(),
-                async_graphql::Value::Boolean(true),
-            );
-        }
         let mut event = SseEvent::default().event("next");
-        if let Some(cursor) = position.get() {
-            let cursor = cursor.encode();
-            response.extensions.insert(
-                "cursor".into(),
-                async_graphql::Value::String(cursor.clone()),
-            );
-            event = event.id(cursor);
+        if let Some(cursor) = streaming.decorate(&mut response) {
+            event = event.id(cursor.encode());
         }
         let data = response_json(&response, request_error).to_string();
         if tx.send(event.data(data)).await.is_err() {

@@ -40,7 +40,7 @@ use tokio::time::{Instant, Sleep};
 use tracing::debug;
 
 use crate::auth::{Viewer, bearer};
-use crate::events::StreamPosition;
+use crate::events::Streaming;
 use crate::graphql_http::{build_request, prepare, response_json};
 use crate::server::AppState;
 
@@ -152,16 +152,9 @@ fn never() -> Instant {
     Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)
 }
 
-/// When `viewer`'s token stops being valid, by the same rule (and leeway) as verification.
+/// When `viewer`'s token stops being valid.
 fn expiry_of(viewer: Option<&Viewer>) -> Instant {
-    match viewer {
-        Some(v) => {
-            let now = chrono::Utc::now().timestamp();
-            let left = (v.expires_at + crate::auth::LEEWAY_SECONDS as i64 - now).max(0);
-            Instant::now() + Duration::from_secs(left as u64)
-        }
-        None => never(),
-    }
+    viewer.map_or_else(never, |v| Instant::now() + v.valid_for())
 }
 
 /// A close reason that fits a close frame (at most 123 bytes).
@@ -440,16 +433,11 @@ fn op_id(message: &Value) -> Result<String, End> {
 async fn run_operation(
     app: AppState,
     id: String,
-    mut request: async_graphql::Request,
+    request: async_graphql::Request,
     viewer: Option<Viewer>,
     out: mpsc::Sender<(String, Out)>,
 ) {
-    if let Some(v) = viewer {
-        request = request.data(v);
-    }
-    let position = StreamPosition::default();
-    let replay = crate::schema::ReplayFlag::default();
-    request = request.data(position.clone()).data(replay.clone());
+    let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = app.schema.execute_stream(request);
     let mut first = true;
     while let Some(mut response) = responses.next().await {
@@ -460,18 +448,7 @@ async fn run_operation(
             return;
         }
         first = false;
-        if let Some(cursor) = position.get() {
-            response.extensions.insert(
-                "cursor".into(),
-                async_graphql::Value::String(cursor.encode()),
-            );
-        }
-        if replay.is_set() {
-            response.extensions.insert(
-                "idempotentReplay".into(),
-                async_graphql::Value::Boolean(true),
-            );
-        }
+        streaming.decorate(&mut response);
         let payload = response_json(&response, request_error);
         if out.send((id.clone(), Out::Next(payload))).await.is_err() {
             return;

@@ -58,15 +58,6 @@ impl Sink {
             seq: self.cursor_seq,
         }
     }
-
-    /// What the sink receives.
-    pub fn filter(&self) -> EventFilter {
-        EventFilter {
-            tenant_id: self.tenant_id.clone(),
-            types: self.types.clone(),
-            subjects: vec![],
-        }
-    }
 }
 
 const SINK_COLS: &str = "s.id, s.tenant_id, s.url, s.types, s.active, s.state, s.failures, s.next_attempt_at, \
@@ -355,6 +346,7 @@ impl Delivery {
             seq: self.cursor_seq,
         }
     }
+    /// What the sink receives.
     pub fn filter(&self) -> EventFilter {
         EventFilter {
             tenant_id: self.tenant_id.clone(),

@@ -85,16 +85,7 @@ pub async fn reconcile_one(
             Err(e) => return Err(e),
         }
     } else if rsv.state == "pending" && rsv.next_attempt_at.is_none_or(|t| t <= now) {
-        let allocations: Vec<Allocation> = sqlx::query_as(&format!(
-            "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
-        ))
-        .bind(id)
-        .fetch_all(db.pool())
-        .await?;
-        let requests = allocations
-            .iter()
-            .map(|a| request_of(a).map(|r| (a.id.clone(), r)))
-            .collect::<Result<Vec<_>>>()?;
+        let requests = requests_of(db, id).await?;
         step = match commands::place_pending(db, id, requests).await {
             Ok(true) => Step::Placed,
             Ok(false) | Err(Error::Conflict { .. }) => Step::StillPending,
@@ -176,6 +167,20 @@ fn request_of(a: &Allocation) -> Result<AllocationRequest> {
     })
 }
 
+/// What each allocation of a reservation asked for, to place it again.
+async fn requests_of(db: &Db, id: &str) -> Result<Vec<(String, AllocationRequest)>> {
+    let allocations: Vec<Allocation> = sqlx::query_as(&format!(
+        "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
+    ))
+    .bind(id)
+    .fetch_all(db.pool())
+    .await?;
+    allocations
+        .iter()
+        .map(|a| request_of(a).map(|r| (a.id.clone(), r)))
+        .collect()
+}
+
 /// Tries again to place every pending reservation whose `next_attempt_at` has come; returns how
 /// many were placed. Those still without capacity get the latest reason and a new attempt time.
 pub async fn retry_pending(db: &Db) -> Result<u64> {
@@ -187,16 +192,7 @@ pub async fn retry_pending(db: &Db) -> Result<u64> {
     .await?;
     let mut placed = 0;
     for rsv in due {
-        let allocations: Vec<Allocation> = sqlx::query_as(&format!(
-            "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
-        ))
-        .bind(&rsv.id)
-        .fetch_all(db.pool())
-        .await?;
-        let requests = allocations
-            .iter()
-            .map(|a| request_of(a).map(|r| (a.id.clone(), r)))
-            .collect::<Result<Vec<_>>>()?;
+        let requests = requests_of(db, &rsv.id).await?;
         match commands::place_pending(db, &rsv.id, requests).await {
             Ok(true) => placed += 1,
             Ok(_) | Err(Error::Conflict { .. }) => {}
