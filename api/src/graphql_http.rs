@@ -9,6 +9,9 @@
 //!   validate, so there is no `data`) is `400`; with `application/json` it is `200`, as the
 //!   specification asks for legacy clients. A malformed HTTP request (not JSON, no `query`) is
 //!   `400` with either.
+//! * A subscription needs a streaming transport: over plain HTTP it is a request error
+//!   (`BAD_REQUEST`) that names the WebSocket and SSE endpoints. With
+//!   `Accept: text/event-stream` the request goes to `sse` instead.
 //! * A bad bearer token is `401` with `UNAUTHENTICATED`; no token is an anonymous caller, who may
 //!   introspect but reads nothing else.
 //! * `GET /graphql` from a browser (HTML accepted, no `query`) serves GraphiQL, and a WebSocket
@@ -367,6 +370,20 @@ async fn execute(
             r.headers_mut()
                 .insert(header::ALLOW, HeaderValue::from_static("POST"));
             return r;
+        }
+        Ok(Some(OperationType::Subscription)) => {
+            let status = match media {
+                MediaType::GraphqlResponseJson => StatusCode::BAD_REQUEST,
+                MediaType::Json => StatusCode::OK,
+            };
+            return error_response(
+                status,
+                media,
+                BAD_REQUEST,
+                "a subscription needs a streaming transport: a WebSocket on /graphql \
+                 (graphql-transport-ws or graphql-ws), or Server-Sent Events \
+                 (Accept: text/event-stream, or /graphql/stream)",
+            );
         }
         Ok(_) => {}
     }

@@ -64,6 +64,8 @@ async fn request_errors_are_400_with_graphql_response_json_and_200_with_json() {
     for (query, code) in [
         ("{ viewer { ", "GRAPHQL_PARSE_FAILED"),
         ("{ noSuchField }", "GRAPHQL_VALIDATION_FAILED"),
+        // A subscription over plain HTTP: told where to go instead.
+        ("subscription { events { id } }", "BAD_REQUEST"),
     ] {
         let body = json!({ "query": query }).to_string();
         let (s, _, text) = post(&app, Some(GQL), &body).await;
