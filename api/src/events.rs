@@ -196,9 +196,10 @@ pub struct EventsQuery;
 
 #[Object]
 impl EventsQuery {
-    /// The cursor of the present: every event committed so far is at or before it. Read it in
-    /// the same request as the objects a page shows, then subscribe with `after:` it, and no
-    /// change made between the query and the subscription is missed.
+    /// The cursor of the present. Read it in the same request as the objects a page shows, then
+    /// subscribe with `after:` it: no change made after the query is missed. (A change that
+    /// committed just before it, while an older transaction was still running, may still be
+    /// delivered after it: the stream never skips, it may only repeat what the page shows.)
     async fn event_cursor(&self, ctx: &Context<'_>) -> async_graphql::Result<String> {
         viewer(ctx)?;
         Ok(outbox::head(db(ctx)?).await.map_err(gql_error)?.encode())

@@ -423,6 +423,9 @@ async fn a_slow_subscriber_falls_back_to_the_database_and_catches_up() {
         json!({ "after": after, "types": ["test.tick"] }),
     )
     .await;
+    // Both feeds must be on the live channel before the burst, or one may simply read it from
+    // the database from the start.
+    open_subscriptions(&app, 2).await;
     // One transaction, so the tailer reads and publishes the 60 at once.
     sqlx::query("SELECT compute_emit('test.tick', 'acme', 's' || lpad(g::text, 2, '0'), '{}') FROM generate_series(1, 60) g")
         .execute(app.db.db.pool())
@@ -455,6 +458,29 @@ async fn a_slow_subscriber_falls_back_to_the_database_and_catches_up() {
     );
     assert_eq!(metric(&metrics, "compute_subscriptions_open"), 2.0);
     assert!(metric(&metrics, "compute_subscription_events_delivered_total") >= 124.0);
+}
+
+/// Waits until the server has `n` subscriptions running (each has joined the tailer).
+async fn open_subscriptions(app: &TestApp, n: usize) {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let m = app
+                .http
+                .get(app.url("/metrics"))
+                .send()
+                .await
+                .expect("metrics")
+                .text()
+                .await
+                .expect("body");
+            if metric(&m, "compute_subscriptions_open") >= n as f64 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the subscriptions start");
 }
 
 fn metric(text: &str, name: &str) -> f64 {
@@ -759,23 +785,35 @@ async fn pool_capacity_follows_reservations_on_the_pool() {
         crate::reservations::input(&p.pool, "dash", json!([{ "gpuCount": 2 }])),
     )
     .await;
-    let msg = next_msg(&mut ws).await;
-    assert_eq!(msg["type"], "next", "{msg}");
-    let pool = &msg["payload"]["data"]["poolCapacity"];
-    assert_eq!(pool["id"], json!(p.pool));
-    let gpu = pool["capacity"]
-        .as_array()
-        .expect("capacity")
-        .iter()
-        .find(|c| c["kind"] == "GPU")
-        .expect("a GPU row")
-        .clone();
-    assert_eq!(
-        gpu["total"].as_i64().expect("total") - gpu["free"].as_i64().expect("free"),
-        2,
-        "the two GPUs just reserved are not free: {gpu}"
-    );
-    assert!(msg["payload"]["extensions"]["cursor"].is_string());
+    // The fleet's own setup events can still arrive first (the reader waits for older
+    // transactions cluster-wide); each update is the pool as it is now, so wait for the one
+    // that shows the reservation.
+    let booked = |msg: &Value| {
+        assert_eq!(msg["type"], "next", "{msg}");
+        let pool = &msg["payload"]["data"]["poolCapacity"];
+        assert_eq!(pool["id"], json!(p.pool));
+        assert!(msg["payload"]["extensions"]["cursor"].is_string());
+        let gpu = pool["capacity"]
+            .as_array()
+            .expect("capacity")
+            .iter()
+            .find(|c| c["kind"] == "GPU")
+            .expect("a GPU row")
+            .clone();
+        gpu["total"].as_i64().expect("total") - gpu["free"].as_i64().expect("free")
+    };
+    let mut seen = Vec::new();
+    loop {
+        let n = booked(&next_msg(&mut ws).await);
+        seen.push(n);
+        if n == 2 {
+            break;
+        }
+        assert!(
+            seen.len() < 20,
+            "the two GPUs just reserved never showed as booked: {seen:?}"
+        );
+    }
 }
 
 #[tokio::test]
