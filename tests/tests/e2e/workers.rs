@@ -564,6 +564,28 @@ async fn sink_row(app: &TestApp, id: &str) -> (i32, String, Option<String>) {
         .expect("sink")
 }
 
+/// Rebalances `dispatcher` (as its loop does every 2 s) until sink `bad` has failed `expected`
+/// times.
+async fn failures_reach(
+    app: &TestApp,
+    dispatcher: &mut compute_workers::dispatch::Dispatcher,
+    bad: &str,
+    expected: i32,
+) -> (i32, String, Option<String>) {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            dispatcher.rebalance().await.expect("rebalance");
+            let row = sink_row(app, bad).await;
+            if row.0 >= expected {
+                return row;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the failure is recorded")
+}
+
 #[tokio::test]
 async fn a_failing_sink_backs_off_without_holding_up_the_others() {
     let app = spawn_app().await;
@@ -594,24 +616,7 @@ async fn a_failing_sink_backs_off_without_holding_up_the_others() {
     let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-d");
     dispatcher.idle = Duration::from_millis(20);
     dispatcher.rebalance().await.expect("rebalance");
-    let wait_for = |expected: i32| {
-        let app = &app;
-        let bad = bad.clone();
-        async move {
-            tokio::time::timeout(WAIT, async {
-                loop {
-                    let row = sink_row(app, &bad).await;
-                    if row.0 >= expected {
-                        return row;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-            .await
-            .expect("the failure is recorded")
-        }
-    };
-    let (failures, state, error) = wait_for(1).await;
+    let (failures, state, error) = failures_reach(&app, &mut dispatcher, &bad, 1).await;
     assert_eq!((failures, state.as_str()), (1, "healthy"));
     assert!(
         error.expect("an error").contains("POST"),
@@ -630,8 +635,7 @@ async fn a_failing_sink_backs_off_without_holding_up_the_others() {
     assert_eq!(sink_row(&app, &bad).await.0, 1, "backing off");
     for n in [2, 3] {
         app.db.advance_clock(300).await;
-        dispatcher.rebalance().await.expect("rebalance");
-        wait_for(n).await;
+        failures_reach(&app, &mut dispatcher, &bad, n).await;
     }
     let d = app
         .ok(
