@@ -204,10 +204,10 @@ async fn every_close_code_of_graphql_transport_ws() {
     assert_eq!(code, 4400);
     assert!(reason.contains("`start`"), "{reason}");
 
-    // 4403 again when the token expires while the connection is open. The token is 4 s past
-    // `exp`, inside the 5 s leeway, so it is accepted and the connection closes about 1 s later.
+    // 4403 again when the token expires while the connection is open. The token is 3 s past
+    // `exp`, inside the 5 s leeway, so it is accepted and the connection closes about 2 s later.
     let mut c = claims("late", Some("acme"), &[Role::Member], 0);
-    c.exp = chrono::Utc::now().timestamp() - 4;
+    c.exp = chrono::Utc::now().timestamp() - 3;
     let late = mint(c);
     let mut ws = subscribe(&app, &late, "s", EVENTS, json!({})).await;
     assert_eq!(
@@ -553,21 +553,25 @@ async fn the_legacy_graphql_ws_protocol() {
         "GRAPHQL_VALIDATION_FAILED"
     );
     send(&mut ws, json!({ "id": "1", "type": "stop" })).await;
+    // Messages are handled in order: once query 3 has completed, the stop was handled too.
+    let query = |id: &str| json!({ "id": id, "type": "start", "payload": { "query": "{ viewer { subject } }" } });
+    send(&mut ws, query("3")).await;
+    assert_eq!(next_msg(&mut ws).await["id"], "3");
+    assert_eq!(
+        next_msg(&mut ws).await,
+        json!({ "id": "3", "type": "complete" })
+    );
     emit(&app, Some("acme"), &["y"]).await;
-    send(
-        &mut ws,
-        json!({ "id": "3", "type": "start", "payload": { "query": "{ viewer { subject } }" } }),
-    )
-    .await;
+    send(&mut ws, query("4")).await;
     let msg = next_msg(&mut ws).await;
     assert_eq!(
         (msg["type"].clone(), msg["id"].clone()),
-        (json!("data"), json!("3")),
+        (json!("data"), json!("4")),
         "nothing more of the stopped one: {msg}"
     );
     assert_eq!(
         next_msg(&mut ws).await,
-        json!({ "id": "3", "type": "complete" })
+        json!({ "id": "4", "type": "complete" })
     );
     let mut bad = connect(&app, "graphql-ws").await;
     send(
@@ -745,9 +749,9 @@ async fn sse_streams_and_resumes_with_last_event_id() {
     let (status, _) = SseStream::open(&app, "nope", body, None).await;
     assert_eq!(status, 401);
     // A token that expires while the stream is open ends it: UNAUTHENTICATED, then complete.
-    // (4 s past `exp` is inside the verifier's 5 s leeway, so it ends about 1 s later.)
+    // (3 s past `exp` is inside the verifier's 5 s leeway, so it ends about 2 s later.)
     let mut c = claims("late", Some("acme"), &[Role::Member], 0);
-    c.exp = chrono::Utc::now().timestamp() - 4;
+    c.exp = chrono::Utc::now().timestamp() - 3;
     let (status, mut late) = SseStream::open(
         &app,
         &mint(c),

@@ -141,7 +141,12 @@ async fn events_are_live_and_a_reconnect_with_the_cursor_misses_nothing() {
             .await
         }
     };
-    let mut ws = subscribe_events(&app, &op, None).await;
+    // From the present as the API reports it, so the subscription cannot start after the event.
+    let now = app.ok(&op, "{ eventCursor }", json!({})).await["eventCursor"]
+        .as_str()
+        .expect("cursor")
+        .to_owned();
+    let mut ws = subscribe_events(&app, &op, Some(&now)).await;
     create("first").await;
     let first = next_event(&mut ws).await;
     assert_eq!(first["type"], "site.created");
@@ -222,18 +227,19 @@ async fn a_reservation_and_a_node_can_be_followed_live() {
         )
         .await;
     let id = d["createReservation"]["reservation"]["id"].clone();
+    let now = app.ok(&member, "{ eventCursor }", json!({})).await["eventCursor"].clone();
     let mut ws = subscribe(
         &app,
         &member,
-        "subscription($id: ID!) { reservation(id: $id) { id state } }",
-        json!({ "id": id }),
+        "subscription($id: ID!, $after: String) { reservation(id: $id, after: $after) { id state } }",
+        json!({ "id": id, "after": now }),
     )
     .await;
     let mut node = subscribe(
         &app,
         &app.operator(),
-        "subscription($id: ID!) { computeNode(id: $id) { hostname cordoned } }",
-        json!({ "id": p.nodes[2] }),
+        "subscription($id: ID!, $after: String) { computeNode(id: $id, after: $after) { hostname cordoned } }",
+        json!({ "id": p.nodes[2], "after": now }),
     )
     .await;
     app.ok(&member, "mutation($i: ReservationActionInput!) { releaseReservation(input: $i) { reservation { id } } }", json!({ "i": { "id": id } }))
