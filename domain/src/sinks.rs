@@ -315,6 +315,14 @@ pub async fn list(db: &Db, scope: &Scope, page: &PageArgs) -> Result<Page<Sink>>
     q.fetch_page(db, "s.id", page).await
 }
 
+/// How many sinks are active (delivered or backing off).
+pub async fn count_active(db: &Db) -> Result<i64> {
+    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM event_sinks WHERE active")
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}
+
 /// The ids of active sinks that are due (not backing off), oldest first.
 pub async fn due(db: &Db) -> Result<Vec<String>> {
     let rows: Vec<(String,)> = sqlx::query_as(

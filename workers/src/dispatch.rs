@@ -23,6 +23,7 @@ use compute_domain::outbox::{self, Cursor, Event};
 use compute_domain::sinks;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::lease::{Bound, HeldLease};
@@ -67,12 +68,19 @@ pub fn body_of(event: &Event) -> Vec<u8> {
     .into_bytes()
 }
 
+/// A sink being delivered, and the switch that asks its task to stop after its current batch.
+struct SinkTask {
+    handle: tokio::task::JoinHandle<()>,
+    stop: watch::Sender<bool>,
+}
+
 /// The dispatchers of one worker process.
 pub struct Dispatcher {
     db: Db,
     owner: String,
     http: reqwest::Client,
-    tasks: HashMap<String, tokio::task::JoinHandle<()>>,
+    tasks: HashMap<String, SinkTask>,
+    presence: Option<HeldLease>,
     stats: Arc<DispatchStats>,
     /// How long a caught-up sink waits before it looks for new events.
     pub idle: Duration,
@@ -92,6 +100,7 @@ impl Dispatcher {
                 .build()
                 .unwrap_or_default(),
             tasks: HashMap::new(),
+            presence: None,
             stats: Arc::default(),
             idle: Duration::from_millis(250),
         }
@@ -104,28 +113,65 @@ impl Dispatcher {
 
     /// How many sinks this process delivers now.
     pub fn sinks_held(&self) -> usize {
-        self.tasks.values().filter(|t| !t.is_finished()).count()
+        self.tasks
+            .values()
+            .filter(|t| !t.handle.is_finished())
+            .count()
     }
 
-    /// Takes the lease of every active sink nobody holds and starts delivering it.
+    /// Keeps this process's presence, then takes the leases of due sinks nobody holds, up to a
+    /// fair share (`ceil(active sinks / live dispatchers)`), and asks the tasks above it to stop
+    /// after their current batch, so sinks spread when a dispatcher joins.
     pub async fn rebalance(&mut self) -> compute_domain::Result<()> {
-        self.tasks.retain(|_, t| !t.is_finished());
+        self.tasks.retain(|_, t| !t.handle.is_finished());
+        let present = match &self.presence {
+            Some(p) => p.refresh(&self.db).await?,
+            None => false,
+        };
+        if !present {
+            self.presence = HeldLease::acquire(
+                &self.db,
+                &crate::queue::presence_lease("dispatcher", &self.owner),
+                &self.owner,
+            )
+            .await?;
+        }
+        let live = compute_domain::leases::count_live(&self.db, "singleton:dispatcher:")
+            .await?
+            .max(1) as usize;
+        let share = (sinks::count_active(&self.db).await? as usize)
+            .div_ceil(live)
+            .max(1);
+        while self.tasks.len() > share {
+            let Some(id) = self.tasks.keys().max().cloned() else {
+                break;
+            };
+            if let Some(task) = self.tasks.remove(&id) {
+                info!(sink = %id, share, live, "handing a sink over to spread the work");
+                let _ = task.stop.send(true);
+            }
+        }
         for id in sinks::due(&self.db).await? {
+            if self.tasks.len() >= share {
+                break;
+            }
             if self.tasks.contains_key(&id) {
                 continue;
             }
             let name = format!("singleton:outbox-dispatch:{id}");
             if let Some(lease) = HeldLease::acquire(&self.db, &name, &self.owner).await? {
                 info!(sink = %id, "delivering an event sink");
-                let task = tokio::spawn(deliver_sink(
+                let (stop, stopped) = watch::channel(false);
+                let handle = tokio::spawn(deliver_sink(
                     self.db.clone(),
                     self.http.clone(),
                     lease,
                     id.clone(),
                     self.stats.clone(),
                     self.idle,
+                    stopped,
                 ));
-                self.tasks.insert(id, task);
+                self.tasks.insert(id, SinkTask { handle, stop });
             }
         }
         Ok(())
@@ -144,8 +190,20 @@ impl Dispatcher {
                 () = tokio::time::sleep(Duration::from_secs(2)) => {}
             }
         }
+        // Each task finishes its batch and lets its lease go, so another process takes over at
+        // once; one that takes too long is dropped.
         for (_, task) in self.tasks.drain() {
-            task.abort();
+            let _ = task.stop.send(true);
+            let abort = task.handle.abort_handle();
+            if tokio::time::timeout(Duration::from_secs(5), task.handle)
+                .await
+                .is_err()
+            {
+                abort.abort();
+            }
+        }
+        if let Some(p) = self.presence.take() {
+            p.release(&self.db).await;
         }
         info!("webhook dispatch stopped");
     }
@@ -165,8 +223,14 @@ async fn deliver_sink(
     id: String,
     stats: Arc<DispatchStats>,
     idle: Duration,
+    mut stop: watch::Receiver<bool>,
 ) {
     loop {
+        if *stop.borrow() {
+            info!(sink = %id, "sink handed over");
+            lease.release(&db).await;
+            return;
+        }
         let outcome = lease
             .bound(deliver_batch(&db, &http, &lease, &id, &stats))
             .await;
@@ -199,6 +263,7 @@ async fn deliver_sink(
         if !wait.is_zero() {
             tokio::select! {
                 () = lease.lost() => return,
+                _ = stop.changed() => {}
                 () = tokio::time::sleep(wait) => {}
             }
         }

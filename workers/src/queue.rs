@@ -50,8 +50,9 @@ pub struct QueueWorker {
     stats: Arc<QueueStats>,
 }
 
-/// The presence lease of `owner`.
-pub fn presence_lease(owner: &str) -> String {
+/// The presence lease of `owner` among the processes of `family` (`worker` for the queue,
+/// `dispatcher` for webhooks): `singleton:<family>:<owner>`.
+pub fn presence_lease(family: &str, owner: &str) -> String {
     let clean: String = owner
         .to_ascii_lowercase()
         .chars()
@@ -63,7 +64,7 @@ pub fn presence_lease(owner: &str) -> String {
             }
         })
         .collect();
-    format!("singleton:worker:{clean}")
+    format!("singleton:{family}:{clean}")
 }
 
 /// Runs the reconciler of `kind` for `key`; returns when the key is due again, if ever.
@@ -131,8 +132,12 @@ impl QueueWorker {
             None => false,
         };
         if !present {
-            self.presence =
-                HeldLease::acquire(&self.db, &presence_lease(&self.owner), &self.owner).await?;
+            self.presence = HeldLease::acquire(
+                &self.db,
+                &presence_lease("worker", &self.owner),
+                &self.owner,
+            )
+            .await?;
         }
         let mut lost = Vec::new();
         for (k, lease) in &self.shards {

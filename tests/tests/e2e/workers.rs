@@ -723,3 +723,50 @@ async fn outbox_pruning_waits_for_sinks_up_to_the_hard_maximum() {
             .expect("front")
     );
 }
+
+#[tokio::test]
+async fn sinks_spread_over_dispatchers_when_one_joins() {
+    let app = spawn_app().await;
+    // A receiver that takes anything: the point here is who delivers, not what.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let router = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(|| async { axum::http::StatusCode::NO_CONTENT }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let acme = app.member("acme");
+    for _ in 0..4 {
+        app.ok(&acme, CREATE_SINK, json!({ "i": { "url": url } }))
+            .await;
+    }
+    let db = app.db.db.clone();
+    let mut one = compute_workers::dispatch::Dispatcher::new(db.clone(), "dispatcher-1");
+    let mut two = compute_workers::dispatch::Dispatcher::new(db.clone(), "dispatcher-2");
+    one.rebalance().await.expect("one");
+    assert_eq!(one.sinks_held(), 4, "alone, it delivers every sink");
+    two.rebalance().await.expect("two joins");
+    assert_eq!(two.sinks_held(), 0, "every sink is held");
+    one.rebalance().await.expect("one hands two over");
+    assert_eq!(one.sinks_held(), 2);
+    tokio::time::timeout(WAIT, async {
+        while two.sinks_held() < 2 {
+            two.rebalance().await.expect("two takes its share");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the handed-over sinks are taken");
+    assert_eq!((one.sinks_held(), two.sinks_held()), (2, 2));
+    let (holders,): (i64,) = sqlx::query_as(
+        "SELECT count(DISTINCT owner) FROM leases WHERE name LIKE 'singleton:outbox-dispatch:%' AND expires_at > compute_now()",
+    )
+    .fetch_one(db.pool())
+    .await
+    .expect("holders");
+    assert_eq!(holders, 2);
+}
