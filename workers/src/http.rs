@@ -20,58 +20,54 @@ pub fn router(stats: Stats) -> Router {
 }
 
 async fn metrics(State(s): State<Stats>) -> impl IntoResponse {
-    let mut out = String::new();
     let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let _ = writeln!(
-        out,
-        "# HELP compute_work_items_total Work-queue items run, by outcome."
-    );
-    let _ = writeln!(out, "# TYPE compute_work_items_total counter");
-    let _ = writeln!(
-        out,
-        "compute_work_items_total{{outcome=\"done\"}} {}",
-        n(&s.queue.succeeded)
-    );
-    let _ = writeln!(
-        out,
-        "compute_work_items_total{{outcome=\"rescheduled\"}} {}",
-        n(&s.queue.rescheduled)
-    );
-    let _ = writeln!(
-        out,
-        "compute_work_items_total{{outcome=\"failed\"}} {}",
-        n(&s.queue.failed)
-    );
-    let _ = writeln!(
-        out,
-        "# HELP compute_lease_losses_total Shard leases this process lost while holding them."
-    );
-    let _ = writeln!(out, "# TYPE compute_lease_losses_total counter");
-    let _ = writeln!(
-        out,
-        "compute_lease_losses_total {}",
-        n(&s.queue.lease_losses)
-    );
-    let _ = writeln!(
-        out,
-        "# HELP compute_webhook_deliveries_total Webhook POSTs answered 2xx."
-    );
-    let _ = writeln!(out, "# TYPE compute_webhook_deliveries_total counter");
-    let _ = writeln!(
-        out,
-        "compute_webhook_deliveries_total {}",
-        n(&s.dispatch.delivered)
-    );
-    let _ = writeln!(
-        out,
-        "# HELP compute_webhook_failures_total Webhook POSTs that failed (the sink then backs off)."
-    );
-    let _ = writeln!(out, "# TYPE compute_webhook_failures_total counter");
-    let _ = writeln!(
-        out,
-        "compute_webhook_failures_total {}",
-        n(&s.dispatch.failed)
-    );
+    let series: [(&str, &str, &str, u64); 6] = [
+        (
+            "compute_work_items_total",
+            "Work-queue items run, by outcome.",
+            "{outcome=\"done\"}",
+            n(&s.queue.succeeded),
+        ),
+        (
+            "compute_work_items_total",
+            "",
+            "{outcome=\"rescheduled\"}",
+            n(&s.queue.rescheduled),
+        ),
+        (
+            "compute_work_items_total",
+            "",
+            "{outcome=\"failed\"}",
+            n(&s.queue.failed),
+        ),
+        (
+            "compute_lease_losses_total",
+            "Shard leases this process lost while holding them.",
+            "",
+            n(&s.queue.lease_losses),
+        ),
+        (
+            "compute_webhook_deliveries_total",
+            "Webhook POSTs answered 2xx.",
+            "",
+            n(&s.dispatch.delivered),
+        ),
+        (
+            "compute_webhook_failures_total",
+            "Webhook POSTs that failed (the sink then backs off).",
+            "",
+            n(&s.dispatch.failed),
+        ),
+    ];
+    let mut out = String::new();
+    for (name, help, labels, value) in series {
+        // The HELP and TYPE lines come once, before a metric's first series.
+        if !help.is_empty() {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} counter");
+        }
+        let _ = writeln!(out, "{name}{labels} {value}");
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -770,3 +770,65 @@ async fn sinks_spread_over_dispatchers_when_one_joins() {
     .expect("holders");
     assert_eq!(holders, 2);
 }
+
+#[tokio::test]
+async fn a_worker_serves_its_metrics_and_health() {
+    let app = spawn_app().await;
+    let db = app.db.db.clone();
+    for key in ["a", "b", "c"] {
+        db.tx(compute_domain::db::TxKind::Write, |conn| {
+            Box::pin(async move {
+                compute_domain::work_queue::enqueue(
+                    conn,
+                    compute_domain::work_queue::NOOP,
+                    key,
+                    SHARDS,
+                    Duration::ZERO,
+                )
+                .await
+            })
+        })
+        .await
+        .expect("enqueue");
+    }
+    let mut w = QueueWorker::new(db.clone(), "worker-m", &[compute_domain::work_queue::NOOP]);
+    assert_eq!(drain(&mut w).await, 3);
+    let stats = compute_workers::Stats {
+        queue: w.stats(),
+        dispatch: compute_workers::dispatch::Dispatcher::new(db, "worker-m").stats(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, compute_workers::http::router(stats)).await;
+    });
+    let health = app
+        .http
+        .get(format!("http://{addr}/healthz"))
+        .send()
+        .await
+        .expect("healthz");
+    assert_eq!(health.status().as_u16(), 200);
+    let text = app
+        .http
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("body");
+    assert!(
+        text.lines()
+            .any(|l| l == "compute_work_items_total{outcome=\"done\"} 3"),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("# TYPE compute_work_items_total counter")
+            .count(),
+        1,
+        "one TYPE line per metric: {text}"
+    );
+}
