@@ -336,6 +336,7 @@ impl Tailer {
             filter,
             cursor: after,
             catching_up: backlog.is_none(),
+            check_front: backlog.is_none(),
             backlog: backlog.unwrap_or_default().into(),
             rx,
         }
@@ -361,6 +362,8 @@ pub struct Feed {
     cursor: Cursor,
     /// Reading the database: the channel may have dropped events this feed needs.
     catching_up: bool,
+    /// The cursor must be checked against the pruned front before the next database read.
+    check_front: bool,
     backlog: VecDeque<Arc<Event>>,
     rx: broadcast::Receiver<Arc<Event>>,
 }
@@ -397,8 +400,12 @@ impl Feed {
             }
             if self.catching_up {
                 // Only a feed that must read the database can find events pruned: one whose
-                // cursor the ring still covers gets everything from memory.
-                outbox::check_not_expired(self.tailer.db(), self.cursor).await?;
+                // cursor the ring still covers gets everything from memory. Once per catch-up:
+                // the pages after the first start past the cursor just checked.
+                if self.check_front {
+                    outbox::check_not_expired(self.tailer.db(), self.cursor).await?;
+                    self.check_front = false;
+                }
                 let events =
                     outbox::read_after(self.tailer.db(), self.cursor, &self.filter, CATCH_UP_BATCH)
                         .await?;
@@ -420,6 +427,7 @@ impl Feed {
                     let (rx, backlog) = self.tailer.join(&self.topic, self.cursor, &self.filter);
                     self.rx = rx;
                     self.catching_up = backlog.is_none();
+                    self.check_front = backlog.is_none();
                     self.backlog = backlog.unwrap_or_default().into();
                     // Events published while falling behind may also be in `rx`; the cursor
                     // check above drops the doubles.

@@ -236,11 +236,17 @@ pub async fn read_all_after(
 /// The cursor of the present: after the last event a reader may take now. A subscription without
 /// `after` starts here.
 pub async fn head(db: &crate::db::Db) -> crate::Result<Cursor> {
+    let mut conn = db.pool().acquire().await?;
+    head_in(&mut conn).await
+}
+
+/// [`head`] on `conn` (inside a transaction, say).
+pub async fn head_in(conn: &mut PgConnection) -> crate::Result<Cursor> {
     let row: Option<(i64, i64)> = sqlx::query_as(
         "SELECT o.txid::text::bigint, o.seq FROM outbox o WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
           ORDER BY o.txid DESC, o.seq DESC LIMIT 1",
     )
-    .fetch_optional(db.pool())
+    .fetch_optional(conn)
     .await?;
     Ok(row
         .map(|(txid, seq)| Cursor { txid, seq })

@@ -181,13 +181,13 @@ pub async fn create(
                 .execute(&mut *conn)
                 .await?;
                 // The present: after the last event any reader can take now.
+                let present = crate::outbox::head_in(conn).await?;
                 sqlx::query(
-                    "INSERT INTO outbox_cursors (sink_id, txid, seq) \
-                     SELECT $1, coalesce(max(o.txid), '0'::xid8), coalesce(( \
-                         SELECT max(o2.seq) FROM outbox o2 WHERE o2.txid = max(o.txid)), 0) \
-                       FROM outbox o WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot())",
+                    "INSERT INTO outbox_cursors (sink_id, txid, seq) VALUES ($1, $2::text::xid8, $3)",
                 )
                 .bind(&id)
+                .bind(present.txid.to_string())
+                .bind(present.seq)
                 .execute(&mut *conn)
                 .await?;
                 let sink = get_in(conn, &id)
@@ -227,9 +227,8 @@ pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Res
     if let Some(types) = &change.types {
         check_types(types)?;
     }
-    get(db, scope, id).await?;
     db.tx(TxKind::Write, |conn| {
-        let (id, change) = (id.to_owned(), change.clone());
+        let (id, change, scope) = (id.to_owned(), change.clone(), scope.clone());
         Box::pin(async move {
             let done = sqlx::query(
                 "UPDATE event_sinks SET url = coalesce($2, url), types = coalesce($3, types), \
@@ -238,19 +237,24 @@ pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Res
                         next_attempt_at = CASE WHEN $4 THEN NULL ELSE next_attempt_at END, \
                         state = CASE WHEN $4 AND state = 'failing' THEN 'healthy' ELSE state END, \
                         version = version + 1, updated_at = compute_now() \
-                  WHERE id = $1 AND ($5::bigint IS NULL OR version = $5)",
+                  WHERE id = $1 AND ($5::bigint IS NULL OR version = $5) \
+                    AND ($6::text IS NULL OR tenant_id = $6)",
             )
             .bind(&id)
             .bind(&change.url)
             .bind(&change.types)
             .bind(change.active)
             .bind(change.expected_version)
+            .bind(&scope.tenant_id)
             .execute(&mut *conn)
             .await?;
-            let sink = get_in(conn, &id).await?.ok_or_else(|| Error::NotFound {
-                kind: "event sink",
-                id: id.clone(),
-            })?;
+            let sink = get_in(conn, &id)
+                .await?
+                .filter(|s| visible(&scope, s))
+                .ok_or_else(|| Error::NotFound {
+                    kind: "event sink",
+                    id: id.clone(),
+                })?;
             if done.rows_affected() == 0 {
                 return Err(Error::Conflict {
                     message: format!(
@@ -279,10 +283,16 @@ pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Res
 
 /// Deletes a sink and its position.
 pub async fn delete(db: &Db, scope: &Scope, id: &str) -> Result<Sink> {
-    let sink = get(db, scope, id).await?;
     db.tx(TxKind::Write, |conn| {
-        let sink = sink.clone();
+        let (id, scope) = (id.to_owned(), scope.clone());
         Box::pin(async move {
+            let sink = get_in(conn, &id)
+                .await?
+                .filter(|s| visible(&scope, s))
+                .ok_or_else(|| Error::NotFound {
+                    kind: "event sink",
+                    id: id.clone(),
+                })?;
             sqlx::query("DELETE FROM event_sinks WHERE id = $1")
                 .bind(&sink.id)
                 .execute(&mut *conn)
@@ -297,11 +307,10 @@ pub async fn delete(db: &Db, scope: &Scope, id: &str) -> Result<Sink> {
                 },
             )
             .await?;
-            Ok(())
+            Ok(sink)
         })
     })
-    .await?;
-    Ok(sink)
+    .await
 }
 
 /// A page of the sinks `scope` may see, by id.

@@ -2,7 +2,7 @@
 //! over, the reservation reconciler through the work queue on the simulated clock, event sinks
 //! through GraphQL, and webhook delivery surviving a SIGKILLed worker process.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -512,10 +512,6 @@ async fn a_webhook_sink_survives_a_sigkilled_worker() {
         unique, committed,
         "deduplicated by id: exactly the committed set"
     );
-    let mut counts: HashMap<&String, usize> = HashMap::new();
-    for id in &got {
-        *counts.entry(id).or_default() += 1;
-    }
     let resent = got.len() - unique.len();
     assert!(
         resent <= 100,
