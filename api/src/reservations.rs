@@ -25,11 +25,11 @@ pub enum ReservationState {
     Pending,
     /// Booked; its window has not started.
     Scheduled,
-    /// Booked; its window is running.
+    /// Booked; its window is running (from its start on, whether or not a worker has moved it).
     Active,
     /// Ended early.
     Released,
-    /// Its window ended.
+    /// Its window ended (from its end on; quota comes back when a worker expires it).
     Expired,
     /// Withdrawn before it started.
     Cancelled,
@@ -82,13 +82,14 @@ impl ReservationObj {
     async fn created_by(&self) -> &str {
         &self.0.created_by
     }
-    /// Its state.
+    /// Its state, as time says: active from its start, expired from its end.
     async fn state(&self) -> async_graphql::Result<ReservationState> {
         State::parse(&self.0.state)
             .map(Into::into)
             .ok_or_else(|| gql_error(Error::internal("unknown reservation state")))
     }
-    /// When its window starts.
+    /// When its window starts: when it holds its devices from. A pending reservation placed
+    /// after the start it asked for starts at its placement.
     async fn starts_at(&self) -> DateTime<Utc> {
         self.0.starts_at
     }
@@ -104,7 +105,8 @@ impl ReservationObj {
     async fn conditions(&self) -> Vec<Condition> {
         conditions_of(&self.0.conditions)
     }
-    /// The GPUs it charges against quota (fractions for MIG instances and slots).
+    /// The GPUs it charges against quota: the exact sum of its allocations' shares (k/7 per MIG
+    /// instance, 1/n per slot), rounded once to six decimals.
     async fn gpu_charge(&self) -> f64 {
         self.0.charge_gpu
     }
@@ -549,7 +551,8 @@ impl ReservationMutation {
         })
     }
 
-    /// Withdraws a pending or not yet started reservation.
+    /// Withdraws a pending or not yet started reservation, leaving no booking. One whose window
+    /// has started is active: `CONFLICT`, release it instead.
     async fn cancel_reservation(
         &self,
         ctx: &Context<'_>,

@@ -4,19 +4,24 @@
 //! * The first request inserts its key row (operation and fingerprint of its arguments) as the
 //!   first statement of the transaction of its effect, and writes its response as the last: a
 //!   crash leaves both or neither.
-//! * A repeat with the same fingerprint gets the stored response ([`Claim::Replay`]).
+//! * A repeat with the same fingerprint gets the stored response ([`Claim::Replay`]), or the
+//!   stored final error ([`Claim::Refused`]).
 //! * The same key with other arguments is `IDEMPOTENCY_KEY_REUSED`.
 //! * A repeat while the first still runs waits on the first's uncommitted row (the primary key);
 //!   past the lock timeout it is `IDEMPOTENCY_IN_PROGRESS`.
-//! * A final error (quota, conflict, not found) is recorded by [`record_error`] in a transaction
-//!   of its own, and replayed too; validation and authentication failures never reach here, and
-//!   transient errors (lock timeouts, internal) are not recorded, so a retry runs again.
+//! * The effect runs under the savepoint [`claim`] takes. [`settle`] ends it: a success stores
+//!   its response; a final error (quota, conflict, not found) rolls the effect back to the
+//!   savepoint and stores the error instead, and the transaction commits with the key and that
+//!   error only. So the key row is never released while a repeat waits on it: every request with
+//!   one key gets the one answer the first to finish stored, a final error included.
+//!   Validation and authentication failures never reach here, and transient errors (lock
+//!   timeouts, internal) roll everything back, key included, so a retry runs again.
 //! * Keys are kept at least [`RETENTION_HOURS`] hours, then pruned by [`prune`].
 
 use serde_json::{Value, json};
 use sqlx::PgConnection;
 
-use crate::db::{Db, TxKind};
+use crate::db::Db;
 use crate::error::{Error, ErrorCode, Result};
 
 /// How long keys are kept, at least.
@@ -37,13 +42,19 @@ pub struct Outcome<T> {
 }
 
 /// What a claim found.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub enum Claim {
-    /// The key is new: run the operation, then [`complete`] it in the same transaction.
+    /// The key is new and the savepoint of the effect is taken: run the operation, then
+    /// [`settle`] it in the same transaction.
     New,
     /// The same request ran before; this is its stored response.
     Replay(Value),
+    /// The same request ran before and got this final error; it is the answer again.
+    Refused(Error),
 }
+
+/// The savepoint the effect of a claimed key runs under.
+const EFFECT_SAVEPOINT: &str = "idempotent_effect";
 
 /// Checks a key: 1 to 255 printable characters.
 pub fn parse_key(field: &str, key: &str) -> Result<String> {
@@ -84,6 +95,9 @@ pub async fn claim(
         other => other,
     })?;
     if inserted.is_some() {
+        sqlx::query(&format!("SAVEPOINT {EFFECT_SAVEPOINT}"))
+            .execute(&mut *conn)
+            .await?;
         return Ok(Claim::New);
     }
     let (same, response): (bool, Option<Value>) = sqlx::query_as(
@@ -101,7 +115,10 @@ pub async fn claim(
         (false, _) => Err(Error::IdempotencyKeyReused(format!(
             "idempotency key `{key}` was already used with different arguments; use a new key for a new request"
         ))),
-        (true, Some(response)) => Ok(Claim::Replay(response)),
+        (true, Some(response)) => Ok(match stored_error(&response) {
+            Some(e) => Claim::Refused(e),
+            None => Claim::Replay(response),
+        }),
         (true, None) => Err(in_progress(key)),
     }
 }
@@ -113,7 +130,7 @@ fn in_progress(key: &str) -> Error {
 }
 
 /// Stores the response of a claimed key, in the transaction of the effect.
-pub async fn complete(
+async fn complete(
     conn: &mut PgConnection,
     actor: &Actor,
     key: &str,
@@ -141,46 +158,39 @@ pub fn is_final(err: &Error) -> bool {
     )
 }
 
-/// Records a final error as the key's response, in a transaction of its own (the effect's
-/// transaction rolled back). A repeat that ran meanwhile keeps its own response.
-pub async fn record_error(
-    db: &Db,
+/// Ends the effect of a claimed key (`key` is `None` for a request sent without one), in the
+/// transaction of the claim:
+///
+/// * a success stores `response(&value)` as the key's answer: `Ok(Ok(value))`, commit;
+/// * a final error ([`is_final`]) rolls the effect back to the claim's savepoint and stores the
+///   error as the key's answer: `Ok(Err(error))`, commit (the key and its answer, nothing else);
+/// * any other error is returned as it is, and the whole transaction rolls back, key included.
+pub async fn settle<T>(
+    conn: &mut PgConnection,
     actor: &Actor,
-    key: &str,
-    operation: &str,
-    fingerprint: &Value,
-    err: &Error,
-) -> Result<()> {
-    if !is_final(err) {
-        return Ok(());
+    key: Option<&str>,
+    result: Result<T>,
+    response: impl FnOnce(&T) -> Value,
+) -> Result<Result<T>> {
+    let Some(key) = key else {
+        return result.map(Ok);
+    };
+    match result {
+        Ok(value) => {
+            complete(conn, actor, key, &response(&value)).await?;
+            Ok(Ok(value))
+        }
+        Err(e) if is_final(&e) => {
+            sqlx::query(&format!("ROLLBACK TO SAVEPOINT {EFFECT_SAVEPOINT}"))
+                .execute(&mut *conn)
+                .await?;
+            let stored =
+                json!({ "error": { "code": e.code().as_str(), "message": e.to_string() } });
+            complete(conn, actor, key, &stored).await?;
+            Ok(Err(e))
+        }
+        Err(e) => Err(e),
     }
-    let response = json!({ "error": { "code": err.code().as_str(), "message": err.to_string() } });
-    let (actor, key, operation, fingerprint) = (
-        actor.clone(),
-        key.to_owned(),
-        operation.to_owned(),
-        fingerprint.clone(),
-    );
-    db.tx(TxKind::Write, move |conn| {
-        let (actor, key, operation, fingerprint, response) =
-            (actor.clone(), key.clone(), operation.clone(), fingerprint.clone(), response.clone());
-        Box::pin(async move {
-            sqlx::query(
-                "INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint, response) \
-                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-            )
-            .bind(tenant(&actor))
-            .bind(&actor.subject)
-            .bind(&key)
-            .bind(&operation)
-            .bind(&fingerprint)
-            .bind(&response)
-            .execute(conn)
-            .await?;
-            Ok(())
-        })
-    })
-    .await
 }
 
 /// The error a stored response holds, if it holds one.

@@ -120,23 +120,24 @@ pub async fn create_site(
         .transpose()?;
     let id = crate::ids::new_id("site");
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
-    let result = db.tx(TxKind::Write, |conn| {
+    db.tx(TxKind::Write, |conn| {
         let (id, input, request, key, actor) =
             (id.clone(), input.clone(), request.clone(), idempotency_key.clone(), actor.clone());
         Box::pin(async move {
-            if let Some(key) = &key
-                && let Claim::Replay(response) =
-                    idempotency::claim(conn, &actor, key, "createSite", &request).await?
-            {
-                if let Some(e) = idempotency::stored_error(&response) {
-                    return Err(e);
+            if let Some(key) = &key {
+                match idempotency::claim(conn, &actor, key, "createSite", &request).await? {
+                    Claim::New => {}
+                    Claim::Refused(e) => return Ok(Err(e)),
+                    Claim::Replay(response) => {
+                        let value = sqlx::query_as(&format!("SELECT {SITE_COLS} FROM sites s WHERE s.id = $1"))
+                            .bind(response["id"].as_str().unwrap_or_default())
+                            .fetch_one(&mut *conn)
+                            .await?;
+                        return Ok(Ok(Outcome { value, replayed: true }));
+                    }
                 }
-                let value = sqlx::query_as(&format!("SELECT {SITE_COLS} FROM sites s WHERE s.id = $1"))
-                    .bind(response["id"].as_str().unwrap_or_default())
-                    .fetch_one(&mut *conn)
-                    .await?;
-                return Ok(Outcome { value, replayed: true });
             }
+            let created = async {
             let site: Site = sqlx::query_as(&format!(
                 "INSERT INTO sites AS s (id, name, region) VALUES ($1, $2, $3) RETURNING {SITE_COLS}"
             ))
@@ -147,17 +148,13 @@ pub async fn create_site(
             .await
             .map_err(|e| on_constraint(e, &[("sites_name_key", &|| conflict(format!("a site named `{}` already exists", input.name), None))]))?;
             emit(conn, "site.created", &site.id, json!(site)).await?;
-            if let Some(key) = &key {
-                idempotency::complete(conn, &actor, key, &json!({ "id": site.id })).await?;
-            }
             Ok(Outcome { value: site, replayed: false })
+            }
+            .await;
+            idempotency::settle(conn, &actor, key.as_deref(), created, |o| json!({ "id": o.value.id })).await
         })
     })
-    .await;
-    if let (Err(e), Some(key)) = (&result, &idempotency_key) {
-        idempotency::record_error(db, actor, key, "createSite", &request, e).await?;
-    }
-    result
+    .await?
 }
 
 /// Changes a site's name or region.
@@ -232,23 +229,24 @@ pub async fn create_pool(
         .transpose()?;
     let id = crate::ids::new_id("pool");
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
-    let result = db.tx(TxKind::Write, |conn| {
+    db.tx(TxKind::Write, |conn| {
         let (id, input, request, key, actor) =
             (id.clone(), input.clone(), request.clone(), idempotency_key.clone(), actor.clone());
         Box::pin(async move {
-            if let Some(key) = &key
-                && let Claim::Replay(response) =
-                    idempotency::claim(conn, &actor, key, "createPool", &request).await?
-            {
-                if let Some(e) = idempotency::stored_error(&response) {
-                    return Err(e);
+            if let Some(key) = &key {
+                match idempotency::claim(conn, &actor, key, "createPool", &request).await? {
+                    Claim::New => {}
+                    Claim::Refused(e) => return Ok(Err(e)),
+                    Claim::Replay(response) => {
+                        let value = sqlx::query_as(&format!("SELECT {POOL_COLS} FROM pools p WHERE p.id = $1"))
+                            .bind(response["id"].as_str().unwrap_or_default())
+                            .fetch_one(&mut *conn)
+                            .await?;
+                        return Ok(Ok(Outcome { value, replayed: true }));
+                    }
                 }
-                let value = sqlx::query_as(&format!("SELECT {POOL_COLS} FROM pools p WHERE p.id = $1"))
-                    .bind(response["id"].as_str().unwrap_or_default())
-                    .fetch_one(&mut *conn)
-                    .await?;
-                return Ok(Outcome { value, replayed: true });
             }
+            let created = async {
             // The foreign key takes the site row FOR KEY SHARE.
             let pool: Pool = sqlx::query_as(&format!(
                 "INSERT INTO pools AS p (id, site_id, name, kind, lost_after, vcpu_ratio, memory_ratio, disk_ratio) \
@@ -274,17 +272,13 @@ pub async fn create_pool(
                 )
             })?;
             emit(conn, "pool.created", &pool.id, json!(pool)).await?;
-            if let Some(key) = &key {
-                idempotency::complete(conn, &actor, key, &json!({ "id": pool.id })).await?;
-            }
             Ok(Outcome { value: pool, replayed: false })
+            }
+            .await;
+            idempotency::settle(conn, &actor, key.as_deref(), created, |o| json!({ "id": o.value.id })).await
         })
     })
-    .await;
-    if let (Err(e), Some(key)) = (&result, &idempotency_key) {
-        idempotency::record_error(db, actor, key, "createPool", &request, e).await?;
-    }
-    result
+    .await?
 }
 
 /// Changes to a pool; `None` leaves a field as it is.
@@ -415,6 +409,28 @@ async fn insert_atoms(conn: &mut PgConnection, atoms: &[(String, AtomSpec)]) -> 
     Ok(())
 }
 
+/// Takes the row of the pool of node `node_id` (or of the node of device `device_id`) `FOR SHARE`,
+/// as the first lock of a transaction that changes that pool's atoms (lock order: pools before
+/// nodes and devices). The deltas of [`adjust_rollup`] commute, so such transactions share it;
+/// [`recompute_rollup`] takes it `FOR NO KEY UPDATE`, so it counts the atoms only once no
+/// transaction that changes them is in flight, and none starts until it commits.
+async fn share_pool_of(
+    conn: &mut PgConnection,
+    node_id: Option<&str>,
+    device_id: Option<&str>,
+) -> Result<()> {
+    sqlx::query(
+        "SELECT 1 FROM pools p WHERE p.id = \
+           (SELECT n.pool_id FROM nodes n WHERE n.id = coalesce($1, (SELECT d.node_id FROM devices d WHERE d.id = $2))) \
+         FOR SHARE",
+    )
+    .bind(node_id)
+    .bind(device_id)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 /// Adds (`Change::Add`) or removes (`Change::Remove`) the atoms of the given devices to or from
 /// the rollup of their pools, per (model, kind, profile).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -468,10 +484,24 @@ async fn adjust_rollup(
 /// The pool capacity reconciler's work for one pool (a work-queue key): makes the pool's rollup
 /// rows equal the atoms of its nodes that are not retired, counted again from the atoms. Returns
 /// how many rows it had to correct (0 when the rollup was true).
+///
+/// The pool's row `FOR NO KEY UPDATE` comes first, in a statement of its own: it waits for every
+/// transaction that changes the pool's atoms (they hold it `FOR SHARE`, [`share_pool_of`]) and
+/// keeps new ones out, so the count, read by the next statement's snapshot, and the rollup rows
+/// it overwrites are of the same moment. (Without it, a count read before a concurrent
+/// registration committed would overwrite that registration's increment: a lost update.)
+/// Reservations only take the pool `FOR KEY SHARE` and are not held up.
 pub async fn recompute_rollup(db: &Db, pool_id: &str) -> Result<u64> {
     db.tx(TxKind::Maintenance, |conn| {
         let pool_id = pool_id.to_owned();
         Box::pin(async move {
+            let pool: Option<(i32,)> = sqlx::query_as("SELECT 1 FROM pools WHERE id = $1 FOR NO KEY UPDATE")
+                .bind(&pool_id)
+                .fetch_optional(&mut *conn)
+                .await?;
+            if pool.is_none() {
+                return Ok(0);
+            }
             let (fixed,): (i64,) = sqlx::query_as(
                 "WITH truth AS ( \
                      SELECT d.model, a.kind, coalesce(a.profile, '') AS profile, count(*)::int AS atoms \
@@ -520,7 +550,9 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
         let (input, node_id, device_ids) = (input.clone(), node_id.clone(), device_ids.clone());
         Box::pin(async move {
             // The pool's row FOR SHARE: its ratios are copied into the node's resources, so a
-            // concurrent ratio change waits for this registration (or this one for it).
+            // concurrent ratio change waits for this registration (or this one for it); and
+            // the node's atoms join the pool's rollup, which a recompute must not overwrite
+            // meanwhile (`recompute_rollup` takes the row FOR NO KEY UPDATE).
             let ratios: Option<(f64, f64, f64)> = sqlx::query_as(
                 "SELECT vcpu_ratio::float8, memory_ratio::float8, disk_ratio::float8 FROM pools WHERE id = $1 FOR SHARE",
             )
@@ -808,8 +840,10 @@ pub async fn retire_node(db: &Db, id: &str, version: Option<i64>) -> Result<Node
     db.tx(TxKind::Write, |conn| {
         let id = id.to_owned();
         Box::pin(async move {
-            // Lock the row first, in a statement of its own, so the check below reads every
-            // booking committed by placements that held the row FOR SHARE.
+            // The pool first (lock order; its atoms leave the rollup), then the node's row, in a
+            // statement of its own, so the check below reads every booking committed by
+            // placements that held the row FOR SHARE.
+            share_pool_of(conn, Some(&id), None).await?;
             let locked: Option<(i64, String)> =
                 sqlx::query_as("SELECT version, lifecycle FROM nodes WHERE id = $1 FOR UPDATE")
                     .bind(&id)
@@ -973,6 +1007,8 @@ pub async fn change_device_mode(
     db.tx(TxKind::Write, |conn| {
         let (id, layout) = (id.to_owned(), layout.clone());
         Box::pin(async move {
+            // 0. The pool's row FOR SHARE: the GPU's atoms change in its rollup.
+            share_pool_of(conn, None, Some(&id)).await?;
             // 1. The node row (lock order: nodes before devices): a spec change moves its
             //    generation; a retired node refuses.
             let node: Option<(String,)> = sqlx::query_as(

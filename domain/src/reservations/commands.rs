@@ -582,58 +582,103 @@ pub async fn create_reservation(
         .iter()
         .map(|_| crate::ids::new_id("alc"))
         .collect();
-    let result = db
-        .tx(TxKind::Write, |conn| {
-            let (actor, key, fingerprint, req, rsv_id, alloc_ids, tenant) =
-                (actor.clone(), key.clone(), fingerprint.clone(), req.clone(), rsv_id.clone(), alloc_ids.clone(), tenant.clone());
-            Box::pin(async move {
-                if let Claim::Replay(response) = idempotency::claim(conn, &actor, &key, "createReservation", &fingerprint).await? {
-                    if let Some(e) = idempotency::stored_error(&response) {
-                        return Err(e);
-                    }
-                    let id = response["reservationId"].as_str().unwrap_or_default().to_owned();
-                    return Ok((Outcome { value: load(conn, &id).await?, replayed: true }, CreateStats::default()));
+    db.tx(TxKind::Write, |conn| {
+        let (actor, key, fingerprint, req, rsv_id, alloc_ids, tenant) = (
+            actor.clone(),
+            key.clone(),
+            fingerprint.clone(),
+            req.clone(),
+            rsv_id.clone(),
+            alloc_ids.clone(),
+            tenant.clone(),
+        );
+        Box::pin(async move {
+            match idempotency::claim(conn, &actor, &key, "createReservation", &fingerprint).await? {
+                Claim::New => {}
+                Claim::Refused(e) => return Ok(Err(e)),
+                Claim::Replay(response) => {
+                    let id = response["reservationId"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned();
+                    let value = load(conn, &id).await?;
+                    return Ok(Ok((
+                        Outcome {
+                            value,
+                            replayed: true,
+                        },
+                        CreateStats::default(),
+                    )));
                 }
-                let pool: Option<(DateTime<Utc>, String, String)> =
-                    sqlx::query_as("SELECT compute_now(), site_id, name FROM pools WHERE id = $1")
-                        .bind(&req.pool_id)
-                        .fetch_optional(&mut *conn)
-                        .await?;
-                let Some((now, site_id, pool_name)) = pool else {
-                    return Err(Error::NotFound { kind: "pool", id: req.pool_id.clone() });
-                };
-                let starts_at = req.starts_at.unwrap_or(now);
-                if starts_at < now - Duration::seconds(START_GRACE_SECONDS) {
-                    return Err(Error::bad_input("startsAt", "`startsAt` is in the past"));
-                }
-                if req.ends_at <= starts_at {
-                    return Err(Error::bad_input("endsAt", "`endsAt` must be after the start"));
-                }
-                let gpu: f64 = req.allocations.iter().map(AllocationRequest::gpu_share).sum();
-                let gpu = (gpu * 1_000_000.0).round() / 1_000_000.0;
-                let vcpu: i64 = req.allocations.iter().map(|a| a.vcpu).sum();
-                let memory: i64 = req.allocations.iter().map(|a| a.memory_mib).sum();
-                let charged = charge_quota(conn, &tenant, &req.pool_id, &site_id, gpu, vcpu, memory).await?;
+            }
+            let created = create_effect(conn, &actor, &tenant, &req, &rsv_id, &alloc_ids).await;
+            idempotency::settle(
+                conn,
+                &actor,
+                Some(&key),
+                created,
+                |(o, _)| json!({ "reservationId": o.value.id, "state": o.value.state }),
+            )
+            .await
+        })
+    })
+    .await?
+}
 
-                sqlx::query(
-                    "INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at, \
+/// The effect of `create_reservation`, under the savepoint of its idempotency key.
+async fn create_effect(
+    conn: &mut PgConnection,
+    actor: &Actor,
+    tenant: &str,
+    req: &ReservationRequest,
+    rsv_id: &str,
+    alloc_ids: &[String],
+) -> Result<(Outcome<Reservation>, CreateStats)> {
+    let pool: Option<(DateTime<Utc>, String, String)> =
+        sqlx::query_as("SELECT compute_now(), site_id, name FROM pools WHERE id = $1")
+            .bind(&req.pool_id)
+            .fetch_optional(&mut *conn)
+            .await?;
+    let Some((now, site_id, pool_name)) = pool else {
+        return Err(Error::NotFound {
+            kind: "pool",
+            id: req.pool_id.clone(),
+        });
+    };
+    let starts_at = req.starts_at.unwrap_or(now);
+    if starts_at < now - Duration::seconds(START_GRACE_SECONDS) {
+        return Err(Error::bad_input("startsAt", "`startsAt` is in the past"));
+    }
+    if req.ends_at <= starts_at {
+        return Err(Error::bad_input(
+            "endsAt",
+            "`endsAt` must be after the start",
+        ));
+    }
+    let gpu = super::model::gpu_charge(&req.allocations);
+    let vcpu: i64 = req.allocations.iter().map(|a| a.vcpu).sum();
+    let memory: i64 = req.allocations.iter().map(|a| a.memory_mib).sum();
+    let charged = charge_quota(conn, tenant, &req.pool_id, &site_id, gpu, vcpu, memory).await?;
+
+    sqlx::query(
+        "INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at, \
                        charge_gpu, charge_vcpu, charge_memory_mib, charged) \
                      VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10)",
-                )
-                .bind(&rsv_id)
-                .bind(&tenant)
-                .bind(&actor.subject)
-                .bind(&req.pool_id)
-                .bind(starts_at)
-                .bind(req.ends_at)
-                .bind(gpu)
-                .bind(vcpu)
-                .bind(memory)
-                .bind(json!(charged))
-                .execute(&mut *conn)
-                .await?;
-                let a = &req.allocations;
-                sqlx::query(
+    )
+    .bind(rsv_id)
+    .bind(tenant)
+    .bind(&actor.subject)
+    .bind(&req.pool_id)
+    .bind(starts_at)
+    .bind(req.ends_at)
+    .bind(gpu)
+    .bind(vcpu)
+    .bind(memory)
+    .bind(json!(charged))
+    .execute(&mut *conn)
+    .await?;
+    let a = &req.allocations;
+    sqlx::query(
                     "INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, model, profile, slots_per_gpu, \
                        vcpu, memory_mib, disk_gib, node_selector, tolerations) \
                      SELECT id, $2, ord - 1, k, c, m, p, s, v, mem, d, sel, tol \
@@ -641,8 +686,8 @@ pub async fn create_reservation(
                                    $10::bigint[], $11::jsonb[], $12::jsonb[]) WITH ORDINALITY \
                          AS t(id, k, c, m, p, s, v, mem, d, sel, tol, ord)",
                 )
-                .bind(&alloc_ids)
-                .bind(&rsv_id)
+                .bind(alloc_ids)
+                .bind(rsv_id)
                 .bind(a.iter().map(|x| x.gpu_kind.as_str()).collect::<Vec<_>>())
                 .bind(a.iter().map(|x| x.gpu_count).collect::<Vec<_>>())
                 .bind(a.iter().map(|x| x.model.clone()).collect::<Vec<_>>())
@@ -656,46 +701,54 @@ pub async fn create_reservation(
                 .execute(&mut *conn)
                 .await?;
 
-                let pairs: Vec<(String, AllocationRequest)> = alloc_ids.iter().cloned().zip(req.allocations.iter().cloned()).collect();
-                let (placement, replans) = place(conn, (&req.pool_id, &pool_name), &pairs, (starts_at, req.ends_at)).await?;
-                let (state, event) = match &placement {
-                    Placement::Placed(placed) => {
-                        record_placements(conn, placed).await?;
-                        if starts_at <= now {
-                            (State::Active, "reservation.active")
-                        } else {
-                            (State::Scheduled, "reservation.scheduled")
-                        }
-                    }
-                    Placement::Unschedulable(_) => (State::Pending, "reservation.pending"),
-                };
-                let conditions = match &placement {
-                    Placement::Unschedulable(why) => json!([{
-                        "type": "Unschedulable", "status": "True", "reason": "NoCapacity", "message": why, "since": now
-                    }]),
-                    Placement::Placed(_) => json!([]),
-                };
-                let rsv: Reservation = sqlx::query_as(&format!(
+    let pairs: Vec<(String, AllocationRequest)> = alloc_ids
+        .iter()
+        .cloned()
+        .zip(req.allocations.iter().cloned())
+        .collect();
+    let (placement, replans) = place(
+        conn,
+        (&req.pool_id, &pool_name),
+        &pairs,
+        (starts_at, req.ends_at),
+    )
+    .await?;
+    let (state, event) = match &placement {
+        Placement::Placed(placed) => {
+            record_placements(conn, placed).await?;
+            if starts_at <= now {
+                (State::Active, "reservation.active")
+            } else {
+                (State::Scheduled, "reservation.scheduled")
+            }
+        }
+        Placement::Unschedulable(_) => (State::Pending, "reservation.pending"),
+    };
+    let conditions = match &placement {
+        Placement::Unschedulable(why) => json!([{
+            "type": "Unschedulable", "status": "True", "reason": "NoCapacity", "message": why, "since": now
+        }]),
+        Placement::Placed(_) => json!([]),
+    };
+    let rsv: Reservation = sqlx::query_as(&format!(
                     "UPDATE reservations r SET state = $2, conditions = $3, \
                        next_attempt_at = CASE WHEN $2 = 'pending' THEN compute_now() + make_interval(secs => $4::float8) END \
                      WHERE r.id = $1 RETURNING {RSV_COLS}"
                 ))
-                .bind(&rsv_id)
+                .bind(rsv_id)
                 .bind(state.as_str())
                 .bind(conditions)
                 .bind(RETRY_SECONDS as f64)
                 .fetch_one(&mut *conn)
                 .await?;
-                emit(conn, &rsv, event).await?;
-                idempotency::complete(conn, &actor, &key, &json!({ "reservationId": rsv.id, "state": rsv.state })).await?;
-                Ok((Outcome { value: rsv, replayed: false }, CreateStats { replans }))
-            })
-        })
-        .await;
-    if let Err(e) = &result {
-        idempotency::record_error(db, actor, &key, "createReservation", &fingerprint, e).await?;
-    }
-    result
+    emit(conn, &rsv, event).await?;
+    Ok((
+        Outcome {
+            value: rsv,
+            replayed: false,
+        },
+        CreateStats { replans },
+    ))
 }
 
 /// Locks a reservation the caller may act on (its tenant's; operators any), for `action`.
@@ -730,12 +783,24 @@ async fn lock_for(
             current_version: Some(rsv.version),
         });
     }
+    // `rsv.state` is the state as time says: a reservation whose window has started is active
+    // (it can be released, no longer cancelled), one whose window has ended is expired.
     if !allowed_from(action).contains(&rsv.state.as_str()) {
-        return Err(Error::Conflict {
-            message: format!(
-                "reservation {id} is {}: {action:?} is not allowed from that state",
-                rsv.state
+        let message = match (action, rsv.state.as_str()) {
+            (Action::Cancel, "active") => format!(
+                "reservation {id} started at {}: it is active and can no longer be cancelled; release it to end it now",
+                rsv.starts_at.to_rfc3339()
             ),
+            (_, "expired") => format!(
+                "reservation {id} ended at {}: it is expired",
+                rsv.ends_at.to_rfc3339()
+            ),
+            (_, state) => {
+                format!("reservation {id} is {state}: {action:?} is not allowed from that state")
+            }
+        };
+        return Err(Error::Conflict {
+            message,
             current_version: Some(rsv.version),
         });
     }
@@ -886,12 +951,15 @@ pub(crate) async fn place_pending(
                 Placement::Placed(placed) => {
                     record_placements(conn, &placed).await?;
                     let state = if start <= now { State::Active } else { State::Scheduled };
+                    // `startsAt` says when the reservation holds its devices from: placed after
+                    // the start it asked for, it starts at its placement.
                     let rsv: Reservation = sqlx::query_as(&format!(
-                        "UPDATE reservations r SET state = $2, conditions = '[]', next_attempt_at = NULL, \
+                        "UPDATE reservations r SET state = $2, starts_at = $3, conditions = '[]', next_attempt_at = NULL, \
                            version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
                     ))
                     .bind(&id)
                     .bind(state.as_str())
+                    .bind(start)
                     .fetch_one(&mut *conn)
                     .await?;
                     emit(conn, &rsv, if state == State::Active { "reservation.active" } else { "reservation.scheduled" }).await?;
@@ -951,24 +1019,67 @@ pub async fn extend_reservation(
 ) -> Result<Outcome<Reservation>> {
     let key = idempotency::parse_key("idempotencyKey", key)?;
     let fingerprint = json!({ "reservationId": id, "endsAt": ends_at });
-    let result = db
-        .tx(TxKind::Write, |conn| {
-            let (actor, id, key, fingerprint) = (actor.clone(), id.to_owned(), key.clone(), fingerprint.clone());
-            Box::pin(async move {
-                if let Claim::Replay(response) = idempotency::claim(conn, &actor, &key, "extendReservation", &fingerprint).await? {
-                    if let Some(e) = idempotency::stored_error(&response) {
-                        return Err(e);
-                    }
-                    return Ok(Outcome { value: load(conn, &id).await?, replayed: true });
+    db.tx(TxKind::Write, |conn| {
+        let (actor, id, key, fingerprint) = (
+            actor.clone(),
+            id.to_owned(),
+            key.clone(),
+            fingerprint.clone(),
+        );
+        Box::pin(async move {
+            match idempotency::claim(conn, &actor, &key, "extendReservation", &fingerprint).await? {
+                Claim::New => {}
+                Claim::Refused(e) => return Ok(Err(e)),
+                Claim::Replay(_) => {
+                    return Ok(Ok(Outcome {
+                        value: load(conn, &id).await?,
+                        replayed: true,
+                    }));
                 }
-                let rsv = lock_for(conn, &actor, operator, &id, None, Action::Extend).await?;
-                if ends_at <= rsv.ends_at {
-                    return Err(Error::bad_input("endsAt", format!("`endsAt` must be later than the current end, {}", rsv.ends_at.to_rfc3339())));
-                }
-                if ends_at - rsv.starts_at > Duration::days(super::model::MAX_DAYS) {
-                    return Err(Error::bad_input("endsAt", format!("a reservation lasts at most {} days", super::model::MAX_DAYS)));
-                }
-                let blockers: Vec<(String, Option<String>, String)> = sqlx::query_as(
+            }
+            let extended = extend_effect(conn, &actor, operator, &id, ends_at).await;
+            idempotency::settle(
+                conn,
+                &actor,
+                Some(&key),
+                extended,
+                |o| json!({ "reservationId": o.value.id, "endsAt": o.value.ends_at }),
+            )
+            .await
+        })
+    })
+    .await?
+}
+
+/// The effect of `extend_reservation`, under the savepoint of its idempotency key.
+async fn extend_effect(
+    conn: &mut PgConnection,
+    actor: &Actor,
+    operator: bool,
+    id: &str,
+    ends_at: DateTime<Utc>,
+) -> Result<Outcome<Reservation>> {
+    let id = id.to_owned();
+    let rsv = lock_for(conn, actor, operator, &id, None, Action::Extend).await?;
+    if ends_at <= rsv.ends_at {
+        return Err(Error::bad_input(
+            "endsAt",
+            format!(
+                "`endsAt` must be later than the current end, {}",
+                rsv.ends_at.to_rfc3339()
+            ),
+        ));
+    }
+    if ends_at - rsv.starts_at > Duration::days(super::model::MAX_DAYS) {
+        return Err(Error::bad_input(
+            "endsAt",
+            format!(
+                "a reservation lasts at most {} days",
+                super::model::MAX_DAYS
+            ),
+        ));
+    }
+    let blockers: Vec<(String, Option<String>, String)> = sqlx::query_as(
                     "SELECT b.atom, b.allocation_id, b.reason FROM device_bookings b \
                       WHERE b.atom IN (SELECT unnest(atoms) FROM allocations WHERE reservation_id = $1) \
                         AND NOT EXISTS (SELECT 1 FROM allocations x WHERE x.reservation_id = $1 AND x.id = b.allocation_id) \
@@ -979,16 +1090,25 @@ pub async fn extend_reservation(
                 .bind(ends_at)
                 .fetch_all(&mut *conn)
                 .await?;
-                if !blockers.is_empty() {
-                    let list: Vec<String> = blockers
-                        .iter()
-                        .map(|(atom, alloc, reason)| format!("{atom} is booked by {}", alloc.clone().unwrap_or_else(|| format!("a {reason} hold"))))
-                        .collect();
-                    return Err(conflict(format!("reservation {id} cannot be extended to {}: {}", ends_at.to_rfc3339(), list.join("; "))));
-                }
-                // All bookings grow in one statement; a booking that raced in is refused by the
-                // exclusion constraint, and then none grows.
-                sqlx::query(
+    if !blockers.is_empty() {
+        let list: Vec<String> = blockers
+            .iter()
+            .map(|(atom, alloc, reason)| {
+                format!(
+                    "{atom} is booked by {}",
+                    alloc.clone().unwrap_or_else(|| format!("a {reason} hold"))
+                )
+            })
+            .collect();
+        return Err(conflict(format!(
+            "reservation {id} cannot be extended to {}: {}",
+            ends_at.to_rfc3339(),
+            list.join("; ")
+        )));
+    }
+    // All bookings grow in one statement; a booking that raced in is refused by the
+    // exclusion constraint, and then none grows.
+    sqlx::query(
                     "UPDATE device_bookings b SET during = tstzrange(lower(b.during), $2) \
                       WHERE b.allocation_id IN (SELECT id FROM allocations WHERE reservation_id = $1) AND upper(b.during) = $3",
                 )
@@ -1001,7 +1121,7 @@ pub async fn extend_reservation(
                     Some("device_bookings_no_overlap") => conflict(format!("reservation {id} cannot be extended: an atom was booked meanwhile")),
                     _ => Error::from(e),
                 })?;
-                let rsv: Reservation = sqlx::query_as(&format!(
+    let rsv: Reservation = sqlx::query_as(&format!(
                     "UPDATE reservations r SET ends_at = $2, version = r.version + 1, updated_at = compute_now() \
                      WHERE r.id = $1 RETURNING {RSV_COLS}"
                 ))
@@ -1009,14 +1129,9 @@ pub async fn extend_reservation(
                 .bind(ends_at)
                 .fetch_one(&mut *conn)
                 .await?;
-                emit(conn, &rsv, "reservation.extended").await?;
-                idempotency::complete(conn, &actor, &key, &json!({ "reservationId": rsv.id, "endsAt": rsv.ends_at })).await?;
-                Ok(Outcome { value: rsv, replayed: false })
-            })
-        })
-        .await;
-    if let Err(e) = &result {
-        idempotency::record_error(db, actor, &key, "extendReservation", &fingerprint, e).await?;
-    }
-    result
+    emit(conn, &rsv, "reservation.extended").await?;
+    Ok(Outcome {
+        value: rsv,
+        replayed: false,
+    })
 }

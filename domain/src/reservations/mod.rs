@@ -24,6 +24,7 @@ pub struct Reservation {
     pub tenant_id: String,
     pub created_by: String,
     pub pool_id: String,
+    /// As time says (`state_now!`), not necessarily as stored.
     pub state: String,
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
@@ -60,9 +61,25 @@ pub struct Allocation {
     pub atoms: Vec<String>,
 }
 
-pub(crate) const RSV_COLS: &str = "r.id, r.tenant_id, r.created_by, r.pool_id, r.state, r.starts_at, r.ends_at, \
+/// A reservation's state as time says, from its stored row `r`: a scheduled reservation whose
+/// window has started is `active`, and a live one whose window has ended is `expired`, whether
+/// or not the reconciler has moved the stored state yet. Every read a client can observe (and
+/// every check of the state table on a tenant's action) uses it; the reconcilers' own guarded
+/// updates read the stored `r.state`.
+macro_rules! state_now {
+    () => {
+        "CASE WHEN r.state IN ('pending', 'scheduled', 'active') AND r.ends_at <= compute_now() THEN 'expired' \
+              WHEN r.state = 'scheduled' AND r.starts_at <= compute_now() THEN 'active' ELSE r.state END"
+    };
+}
+
+pub(crate) const RSV_COLS: &str = concat!(
+    "r.id, r.tenant_id, r.created_by, r.pool_id, ",
+    state_now!(),
+    " AS state, r.starts_at, r.ends_at, \
      r.conditions, r.charge_gpu::float8 AS charge_gpu, r.charge_vcpu, r.charge_memory_mib, r.charged, r.next_attempt_at, \
-     r.version, r.created_at, r.updated_at, r.ended_at";
+     r.version, r.created_at, r.updated_at, r.ended_at"
+);
 pub(crate) const ALLOC_COLS: &str = "a.id, a.reservation_id, a.ordinal, a.gpu_kind, a.gpu_count, a.model, a.profile, \
      a.slots_per_gpu, a.vcpu, a.memory_mib, a.disk_gib, a.node_selector, a.tolerations, a.node_id, a.atoms";
 
@@ -103,7 +120,8 @@ fn select<'a>(cols: &str, f: &ReservationFilter) -> QueryBuilder<'a, Postgres> {
         qb.push(" AND r.tenant_id = ").push_bind(t.clone());
     }
     if let Some(s) = f.state {
-        qb.push(" AND r.state = ").push_bind(s.as_str());
+        qb.push(concat!(" AND ", state_now!(), " = "))
+            .push_bind(s.as_str());
     }
     if let Some(p) = &f.pool_id {
         qb.push(" AND r.pool_id = ").push_bind(p.clone());

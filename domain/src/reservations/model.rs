@@ -32,24 +32,28 @@ pub struct AllocationRequest {
 }
 
 impl AllocationRequest {
-    /// The GPU share this allocation charges against quota, as a decimal with six places:
-    /// 1 per whole GPU, compute slices / 7 per MIG instance, 1 / slots per slot.
-    pub fn gpu_share(&self) -> f64 {
-        let per = match self.gpu_kind {
-            AtomKind::Gpu => 1.0,
+    /// The share of whole GPUs this allocation holds, as an exact fraction `(numerator,
+    /// denominator)`: 1 per whole GPU, compute slices / 7 per MIG instance, 1 / slots per slot.
+    pub fn gpu_fraction(&self) -> (u64, u64) {
+        let count = u64::try_from(self.gpu_count).unwrap_or(0);
+        match self.gpu_kind {
+            AtomKind::Gpu => (count, 1),
             AtomKind::Mig => {
                 let slices = self
                     .profile
                     .as_deref()
                     .and_then(|p| p.split('g').next())
-                    .and_then(|n| n.parse::<u32>().ok())
-                    .unwrap_or(MIG_COMPUTE_SLICES);
-                f64::from(slices) / f64::from(MIG_COMPUTE_SLICES)
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or(u64::from(MIG_COMPUTE_SLICES));
+                (slices * count, u64::from(MIG_COMPUTE_SLICES))
             }
-            AtomKind::Slot => 1.0 / f64::from(self.slots_per_gpu.unwrap_or(1).max(1)),
-        };
-        let share = per * f64::from(self.gpu_count);
-        (share * 1_000_000.0).round() / 1_000_000.0
+            AtomKind::Slot => {
+                let slots = u64::try_from(self.slots_per_gpu.unwrap_or(1))
+                    .unwrap_or(1)
+                    .max(1);
+                (count, slots)
+            }
+        }
     }
 
     /// In words, for conditions and errors: "4 H100 GPUs", "2 MIG 1g.10gb instances".
@@ -194,6 +198,26 @@ pub fn parse_allocation(field: &str, a: &AllocationInput) -> Result<AllocationRe
     })
 }
 
+/// The GPU quota a reservation charges: the exact sum of its allocations' shares
+/// ([`AllocationRequest::gpu_fraction`]), rounded once, half up, to six decimals. Two `4g.40gb`
+/// instances are 8/7 = 1.142857142… GPUs, charged 1.142857 (not 2 × 0.571429 = 1.142858).
+pub fn gpu_charge(allocations: &[AllocationRequest]) -> f64 {
+    fn gcd(a: u128, b: u128) -> u128 {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    let (num, den) = allocations
+        .iter()
+        .map(AllocationRequest::gpu_fraction)
+        .fold((0u128, 1u128), |(n, d), (an, ad)| {
+            let (an, ad) = (u128::from(an), u128::from(ad));
+            let (n, d) = (n * ad + an * d, d * ad);
+            let g = gcd(n, d).max(1);
+            (n / g, d / g)
+        });
+    let micro = (num * 2_000_000 + den) / (2 * den);
+    micro as f64 / 1_000_000.0
+}
+
 /// The longest window a reservation may have.
 pub const MAX_DAYS: i64 = 366;
 
@@ -254,10 +278,20 @@ mod tests {
             },
         )
         .expect("valid");
-        assert_eq!(a.gpu_share(), 0.857143);
+        assert_eq!(a.gpu_fraction(), (6, 7));
+        assert_eq!(gpu_charge(std::slice::from_ref(&a)), 0.857143);
+        let mut four = a.clone();
+        four.gpu_count = 1;
+        four.profile = Some("4g.40gb".into());
+        // Rounded once on the sum: 8/7, not 2 × round(4/7).
+        assert_eq!(gpu_charge(&[four.clone(), four.clone()]), 1.142857);
+        // 1/7 + 1/7 + 1/7 + 4/7 = 1 exactly.
+        let mut one = four.clone();
+        one.profile = Some("1g.10gb".into());
+        assert_eq!(gpu_charge(&[one.clone(), one.clone(), one, four]), 1.0);
         a.gpu_kind = AtomKind::Gpu;
         a.profile = None;
-        assert_eq!(a.gpu_share(), 2.0);
+        assert_eq!(a.gpu_fraction(), (2, 1));
         let s = parse_allocation(
             "a",
             &AllocationInput {
@@ -268,7 +302,12 @@ mod tests {
             },
         )
         .expect("valid");
-        assert_eq!(s.gpu_share(), 0.75);
+        assert_eq!(gpu_charge(&[s.clone(), a]), 2.75);
+        // Thirds: 1/3 + 1/3 + 1/3 is 1, where rounding each would give 0.999999.
+        let mut third = s;
+        third.gpu_count = 1;
+        third.slots_per_gpu = Some(3);
+        assert_eq!(gpu_charge(&[third.clone(), third.clone(), third]), 1.0);
         let err = parse_allocation(
             "allocations[1]",
             &AllocationInput {

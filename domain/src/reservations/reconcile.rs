@@ -56,6 +56,15 @@ pub enum Step {
     Expired,
 }
 
+/// The stored columns the reservation reconciler decides on.
+#[derive(sqlx::FromRow)]
+struct Stored {
+    state: String,
+    starts_at: chrono::DateTime<chrono::Utc>,
+    ends_at: chrono::DateTime<chrono::Utc>,
+    next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
 /// The reservation reconciler's work for one reservation (a work-queue key): does what is due
 /// now (place a pending one whose retry time has come, start a scheduled one whose window has
 /// begun, expire one whose window has ended), and returns when it is due again (`None` when it
@@ -64,10 +73,11 @@ pub async fn reconcile_one(
     db: &Db,
     id: &str,
 ) -> Result<(Step, Option<chrono::DateTime<chrono::Utc>>)> {
+    // The stored state, not the state as time says: this is the code that moves it.
     let load = || async {
-        let found: Option<Reservation> = sqlx::query_as(&format!(
-            "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1"
-        ))
+        let found: Option<Stored> = sqlx::query_as(
+            "SELECT r.state, r.starts_at, r.ends_at, r.next_attempt_at FROM reservations r WHERE r.id = $1",
+        )
         .bind(id)
         .fetch_optional(db.pool())
         .await?;

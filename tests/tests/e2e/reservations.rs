@@ -921,3 +921,316 @@ async fn the_reconciler_works_where_it_holds_the_lease() {
         "a released lease is taken at once"
     );
 }
+
+/// Waits until `n` backends of this test's database wait on a lock (a row, a key, a
+/// transaction), so a test can order concurrent requests without sleeping on a guess.
+pub async fn until_lock_waiters(app: &TestApp, n: i64) {
+    for _ in 0..2_000 {
+        let (waiting,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("pg_stat_activity");
+        if waiting >= n {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    panic!("{n} lock waiters never appeared");
+}
+
+/// Issue 10 A: repeats of one key sent together, while an operator raises the quota between
+/// the first request's refusal and its repeats' turn, all get the first's answer. The order is
+/// forced with row locks: the first waits on the quota rows held by this test, the quota change
+/// queues behind it, the repeats wait on the first's key. Before the fix, the first's
+/// `QUOTA_EXCEEDED` was recorded after its transaction had rolled back and released the key, so
+/// a repeat took the key, found the raised quota and created a reservation under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeats_of_a_key_racing_a_quota_change_all_get_the_first_answer() {
+    let (app, p, member) = setup().await;
+    let set_gpus =
+        |gpus: i64| json!({ "i": { "tenantId": "acme", "scopeId": p.pool, "gpus": gpus } });
+    const SET_QUOTA: &str =
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }";
+    app.ok(&app.operator(), SET_QUOTA, set_gpus(0)).await;
+    let req = input(&p.pool, "flip", json!([{ "gpuCount": 1 }]));
+
+    let mut holder = sqlx::PgConnection::connect_with_url(&app.db.url).await;
+    sqlx::raw_sql("BEGIN; SELECT * FROM quota_usage WHERE tenant_id = 'acme' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .expect("hold");
+    let send = |req: Value| {
+        let (http, url, token) = (app.http.clone(), app.url("/graphql"), member.clone());
+        tokio::spawn(async move {
+            let res = http
+                .post(url)
+                .bearer_auth(token)
+                .json(&json!({ "query": CREATE, "variables": req }))
+                .send()
+                .await
+                .expect("POST");
+            res.json::<Value>().await.expect("json")
+        })
+    };
+    let first = send(req.clone());
+    until_lock_waiters(&app, 1).await;
+    let raise = {
+        let (http, url, token, body) = (
+            app.http.clone(),
+            app.url("/graphql"),
+            app.operator(),
+            json!({ "query": SET_QUOTA, "variables": set_gpus(8) }),
+        );
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(token)
+                .json(&body)
+                .send()
+                .await
+                .expect("POST")
+                .json::<Value>()
+                .await
+                .expect("json")
+        })
+    };
+    until_lock_waiters(&app, 2).await;
+    let repeats: Vec<_> = (0..3).map(|_| send(req.clone())).collect();
+    until_lock_waiters(&app, 5).await;
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut holder)
+        .await
+        .expect("release");
+
+    let mut answers = vec![first.await.expect("first")];
+    for r in repeats {
+        answers.push(r.await.expect("repeat"));
+    }
+    let raised = raise.await.expect("raise");
+    assert!(raised["errors"].is_null(), "{raised}");
+    let codes: Vec<Option<&str>> = answers.iter().map(compute_tests::first_code).collect();
+    assert_eq!(
+        codes,
+        vec![Some("QUOTA_EXCEEDED"); 4],
+        "one key, one answer: {answers:?}"
+    );
+    assert_eq!(
+        app.count("reservations").await,
+        0,
+        "no effect under the key"
+    );
+    assert_eq!(used(&app, "gpu").await, 0.0, "nothing charged");
+    // Afterwards too, the key keeps its answer, though the quota now allows the request.
+    let (code, _) = app.fails(&member, CREATE, req).await;
+    assert_eq!(code, "QUOTA_EXCEEDED");
+}
+
+/// Issue 10 C: the GPU charge is the exact sum of the allocations' shares, rounded once.
+#[tokio::test]
+async fn the_gpu_charge_is_summed_exactly_and_rounded_once() {
+    let (app, p, member) = setup().await;
+    // 3/7 + 2/7 = 5/7 = 0.714285714…: 0.714286 once rounded, where rounding each share first
+    // gives 0.428571 + 0.285714 = 0.714285.
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "mig-pair",
+                json!([
+                    { "gpuKind": "MIG", "profile": "3g.40gb", "gpuCount": 1 },
+                    { "gpuKind": "MIG", "profile": "2g.20gb", "gpuCount": 1 }
+                ]),
+            ),
+        )
+        .await;
+    assert_eq!(d["createReservation"]["reservation"]["gpuCharge"], 0.714286);
+    assert_eq!(
+        used(&app, "gpu").await,
+        0.714286,
+        "the quota is charged the same"
+    );
+    // Three slots of a 4-slot GPU and a whole GPU: 1.75, exactly.
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "slots",
+                json!([
+                    { "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 3 },
+                    { "gpuCount": 1, "model": "H100" }
+                ]),
+            ),
+        )
+        .await;
+    assert_eq!(d["createReservation"]["reservation"]["gpuCharge"], 1.75);
+    assert_eq!(used(&app, "gpu").await, 2.464286);
+    // The refund gives back exactly what was charged.
+    let id = d["createReservation"]["reservation"]["id"].clone();
+    app.ok(&member, RELEASE, json!({ "i": { "id": id } })).await;
+    assert_eq!(used(&app, "gpu").await, 0.714286);
+}
+
+/// Issue 10 D: states follow time, not the reconciler's progress. A reservation whose window
+/// has started is active (it can be released, not cancelled), and one whose window has ended is
+/// expired, before any reconciler has run; a cancel before the start leaves nothing behind; a
+/// pending reservation placed after its requested start starts at its placement.
+#[tokio::test]
+async fn states_follow_time_before_the_reconciler_moves_them() {
+    use compute_domain::reservations::reconcile;
+    let (app, p, member) = setup().await;
+    let at = |start: &str, end: &str, key: &str, gpus: i64| {
+        json!({ "i": { "poolId": p.pool, "startsAt": start, "endsAt": end,
+            "allocations": [{ "gpuCount": gpus, "model": "H100" }], "idempotencyKey": key } })
+    };
+    let id = |d: &Value| d["createReservation"]["reservation"]["id"].clone();
+    let bookings = |rid: Value| {
+        let pool = app.db.db.pool().clone();
+        async move {
+            let rows: Vec<(String, String)> = sqlx::query_as(
+                "SELECT to_char(lower(b.during) AT TIME ZONE 'UTC', 'HH24:MI:SS'), to_char(upper(b.during) AT TIME ZONE 'UTC', 'HH24:MI:SS') \
+                   FROM device_bookings b \
+                   JOIN allocations a ON a.id = b.allocation_id WHERE a.reservation_id = $1 ORDER BY b.id",
+            )
+            .bind(rid.as_str().unwrap_or_default())
+            .fetch_all(&pool)
+            .await
+            .expect("bookings");
+            rows
+        }
+    };
+    let early = id(&app
+        .ok(
+            &member,
+            CREATE,
+            at("2031-01-01T01:00:00Z", "2031-01-01T02:00:00Z", "early", 1),
+        )
+        .await);
+    let started = id(&app
+        .ok(
+            &member,
+            CREATE,
+            at("2031-01-01T01:00:00Z", "2031-01-01T02:00:00Z", "started", 1),
+        )
+        .await);
+    assert_eq!(state_of(&app, &started).await, "SCHEDULED");
+
+    // Before the start, a cancel withdraws it and leaves nothing: no booking, no charge.
+    app.db.advance_clock(3600 - 10).await; // 00:59:50
+    let d = app
+        .ok(&member, CANCEL, json!({ "i": { "id": early } }))
+        .await;
+    assert_eq!(d["cancelReservation"]["reservation"]["state"], "CANCELLED");
+    assert!(
+        bookings(early.clone()).await.is_empty(),
+        "a cancelled reservation books nothing"
+    );
+    assert_eq!(used(&app, "gpu").await, 1.0, "its charge came back");
+
+    // Eleven seconds after the start, no reconciler has run: it is active all the same.
+    app.db.advance_clock(21).await; // 01:00:11
+    assert_eq!(state_of(&app, &started).await, "ACTIVE");
+    let d = app
+        .ok(
+            &member,
+            "query($s: ReservationState) { reservations(state: $s) { totalCount edges { node { id } } } }",
+            json!({ "s": "ACTIVE" }),
+        )
+        .await;
+    assert_eq!(
+        d["reservations"]["edges"][0]["node"]["id"], started,
+        "the filter agrees: {d}"
+    );
+    let (code, error) = app
+        .fails(&member, CANCEL, json!({ "i": { "id": started } }))
+        .await;
+    assert_eq!(code, "CONFLICT", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("release it"),
+        "the refusal says what to do instead: {error}"
+    );
+    assert_eq!(
+        bookings(started.clone()).await,
+        vec![("01:00:00".to_owned(), "02:00:00".to_owned())],
+        "the refused cancel left its booking as it was"
+    );
+    let d = app
+        .ok(&member, RELEASE, json!({ "i": { "id": started } }))
+        .await;
+    assert_eq!(d["releaseReservation"]["reservation"]["state"], "RELEASED");
+    assert_eq!(
+        bookings(started.clone()).await,
+        vec![("01:00:00".to_owned(), "01:00:11".to_owned())],
+        "released: held from its start to the release"
+    );
+    assert_eq!(
+        reconcile::activate_due(&app.db.db).await.expect("activate"),
+        0,
+        "nothing left to start"
+    );
+
+    // Past its end, a reservation is expired before the reconciler gives its quota back.
+    let short = id(&app
+        .ok(
+            &member,
+            CREATE,
+            at("2031-01-01T01:00:11Z", "2031-01-01T01:30:00Z", "short", 1),
+        )
+        .await);
+    app.db.advance_clock(30 * 60).await; // 01:30:11
+    assert_eq!(state_of(&app, &short).await, "EXPIRED");
+    let (code, error) = app
+        .fails(&member, RELEASE, json!({ "i": { "id": short } }))
+        .await;
+    assert_eq!(code, "CONFLICT", "{error}");
+    assert_eq!(reconcile::expire_due(&app.db.db).await.expect("expire"), 1);
+    assert_eq!(state_of(&app, &short).await, "EXPIRED");
+    assert_eq!(used(&app, "gpu").await, 0.0);
+
+    // Pending past its requested start, placed later: it starts at its placement.
+    let hog = id(&app
+        .ok(
+            &member,
+            CREATE,
+            at("2031-01-01T01:30:11Z", "2031-01-01T03:00:00Z", "hog", 2),
+        )
+        .await);
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            at("2031-01-01T01:30:11Z", "2031-01-01T03:00:00Z", "late", 2),
+        )
+        .await;
+    assert_eq!(d["createReservation"]["reservation"]["state"], "PENDING");
+    let late = id(&d);
+    app.db.advance_clock(60).await; // 01:31:11
+    app.ok(&member, RELEASE, json!({ "i": { "id": hog } }))
+        .await;
+    assert_eq!(
+        reconcile::retry_pending(&app.db.db).await.expect("retry"),
+        1
+    );
+    let d = app
+        .ok(
+            &member,
+            "query($id: ID!) { reservation(id: $id) { state startsAt } }",
+            json!({ "id": late }),
+        )
+        .await;
+    assert_eq!(d["reservation"]["state"], "ACTIVE");
+    assert_eq!(
+        d["reservation"]["startsAt"], "2031-01-01T01:31:11+00:00",
+        "its start is its placement"
+    );
+    for (from, _) in bookings(late).await {
+        assert_eq!(from, "01:31:11", "and so are its bookings'");
+    }
+}

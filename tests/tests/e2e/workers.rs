@@ -15,6 +15,7 @@ use compute_workers::dispatch::signature;
 use compute_workers::lease::{Bound, HeldLease};
 use compute_workers::queue::{KINDS, QueueWorker};
 use serde_json::{Value, json};
+use sqlx::Connection;
 
 use crate::reservations::{CREATE, input, pool};
 
@@ -267,6 +268,98 @@ async fn the_rollup_reconciler_corrects_a_drifted_rollup() {
     .await
     .expect("rollup");
     assert_eq!(after, truth);
+}
+
+/// Issue 10 B: a recompute racing a registration in the same pool never loses the
+/// registration's increment. The order is forced with a row lock: the registration, once its
+/// atoms and rollup increment are written, waits on the pool's work-queue row held by this test;
+/// the recompute then starts. Before the fix, the recompute counted the atoms from a snapshot
+/// taken before the registration committed, waited for the rollup row, and overwrote the
+/// increment with that stale count (and logged a "drift" it had made itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recompute_racing_a_registration_keeps_the_rollup_exact() {
+    let app = spawn_app().await;
+    let p = pool(&app).await;
+    let db = app.db.db.clone();
+    let rollup_vs_atoms = || {
+        let (db, pool) = (db.clone(), p.pool.clone());
+        async move {
+            // One statement, one snapshot.
+            let (rollup, atoms): (i64, i64) = sqlx::query_as(
+                "SELECT (SELECT coalesce(sum(atoms), 0) FROM pool_capacity_rollup WHERE pool_id = $1)::bigint, \
+                        (SELECT count(*) FROM device_atoms a JOIN devices d ON d.id = a.device_id \
+                           JOIN nodes n ON n.id = d.node_id WHERE n.pool_id = $1 AND n.retired_at IS NULL)",
+            )
+            .bind(&pool)
+            .fetch_one(db.pool())
+            .await
+            .expect("counts");
+            (rollup, atoms)
+        }
+    };
+    let (before, atoms) = rollup_vs_atoms().await;
+    assert_eq!(before, atoms);
+
+    let mut holder = sqlx::PgConnection::connect(&app.db.url)
+        .await
+        .expect("connect");
+    sqlx::query("BEGIN")
+        .execute(&mut holder)
+        .await
+        .expect("begin");
+    // The fixture's registrations left the pool's wake-up row (no worker runs here).
+    sqlx::query("SELECT 1 FROM work_queue WHERE kind = 'pool_capacity' AND key = $1 FOR UPDATE")
+        .bind(&p.pool)
+        .fetch_one(&mut holder)
+        .await
+        .expect("hold the pool's wake-up");
+    let register = {
+        let (http, url, token, pool) = (
+            app.http.clone(),
+            app.url("/graphql"),
+            app.operator(),
+            p.pool.clone(),
+        );
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(token)
+                .json(
+                    &json!({ "query": crate::fleet::REGISTER, "variables": { "i": {
+                    "poolId": pool, "hostname": "h100-late",
+                    "resources": { "vcpu": 32, "memoryMib": 262144, "diskGib": 1000 },
+                    "devices": [{ "uuid": "GPU-L0", "model": "H100", "memoryMib": 81559 },
+                                { "uuid": "GPU-L1", "model": "H100", "memoryMib": 81559 }] } } }),
+                )
+                .send()
+                .await
+                .expect("POST")
+                .json::<serde_json::Value>()
+                .await
+                .expect("json")
+        })
+    };
+    crate::reservations::until_lock_waiters(&app, 1).await;
+    let recompute = {
+        let (db, pool) = (db.clone(), p.pool.clone());
+        tokio::spawn(
+            async move { compute_domain::fleet::commands::recompute_rollup(&db, &pool).await },
+        )
+    };
+    crate::reservations::until_lock_waiters(&app, 2).await;
+    sqlx::query("COMMIT")
+        .execute(&mut holder)
+        .await
+        .expect("commit");
+    let registered = register.await.expect("register");
+    assert!(registered["errors"].is_null(), "{registered}");
+    let fixed = recompute.await.expect("recompute").expect("recompute");
+    let (rollup, atoms) = rollup_vs_atoms().await;
+    assert_eq!(atoms, before + 2, "the registration's two GPUs");
+    assert_eq!(
+        rollup, atoms,
+        "the rollup kept the registration's increment"
+    );
+    assert_eq!(fixed, 0, "and the recompute found nothing to correct");
 }
 
 const CREATE_SINK: &str = "mutation($i: CreateEventSinkInput!) { createEventSink(input: $i) { secret eventSink { id url types state cursor active tenantId } } }";
