@@ -54,3 +54,48 @@ async fn simulated_time_only_moves_forward_and_needs_switching_on() {
         .expect_err("backwards");
     assert!(err.to_string().contains("only moves forward"), "{err}");
 }
+
+/// Simulated time stands still within a transaction, as `now()` does in production: a
+/// transaction that read `compute_now()` keeps reading the same time while another moves the
+/// clock; the next transaction reads the new time; the transaction that moves it sees the move.
+#[tokio::test]
+async fn simulated_time_stands_still_within_a_transaction() {
+    let db = test_db().await;
+    db.use_sim_clock("2031-05-01T12:00:00Z").await;
+    let mut tx = db.db.pool().begin().await.expect("begin");
+    assert_eq!(read(&mut tx).await, "12:00:00");
+    db.advance_clock(90).await;
+    assert_eq!(
+        read(&mut tx).await,
+        "12:00:00",
+        "the same transaction, the same time"
+    );
+    tx.commit().await.expect("commit");
+    let mut tx = db.db.pool().begin().await.expect("begin");
+    assert_eq!(
+        read(&mut tx).await,
+        "12:01:30",
+        "a new transaction, the new time"
+    );
+    sqlx::query("SELECT compute_advance_sim_clock(interval '30 seconds')")
+        .execute(&mut *tx)
+        .await
+        .expect("advance");
+    assert_eq!(read(&mut tx).await, "12:02:00", "the mover sees its move");
+    tx.rollback().await.expect("rollback");
+    let mut conn = db.db.pool().acquire().await.expect("conn");
+    assert_eq!(
+        read(&mut conn).await,
+        "12:01:30",
+        "a rolled-back move never happened"
+    );
+}
+
+async fn read(conn: &mut sqlx::PgConnection) -> String {
+    let (t,): (String,) =
+        sqlx::query_as("SELECT to_char(compute_now() AT TIME ZONE 'UTC', 'HH24:MI:SS')")
+            .fetch_one(conn)
+            .await
+            .expect("compute_now");
+    t
+}

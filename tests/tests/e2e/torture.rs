@@ -1,8 +1,11 @@
 //! The capacity torture test: over a thousand concurrent operations through the GraphQL HTTP
-//! endpoint against a fleet of 50 nodes with 8 GPUs each (exclusive, MIG and time-sliced), then
+//! endpoint against a fleet of 50 nodes with 8 GPUs each (exclusive, MIG and time-sliced), while
+//! simulated time moves, an operator flips a tenant's quota between 0 and its limit and registers
+//! nodes, and a reconciler (the workers' steps and the capacity recompute) runs beside them; then
 //! every invariant checked with SQL of its own, independent of the code under test.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
@@ -15,9 +18,21 @@ use serde_json::{Value, json};
 use crate::reservations::CREATE;
 
 const NODES: usize = 50;
-const OPERATIONS: usize = 1200;
+const OPERATIONS: usize = 1400;
 const IN_FLIGHT: usize = 24;
 const TENANTS: [&str; 6] = ["t0", "t1", "t2", "t3", "t4", "t5"];
+/// The tenant whose GPU quota an operator flips between 0 and [`GPU_LIMIT`] during the run.
+const FLIPPED: usize = 5;
+const GPU_LIMIT: i64 = 60;
+/// Where simulated time starts; operations move it 30 s at a time.
+const T0: &str = "2031-01-01T00:00:00Z";
+const TICK_SECONDS: i64 = 30;
+
+/// The simulated time `secs` after [`T0`], as RFC 3339.
+fn at(secs: i64) -> String {
+    let t0 = chrono::DateTime::parse_from_rfc3339(T0).expect("T0");
+    (t0 + chrono::Duration::seconds(secs)).to_rfc3339()
+}
 
 /// A small deterministic generator (xorshift), so a failing run can be repeated.
 struct Rng(u64);
@@ -126,7 +141,7 @@ async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
             t,
             &pool.id,
             compute_domain::quota::QuotaLimits {
-                gpus: Some(60.0),
+                gpus: Some(GPU_LIMIT as f64),
                 vcpu: Some(400),
                 memory_mib: None,
             },
@@ -143,6 +158,8 @@ struct Tally {
     counts: BTreeMap<(String, String), u64>,
     /// Responses that break the rules: 5xx, INTERNAL, deadlocks, replays that differ.
     violations: Vec<String>,
+    /// Checks made during the run → how many times.
+    checks: BTreeMap<String, u64>,
 }
 
 impl Tally {
@@ -152,7 +169,50 @@ impl Tally {
             .entry((op.to_owned(), outcome.to_owned()))
             .or_default() += 1;
     }
+    fn checked(&mut self, what: &str, n: u64) {
+        *self.checks.entry(what.to_owned()).or_default() += n;
+    }
 }
+
+/// Posts until the answer is final: `IDEMPOTENCY_IN_PROGRESS` and `LOCK_TIMEOUT` are transient
+/// (nothing was stored), so a client retries them with the same key.
+async fn final_answer(
+    app_url: &str,
+    http: &reqwest::Client,
+    token: &str,
+    query: &str,
+    variables: Value,
+) -> (String, Value) {
+    let mut answer = call(app_url, http, token, query, variables.clone()).await;
+    for _ in 0..50 {
+        if answer.0 != "IDEMPOTENCY_IN_PROGRESS" && answer.0 != "LOCK_TIMEOUT" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        answer = call(app_url, http, token, query, variables.clone()).await;
+    }
+    answer
+}
+
+/// What a createReservation answer says, for comparing answers to one key: the error code, or
+/// the reservation and where it was placed.
+fn answer_of(outcome: &str, body: &Value) -> Value {
+    if outcome == "ok" {
+        let r = &body["data"]["createReservation"]["reservation"];
+        json!({ "id": r["id"], "allocations": r["allocations"] })
+    } else {
+        json!(outcome)
+    }
+}
+
+/// Rollup rows that differ from the atoms, read in one statement (one snapshot).
+const ROLLUP_MISMATCHES: &str = "SELECT count(*) FROM \
+      (SELECT n.pool_id, d.model, a.kind, coalesce(a.profile, '') AS profile, count(*)::int AS atoms \
+         FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id \
+        WHERE n.retired_at IS NULL GROUP BY 1, 2, 3, 4) t \
+      FULL JOIN (SELECT pool_id, model, kind, profile, atoms FROM pool_capacity_rollup WHERE atoms <> 0) r \
+        ON r.pool_id = t.pool_id AND r.model = t.model AND r.kind = t.kind AND r.profile = t.profile \
+     WHERE coalesce(t.atoms, 0) <> coalesce(r.atoms, 0)";
 
 /// Posts a GraphQL request; returns the outcome word and the body.
 async fn call(
@@ -183,18 +243,24 @@ async fn call(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_operations_keep_every_invariant() {
-    let db = test_db_with(20).await;
-    db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = test_db_with(24).await;
+    db.use_sim_clock(T0).await;
     let app = spawn_app_on(db).await;
     let (pool, nodes, devices) = build_fleet(&app).await;
     let url = app.url("/graphql");
     let op_token = app.operator();
     let tokens: Vec<String> = TENANTS.iter().map(|t| app.member(t)).collect();
-    let created: Arc<Mutex<Vec<(usize, String)>>> = Arc::new(Mutex::new(Vec::new()));
+    // (tenant, reservation id, its start in seconds after T0)
+    let created: Arc<Mutex<Vec<(usize, String, i64)>>> = Arc::new(Mutex::new(Vec::new()));
     let tally = Arc::new(Mutex::new(Tally::default()));
+    // Seconds after T0 that simulated time has reached (moved only by the tick operation, which
+    // updates this after the database, so it is never ahead of `compute_now()`).
+    let clock = Arc::new(AtomicI64::new(0));
+    let flipped_to_zero = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
 
     let tasks = futures_util::stream::iter(0..OPERATIONS).map(|i| {
-        let (url, http, op_token, tokens, pool, nodes, devices, created, tally) = (
+        let (url, http, op_token, tokens, pool, nodes, devices, created, tally, clock, flipped_to_zero, app) = (
             url.clone(),
             app.http.clone(),
             op_token.clone(),
@@ -204,13 +270,17 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
             devices.clone(),
             created.clone(),
             tally.clone(),
+            clock.clone(),
+            flipped_to_zero.clone(),
+            &app,
         );
         async move {
             let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
             let roll = rng.below(100);
             let tenant = rng.below(TENANTS.len() as u64) as usize;
             let token = &tokens[tenant];
-            let pick = |rng: &mut Rng| -> Option<(usize, String)> {
+            let now = clock.load(Ordering::SeqCst);
+            let pick = |rng: &mut Rng| -> Option<(usize, String, i64)> {
                 let list = created.lock().expect("lock");
                 (!list.is_empty()).then(|| list[rng.below(list.len() as u64) as usize].clone())
             };
@@ -223,24 +293,47 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                 }
             };
             match roll {
-                0..=54 => {
-                    let allocation = match rng.below(3) {
-                        0 => json!({ "gpuCount": 1 + rng.below(4), "model": "H100", "vcpu": 1 + rng.below(8), "memoryMib": 4096 }),
-                        1 => json!({ "gpuKind": "MIG", "profile": if rng.below(2) == 0 { "1g.10gb" } else { "3g.40gb" },
-                                     "gpuCount": 1 + rng.below(2), "vcpu": 2 }),
-                        _ => json!({ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1 + rng.below(3), "vcpu": 1 }),
+                0..=49 => {
+                    let allocations = match rng.below(4) {
+                        0 => json!([{ "gpuCount": 1 + rng.below(4), "model": "H100", "vcpu": 1 + rng.below(8), "memoryMib": 4096 }]),
+                        1 => json!([{ "gpuKind": "MIG", "profile": if rng.below(2) == 0 { "1g.10gb" } else { "3g.40gb" },
+                                      "gpuCount": 1 + rng.below(2), "vcpu": 2 }]),
+                        // Two MIG allocations: 3/7 + 2/7 or 1/7 + 3/7, charged as one exact sum.
+                        2 => json!([{ "gpuKind": "MIG", "profile": "3g.40gb", "gpuCount": 1, "vcpu": 1 },
+                                    { "gpuKind": "MIG", "profile": if rng.below(2) == 0 { "2g.20gb" } else { "1g.10gb" }, "gpuCount": 1, "vcpu": 1 }]),
+                        _ => json!([{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1 + rng.below(3), "vcpu": 1 }]),
                     };
-                    let start = rng.below(4);
-                    let (starts, ends) = (
-                        format!("2031-01-01T{:02}:00:00Z", start),
-                        format!("2031-01-01T{:02}:30:00Z", start + 1 + rng.below(3)),
-                    );
+                    // Now, or within five minutes: most of them start while the run goes on.
+                    let start = if rng.below(4) == 0 { None } else { Some(now + 1 + rng.below(300) as i64) };
+                    let ends = start.unwrap_or(now) + 1800 + rng.below(5400) as i64;
                     let key = format!("op-{i}");
-                    let mut input = json!({ "i": { "poolId": pool, "endsAt": ends, "allocations": [allocation], "idempotencyKey": key } });
-                    if start > 0 {
-                        input["i"]["startsAt"] = json!(starts);
+                    let mut input = json!({ "i": { "poolId": pool, "endsAt": at(ends), "allocations": allocations, "idempotencyKey": key } });
+                    if let Some(s) = start {
+                        input["i"]["startsAt"] = json!(at(s));
                     }
-                    let (outcome, body) = call(&url, &http, token, CREATE, input.clone()).await;
+                    let again = rng.below(10);
+                    let (outcome, body) = if again == 3 || again == 4 {
+                        // Four identical requests at once (a client and its retries racing): every
+                        // one must get the one answer the first to finish stored.
+                        let answers = futures_util::future::join_all(
+                            (0..4).map(|_| final_answer(&url, &http, token, CREATE, input.clone())),
+                        )
+                        .await;
+                        let first = answer_of(&answers[0].0, &answers[0].1);
+                        let fresh = answers
+                            .iter()
+                            .filter(|(o, b)| o == "ok" && b["extensions"]["idempotentReplay"] != json!(true))
+                            .count();
+                        let same = answers.iter().all(|(o, b)| answer_of(o, b) == first) && fresh <= 1;
+                        record("burst same key", if same { "one answer" } else { "DIFFERENT" }, &Value::Null);
+                        if !same {
+                            let all: Vec<String> = answers.iter().map(|(o, b)| format!("{o}: {b}")).collect();
+                            tally.lock().expect("lock").violations.push(format!("one key, several answers: {}", all.join(" | ")));
+                        }
+                        answers.into_iter().next().expect("four answers")
+                    } else {
+                        call(&url, &http, token, CREATE, input.clone()).await
+                    };
                     let r = &body["data"]["createReservation"]["reservation"];
                     let label = match (outcome.as_str(), r["state"].as_str()) {
                         ("ok", Some("PENDING")) => "pending".to_owned(),
@@ -248,19 +341,16 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                         ("ok", _) => "placed".into(),
                         (other, _) => other.to_owned(),
                     };
-                    record("create", &label, &body);
+                    record(if tenant == FLIPPED { "create (flipped)" } else { "create" }, &label, &body);
                     if outcome == "ok" {
-                        created.lock().expect("lock").push((tenant, r["id"].as_str().unwrap_or_default().to_owned()));
+                        created.lock().expect("lock").push((tenant, r["id"].as_str().unwrap_or_default().to_owned(), start.unwrap_or(now)));
                     }
-                    match rng.below(10) {
+                    match again {
                         // The reply was lost: the same request again must get the same answer.
                         0 | 1 => {
-                            let (again, replay) = call(&url, &http, token, CREATE, input.clone()).await;
-                            let same = again == outcome
-                                && (outcome != "ok"
-                                    || (replay["extensions"]["idempotentReplay"] == json!(true)
-                                        && replay["data"]["createReservation"]["reservation"]["id"] == r["id"]
-                                        && replay["data"]["createReservation"]["reservation"]["allocations"] == r["allocations"]));
+                            let (again, replay) = final_answer(&url, &http, token, CREATE, input.clone()).await;
+                            let same = answer_of(&again, &replay) == answer_of(&outcome, &body)
+                                && (outcome != "ok" || replay["extensions"]["idempotentReplay"] == json!(true));
                             record("retry same key", if same { "same answer" } else { "DIFFERENT" }, &replay);
                             if !same {
                                 tally.lock().expect("lock").violations.push(format!("replay differs: first {body}, then {replay}"));
@@ -269,7 +359,7 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                         // The same key with other arguments.
                         2 => {
                             let mut other = input.clone();
-                            other["i"]["endsAt"] = json!("2031-01-02T00:00:00Z");
+                            other["i"]["endsAt"] = json!(at(ends + 86_400));
                             let (again, replay) = call(&url, &http, token, CREATE, other).await;
                             record("reuse key", &again, &replay);
                             if again != "IDEMPOTENCY_KEY_REUSED" {
@@ -279,21 +369,21 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                         _ => {}
                     }
                 }
-                55..=66 => {
-                    let Some((owner, id)) = pick(&mut rng) else { return };
-                    let ends = format!("2031-01-01T{:02}:45:00Z", 5 + rng.below(3));
+                50..=58 => {
+                    let Some((owner, id, _)) = pick(&mut rng) else { return };
+                    let ends = now + 3 * 3600 + rng.below(7200) as i64;
                     let (outcome, body) = call(
                         &url,
                         &http,
                         &tokens[owner],
                         "mutation($i: ExtendReservationInput!) { extendReservation(input: $i) { reservation { id } } }",
-                        json!({ "i": { "id": id, "endsAt": ends, "idempotencyKey": format!("ext-{i}") } }),
+                        json!({ "i": { "id": id, "endsAt": at(ends), "idempotencyKey": format!("ext-{i}") } }),
                     )
                     .await;
                     record("extend", &outcome, &body);
                 }
-                67..=76 => {
-                    let Some((owner, id)) = pick(&mut rng) else { return };
+                59..=66 => {
+                    let Some((owner, id, _)) = pick(&mut rng) else { return };
                     let (outcome, body) = call(
                         &url,
                         &http,
@@ -304,8 +394,16 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                     .await;
                     record("release", &outcome, &body);
                 }
-                77..=81 => {
-                    let Some((owner, id)) = pick(&mut rng) else { return };
+                67..=74 => {
+                    // Around start times: half the cancels go to a reservation that has just
+                    // started (within the last two ticks), when there is one.
+                    let near = (rng.below(2) == 0)
+                        .then(|| {
+                            let list = created.lock().expect("lock");
+                            list.iter().rev().find(|(_, _, s)| *s <= now && *s > now - 2 * TICK_SECONDS).cloned()
+                        })
+                        .flatten();
+                    let Some((owner, id, start)) = near.or_else(|| pick(&mut rng)) else { return };
                     let (outcome, body) = call(
                         &url,
                         &http,
@@ -314,7 +412,51 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                         json!({ "i": { "id": id } }),
                     )
                     .await;
-                    record("cancel", &outcome, &body);
+                    let started = body["errors"][0]["message"].as_str().unwrap_or("").contains("can no longer be cancelled");
+                    let label = match (outcome.as_str(), start <= now) {
+                        ("CONFLICT", _) if started => "CONFLICT (started)".to_owned(),
+                        ("ok", true) => "ok (pending or not started)".to_owned(),
+                        (o, _) => o.to_owned(),
+                    };
+                    record("cancel", &label, &body);
+                }
+                75..=77 => {
+                    app.db.advance_clock(TICK_SECONDS).await;
+                    clock.fetch_add(TICK_SECONDS, Ordering::SeqCst);
+                    record("clock tick", "30 s", &Value::Null);
+                }
+                78 | 79 => {
+                    let zero = !flipped_to_zero.fetch_xor(true, Ordering::SeqCst);
+                    let (outcome, body) = call(
+                        &url,
+                        &http,
+                        &op_token,
+                        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+                        json!({ "i": { "tenantId": TENANTS[FLIPPED], "scopeId": pool, "gpus": if zero { 0 } else { GPU_LIMIT } } }),
+                    )
+                    .await;
+                    record("quota flip", &outcome, &body);
+                }
+                80 | 81 => {
+                    let devices: Vec<Value> = (0..8)
+                        .map(|g| match g {
+                            0..=3 => json!({ "uuid": format!("GPU-new{i}-{g}"), "model": "H100", "memoryMib": 81559 }),
+                            4 | 5 => json!({ "uuid": format!("GPU-new{i}-{g}"), "model": "A100", "memoryMib": 81920, "mode": "MIG",
+                                              "layout": { "migProfiles": ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"] } }),
+                            _ => json!({ "uuid": format!("GPU-new{i}-{g}"), "model": "L4", "memoryMib": 23034, "mode": "TIME_SLICE",
+                                          "layout": { "slots": 4 } }),
+                        })
+                        .collect();
+                    let (outcome, body) = call(
+                        &url,
+                        &http,
+                        &op_token,
+                        "mutation($i: RegisterNodeInput!) { registerNode(input: $i) { computeNode { id } } }",
+                        json!({ "i": { "poolId": pool, "hostname": format!("torture-new-{i}"),
+                            "resources": { "vcpu": 32, "memoryMib": 262144, "diskGib": 2000 }, "devices": devices } }),
+                    )
+                    .await;
+                    record("register node", &outcome, &body);
                 }
                 _ => {
                     let node = &nodes[rng.below(nodes.len() as u64) as usize];
@@ -354,14 +496,106 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
             }
         }
     });
-    tasks.buffer_unordered(IN_FLIGHT).collect::<Vec<()>>().await;
+    let operations = async {
+        tasks.buffer_unordered(IN_FLIGHT).collect::<Vec<()>>().await;
+        done.store(true, Ordering::SeqCst);
+    };
+    // A worker beside the clients: the reservation steps and the capacity recompute, every
+    // 100 ms, and after each pass one snapshot comparing the rollup with the atoms.
+    let worker = async {
+        let db = &app.db.db;
+        let mut passes = 0u64;
+        while !done.load(Ordering::SeqCst) && passes < 2_000 {
+            passes += 1;
+            use compute_domain::reservations::reconcile;
+            let steps = [
+                ("activate", reconcile::activate_due(db).await),
+                ("expire", reconcile::expire_due(db).await),
+                ("retry pending", reconcile::retry_pending(db).await),
+                (
+                    "rollup recompute",
+                    commands::recompute_rollup(db, &pool).await,
+                ),
+            ];
+            let (mismatched,): (i64,) = sqlx::query_as(ROLLUP_MISMATCHES)
+                .fetch_one(db.pool())
+                .await
+                .expect("rollup snapshot");
+            {
+                let mut t = tally.lock().expect("lock");
+                t.checked("rollup snapshots during the run", 1);
+                if mismatched > 0 {
+                    t.violations.push(format!(
+                        "one snapshot saw {mismatched} rollup rows differ from the atoms"
+                    ));
+                }
+                for (step, result) in steps {
+                    match result {
+                        Ok(n) => {
+                            t.add(&format!("worker {step}"), "ok");
+                            if step == "rollup recompute" {
+                                t.checked(
+                                    "rollup recomputes that found drift (must be 0)",
+                                    u64::from(n > 0),
+                                );
+                                t.checked("rollup recomputes", 1);
+                                if n > 0 {
+                                    t.violations.push(format!("the rollup recompute corrected {n} rows: the rollup had drifted"));
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            let code = e.code().as_str();
+                            t.add(&format!("worker {step}"), code);
+                            if code == "INTERNAL" {
+                                t.violations.push(format!("worker {step}: {e}"));
+                            }
+                        }
+                    }
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    };
+    tokio::join!(operations, worker);
+    // The flipped tenant's limit back where it was, so `used <= max` holds for every row at the
+    // end (a limit lowered below what is held refuses new charges without touching old ones).
+    app.ok(
+        &op_token,
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": TENANTS[FLIPPED], "scopeId": pool, "gpus": GPU_LIMIT } }),
+    )
+    .await;
 
-    let tally = std::mem::take(&mut *tally.lock().expect("lock"));
-    let total: u64 = tally.counts.values().sum();
-    let mut report =
-        format!("torture: {total} operations over {NODES} nodes × 8 GPUs, {IN_FLIGHT} in flight\n");
+    let (checks, broken) = check_invariants(&app).await;
+    let mut tally = std::mem::take(&mut *tally.lock().expect("lock"));
+    for (what, n) in checks {
+        tally.checked(&what, n);
+    }
+    tally
+        .violations
+        .extend(broken.into_iter().map(|b| format!("invariant broken: {b}")));
+    let total: u64 = tally
+        .counts
+        .iter()
+        .filter(|((op, _), _)| !op.starts_with("worker"))
+        .map(|(_, n)| n)
+        .sum();
+    let mut report = format!(
+        "torture: {OPERATIONS} operations ({total} answers) over {NODES} nodes × 8 GPUs and the nodes registered during the run, \
+         {IN_FLIGHT} in flight, simulated time moved {} s\n",
+        clock.load(Ordering::SeqCst)
+    );
     for ((op, outcome), n) in &tally.counts {
-        report.push_str(&format!("  {op:<16} {outcome:<26} {n}\n"));
+        report.push_str(&format!("  {op:<24} {outcome:<30} {n}\n"));
+    }
+    report.push_str("checks:\n");
+    for (what, n) in &tally.checks {
+        report.push_str(&format!("  {what:<64} {n}\n"));
+    }
+    report.push_str(&format!("violations: {}\n", tally.violations.len()));
+    for v in &tally.violations {
+        report.push_str(&format!("  {}\n", v.chars().take(400).collect::<String>()));
     }
     eprintln!("{report}");
     // CI prints it after the run (`.ci/run`); cargo test captures a passing test's output.
@@ -370,25 +604,55 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
         &report,
     );
     assert!(total >= 1000, "{total} operations");
-    assert!(
-        tally.violations.is_empty(),
-        "{}",
-        tally.violations.join("\n")
-    );
+    assert!(tally.violations.is_empty(), "{report}");
+    let count = |op: &str, outcome: &str| {
+        tally
+            .counts
+            .get(&(op.to_owned(), outcome.to_owned()))
+            .copied()
+            .unwrap_or(0)
+    };
     let contended = tally
         .counts
         .iter()
-        .filter(|((_, o), _)| o != "ok" && o != "placed")
+        .filter(|((op, o), _)| !op.starts_with("worker") && o != "ok" && o != "placed")
         .map(|(_, n)| n)
         .sum::<u64>();
     assert!(contended > 0, "the run had no contention at all: {report}");
-
-    check_invariants(&app).await;
+    // The run did what it says: it exercised each of the new checks.
+    assert!(
+        count("burst same key", "one answer") > 0,
+        "no burst: {report}"
+    );
+    assert!(
+        count("create (flipped)", "QUOTA_EXCEEDED") > 0,
+        "the flipped quota never refused: {report}"
+    );
+    assert!(
+        count("cancel", "CONFLICT (started)") > 0,
+        "no cancel came after a start: {report}"
+    );
+    assert!(
+        count("register node", "ok") > 0,
+        "no node registered during the run: {report}"
+    );
+    assert!(
+        tally
+            .checks
+            .get("rollup snapshots during the run")
+            .copied()
+            .unwrap_or(0)
+            > 0,
+        "{report}"
+    );
 }
 
-/// Every invariant, in SQL written for the check, not borrowed from the code under test.
-pub async fn check_invariants(app: &TestApp) {
+/// Every invariant, in SQL written for the check, not borrowed from the code under test. Returns
+/// what the newer checks looked at (a line of the report each, so a reader sees they ran on
+/// something) and every invariant found broken (all of them, not only the first).
+pub async fn check_invariants(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>) {
     let pool = app.db.db.pool();
+    let mut broken = Broken::default();
     let count = |sql: &'static str| async move {
         let (n,): (i64,) = sqlx::query_as(sql)
             .fetch_one(pool)
@@ -396,35 +660,22 @@ pub async fn check_invariants(app: &TestApp) {
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
         n
     };
-    assert_eq!(
-        count("SELECT count(*) FROM device_bookings a JOIN device_bookings b ON a.atom = b.atom AND a.id < b.id AND a.during && b.during").await,
-        0,
-        "two bookings of one atom overlap"
-    );
-    assert_eq!(
-        count(
+    broken.check(count("SELECT count(*) FROM device_bookings a JOIN device_bookings b ON a.atom = b.atom AND a.id < b.id AND a.during && b.during").await, "two bookings of one atom overlap");
+    broken.check(count(
             "SELECT count(*) FROM device_bookings p JOIN devices d ON p.atom = d.uuid \
                JOIN device_bookings c ON c.device_id = d.id AND c.atom LIKE d.uuid || '/%' AND c.during && p.during \
               WHERE p.reason = 'allocation' AND c.reason = 'allocation'"
         )
-        .await,
-        0,
-        "a GPU and one of its instances or slots are booked at the same instant"
-    );
-    assert_eq!(
-        count(
+        .await, "a GPU and one of its instances or slots are booked at the same instant");
+    broken.check(count(
             "SELECT count(*) FROM node_resources r \
               WHERE r.allocated > floor(r.allocatable * r.ratio) \
                  OR r.allocated <> coalesce((SELECT sum(CASE r.resource WHEN 'vcpu' THEN a.vcpu WHEN 'memory_mib' THEN a.memory_mib ELSE a.disk_gib END) \
                                               FROM allocations a JOIN reservations v ON v.id = a.reservation_id \
                                              WHERE a.node_id = r.node_id AND v.state IN ('scheduled', 'active')), 0)"
         )
-        .await,
-        0,
-        "a node's allocated scalars differ from its live allocations, or exceed its limit"
-    );
-    assert_eq!(
-        count(
+        .await, "a node's allocated scalars differ from its live allocations, or exceed its limit");
+    broken.check(count(
             "SELECT count(*) FROM quota_usage q \
               WHERE q.used > q.max_amount \
                  OR q.used <> coalesce((SELECT sum((c->>'amount')::numeric) FROM reservations v, jsonb_array_elements(v.charged) c \
@@ -432,37 +683,22 @@ pub async fn check_invariants(app: &TestApp) {
                                            AND c->>'scope_kind' = q.scope_kind AND c->>'scope_id' = q.scope_id \
                                            AND c->>'resource' = q.resource), 0)"
         )
-        .await,
-        0,
-        "a tenant's quota usage differs from the charges of its live reservations, or exceeds its maximum"
-    );
-    assert_eq!(
-        count(
+        .await, "a tenant's quota usage differs from the charges of its live reservations, or exceeds its maximum");
+    broken.check(count(
             "SELECT count(*) FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id JOIN reservations v ON v.id = a.reservation_id \
               WHERE v.state IN ('released', 'cancelled', 'expired', 'failed') AND upper(b.during) > coalesce(v.ended_at, v.ends_at)"
         )
-        .await,
-        0,
-        "a finished reservation still holds a booking"
-    );
-    assert_eq!(
-        count(
+        .await, "a finished reservation still holds a booking");
+    broken.check(count(
             "SELECT count(*) FROM reservations r WHERE NOT EXISTS \
                (SELECT 1 FROM idempotency_keys k WHERE k.operation = 'createReservation' AND k.response->>'reservationId' = r.id)"
         )
-        .await,
-        0,
-        "a reservation without the key that made it"
-    );
-    assert_eq!(
-        count(
+        .await, "a reservation without the key that made it");
+    broken.check(count(
             "SELECT count(*) FROM (SELECT response->>'reservationId' FROM idempotency_keys \
                WHERE operation = 'createReservation' AND response ? 'reservationId' GROUP BY 1 HAVING count(*) > 1) dup"
         )
-        .await,
-        0,
-        "one key, two effects"
-    );
+        .await, "one key, two effects");
     // Eligibility: no allocation was placed (its commit) after a cordon, taint, quarantine or
     // health change that excluded its node or device committed. Needs commit timestamps.
     let (tracking,): (String,) = sqlx::query_as("SELECT current_setting('track_commit_timestamp')")
@@ -470,8 +706,7 @@ pub async fn check_invariants(app: &TestApp) {
         .await
         .expect("setting");
     if tracking == "on" {
-        assert_eq!(
-            count(
+        broken.check(count(
                 "WITH placed AS ( \
                    SELECT a.id, a.node_id, unnest(a.atoms) AS atom, pg_xact_commit_timestamp(a.xmin) AS at FROM allocations a WHERE a.node_id IS NOT NULL), \
                  node_events AS ( \
@@ -486,13 +721,88 @@ pub async fn check_invariants(app: &TestApp) {
                            FROM device_events e JOIN device_atoms x ON x.device_id = e.subject \
                           WHERE x.name = p.atom AND e.at < p.at ORDER BY e.at DESC LIMIT 1)"
             )
-            .await,
-            0,
-            "an allocation was placed after a change that excluded its node or device committed"
-        );
+            .await, "an allocation was placed after a change that excluded its node or device committed");
     } else {
         eprintln!(
             "torture: track_commit_timestamp is off on this server; the eligibility-order check was skipped"
         );
+    }
+    // A cancel leaves nothing: a reservation cancelled before its start never held its devices,
+    // and one that had started is active and cannot be cancelled.
+    broken.check(
+        count(
+            "SELECT count(*) FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id \
+               JOIN reservations v ON v.id = a.reservation_id WHERE v.state = 'cancelled'",
+        )
+        .await,
+        "a cancelled reservation holds a booking",
+    );
+    // A booking starts where its reservation says it starts (a pending reservation placed late
+    // starts at its placement).
+    broken.check(
+        count(
+            "SELECT count(*) FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id \
+               JOIN reservations v ON v.id = a.reservation_id WHERE lower(b.during) <> v.starts_at",
+        )
+        .await,
+        "a booking starts elsewhere than its reservation's startsAt",
+    );
+    // The GPU charge is the exact sum of the allocations' shares, rounded once.
+    broken.check(
+        count(
+            "SELECT count(*) FROM reservations v WHERE v.charge_gpu <> \
+               (SELECT round(sum(a.gpu_count * CASE a.gpu_kind WHEN 'gpu' THEN 1::numeric \
+                                 WHEN 'mig' THEN split_part(a.profile, 'g', 1)::numeric / 7 \
+                                 ELSE 1::numeric / a.slots_per_gpu END), 6) \
+                  FROM allocations a WHERE a.reservation_id = v.id)",
+        )
+        .await,
+        "a reservation's GPU charge is not its exact share rounded once",
+    );
+    broken.check(
+        count(ROLLUP_MISMATCHES).await,
+        "the capacity rollup differs from the atoms",
+    );
+    let mut looked_at = Vec::new();
+    for (what, sql) in [
+        (
+            "cancelled reservations, none holding a booking",
+            "SELECT count(*) FROM reservations WHERE state = 'cancelled'",
+        ),
+        (
+            "cancelled after their requested start (pending ones)",
+            "SELECT count(*) FROM reservations WHERE state = 'cancelled' AND ended_at >= starts_at",
+        ),
+        (
+            "bookings starting at their reservation's startsAt",
+            "SELECT count(*) FROM device_bookings WHERE allocation_id IS NOT NULL",
+        ),
+        (
+            "reservations whose GPU charge is the exact sum rounded once",
+            "SELECT count(*) FROM reservations",
+        ),
+        (
+            "of them with two or more allocations",
+            "SELECT count(*) FROM reservations v WHERE (SELECT count(*) FROM allocations a WHERE a.reservation_id = v.id) > 1",
+        ),
+        (
+            "rollup rows equal to their atoms at the end",
+            "SELECT count(*) FROM pool_capacity_rollup",
+        ),
+    ] {
+        looked_at.push((what.to_owned(), count(sql).await as u64));
+    }
+    (looked_at, broken.0)
+}
+
+/// The invariants a check found broken, each with how many rows broke it.
+#[derive(Default)]
+struct Broken(Vec<String>);
+
+impl Broken {
+    fn check(&mut self, rows: i64, what: &str) {
+        if rows != 0 {
+            self.0.push(format!("{what} ({rows} rows)"));
+        }
     }
 }
