@@ -12,7 +12,7 @@ async fn main() -> ExitCode {
         Command::Dev(args) => cli::dev(args).await,
         Command::Migrate(args) => cli::migrate(args).await,
         Command::Schema => {
-            let _ = write!(std::io::stdout().lock(), "{}", compute_api::schema::sdl());
+            let _ = write!(std::io::stdout().lock(), "{}", compute_api::graph::sdl());
             Ok(())
         }
         Command::Token(args) => cli::token(args).map(|t| {

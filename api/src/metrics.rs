@@ -8,13 +8,7 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use axum::extract::{MatchedPath, Request, State};
-use axum::middleware::Next;
-use axum::response::Response;
-
 use compute_domain::db::PoolStats;
-
-use crate::server::AppState;
 
 /// Upper bounds of the latency buckets, in seconds.
 const BUCKETS: [f64; 12] = [
@@ -208,23 +202,4 @@ fn escape(label: &str) -> String {
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
-}
-
-/// Middleware that counts every request by its matched route.
-pub async fn track(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|p| p.as_str().to_owned())
-        .unwrap_or_else(|| "unmatched".to_owned());
-    let method = req.method().as_str().to_owned();
-    let started = std::time::Instant::now();
-    let response = next.run(req).await;
-    app.metrics.record_request(
-        &route,
-        &method,
-        response.status().as_u16(),
-        started.elapsed(),
-    );
-    response
 }

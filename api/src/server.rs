@@ -1,8 +1,6 @@
-//! The HTTP server: the router, the shared state, and graceful shutdown.
+//! The HTTP server: the router and graceful shutdown.
 
 use std::future::Future;
-use std::ops::Deref;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -14,51 +12,28 @@ use tokio::sync::watch;
 use tracing::info;
 
 use crate::auth::Verifier;
+use crate::graph;
 use crate::metrics::Metrics;
-use crate::schema::{self, ApiSchema};
+use crate::state::{AppState, Inner};
 use crate::tailer::{StreamConfig, Tailer};
-
-/// What every handler shares. Cheap to clone.
-#[derive(Clone)]
-pub struct AppState(Arc<Inner>);
-
-/// The contents of [`AppState`].
-pub struct Inner {
-    pub db: Db,
-    pub clock: Clock,
-    pub schema: ApiSchema,
-    pub verifier: Verifier,
-    pub metrics: Metrics,
-    /// The process's one outbox reader, which feeds every subscription.
-    pub tailer: Tailer,
-    /// Turns `true` when the server begins to shut down.
-    pub shutdown: watch::Receiver<bool>,
-}
-
-impl Deref for AppState {
-    type Target = Inner;
-    fn deref(&self) -> &Inner {
-        &self.0
-    }
-}
 
 /// The router of the API.
 pub fn router(app: AppState) -> Router {
     Router::new()
         .route(
             "/graphql",
-            get(crate::graphql_http::get).post(crate::graphql_http::post),
+            get(crate::transport::http::get).post(crate::transport::http::post),
         )
         .route(
             "/graphql/stream",
-            get(crate::sse::get).post(crate::sse::post),
+            get(crate::transport::sse::get).post(crate::transport::sse::post),
         )
-        .route("/healthz", get(crate::health::healthz))
-        .route("/readyz", get(crate::health::readyz))
-        .route("/metrics", get(crate::health::metrics))
+        .route("/healthz", get(crate::ops::health::healthz))
+        .route("/readyz", get(crate::ops::health::readyz))
+        .route("/metrics", get(crate::ops::health::metrics))
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
-            crate::metrics::track,
+            crate::ops::track,
         ))
         .with_state(app)
 }
@@ -84,15 +59,15 @@ impl Server {
         let clock = Clock::anchored(&db).await?;
         let (shutdown_tx, shutdown) = watch::channel(false);
         let tailer = Tailer::new(db.clone(), stream);
-        let app = AppState(Arc::new(Inner {
-            schema: schema::build(Some((db.clone(), tailer.clone()))),
+        let app = AppState::new(Inner {
+            schema: graph::build(Some((db.clone(), tailer.clone()))),
             tailer,
             db,
             clock,
             verifier,
             metrics: Metrics::default(),
             shutdown,
-        }));
+        });
         Ok(Server { app, shutdown_tx })
     }
 

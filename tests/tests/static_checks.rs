@@ -11,7 +11,7 @@ fn root() -> &'static Path {
 #[test]
 fn schema_graphql_is_the_printed_schema() {
     let committed = std::fs::read_to_string(root().join("schema.graphql")).expect("schema.graphql");
-    let printed = compute_api::schema::sdl();
+    let printed = compute_api::graph::sdl();
     assert!(
         committed == printed,
         "schema.graphql differs from the schema the code prints; regenerate it with\n  \
@@ -42,5 +42,126 @@ fn no_sql_reads_the_wall_clock() {
         "SQL that reads the wall clock (use compute_now(), or mark the line \
          `check-sql-now: allow` with the reason):\n{}",
         list.join("\n")
+    );
+}
+
+/// The rooms of `compute-api` and their layer: a module may use only rooms of a lower layer, so
+/// the rooms' imports cannot form a cycle. `ARCHITECTURE.md` states the same rules.
+const API_ROOMS: &[(&str, u8)] = &[
+    ("auth", 0),
+    ("tailer", 0),
+    ("metrics", 1),
+    ("graph", 1),
+    ("state", 2),
+    ("transport", 3),
+    ("ops", 3),
+    ("server", 4),
+    ("cli", 5),
+];
+
+/// The rooms a line of Rust names through `crate::` (also inside `use crate::{…}` groups).
+fn crate_rooms(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = line;
+    while let Some(i) = rest.find("crate::") {
+        // `$crate::` in a macro is the same crate.
+        rest = &rest[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let body = group.split('}').next().unwrap_or_default();
+            out.extend(
+                body.split(',')
+                    .map(|p| p.trim().split("::").next().unwrap_or_default().to_owned())
+                    .filter(|p| !p.is_empty()),
+            );
+        } else {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            out.push(name);
+        }
+    }
+    out
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read_dir").flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// Every `crate::` import inside `compute-api` goes from a room to a room of a lower layer (so
+/// none forms a cycle), every file belongs to a known room, and `graph/context.rs` and
+/// `graph/common.rs` stay leaves of `graph`.
+#[test]
+fn api_rooms_form_no_cycle() {
+    let src = root().join("api/src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let layer = |room: &str| API_ROOMS.iter().find(|(r, _)| *r == room).map(|(_, l)| *l);
+    let mut broken = Vec::new();
+    for file in &files {
+        let rel = file.strip_prefix(&src).expect("under api/src");
+        let first = rel.components().next().expect("a component");
+        let room = first
+            .as_os_str()
+            .to_string_lossy()
+            .trim_end_matches(".rs")
+            .to_owned();
+        if room == "lib" || room == "main" {
+            continue;
+        }
+        let Some(own) = layer(&room) else {
+            broken.push(format!(
+                "{}: not in a known room (add it to API_ROOMS and ARCHITECTURE.md)",
+                rel.display()
+            ));
+            continue;
+        };
+        let leaf = rel.ends_with("graph/context.rs") || rel.ends_with("graph/common.rs");
+        let text = std::fs::read_to_string(file).expect("read");
+        for (n, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("//") {
+                continue;
+            }
+            for target in crate_rooms(line) {
+                match layer(&target) {
+                    Some(l) if target == room => {
+                        if leaf && !line.contains("graph::context") {
+                            broken.push(format!(
+                                "{}:{}: a leaf of graph uses `{}`",
+                                rel.display(),
+                                n + 1,
+                                line.trim()
+                            ));
+                        }
+                        let _ = l;
+                    }
+                    Some(l) if l < own => {}
+                    Some(_) => broken.push(format!(
+                        "{}:{}: `{room}` uses `{target}`, which is not in a lower layer: {}",
+                        rel.display(),
+                        n + 1,
+                        line.trim()
+                    )),
+                    None => broken.push(format!(
+                        "{}:{}: `crate::{target}` is not a room",
+                        rel.display(),
+                        n + 1
+                    )),
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "the api's rooms:\n{}", broken.join("\n"));
+    // The check can fail: a use of a higher layer is found.
+    assert_eq!(
+        crate_rooms("use crate::{state::AppState, graph};"),
+        vec!["state", "graph"]
     );
 }

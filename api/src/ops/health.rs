@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// Liveness: answers as long as the process runs.
 pub async fn healthz() -> Response {

@@ -12,7 +12,7 @@ use compute_domain::fleet::{
 };
 use compute_domain::page::{Page, PageArgs};
 
-use crate::schema::gql_error;
+use crate::graph::gql_error;
 
 /// The loader behind every key type below.
 pub struct FleetLoader {

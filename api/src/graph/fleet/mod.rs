@@ -5,49 +5,23 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_graphql::connection::{Connection, Edge};
-use async_graphql::{
-    ComplexObject, Context, Enum, ID, InputObject, Interface, Object, SimpleObject,
-};
+use async_graphql::{ComplexObject, Context, Enum, ID, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
-use compute_domain::fleet::model::{self as m, Window};
+use compute_domain::fleet::model::{self as m};
 use compute_domain::fleet::{
     self, AtomFilter, CapacityScope, DeviceFilter, NodeFilter, PoolFilter,
 };
-use compute_domain::page::{Page, PageRequest, encode_cursor};
+use compute_domain::page::{Page, encode_cursor};
 use serde_json::Value;
 
 use crate::auth::Role;
-use crate::loaders::*;
-use crate::schema::{db, gql_error, viewer};
+use crate::graph::common::*;
+use crate::graph::loaders::*;
+use crate::graph::node::{NodeInterface, load_node};
+use crate::graph::{db, gql_error, require_operator, viewer};
 
-macro_rules! gql_enum {
-    ($(#[$meta:meta])* $name:ident($gql:literal) <=> $domain:ty { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }) => {
-        $(#[$meta])*
-        #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
-        #[graphql(name = $gql)]
-        pub enum $name { $($(#[$vmeta])* $variant),+ }
-
-        impl From<$name> for $domain {
-            fn from(v: $name) -> Self {
-                match v { $($name::$variant => <$domain>::$variant),+ }
-            }
-        }
-        impl From<$domain> for $name {
-            fn from(v: $domain) -> Self {
-                match v { $(<$domain>::$variant => $name::$variant),+ }
-            }
-        }
-        impl $name {
-            /// From the value stored in the database.
-            pub fn from_db(s: &str) -> async_graphql::Result<Self> {
-                <$domain>::parse(s).map(Self::from).ok_or_else(|| {
-                    gql_error(Error::internal(format!("unknown {} value `{s}` in the database", $gql)))
-                })
-            }
-        }
-    };
-}
+pub mod mutations;
 
 gql_enum!(
     /// What kind of machines a pool holds.
@@ -98,28 +72,6 @@ gql_enum!(
     }
 );
 gql_enum!(
-    /// What a taint does to placement.
-    TaintEffect("TaintEffect") <=> m::TaintEffect {
-        /// Only tolerating allocations are placed here.
-        NoSchedule,
-        /// Placement avoids the node when it can.
-        PreferNoSchedule,
-        /// Like NoSchedule, and running work without a toleration should leave.
-        NoExecute,
-    }
-);
-gql_enum!(
-    /// The kind of a bookable atom.
-    AtomKind("AtomKind") <=> m::AtomKind {
-        /// A whole GPU.
-        Gpu,
-        /// A MIG instance.
-        Mig,
-        /// A time-slice or MPS slot.
-        Slot,
-    }
-);
-gql_enum!(
     /// A scalar resource of a node.
     ResourceKind("ResourceKind") <=> m::Resource {
         /// Virtual CPUs.
@@ -140,24 +92,6 @@ pub enum NodeLifecycle {
     Cordoned,
     /// Out of the fleet; kept for history.
     Retired,
-}
-
-/// Any object with a global id (Relay).
-#[derive(Interface)]
-#[graphql(
-    name = "Node",
-    field(
-        name = "id",
-        ty = "ID",
-        desc = "The object's global id: a type prefix and a time-ordered body."
-    )
-)]
-pub enum NodeInterface {
-    Site(SiteObj),
-    Pool(PoolObj),
-    ComputeNode(ComputeNodeObj),
-    Device(DeviceObj),
-    Reservation(crate::reservations::ReservationObj),
 }
 
 /// `totalCount` of a connection, counted only when asked for.
@@ -224,61 +158,9 @@ where
     c
 }
 
-fn page_request(
-    first: Option<i32>,
-    after: Option<String>,
-    last: Option<i32>,
-    before: Option<String>,
-) -> PageRequest {
-    PageRequest {
-        first: first.map(i64::from),
-        after,
-        last: last.map(i64::from),
-        before,
-    }
-}
-
-/// The caller must be an operator.
-pub fn require_operator(ctx: &Context<'_>) -> async_graphql::Result<()> {
-    let v = viewer(ctx)?;
-    if v.has_role(Role::Operator) {
-        Ok(())
-    } else {
-        Err(gql_error(Error::Forbidden(
-            "this needs the operator role".into(),
-        )))
-    }
-}
-
 /// The caller must be authenticated (any role); members see the inventory's public face.
 fn require_viewer(ctx: &Context<'_>) -> async_graphql::Result<bool> {
     Ok(viewer(ctx)?.has_role(Role::Operator))
-}
-
-fn parse_id(field: &str, prefix: &'static str, id: &ID) -> async_graphql::Result<String> {
-    m::parse_id(field, prefix, id.as_str()).map_err(gql_error)
-}
-
-fn opt_id(
-    field: &str,
-    prefix: &'static str,
-    id: Option<&ID>,
-) -> async_graphql::Result<Option<String>> {
-    id.map(|id| parse_id(field, prefix, id)).transpose()
-}
-
-/// A time window.
-#[derive(InputObject, Clone, Copy)]
-pub struct WindowInput {
-    /// Start, inclusive.
-    pub start: DateTime<Utc>,
-    /// End, exclusive.
-    pub end: DateTime<Utc>,
-}
-
-fn window(w: Option<WindowInput>) -> async_graphql::Result<Option<Window>> {
-    w.map(|w| Window::new("window", w.start, w.end).map_err(gql_error))
-        .transpose()
 }
 
 /// Free and booked atoms of one (model, kind, profile).
@@ -330,7 +212,7 @@ pub struct SiteObj(pub fleet::Site);
 #[Object(name = "Site")]
 impl SiteObj {
     /// The site's id (`site_…`).
-    async fn id(&self) -> ID {
+    pub async fn id(&self) -> ID {
         ID(self.0.id.clone())
     }
     /// Unique name.
@@ -409,7 +291,7 @@ pub struct PoolObj(pub fleet::Pool);
 #[Object(name = "Pool")]
 impl PoolObj {
     /// The pool's id (`pool_…`).
-    async fn id(&self) -> ID {
+    pub async fn id(&self) -> ID {
         ID(self.0.id.clone())
     }
     /// Name, unique in its site.
@@ -506,21 +388,6 @@ pub struct Taint {
     effect: TaintEffect,
 }
 
-/// A condition of a node or reservation, such as `NodeUnreachable` or `Unschedulable`.
-#[derive(SimpleObject)]
-pub struct Condition {
-    /// The condition's type.
-    r#type: String,
-    /// `True`, `False` or `Unknown`.
-    status: String,
-    /// A machine-readable reason.
-    reason: Option<String>,
-    /// A message for people.
-    message: Option<String>,
-    /// Since when it holds.
-    since: Option<DateTime<Utc>>,
-}
-
 /// One scalar resource of a node.
 #[derive(SimpleObject)]
 pub struct NodeResource {
@@ -536,24 +403,6 @@ pub struct NodeResource {
     allocated: i64,
     /// `limit - allocated`.
     free: i64,
-}
-
-/// Conditions as stored (`[{"type", "status", "reason", "message", "since"}]`).
-pub fn conditions_of(stored: &Value) -> Vec<Condition> {
-    stored
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|c| Condition {
-                    r#type: c["type"].as_str().unwrap_or_default().to_owned(),
-                    status: c["status"].as_str().unwrap_or("Unknown").to_owned(),
-                    reason: c["reason"].as_str().map(str::to_owned),
-                    message: c["message"].as_str().map(str::to_owned),
-                    since: c["since"].as_str().and_then(|s| s.parse().ok()),
-                })
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// A machine in a pool (`nodes` in SQL), with its subtree when the connection that returned it
@@ -679,7 +528,7 @@ fn labels_of(v: &Value) -> Vec<Label> {
 #[Object(name = "ComputeNode")]
 impl ComputeNodeObj {
     /// The node's id (`node_…`).
-    async fn id(&self) -> ID {
+    pub async fn id(&self) -> ID {
         ID(self.0.id.clone())
     }
     /// Host name, unique in the fleet.
@@ -828,7 +677,7 @@ impl DeviceObj {
 #[Object(name = "Device")]
 impl DeviceObj {
     /// The device's id (`dev_…`).
-    async fn id(&self) -> ID {
+    pub async fn id(&self) -> ID {
         ID(self.0.id.clone())
     }
     /// The hardware UUID; also the name of its atom in exclusive mode.
@@ -1251,45 +1100,4 @@ impl FleetQuery {
             .map_err(gql_error)?;
         Ok(rows.into_iter().map(quota_obj).collect())
     }
-}
-
-/// Loads an object by global id, as the caller may see it.
-async fn load_node(
-    ctx: &Context<'_>,
-    id: &ID,
-    operator: bool,
-) -> async_graphql::Result<Option<NodeInterface>> {
-    let loaders = ctx.data_unchecked::<Loaders>();
-    let prefix = compute_domain::ids::prefix_of(id.as_str()).ok_or_else(|| {
-        gql_error(Error::bad_input(
-            "id",
-            format!("`{}` is not an id of this API", id.as_str()),
-        ))
-    })?;
-    let key = id.to_string();
-    Ok(match prefix {
-        "site" => loaders
-            .load_one(SiteId(key))
-            .await?
-            .map(|s| NodeInterface::Site(SiteObj(s))),
-        "pool" => loaders
-            .load_one(PoolId(key))
-            .await?
-            .map(|p| NodeInterface::Pool(PoolObj(p))),
-        "node" if operator => loaders
-            .load_one(NodeId(key))
-            .await?
-            .map(|n| NodeInterface::ComputeNode(ComputeNodeObj::new(n))),
-        "dev" if operator => loaders
-            .load_one(DeviceId(key))
-            .await?
-            .map(|d| NodeInterface::Device(DeviceObj::new(d))),
-        "rsv" => match loaders.load_one(ReservationId(key)).await? {
-            Some(r) if crate::reservations::visible(ctx, &r)? => Some(NodeInterface::Reservation(
-                crate::reservations::ReservationObj(r),
-            )),
-            _ => None,
-        },
-        _ => None,
-    })
 }

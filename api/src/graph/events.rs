@@ -18,7 +18,7 @@ use compute_domain::outbox::{self, Cursor, Event, EventFilter};
 use futures_util::Stream;
 
 use crate::auth::Role;
-use crate::schema::{db, gql_error, viewer};
+use crate::graph::{db, gql_error, viewer};
 use crate::tailer::{Feed, Tailer};
 
 /// Where the item a subscription yielded last sits in the outbox. A transport puts one in each
@@ -41,7 +41,7 @@ impl StreamPosition {
 /// each of its responses.
 pub struct Streaming {
     position: StreamPosition,
-    replay: crate::schema::ReplayFlag,
+    replay: crate::graph::ReplayFlag,
 }
 
 impl Streaming {
@@ -55,7 +55,7 @@ impl Streaming {
         }
         let s = Streaming {
             position: StreamPosition::default(),
-            replay: crate::schema::ReplayFlag::default(),
+            replay: crate::graph::ReplayFlag::default(),
         };
         let request = request.data(s.position.clone()).data(s.replay.clone());
         (request, s)
@@ -258,7 +258,7 @@ impl SubscriptionRoot {
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
     ) -> async_graphql::Result<
-        impl Stream<Item = async_graphql::Result<crate::reservations::ReservationObj>> + use<>,
+        impl Stream<Item = async_graphql::Result<crate::graph::reservations::ReservationObj>> + use<>,
     > {
         let rid =
             compute_domain::fleet::model::parse_id("id", "rsv", id.as_str()).map_err(gql_error)?;
@@ -267,7 +267,7 @@ impl SubscriptionRoot {
             .await
             .map_err(gql_error)?;
         let tenant = match found.first() {
-            Some(r) if crate::reservations::visible(ctx, r)? => r.tenant_id.clone(),
+            Some(r) if crate::graph::reservations::visible(ctx, r)? => r.tenant_id.clone(),
             _ => {
                 return Err(gql_error(compute_domain::Error::NotFound {
                     kind: "reservation",
@@ -290,7 +290,7 @@ impl SubscriptionRoot {
                 async move {
                     let mut found =
                         compute_domain::reservations::get_reservations(&db, &[rid]).await?;
-                    Ok(found.pop().map(crate::reservations::ReservationObj))
+                    Ok(found.pop().map(crate::graph::reservations::ReservationObj))
                 }
             },
         ))
@@ -304,9 +304,9 @@ impl SubscriptionRoot {
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
     ) -> async_graphql::Result<
-        impl Stream<Item = async_graphql::Result<crate::fleet::ComputeNodeObj>> + use<>,
+        impl Stream<Item = async_graphql::Result<crate::graph::fleet::ComputeNodeObj>> + use<>,
     > {
-        crate::fleet::require_operator(ctx)?;
+        crate::graph::require_operator(ctx)?;
         let nid =
             compute_domain::fleet::model::parse_id("id", "node", id.as_str()).map_err(gql_error)?;
         let db = db(ctx)?.clone();
@@ -334,7 +334,7 @@ impl SubscriptionRoot {
                 let (db, nid) = (db.clone(), nid.clone());
                 async move {
                     let mut found = compute_domain::fleet::get_nodes(&db, &[nid]).await?;
-                    Ok(found.pop().map(crate::fleet::ComputeNodeObj::new))
+                    Ok(found.pop().map(crate::graph::fleet::ComputeNodeObj::new))
                 }
             },
         ))
@@ -350,7 +350,7 @@ impl SubscriptionRoot {
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
     ) -> async_graphql::Result<
-        impl Stream<Item = async_graphql::Result<crate::fleet::PoolObj>> + use<>,
+        impl Stream<Item = async_graphql::Result<crate::graph::fleet::PoolObj>> + use<>,
     > {
         viewer(ctx)?;
         let pid =
@@ -392,7 +392,7 @@ impl SubscriptionRoot {
                         return Ok(None);
                     }
                     let mut found = compute_domain::fleet::get_pools(&db, &[pid]).await?;
-                    Ok(found.pop().map(crate::fleet::PoolObj))
+                    Ok(found.pop().map(crate::graph::fleet::PoolObj))
                 }
             },
         ))

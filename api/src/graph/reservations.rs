@@ -12,11 +12,10 @@ use compute_domain::reservations::state::State;
 use compute_domain::reservations::{self as rsv, ReservationFilter, commands};
 
 use crate::auth::Role;
-use crate::fleet::{
-    AtomKind, ComputeNodeObj, Condition, PoolObj, TaintEffect, WindowInput, conditions_of,
-};
-use crate::loaders::*;
-use crate::schema::{ReplayFlag, db, gql_error, viewer};
+use crate::graph::common::{AtomKind, Condition, TaintEffect, WindowInput, conditions_of};
+use crate::graph::fleet::{ComputeNodeObj, PoolObj};
+use crate::graph::loaders::*;
+use crate::graph::{ReplayFlag, db, gql_error, viewer};
 
 /// Where a reservation is in its life.
 #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -161,7 +160,7 @@ pub struct AllocationObj(pub rsv::Allocation);
 #[Object(name = "Allocation")]
 impl AllocationObj {
     /// The allocation's id (`alc_…`).
-    async fn id(&self) -> ID {
+    pub async fn id(&self) -> ID {
         ID(self.0.id.clone())
     }
     /// Whole GPUs, MIG instances or slots.

@@ -40,9 +40,10 @@ use tokio::time::{Instant, Sleep};
 use tracing::debug;
 
 use crate::auth::{Viewer, bearer};
-use crate::events::Streaming;
-use crate::graphql_http::{build_request, prepare, response_json};
-use crate::server::AppState;
+use crate::graph::events::Streaming;
+use crate::state::AppState;
+use crate::transport::build_request;
+use crate::transport::{prepare, response_json};
 
 /// The two subprotocols.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,17 +94,9 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
         )
             .into_response();
     };
-    let header_viewer = match parts
-        .headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(bearer)
-    {
-        Some(token) => match app.verifier.verify(token) {
-            Ok(v) => Some(v),
-            Err(e) => return (StatusCode::UNAUTHORIZED, e.to_string()).into_response(),
-        },
-        None => None,
+    let header_viewer = match crate::transport::authenticate(&app, &parts.headers) {
+        Ok(v) => v,
+        Err(why) => return (StatusCode::UNAUTHORIZED, why).into_response(),
     };
     let ws = match WebSocketUpgrade::from_request_parts(parts, &()).await {
         Ok(ws) => ws,

@@ -9,7 +9,7 @@ use compute_domain::page::{PageRequest, encode_cursor};
 use compute_domain::sinks::{self, Scope, Sink, SinkChange};
 
 use crate::auth::Role;
-use crate::schema::{db, gql_error, viewer};
+use crate::graph::{db, gql_error, viewer};
 
 /// Whose sinks the caller manages: a member its tenant's; an operator the fleet's (which
 /// receive every event) and, to look at, every tenant's.

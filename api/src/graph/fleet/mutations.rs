@@ -10,15 +10,12 @@ use compute_domain::fleet::model::{self as m, Layout};
 use compute_domain::idempotency::Actor;
 use compute_domain::{Error, quota};
 
-use crate::fleet::*;
-use crate::schema::{db, gql_error, viewer};
+use crate::graph::common::*;
+use crate::graph::fleet::*;
+use crate::graph::{db, gql_error, require_operator, viewer};
 
 fn bad<T>(e: Error) -> async_graphql::Result<T> {
     Err(gql_error(e))
-}
-
-fn id_of(field: &str, prefix: &'static str, id: &ID) -> async_graphql::Result<String> {
-    m::parse_id(field, prefix, id.as_str()).map_err(gql_error)
 }
 
 fn actor(ctx: &Context<'_>) -> async_graphql::Result<Actor> {
@@ -428,7 +425,7 @@ impl FleetMutation {
             .await
             .map_err(gql_error)?;
         if outcome.replayed {
-            crate::schema::ReplayFlag::mark(ctx);
+            crate::graph::ReplayFlag::mark(ctx);
         }
         Ok(CreateSitePayload {
             site: SiteObj(outcome.value),
@@ -443,7 +440,7 @@ impl FleetMutation {
         input: UpdateSiteInput,
     ) -> async_graphql::Result<UpdateSitePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "site", &input.id)?;
+        let id = parse_id("id", "site", &input.id)?;
         let new_name = input.name.as_deref().map(|n| name("name", n)).transpose()?;
         let region = input
             .region
@@ -467,7 +464,7 @@ impl FleetMutation {
         require_operator(ctx)?;
         let oc = input.overcommit.unwrap_or_default();
         let new = NewPool {
-            site_id: id_of("siteId", "site", &input.site_id)?,
+            site_id: parse_id("siteId", "site", &input.site_id)?,
             name: name("name", &input.name)?,
             kind: input.kind.into(),
             lost_after_seconds: input.lost_after_seconds,
@@ -479,7 +476,7 @@ impl FleetMutation {
             .await
             .map_err(gql_error)?;
         if outcome.replayed {
-            crate::schema::ReplayFlag::mark(ctx);
+            crate::graph::ReplayFlag::mark(ctx);
         }
         Ok(CreatePoolPayload {
             pool: PoolObj(outcome.value),
@@ -494,7 +491,7 @@ impl FleetMutation {
         input: UpdatePoolInput,
     ) -> async_graphql::Result<UpdatePoolPayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "pool", &input.id)?;
+        let id = parse_id("id", "pool", &input.id)?;
         if input.clear_lost_after && input.lost_after_seconds.is_some() {
             return bad(Error::bad_input(
                 "lostAfterSeconds",
@@ -571,7 +568,7 @@ impl FleetMutation {
             });
         }
         let new = NewNode {
-            pool_id: id_of("poolId", "pool", &input.pool_id)?,
+            pool_id: parse_id("poolId", "pool", &input.pool_id)?,
             hostname: m::parse_hostname("hostname", &input.hostname).map_err(gql_error)?,
             labels: labels("labels", &input.labels)?,
             taints: input
@@ -605,7 +602,7 @@ impl FleetMutation {
         input: UpdateNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "node", &input.id)?;
+        let id = parse_id("id", "node", &input.id)?;
         let node = cmd::update_node(
             db(ctx)?,
             &id,
@@ -626,7 +623,7 @@ impl FleetMutation {
         input: CordonNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "node", &input.id)?;
+        let id = parse_id("id", "node", &input.id)?;
         let reason = optional_reason("reason", input.reason)?;
         let node = cmd::set_cordoned(db(ctx)?, &id, input.version, true, reason)
             .await
@@ -643,7 +640,7 @@ impl FleetMutation {
         input: NodeActionInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "node", &input.id)?;
+        let id = parse_id("id", "node", &input.id)?;
         let node = cmd::set_cordoned(db(ctx)?, &id, input.version, false, None)
             .await
             .map_err(gql_error)?;
@@ -659,7 +656,7 @@ impl FleetMutation {
         input: TaintNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "node", &input.id)?;
+        let id = parse_id("id", "node", &input.id)?;
         let t = taint("taint", &input.taint)?;
         let node = cmd::taint_node(db(ctx)?, &id, input.version, t)
             .await
@@ -676,7 +673,7 @@ impl FleetMutation {
         input: UntaintNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "node", &input.id)?;
+        let id = parse_id("id", "node", &input.id)?;
         let key = m::parse_key("key", &input.key).map_err(gql_error)?;
         let node = cmd::untaint_node(
             db(ctx)?,
@@ -699,7 +696,7 @@ impl FleetMutation {
         input: NodeActionInput,
     ) -> async_graphql::Result<DrainNodePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "node", &input.id)?;
+        let id = parse_id("id", "node", &input.id)?;
         let (node, remaining) = cmd::drain_node(db(ctx)?, &id, input.version)
             .await
             .map_err(gql_error)?;
@@ -724,7 +721,7 @@ impl FleetMutation {
         input: NodeActionInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "node", &input.id)?;
+        let id = parse_id("id", "node", &input.id)?;
         let node = cmd::retire_node(db(ctx)?, &id, input.version)
             .await
             .map_err(gql_error)?;
@@ -740,7 +737,7 @@ impl FleetMutation {
         input: SetDeviceHealthInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "dev", &input.id)?;
+        let id = parse_id("id", "dev", &input.id)?;
         let reason = optional_reason("reason", input.reason)?;
         let device =
             cmd::set_device_health(db(ctx)?, &id, input.version, input.health.into(), reason)
@@ -758,7 +755,7 @@ impl FleetMutation {
         input: QuarantineDeviceInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "dev", &input.id)?;
+        let id = parse_id("id", "dev", &input.id)?;
         let Some(reason) = optional_reason("reason", Some(input.reason))? else {
             return bad(Error::bad_input("reason", "say why the GPU is quarantined"));
         };
@@ -777,7 +774,7 @@ impl FleetMutation {
         input: UnquarantineDeviceInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "dev", &input.id)?;
+        let id = parse_id("id", "dev", &input.id)?;
         let device = cmd::set_quarantine(db(ctx)?, &id, input.version, None)
             .await
             .map_err(gql_error)?;
@@ -794,7 +791,7 @@ impl FleetMutation {
         input: ChangeDeviceModeInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
-        let id = id_of("id", "dev", &input.id)?;
+        let id = parse_id("id", "dev", &input.id)?;
         let layout = input.layout.unwrap_or_default();
         let request = LayoutRequest {
             mode: input.mode.into(),

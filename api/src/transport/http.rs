@@ -18,26 +18,20 @@
 //!   upgrade on it serves subscriptions (see `ws`).
 
 use async_graphql::http::GraphiQLSource;
-use async_graphql::parser::types::{DocumentOperations, OperationType};
-use async_graphql::{ServerError, Variables};
+use async_graphql::parser::types::OperationType;
 use axum::body::Bytes;
-use axum::extract::{Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use compute_domain::ErrorCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
-use tracing::error;
+use serde_json::json;
 
-use crate::auth::{Viewer, bearer};
-use crate::server::AppState;
-
-/// `extensions.code` of a document that does not parse.
-pub const PARSE_FAILED: &str = "GRAPHQL_PARSE_FAILED";
-/// `extensions.code` of a document that does not validate against the schema.
-pub const VALIDATION_FAILED: &str = "GRAPHQL_VALIDATION_FAILED";
-/// `extensions.code` of an HTTP request that is not a GraphQL-over-HTTP request.
-pub const BAD_REQUEST: &str = "BAD_REQUEST";
+use crate::auth::Viewer;
+use crate::state::AppState;
+use crate::transport::{
+    BAD_REQUEST, GetParams, PARSE_FAILED, authenticate, operation_type, prepare, request_from_body,
+    response_json, set_code,
+};
 
 /// The two response media types of the specification.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,23 +108,6 @@ fn error_response(status: StatusCode, media: MediaType, code: &str, message: &st
         .into_response()
 }
 
-/// Verifies the `Authorization` header: `Ok(None)` without one, `Err` with the reason for the
-/// `401` otherwise.
-fn authenticate(app: &AppState, headers: &HeaderMap) -> Result<Option<Viewer>, String> {
-    let Some(value) = headers.get(header::AUTHORIZATION) else {
-        return Ok(None);
-    };
-    let token = value
-        .to_str()
-        .ok()
-        .and_then(bearer)
-        .ok_or("the Authorization header must be `Bearer <jwt>`")?;
-    app.verifier
-        .verify(token)
-        .map(Some)
-        .map_err(|e| e.to_string())
-}
-
 fn unauthorized(media: MediaType, message: &str) -> Response {
     let mut response = error_response(
         StatusCode::UNAUTHORIZED,
@@ -145,30 +122,10 @@ fn unauthorized(media: MediaType, message: &str) -> Response {
     response
 }
 
-/// The JSON body of a POST request.
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct PostBody {
-    query: Option<Value>,
-    operation_name: Option<Value>,
-    variables: Option<Value>,
-    extensions: Option<Value>,
-}
-
-/// The query-string parameters of a GET request.
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct GetParams {
-    query: Option<String>,
-    operation_name: Option<String>,
-    variables: Option<String>,
-    extensions: Option<String>,
-}
-
 /// `POST /graphql`.
 pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    if crate::sse::wants_event_stream(&headers) {
-        return crate::sse::post(State(app), headers, body).await;
+    if crate::transport::sse::wants_event_stream(&headers) {
+        return crate::transport::sse::post(State(app), headers, body).await;
     }
     let Some(media) = negotiate(headers.get(header::ACCEPT)) else {
         return not_acceptable();
@@ -192,23 +149,7 @@ pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) 
             "POST /graphql takes a JSON body: Content-Type: application/json",
         );
     }
-    let body: PostBody = match serde_json::from_slice(&body) {
-        Ok(b) => b,
-        Err(e) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                media,
-                BAD_REQUEST,
-                &format!("the body is not a GraphQL request object: {e}"),
-            );
-        }
-    };
-    let request = match build_request(
-        body.query,
-        body.operation_name,
-        body.variables,
-        body.extensions,
-    ) {
+    let request = match request_from_body(&body) {
         Ok(r) => r,
         Err(message) => {
             return error_response(StatusCode::BAD_REQUEST, media, BAD_REQUEST, &message);
@@ -224,20 +165,20 @@ pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) 
 /// `GET /graphql`: GraphiQL for browsers, the WebSocket upgrade, or a query in the query string.
 pub async fn get(State(app): State<AppState>, req: Request) -> Response {
     let (mut parts, body) = req.into_parts();
-    if crate::ws::is_upgrade(&parts.headers) {
-        return crate::ws::upgrade(app, &mut parts).await;
+    if crate::transport::ws::is_upgrade(&parts.headers) {
+        return crate::transport::ws::upgrade(app, &mut parts).await;
     }
-    if crate::sse::wants_event_stream(&parts.headers) {
-        return crate::sse::get(State(app), Request::from_parts(parts, body)).await;
+    if crate::transport::sse::wants_event_stream(&parts.headers) {
+        return crate::transport::sse::get(State(app), Request::from_parts(parts, body)).await;
     }
-    let params = match Query::<GetParams>::try_from_uri(&parts.uri) {
-        Ok(Query(p)) => p,
-        Err(e) => {
+    let params = match GetParams::from_uri(&parts.uri) {
+        Ok(p) => p,
+        Err(message) => {
             return error_response(
                 StatusCode::BAD_REQUEST,
                 MediaType::Json,
                 BAD_REQUEST,
-                &e.body_text(),
+                &message,
             );
         }
     };
@@ -254,21 +195,7 @@ pub async fn get(State(app): State<AppState>, req: Request) -> Response {
     let Some(media) = negotiate(parts.headers.get(header::ACCEPT)) else {
         return not_acceptable();
     };
-    let parse_json = |name: &str, raw: Option<String>| -> Result<Option<Value>, String> {
-        raw.map(|s| {
-            serde_json::from_str::<Value>(&s).map_err(|e| format!("`{name}` is not JSON: {e}"))
-        })
-        .transpose()
-    };
-    let request = parse_json("variables", params.variables).and_then(|variables| {
-        let extensions = parse_json("extensions", params.extensions)?;
-        build_request(
-            params.query.map(Value::String),
-            params.operation_name.map(Value::String),
-            variables,
-            extensions,
-        )
-    });
+    let request = params.into_request();
     let request = match request {
         Ok(r) => r,
         Err(message) => {
@@ -289,51 +216,6 @@ fn not_acceptable() -> Response {
         BAD_REQUEST,
         "Accept must allow application/graphql-response+json or application/json",
     )
-}
-
-pub(crate) fn build_request(
-    query: Option<Value>,
-    operation_name: Option<Value>,
-    variables: Option<Value>,
-    extensions: Option<Value>,
-) -> Result<async_graphql::Request, String> {
-    let query = match query {
-        Some(Value::String(q)) => q,
-        Some(_) => return Err("`query` must be a string".into()),
-        None => return Err("the request has no `query`".into()),
-    };
-    let mut request = async_graphql::Request::new(query);
-    match operation_name {
-        Some(Value::String(name)) => request = request.operation_name(name),
-        Some(Value::Null) | None => {}
-        Some(_) => return Err("`operationName` must be a string".into()),
-    }
-    match variables {
-        Some(v @ Value::Object(_)) => request = request.variables(Variables::from_json(v)),
-        Some(Value::Null) | None => {}
-        Some(_) => return Err("`variables` must be an object".into()),
-    }
-    match extensions {
-        Some(Value::Object(_)) | Some(Value::Null) | None => {}
-        Some(_) => return Err("`extensions` must be an object".into()),
-    }
-    Ok(request)
-}
-
-/// The type of the operation the request selects, when the document parses and names one.
-pub(crate) fn operation_type(
-    request: &mut async_graphql::Request,
-) -> Result<Option<OperationType>, ServerError> {
-    let name = request.operation_name.clone();
-    let doc = request.parsed_query()?;
-    Ok(match &doc.operations {
-        DocumentOperations::Single(op) => Some(op.node.ty),
-        DocumentOperations::Multiple(ops) => match name {
-            Some(name) => ops.get(name.as_str()).map(|op| op.node.ty),
-            None if ops.len() == 1 => ops.values().next().map(|op| op.node.ty),
-            None => None,
-        },
-    })
 }
 
 async fn execute(
@@ -390,7 +272,7 @@ async fn execute(
     if let Some(viewer) = viewer {
         request = request.data(viewer);
     }
-    let replay = crate::schema::ReplayFlag::default();
+    let replay = crate::graph::ReplayFlag::default();
     request = request.data(replay.clone());
     let mut response = app.schema.execute(request).await;
     if replay.is_set() {
@@ -400,74 +282,6 @@ async fn execute(
         );
     }
     render(app, media, response)
-}
-
-pub(crate) fn set_code(e: &mut ServerError, code: &str) {
-    let ext = e.extensions.get_or_insert_with(Default::default);
-    ext.set("code", code);
-}
-
-fn has_code(e: &ServerError) -> bool {
-    e.extensions
-        .as_ref()
-        .is_some_and(|x| x.get("code").is_some())
-}
-
-/// Gives every error of `response` a code (and hides the text of uncoded resolver errors),
-/// counts them, and says whether it is a request error: no `data`, because the document did not
-/// parse or validate or the operation could not start.
-pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
-    let request_error = response.data == async_graphql::Value::Null
-        && !response.errors.is_empty()
-        && response.errors.iter().all(|e| e.path.is_empty());
-    for e in &mut response.errors {
-        if !has_code(e) {
-            if request_error {
-                set_code(e, VALIDATION_FAILED);
-            } else if is_input_error(&e.message) {
-                // async-graphql could not coerce an argument or variable: the caller's input.
-                set_code(e, ErrorCode::BadUserInput.as_str());
-            } else {
-                // A resolver error that did not go through `gql_error`: never show its text.
-                let error_id = compute_domain::ids::new_id("err");
-                error!(error.id = %error_id, error = %e.message, "uncoded resolver error");
-                e.message = format!("internal error (id {error_id})");
-                set_code(e, ErrorCode::Internal.as_str());
-            }
-        }
-        let code = e
-            .extensions
-            .as_ref()
-            .and_then(|x| x.get("code"))
-            .map(|v| v.to_string());
-        app.metrics
-            .record_graphql_error(static_code(code.as_deref()));
-    }
-    request_error
-}
-
-/// Whether an uncoded error is async-graphql's report of an argument or variable it could not
-/// coerce to its input type.
-fn is_input_error(message: &str) -> bool {
-    message.starts_with("Failed to parse ")
-        || message.starts_with("Expected input type ")
-        || message.starts_with("Invalid value for argument ")
-}
-
-/// The JSON of a prepared response: `data` unless it is a request error, `errors` and
-/// `extensions` when there are any.
-pub fn response_json(response: &async_graphql::Response, request_error: bool) -> Value {
-    let mut body = serde_json::Map::new();
-    if !request_error {
-        body.insert("data".into(), json!(response.data));
-    }
-    if !response.errors.is_empty() {
-        body.insert("errors".into(), json!(response.errors));
-    }
-    if !response.extensions.is_empty() {
-        body.insert("extensions".into(), json!(response.extensions));
-    }
-    Value::Object(body)
 }
 
 /// Serializes a response per the specification, giving every error a code.
@@ -485,17 +299,6 @@ fn render(app: &AppState, media: MediaType, mut response: async_graphql::Respons
         body.to_string(),
     )
         .into_response()
-}
-
-/// Maps a code seen in a response back to its static name, for the metrics label.
-fn static_code(code: Option<&str>) -> &'static str {
-    let code = code.map(|c| c.trim_matches('"'));
-    ErrorCode::ALL
-        .iter()
-        .map(|c| c.as_str())
-        .chain([PARSE_FAILED, VALIDATION_FAILED, BAD_REQUEST])
-        .find(|c| Some(*c) == code)
-        .unwrap_or("OTHER")
 }
 
 #[cfg(test)]

@@ -16,22 +16,20 @@ use std::convert::Infallible;
 
 use async_graphql::parser::types::OperationType;
 use axum::body::Bytes;
-use axum::extract::{Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use compute_domain::ErrorCode;
 use compute_domain::outbox::Cursor;
 use futures_util::StreamExt;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::auth::{Viewer, bearer};
-use crate::events::{ResumeAfter, Streaming};
-use crate::graphql_http::{
-    BAD_REQUEST, PARSE_FAILED, build_request, operation_type, prepare, response_json,
-};
-use crate::server::AppState;
+use crate::auth::Viewer;
+use crate::graph::events::{ResumeAfter, Streaming};
+use crate::state::AppState;
+use crate::transport::{BAD_REQUEST, PARSE_FAILED, operation_type, prepare, response_json};
 
 /// Whether `Accept` asks for an event stream.
 pub fn wants_event_stream(headers: &HeaderMap) -> bool {
@@ -41,57 +39,16 @@ pub fn wants_event_stream(headers: &HeaderMap) -> bool {
         .is_some_and(|a| a.contains("text/event-stream"))
 }
 
-/// The body of a POST.
-#[derive(Debug, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Body {
-    query: Option<Value>,
-    operation_name: Option<Value>,
-    variables: Option<Value>,
-    extensions: Option<Value>,
-}
-
-/// The query string of a GET.
-#[derive(Debug, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Params {
-    query: Option<String>,
-    operation_name: Option<String>,
-    variables: Option<String>,
-    extensions: Option<String>,
-}
-
 /// `POST /graphql/stream`, and `POST /graphql` with `Accept: text/event-stream`.
 pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let request = serde_json::from_slice::<Body>(&body)
-        .map_err(|e| format!("the body is not a GraphQL request object: {e}"))
-        .and_then(|b| build_request(b.query, b.operation_name, b.variables, b.extensions));
+    let request = crate::transport::request_from_body(&body);
     respond(app, &headers, request, false).await
 }
 
 /// `GET /graphql/stream`, and `GET /graphql` with `Accept: text/event-stream`.
 pub async fn get(State(app): State<AppState>, req: Request) -> Response {
     let (parts, _) = req.into_parts();
-    let request = match Query::<Params>::try_from_uri(&parts.uri) {
-        Ok(Query(p)) => {
-            let json = |name: &str, raw: Option<String>| -> Result<Option<Value>, String> {
-                raw.map(|s| {
-                    serde_json::from_str::<Value>(&s)
-                        .map_err(|e| format!("`{name}` is not JSON: {e}"))
-                })
-                .transpose()
-            };
-            json("variables", p.variables).and_then(|variables| {
-                build_request(
-                    p.query.map(Value::String),
-                    p.operation_name.map(Value::String),
-                    variables,
-                    json("extensions", p.extensions)?,
-                )
-            })
-        }
-        Err(e) => Err(e.body_text()),
-    };
+    let request = crate::transport::GetParams::from_uri(&parts.uri).and_then(|p| p.into_request());
     respond(app, &parts.headers, request, true).await
 }
 
@@ -111,25 +68,14 @@ async fn respond(
     request: Result<async_graphql::Request, String>,
     is_get: bool,
 ) -> Response {
-    let viewer = match headers.get(header::AUTHORIZATION) {
-        None => None,
-        Some(value) => {
-            let verified = value
-                .to_str()
-                .ok()
-                .and_then(bearer)
-                .ok_or_else(|| "the Authorization header must be `Bearer <jwt>`".to_owned())
-                .and_then(|t| app.verifier.verify(t).map_err(|e| e.to_string()));
-            match verified {
-                Ok(v) => Some(v),
-                Err(why) => {
-                    return failed(
-                        StatusCode::UNAUTHORIZED,
-                        ErrorCode::Unauthenticated.as_str(),
-                        &why,
-                    );
-                }
-            }
+    let viewer = match crate::transport::authenticate(&app, headers) {
+        Ok(v) => v,
+        Err(why) => {
+            return failed(
+                StatusCode::UNAUTHORIZED,
+                ErrorCode::Unauthenticated.as_str(),
+                &why,
+            );
         }
     };
     let mut request = match request {

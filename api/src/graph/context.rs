@@ -1,0 +1,91 @@
+//! What every resolver reads from the request's context: the database, the caller, the coded
+//! error mapping, the role checks and the side channels to the transports.
+//!
+//! Architecture invariant: a leaf of `graph`. It imports nothing from the rest of the API but
+//! `auth`, so every resolver module can use it without forming a cycle.
+
+use async_graphql::{Context, ErrorExtensions};
+use compute_domain::db::Db;
+use compute_domain::{Error, ErrorCode};
+use tracing::error;
+
+use crate::auth::{Role, Viewer};
+
+/// Set by a resolver that returns a stored idempotent response; the transport then adds
+/// `extensions.idempotentReplay: true` to the response.
+#[derive(Clone, Default)]
+pub struct ReplayFlag(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl ReplayFlag {
+    /// Marks the current request as a replay.
+    pub fn mark(ctx: &Context<'_>) {
+        if let Some(flag) = ctx.data_opt::<ReplayFlag>() {
+            flag.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Whether a resolver marked it.
+    pub fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Turns a domain error into a GraphQL error with its stable `extensions.code`.
+///
+/// An internal error is logged here, once, with a fresh error id; the client gets `INTERNAL` and
+/// the id, never the text.
+pub fn gql_error(err: Error) -> async_graphql::Error {
+    let code = err.code();
+    if code == ErrorCode::Internal {
+        let error_id = compute_domain::ids::new_id("err");
+        error!(error.id = %error_id, error = %err, source = ?std::error::Error::source(&err), "internal error");
+        return async_graphql::Error::new(format!("internal error (id {error_id})")).extend_with(
+            |_, e| {
+                e.set("code", code.as_str());
+                e.set("errorId", error_id.clone());
+            },
+        );
+    }
+    let message = err.to_string();
+    async_graphql::Error::new(message).extend_with(|_, e| {
+        e.set("code", code.as_str());
+        e.set("retryable", code.retryable());
+        match &err {
+            Error::BadUserInput {
+                field: Some(field), ..
+            } => e.set("field", field.clone()),
+            Error::Conflict {
+                current_version: Some(v),
+                ..
+            } => e.set("currentVersion", *v),
+            _ => {}
+        }
+    })
+}
+
+/// The caller's identity, or `UNAUTHENTICATED`.
+pub fn viewer<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Viewer> {
+    ctx.data_opt::<Viewer>().ok_or_else(|| {
+        gql_error(Error::Unauthenticated(
+            "this field needs a bearer token (Authorization: Bearer <jwt>)".into(),
+        ))
+    })
+}
+
+/// The database handle of the schema.
+pub fn db<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Db> {
+    ctx.data::<Db>()
+        .map_err(|_| gql_error(Error::internal("the schema was built without a database")))
+}
+
+/// The caller must be an operator.
+pub fn require_operator(ctx: &Context<'_>) -> async_graphql::Result<()> {
+    let v = viewer(ctx)?;
+    if v.has_role(Role::Operator) {
+        Ok(())
+    } else {
+        Err(gql_error(Error::Forbidden(
+            "this needs the operator role".into(),
+        )))
+    }
+}

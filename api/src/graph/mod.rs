@@ -1,0 +1,129 @@
+//! The GraphQL schema: its roots, built from one module per area. Types map from domain types;
+//! errors map to stable `extensions.code` (`context::gql_error`).
+//!
+//! Rooms: `context` (what a resolver reads from the request) and `common` (the shared
+//! vocabulary) are leaves; `node` is the Relay interface; `loaders` batch every edge; `fleet`,
+//! `reservations`, `events` and `sinks` are the areas. Areas may refer to each other's object
+//! types (a pool lists its reservations, a reservation names its pool): the graph is a graph.
+//! Nothing here imports a transport, the server state or the ops endpoints.
+
+use async_graphql::{Context, Enum, MergedObject, Object, Schema, SimpleObject};
+use chrono::{DateTime, Utc};
+use compute_domain::db::Db;
+
+use crate::auth::Role;
+
+pub mod common;
+pub mod context;
+pub mod events;
+pub mod fleet;
+pub mod loaders;
+pub mod node;
+pub mod reservations;
+pub mod sinks;
+
+pub use context::{ReplayFlag, db, gql_error, require_operator, viewer};
+
+/// The schema type served by the API.
+pub type ApiSchema = Schema<Query, Mutation, events::SubscriptionRoot>;
+
+/// The root of every query.
+#[derive(MergedObject, Default)]
+pub struct Query(
+    CoreQuery,
+    fleet::FleetQuery,
+    reservations::ReservationQuery,
+    events::EventsQuery,
+    sinks::SinkQuery,
+);
+
+/// The root of every mutation.
+#[derive(MergedObject, Default)]
+pub struct Mutation(
+    fleet::mutations::FleetMutation,
+    reservations::ReservationMutation,
+    sinks::SinkMutation,
+);
+
+/// Builds the schema with the shared services every resolver reads. Without a database (for
+/// printing the SDL) no resolver can run.
+pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
+    let mut builder = Schema::build(
+        Query::default(),
+        Mutation::default(),
+        events::SubscriptionRoot,
+    )
+    .register_output_type::<node::NodeInterface>()
+    .limit_depth(32)
+    .limit_complexity(100_000);
+    if let Some((db, tailer)) = services {
+        builder = builder
+            .data(loaders::loaders(db.clone()))
+            .data(db)
+            .data(tailer);
+    }
+    builder.finish()
+}
+
+/// The SDL of the schema, as `compute-api schema` prints it and `schema.graphql` holds it.
+pub fn sdl() -> String {
+    build(None).sdl()
+}
+
+/// The core queries: who is calling, and what time it is.
+#[derive(Default)]
+pub struct CoreQuery;
+
+#[Object]
+impl CoreQuery {
+    /// The caller, as the API sees them: identity, tenant and roles from the bearer token.
+    async fn viewer(&self, ctx: &Context<'_>) -> async_graphql::Result<ViewerInfo> {
+        let v = viewer(ctx)?;
+        Ok(ViewerInfo {
+            subject: v.subject.clone(),
+            tenant_id: v.tenant.clone(),
+            roles: v.roles.iter().map(|r| GqlRole::from(*r)).collect(),
+            expires_at: DateTime::from_timestamp(v.expires_at, 0).unwrap_or_default(),
+        })
+    }
+
+    /// Business time: `compute_now()`, the one clock every time comparison reads.
+    async fn server_time(&self, ctx: &Context<'_>) -> async_graphql::Result<DateTime<Utc>> {
+        db(ctx)?.compute_now().await.map_err(gql_error)
+    }
+}
+
+/// The caller of a request.
+#[derive(SimpleObject)]
+struct ViewerInfo {
+    /// The identity (`sub`) of the bearer token.
+    subject: String,
+    /// The tenant the caller acts for; operators may have none.
+    tenant_id: Option<String>,
+    /// The roles of the token that this API knows.
+    roles: Vec<GqlRole>,
+    /// When the bearer token expires.
+    expires_at: DateTime<Utc>,
+}
+
+/// What a caller may do.
+#[derive(Enum, Clone, Copy, PartialEq, Eq)]
+#[graphql(name = "Role")]
+enum GqlRole {
+    /// Manages the fleet: sites, pools, nodes and devices.
+    Operator,
+    /// Reserves capacity; sees only its tenant's objects.
+    Member,
+    /// A node daemon.
+    Node,
+}
+
+impl From<Role> for GqlRole {
+    fn from(r: Role) -> Self {
+        match r {
+            Role::Operator => GqlRole::Operator,
+            Role::Member => GqlRole::Member,
+            Role::Node => GqlRole::Node,
+        }
+    }
+}

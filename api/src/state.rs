@@ -1,0 +1,45 @@
+//! What every handler shares: the database, the clock, the schema, the verifier, the metrics,
+//! the tailer and the shutdown signal.
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use compute_domain::clock::Clock;
+use compute_domain::db::Db;
+use tokio::sync::watch;
+
+use crate::auth::Verifier;
+use crate::graph::ApiSchema;
+use crate::metrics::Metrics;
+use crate::tailer::Tailer;
+
+/// What every handler shares. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+/// The contents of [`AppState`].
+pub struct Inner {
+    pub db: Db,
+    pub clock: Clock,
+    pub schema: ApiSchema,
+    pub verifier: Verifier,
+    pub metrics: Metrics,
+    /// The process's one outbox reader, which feeds every subscription.
+    pub tailer: Tailer,
+    /// Turns `true` when the server begins to shut down.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+impl Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+impl AppState {
+    /// Wraps the shared contents.
+    pub fn new(inner: Inner) -> AppState {
+        AppState(Arc::new(inner))
+    }
+}

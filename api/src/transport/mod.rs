@@ -1,0 +1,231 @@
+//! The transports of the schema: GraphQL over HTTP (`http`), over WebSocket (`ws`) and over
+//! Server-Sent Events (`sse`). `http` serves `/graphql` and hands a request to `ws` or `sse` when
+//! it asks for them. What the three share is here, once: the bearer token, the request's body and
+//! query string, and the checks of a GraphQL request's fields.
+
+pub mod http;
+pub mod sse;
+pub mod ws;
+
+use async_graphql::parser::types::{DocumentOperations, OperationType};
+use async_graphql::{ServerError, Variables};
+use axum::extract::Query;
+use axum::http::{HeaderMap, Uri, header};
+use serde::Deserialize;
+use serde_json::Value;
+
+use compute_domain::ErrorCode;
+use serde_json::json;
+use tracing::error;
+
+use crate::auth::{Viewer, bearer};
+use crate::state::AppState;
+
+/// `extensions.code` of a document that does not parse.
+pub const PARSE_FAILED: &str = "GRAPHQL_PARSE_FAILED";
+/// `extensions.code` of a document that does not validate against the schema.
+pub const VALIDATION_FAILED: &str = "GRAPHQL_VALIDATION_FAILED";
+/// `extensions.code` of an HTTP request that is not a GraphQL-over-HTTP request.
+pub const BAD_REQUEST: &str = "BAD_REQUEST";
+
+/// Verifies the `Authorization` header: `Ok(None)` without one, `Err` with the reason for the
+/// `401` otherwise.
+pub fn authenticate(app: &AppState, headers: &HeaderMap) -> Result<Option<Viewer>, String> {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return Ok(None);
+    };
+    let token = value
+        .to_str()
+        .ok()
+        .and_then(bearer)
+        .ok_or("the Authorization header must be `Bearer <jwt>`")?;
+    app.verifier
+        .verify(token)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+/// The JSON body of a POST request.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PostBody {
+    query: Option<Value>,
+    operation_name: Option<Value>,
+    variables: Option<Value>,
+    extensions: Option<Value>,
+}
+
+/// The GraphQL request in a POST body, or why it is not one.
+pub fn request_from_body(body: &[u8]) -> Result<async_graphql::Request, String> {
+    let body: PostBody = serde_json::from_slice(body)
+        .map_err(|e| format!("the body is not a GraphQL request object: {e}"))?;
+    build_request(
+        body.query,
+        body.operation_name,
+        body.variables,
+        body.extensions,
+    )
+}
+
+/// The query-string parameters of a GET request.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GetParams {
+    pub query: Option<String>,
+    operation_name: Option<String>,
+    variables: Option<String>,
+    extensions: Option<String>,
+}
+
+impl GetParams {
+    /// The parameters of `uri`'s query string, or why they do not parse.
+    pub fn from_uri(uri: &Uri) -> Result<GetParams, String> {
+        Query::<GetParams>::try_from_uri(uri)
+            .map(|Query(p)| p)
+            .map_err(|e| e.body_text())
+    }
+
+    /// The GraphQL request they hold (`variables` and `extensions` are JSON texts).
+    pub fn into_request(self) -> Result<async_graphql::Request, String> {
+        let json = |name: &str, raw: Option<String>| -> Result<Option<Value>, String> {
+            raw.map(|s| {
+                serde_json::from_str::<Value>(&s).map_err(|e| format!("`{name}` is not JSON: {e}"))
+            })
+            .transpose()
+        };
+        let variables = json("variables", self.variables)?;
+        let extensions = json("extensions", self.extensions)?;
+        build_request(
+            self.query.map(Value::String),
+            self.operation_name.map(Value::String),
+            variables,
+            extensions,
+        )
+    }
+}
+
+/// A GraphQL request from its four fields, each checked for its JSON type.
+pub fn build_request(
+    query: Option<Value>,
+    operation_name: Option<Value>,
+    variables: Option<Value>,
+    extensions: Option<Value>,
+) -> Result<async_graphql::Request, String> {
+    let query = match query {
+        Some(Value::String(q)) => q,
+        Some(_) => return Err("`query` must be a string".into()),
+        None => return Err("the request has no `query`".into()),
+    };
+    let mut request = async_graphql::Request::new(query);
+    match operation_name {
+        Some(Value::String(name)) => request = request.operation_name(name),
+        Some(Value::Null) | None => {}
+        Some(_) => return Err("`operationName` must be a string".into()),
+    }
+    match variables {
+        Some(v @ Value::Object(_)) => request = request.variables(Variables::from_json(v)),
+        Some(Value::Null) | None => {}
+        Some(_) => return Err("`variables` must be an object".into()),
+    }
+    match extensions {
+        Some(Value::Object(_)) | Some(Value::Null) | None => {}
+        Some(_) => return Err("`extensions` must be an object".into()),
+    }
+    Ok(request)
+}
+
+/// The type of the operation the request selects, when the document parses and names one.
+pub fn operation_type(
+    request: &mut async_graphql::Request,
+) -> Result<Option<OperationType>, ServerError> {
+    let name = request.operation_name.clone();
+    let doc = request.parsed_query()?;
+    Ok(match &doc.operations {
+        DocumentOperations::Single(op) => Some(op.node.ty),
+        DocumentOperations::Multiple(ops) => match name {
+            Some(name) => ops.get(name.as_str()).map(|op| op.node.ty),
+            None if ops.len() == 1 => ops.values().next().map(|op| op.node.ty),
+            None => None,
+        },
+    })
+}
+
+/// Sets `extensions.code` of an error.
+pub fn set_code(e: &mut ServerError, code: &str) {
+    let ext = e.extensions.get_or_insert_with(Default::default);
+    ext.set("code", code);
+}
+
+fn has_code(e: &ServerError) -> bool {
+    e.extensions
+        .as_ref()
+        .is_some_and(|x| x.get("code").is_some())
+}
+
+/// Gives every error of `response` a code (and hides the text of uncoded resolver errors),
+/// counts them, and says whether it is a request error: no `data`, because the document did not
+/// parse or validate or the operation could not start.
+pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
+    let request_error = response.data == async_graphql::Value::Null
+        && !response.errors.is_empty()
+        && response.errors.iter().all(|e| e.path.is_empty());
+    for e in &mut response.errors {
+        if !has_code(e) {
+            if request_error {
+                set_code(e, VALIDATION_FAILED);
+            } else if is_input_error(&e.message) {
+                // async-graphql could not coerce an argument or variable: the caller's input.
+                set_code(e, ErrorCode::BadUserInput.as_str());
+            } else {
+                // A resolver error that did not go through `gql_error`: never show its text.
+                let error_id = compute_domain::ids::new_id("err");
+                error!(error.id = %error_id, error = %e.message, "uncoded resolver error");
+                e.message = format!("internal error (id {error_id})");
+                set_code(e, ErrorCode::Internal.as_str());
+            }
+        }
+        let code = e
+            .extensions
+            .as_ref()
+            .and_then(|x| x.get("code"))
+            .map(|v| v.to_string());
+        app.metrics
+            .record_graphql_error(static_code(code.as_deref()));
+    }
+    request_error
+}
+
+/// Whether an uncoded error is async-graphql's report of an argument or variable it could not
+/// coerce to its input type.
+fn is_input_error(message: &str) -> bool {
+    message.starts_with("Failed to parse ")
+        || message.starts_with("Expected input type ")
+        || message.starts_with("Invalid value for argument ")
+}
+
+/// The JSON of a prepared response: `data` unless it is a request error, `errors` and
+/// `extensions` when there are any.
+pub fn response_json(response: &async_graphql::Response, request_error: bool) -> Value {
+    let mut body = serde_json::Map::new();
+    if !request_error {
+        body.insert("data".into(), json!(response.data));
+    }
+    if !response.errors.is_empty() {
+        body.insert("errors".into(), json!(response.errors));
+    }
+    if !response.extensions.is_empty() {
+        body.insert("extensions".into(), json!(response.extensions));
+    }
+    Value::Object(body)
+}
+
+/// Maps a code seen in a response back to its static name, for the metrics label.
+fn static_code(code: Option<&str>) -> &'static str {
+    let code = code.map(|c| c.trim_matches('"'));
+    ErrorCode::ALL
+        .iter()
+        .map(|c| c.as_str())
+        .chain([PARSE_FAILED, VALIDATION_FAILED, BAD_REQUEST])
+        .find(|c| Some(*c) == code)
+        .unwrap_or("OTHER")
+}
