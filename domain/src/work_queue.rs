@@ -35,7 +35,8 @@ pub const NOOP: &str = "noop";
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
 
 /// Enqueues `key` of `kind` (or bumps its `gen` if present), due after `delay`, in the caller's
-/// transaction. The shard is a hash of the key over `shards`.
+/// transaction. The shard is a hash of the key over `shards` (`compute_shard`, migration 0009,
+/// the one definition; `compute_enqueue` is the one upsert).
 pub async fn enqueue(
     conn: &mut PgConnection,
     kind: &str,
@@ -43,18 +44,13 @@ pub async fn enqueue(
     shards: i32,
     delay: Duration,
 ) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO work_queue AS w (kind, key, shard, not_before) \
-         VALUES ($1, $2, (abs(hashtextextended($2, 0)) % $3)::int, compute_now() + make_interval(secs => $4::float8)) \
-         ON CONFLICT (kind, key) DO UPDATE \
-            SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), updated_at = compute_now()",
-    )
-    .bind(kind)
-    .bind(key)
-    .bind(shards.max(1))
-    .bind(delay.as_secs_f64())
-    .execute(&mut *conn)
-    .await?;
+    sqlx::query("SELECT compute_enqueue($1, ARRAY[$2], $3, $4)")
+        .bind(kind)
+        .bind(key)
+        .bind(shards.max(1))
+        .bind(delay.as_secs_f64())
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 
@@ -88,17 +84,13 @@ pub async fn claim(
 /// Enqueues every pool for the capacity-rollup reconciler (the resync: a lost queue row only
 /// costs time). Returns how many pools.
 pub async fn enqueue_all_pools(db: &crate::db::Db) -> Result<u64> {
-    let done = sqlx::query(
-        "INSERT INTO work_queue AS w (kind, key, shard) \
-         SELECT $1, p.id, (abs(hashtextextended(p.id, 0)) % $2)::int FROM pools p ORDER BY p.id \
-         ON CONFLICT (kind, key) DO UPDATE SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), \
-            updated_at = compute_now()",
-    )
-    .bind(POOL_CAPACITY)
-    .bind(SHARDS)
-    .execute(db.pool())
-    .await?;
-    Ok(done.rows_affected())
+    let (n,): (i32,) =
+        sqlx::query_as("SELECT compute_enqueue($1, array_agg(p.id), $2) FROM pools p")
+            .bind(POOL_CAPACITY)
+            .bind(SHARDS)
+            .fetch_one(db.pool())
+            .await?;
+    Ok(u64::try_from(n).unwrap_or(0))
 }
 
 /// Finishes a claimed item whose run succeeded. If nobody enqueued it again meanwhile, it is

@@ -467,11 +467,8 @@ async fn adjust_rollup(
     // The rollup reconciler checks the pools against the atoms, in this transaction (the
     // work-queue rows come last in the lock order).
     sqlx::query(
-        "INSERT INTO work_queue AS w (kind, key, shard) \
-         SELECT DISTINCT $2, n.pool_id, (abs(hashtextextended(n.pool_id, 0)) % $3)::int \
-           FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = ANY($1) ORDER BY 2 \
-         ON CONFLICT (kind, key) DO UPDATE SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), \
-            updated_at = compute_now()",
+        "SELECT compute_enqueue($2, array_agg(n.pool_id), $3) \
+           FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = ANY($1)",
     )
     .bind(device_ids)
     .bind(crate::work_queue::POOL_CAPACITY)

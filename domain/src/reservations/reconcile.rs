@@ -27,13 +27,9 @@ async fn activate(db: &Db, id: Option<&str>) -> Result<u64> {
                 "WITH moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now() \
                    WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() AND ($1::text IS NULL OR r.id = $1) \
                    RETURNING {RSV_COLS}), \
-                      woken AS (INSERT INTO work_queue AS w (kind, key, shard) \
-                                SELECT $2, m.id, (abs(hashtextextended(m.id, 0)) % $3)::int FROM moved m ORDER BY m.id \
-                                ON CONFLICT (kind, key) DO UPDATE SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), \
-                                   updated_at = compute_now() \
-                                RETURNING 1) \
+                      woken AS (SELECT compute_enqueue($2, array_agg(m.id), $3) AS n FROM moved m) \
                  SELECT count(compute_emit('reservation.active', m.tenant_id, m.id, jsonb_build_object('reservation', to_jsonb(m)))) \
-                        + 0 * (SELECT count(*) FROM woken) FROM moved m"
+                        + 0 * (SELECT count(n) FROM woken) FROM moved m"
             ))
             .bind(id)
             .bind(crate::work_queue::RESERVATION)
