@@ -164,7 +164,9 @@ pub fn is_final(err: &Error) -> bool {
 /// * a success stores `response(&value)` as the key's answer: `Ok(Ok(value))`, commit;
 /// * a final error ([`is_final`]) rolls the effect back to the claim's savepoint and stores the
 ///   error as the key's answer: `Ok(Err(error))`, commit (the key and its answer, nothing else);
-/// * any other error is returned as it is, and the whole transaction rolls back, key included.
+/// * any other error is returned as it is, and the whole transaction rolls back, key included;
+///   so is a final error whose recording failed (the caller gets the final error, not the
+///   recording's).
 pub async fn settle<T>(
     conn: &mut PgConnection,
     actor: &Actor,
@@ -181,13 +183,25 @@ pub async fn settle<T>(
             Ok(Ok(value))
         }
         Err(e) if is_final(&e) => {
-            sqlx::query(&format!("ROLLBACK TO SAVEPOINT {EFFECT_SAVEPOINT}"))
-                .execute(&mut *conn)
-                .await?;
             let stored =
                 json!({ "error": { "code": e.code().as_str(), "message": e.to_string() } });
-            complete(conn, actor, key, &stored).await?;
-            Ok(Err(e))
+            let recorded = async {
+                sqlx::query(&format!("ROLLBACK TO SAVEPOINT {EFFECT_SAVEPOINT}"))
+                    .execute(&mut *conn)
+                    .await?;
+                complete(conn, actor, key, &stored).await
+            }
+            .await;
+            match recorded {
+                Ok(()) => Ok(Err(e)),
+                // Recording the answer failed: the transaction rolls back, key included (a
+                // retry runs again), and the caller still gets the answer, not the recording's
+                // failure.
+                Err(why) => {
+                    tracing::warn!(error = %why, idempotency.key = key, "a final error could not be stored under its key");
+                    Err(e)
+                }
+            }
         }
         Err(e) => Err(e),
     }

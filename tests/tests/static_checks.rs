@@ -165,3 +165,74 @@ fn api_rooms_form_no_cycle() {
         vec!["state", "graph"]
     );
 }
+
+/// Every type, field, argument, input field and enum value of the schema says what it is: no
+/// empty description, and none of a single word ("Key."), which says nothing a name does not.
+#[test]
+fn every_schema_element_has_a_real_description() {
+    const QUERY: &str = "{ __schema { types { name kind description \
+        fields(includeDeprecated: true) { name description args { name description } } \
+        inputFields { name description } enumValues(includeDeprecated: true) { name description } } } }";
+    let schema = compute_api::graph::build(None);
+    let response = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime")
+        .block_on(schema.execute(QUERY));
+    assert!(response.errors.is_empty(), "{:?}", response.errors);
+    let data = response.data.into_json().expect("json");
+    let vague = |d: &serde_json::Value| {
+        let text = d.as_str().unwrap_or("").trim();
+        text.is_empty() || !text.contains(char::is_whitespace)
+    };
+    let mut missing = Vec::new();
+    let builtin = ["String", "Int", "Float", "Boolean", "ID"];
+    for t in data["__schema"]["types"].as_array().expect("types") {
+        let name = t["name"].as_str().unwrap_or("");
+        if name.starts_with("__") || builtin.contains(&name) {
+            continue;
+        }
+        // async-graphql's `Connection` types take no description (their fields have one).
+        if vague(&t["description"]) && !name.ends_with("Connection") {
+            missing.push(format!("type {name}: {}", t["description"]));
+        }
+        for f in t["fields"].as_array().into_iter().flatten() {
+            let field = f["name"].as_str().unwrap_or("");
+            if vague(&f["description"]) {
+                missing.push(format!("{name}.{field}: {}", f["description"]));
+            }
+            for a in f["args"].as_array().into_iter().flatten() {
+                if vague(&a["description"]) {
+                    missing.push(format!(
+                        "{name}.{field}({}): {}",
+                        a["name"].as_str().unwrap_or(""),
+                        a["description"]
+                    ));
+                }
+            }
+        }
+        for f in t["inputFields"].as_array().into_iter().flatten() {
+            if vague(&f["description"]) {
+                missing.push(format!(
+                    "{name}.{}: {}",
+                    f["name"].as_str().unwrap_or(""),
+                    f["description"]
+                ));
+            }
+        }
+        for v in t["enumValues"].as_array().into_iter().flatten() {
+            if vague(&v["description"]) {
+                missing.push(format!(
+                    "{name}.{}: {}",
+                    v["name"].as_str().unwrap_or(""),
+                    v["description"]
+                ));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "{} schema elements without a real description:\n{}",
+        missing.len(),
+        missing.join("\n")
+    );
+}

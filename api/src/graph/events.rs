@@ -88,6 +88,7 @@ pub struct ResumeAfter(pub Cursor);
 /// A change, as the outbox recorded it.
 pub struct EventObj(Arc<Event>);
 
+/// A change, as the outbox recorded it.
 #[Object(name = "Event")]
 impl EventObj {
     /// The event's id (`evt_…`), stable across redeliveries: deduplicate by it.
@@ -194,6 +195,7 @@ where
 #[derive(Default)]
 pub struct EventsQuery;
 
+/// The event stream's queries.
 #[Object]
 impl EventsQuery {
     /// The cursor of the present. Read it in the same request as the objects a page shows, then
@@ -210,6 +212,7 @@ impl EventsQuery {
 #[derive(Default)]
 pub struct SubscriptionRoot;
 
+/// The root of every subscription.
 #[Subscription(name = "Subscription")]
 impl SubscriptionRoot {
     /// Events after `after` (a cursor from an earlier event), or from now when it is not given:
@@ -254,7 +257,7 @@ impl SubscriptionRoot {
     async fn reservation(
         &self,
         ctx: &Context<'_>,
-        id: ID,
+        #[graphql(desc = "The global id of the object.")] id: ID,
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
     ) -> async_graphql::Result<
@@ -300,7 +303,7 @@ impl SubscriptionRoot {
     async fn compute_node(
         &self,
         ctx: &Context<'_>,
-        id: ID,
+        #[graphql(desc = "The global id of the object.")] id: ID,
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
     ) -> async_graphql::Result<
@@ -346,7 +349,7 @@ impl SubscriptionRoot {
     async fn pool_capacity(
         &self,
         ctx: &Context<'_>,
-        id: ID,
+        #[graphql(desc = "The global id of the object.")] id: ID,
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
     ) -> async_graphql::Result<

@@ -74,6 +74,7 @@ pub fn sdl() -> String {
 #[derive(Default)]
 pub struct CoreQuery;
 
+/// The core queries: who is calling, and what time it is.
 #[Object]
 impl CoreQuery {
     /// The caller, as the API sees them: identity, tenant and roles from the bearer token.

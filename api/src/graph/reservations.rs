@@ -67,6 +67,7 @@ impl From<ReservationState> for State {
 /// A tenant's claim on GPUs with vCPU, memory and disk, for a window.
 pub struct ReservationObj(pub rsv::Reservation);
 
+/// A tenant's claim on GPUs with vCPU, memory and disk, for a window.
 #[Object(name = "Reservation")]
 impl ReservationObj {
     /// The reservation's id (`rsv_…`).
@@ -157,6 +158,7 @@ impl ReservationObj {
 /// One allocation of a reservation: what it asked for, on one node, and where it went.
 pub struct AllocationObj(pub rsv::Allocation);
 
+/// One allocation of a reservation: what it asked for, on one node, and where it went.
 #[Object(name = "Allocation")]
 impl AllocationObj {
     /// The allocation's id (`alc_…`).
@@ -183,7 +185,7 @@ impl AllocationObj {
     async fn slots_per_gpu(&self) -> Option<i32> {
         self.0.slots_per_gpu
     }
-    /// vCPU.
+    /// The vCPU it holds on its node.
     async fn vcpu(&self) -> i64 {
         self.0.vcpu
     }
@@ -231,6 +233,7 @@ pub fn visible(ctx: &Context<'_>, r: &rsv::Reservation) -> async_graphql::Result
 /// `totalCount` of the reservations connection.
 pub struct ReservationCount(ReservationFilter);
 
+/// `totalCount` of the reservations connection.
 #[Object]
 impl ReservationCount {
     /// How many reservations match, across all pages.
@@ -245,13 +248,14 @@ impl ReservationCount {
 #[derive(Default)]
 pub struct ReservationQuery;
 
+/// The reservations' queries.
 #[Object]
 impl ReservationQuery {
     /// A reservation; another tenant's is `NOT_FOUND`.
     async fn reservation(
         &self,
         ctx: &Context<'_>,
-        id: ID,
+        #[graphql(desc = "The global id of the object.")] id: ID,
     ) -> async_graphql::Result<ReservationObj> {
         let rid = m::parse_id("id", "rsv", id.as_str()).map_err(gql_error)?;
         let found = ctx
@@ -272,16 +276,26 @@ impl ReservationQuery {
     async fn reservations(
         &self,
         ctx: &Context<'_>,
-        state: Option<ReservationState>,
-        pool_id: Option<ID>,
+        #[graphql(desc = "Only reservations in this state, as time says.")] state: Option<
+            ReservationState,
+        >,
+        #[graphql(desc = "Only those of this pool.")] pool_id: Option<ID>,
         #[graphql(desc = "Only reservations whose window overlaps this one.")] window: Option<
             WindowInput,
         >,
         #[graphql(desc = "Operators: only this tenant's.")] tenant_id: Option<String>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Connection<String, ReservationObj, ReservationCount>> {
         let v = viewer(ctx)?;
         let tenant =
@@ -343,9 +357,9 @@ pub struct TolerationInput {
 /// A label a node must have.
 #[derive(InputObject)]
 pub struct SelectorInput {
-    /// Key.
+    /// The label key the node must have.
     pub key: String,
-    /// Value.
+    /// The value that label must have.
     pub value: String,
 }
 
@@ -362,7 +376,7 @@ pub struct AllocationInputGql {
     pub profile: Option<String>,
     /// Slots: of a GPU divided in this many.
     pub slots_per_gpu: Option<i64>,
-    /// vCPU.
+    /// The vCPU to hold on the node (default 0).
     #[graphql(default)]
     pub vcpu: i64,
     /// Memory in MiB.
@@ -461,6 +475,7 @@ fn payload(
 #[derive(Default)]
 pub struct ReservationMutation;
 
+/// The reservations' mutations.
 #[Object]
 impl ReservationMutation {
     /// Reserves GPUs for the caller's tenant. The reply says which node and atoms each
@@ -469,7 +484,7 @@ impl ReservationMutation {
     async fn create_reservation(
         &self,
         ctx: &Context<'_>,
-        input: CreateReservationInput,
+        #[graphql(desc = "The arguments of `createReservation`.")] input: CreateReservationInput,
     ) -> async_graphql::Result<ReservationPayload> {
         let (actor, _) = actor(ctx)?;
         let allocations: Vec<AllocationInput> = input
@@ -515,7 +530,7 @@ impl ReservationMutation {
     async fn extend_reservation(
         &self,
         ctx: &Context<'_>,
-        input: ExtendReservationInput,
+        #[graphql(desc = "The arguments of `extendReservation`.")] input: ExtendReservationInput,
     ) -> async_graphql::Result<ReservationPayload> {
         let (actor, operator) = actor(ctx)?;
         let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;
@@ -536,7 +551,7 @@ impl ReservationMutation {
     async fn release_reservation(
         &self,
         ctx: &Context<'_>,
-        input: ReservationActionInput,
+        #[graphql(desc = "The arguments of `releaseReservation`.")] input: ReservationActionInput,
     ) -> async_graphql::Result<ReservationPayload> {
         let (actor, operator) = actor(ctx)?;
         let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;
@@ -555,7 +570,7 @@ impl ReservationMutation {
     async fn cancel_reservation(
         &self,
         ctx: &Context<'_>,
-        input: ReservationActionInput,
+        #[graphql(desc = "The arguments of `cancelReservation`.")] input: ReservationActionInput,
     ) -> async_graphql::Result<ReservationPayload> {
         let (actor, operator) = actor(ctx)?;
         let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;

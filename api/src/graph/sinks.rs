@@ -49,6 +49,7 @@ pub enum EventSinkState {
 /// Where events are POSTed, signed, at least once, in order.
 pub struct EventSinkObj(Sink);
 
+/// Where events are POSTed, signed, at least once, in order.
 #[Object(name = "EventSink")]
 impl EventSinkObj {
     /// The sink's id (`snk_…`).
@@ -116,9 +117,11 @@ impl EventSinkObj {
     async fn version(&self) -> i64 {
         self.0.version
     }
+    /// When it was created.
     async fn created_at(&self) -> DateTime<Utc> {
         self.0.created_at
     }
+    /// When it last changed.
     async fn updated_at(&self) -> DateTime<Utc> {
         self.0.updated_at
     }
@@ -127,6 +130,7 @@ impl EventSinkObj {
 /// `totalCount` of the sinks connection.
 pub struct SinkCount(Scope);
 
+/// `totalCount` of the sinks connection.
 #[Object]
 impl SinkCount {
     /// How many sinks there are, across all pages.
@@ -139,16 +143,25 @@ impl SinkCount {
 #[derive(Default)]
 pub struct SinkQuery;
 
+/// The sink queries.
 #[Object]
 impl SinkQuery {
     /// The caller's event sinks (an operator sees every sink), by id.
     async fn event_sinks(
         &self,
         ctx: &Context<'_>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Connection<String, EventSinkObj, SinkCount>> {
         let (scope, _) = scope(ctx)?;
         let args = PageRequest {
@@ -173,7 +186,11 @@ impl SinkQuery {
     }
 
     /// One event sink (another tenant's is `NOT_FOUND`).
-    async fn event_sink(&self, ctx: &Context<'_>, id: ID) -> async_graphql::Result<EventSinkObj> {
+    async fn event_sink(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "The sink's id.")] id: ID,
+    ) -> async_graphql::Result<EventSinkObj> {
         let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &id)?;
         sinks::get(db(ctx)?, &scope, &id)
@@ -196,6 +213,7 @@ pub struct CreateEventSinkInput {
 /// A sink and its signing secret, shown this once.
 #[derive(SimpleObject)]
 pub struct CreateEventSinkPayload {
+    /// The sink created.
     event_sink: EventSinkObj,
     /// The HMAC-SHA256 key of the `Compute-Signature` header. Store it now: it is never shown
     /// again.
@@ -205,8 +223,11 @@ pub struct CreateEventSinkPayload {
 /// A change to a sink; omitted fields stay as they are.
 #[derive(InputObject)]
 pub struct UpdateEventSinkInput {
+    /// The sink to change.
     id: ID,
+    /// The new endpoint, an `http://` or `https://` URL.
     url: Option<String>,
+    /// The event types to deliver from now on (all when empty).
     types: Option<Vec<String>>,
     /// `false` pauses delivery; `true` resumes it at once, clearing the failure count.
     active: Option<bool>,
@@ -217,18 +238,21 @@ pub struct UpdateEventSinkInput {
 /// The sink after the change.
 #[derive(SimpleObject)]
 pub struct UpdateEventSinkPayload {
+    /// The sink as changed.
     event_sink: EventSinkObj,
 }
 
 /// The sink to delete.
 #[derive(InputObject)]
 pub struct DeleteEventSinkInput {
+    /// The sink to delete.
     id: ID,
 }
 
 /// What was deleted.
 #[derive(SimpleObject)]
 pub struct DeleteEventSinkPayload {
+    /// The id of the sink that no longer exists.
     deleted_event_sink_id: ID,
 }
 
@@ -236,13 +260,14 @@ pub struct DeleteEventSinkPayload {
 #[derive(Default)]
 pub struct SinkMutation;
 
+/// The sink mutations.
 #[Object]
 impl SinkMutation {
     /// Creates a sink that receives events from now on, and returns its signing secret once.
     async fn create_event_sink(
         &self,
         ctx: &Context<'_>,
-        input: CreateEventSinkInput,
+        #[graphql(desc = "The arguments of `createEventSink`.")] input: CreateEventSinkInput,
     ) -> async_graphql::Result<CreateEventSinkPayload> {
         let (scope, by) = scope(ctx)?;
         let (sink, secret) = sinks::create(db(ctx)?, &scope, &by, &input.url, input.types)
@@ -258,7 +283,7 @@ impl SinkMutation {
     async fn update_event_sink(
         &self,
         ctx: &Context<'_>,
-        input: UpdateEventSinkInput,
+        #[graphql(desc = "The arguments of `updateEventSink`.")] input: UpdateEventSinkInput,
     ) -> async_graphql::Result<UpdateEventSinkPayload> {
         let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &input.id)?;
@@ -284,7 +309,7 @@ impl SinkMutation {
     async fn delete_event_sink(
         &self,
         ctx: &Context<'_>,
-        input: DeleteEventSinkInput,
+        #[graphql(desc = "The arguments of `deleteEventSink`.")] input: DeleteEventSinkInput,
     ) -> async_graphql::Result<DeleteEventSinkPayload> {
         let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &input.id)?;

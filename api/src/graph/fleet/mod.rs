@@ -63,7 +63,7 @@ gql_enum!(
 gql_enum!(
     /// A GPU's health.
     DeviceHealth("DeviceHealth") <=> m::Health {
-        /// Fine.
+        /// No problem is known.
         Healthy,
         /// Usable, with a problem worth watching.
         Degraded,
@@ -107,6 +107,7 @@ enum CountOf {
     NodesOfPool(String),
 }
 
+/// `totalCount` of a connection, counted only when asked for.
 #[Object]
 impl TotalCount {
     /// How many items the connection has across all pages.
@@ -209,6 +210,7 @@ async fn capacity(
 /// A place that holds pools.
 pub struct SiteObj(pub fleet::Site);
 
+/// A place that holds pools.
 #[Object(name = "Site")]
 impl SiteObj {
     /// The site's id (`site_…`).
@@ -239,10 +241,18 @@ impl SiteObj {
     async fn pools(
         &self,
         ctx: &Context<'_>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Conn<PoolObj>> {
         let args = page_request(first, after, last, before)
             .resolve()
@@ -268,6 +278,7 @@ impl SiteObj {
     async fn capacity(
         &self,
         ctx: &Context<'_>,
+        #[graphql(desc = "The window to count bookings over; the present instant when unset.")]
         window: Option<WindowInput>,
     ) -> async_graphql::Result<Vec<Capacity>> {
         capacity(ctx, CapacityScope::Site, &self.0.id, window).await
@@ -288,6 +299,7 @@ pub struct Overcommit {
 /// A pool of compute nodes in a site.
 pub struct PoolObj(pub fleet::Pool);
 
+/// A pool of compute nodes in a site.
 #[Object(name = "Pool")]
 impl PoolObj {
     /// The pool's id (`pool_…`).
@@ -338,10 +350,18 @@ impl PoolObj {
     async fn compute_nodes(
         &self,
         ctx: &Context<'_>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Conn<ComputeNodeObj>> {
         require_operator(ctx)?;
         let args = page_request(first, after, last, before)
@@ -362,6 +382,7 @@ impl PoolObj {
     async fn capacity(
         &self,
         ctx: &Context<'_>,
+        #[graphql(desc = "The window to count bookings over; the present instant when unset.")]
         window: Option<WindowInput>,
     ) -> async_graphql::Result<Vec<Capacity>> {
         capacity(ctx, CapacityScope::Pool, &self.0.id, window).await
@@ -371,16 +392,16 @@ impl PoolObj {
 /// A node label.
 #[derive(SimpleObject)]
 pub struct Label {
-    /// Key.
+    /// The label key.
     key: String,
-    /// Value.
+    /// The label value.
     value: String,
 }
 
 /// A taint: `key=value:effect`.
 #[derive(SimpleObject)]
 pub struct Taint {
-    /// Key.
+    /// The taint key.
     key: String,
     /// Value (may be empty).
     value: String,
@@ -525,6 +546,7 @@ fn labels_of(v: &Value) -> Vec<Label> {
         .unwrap_or_default()
 }
 
+/// A machine in a pool: its resources, GPUs, labels, taints, state and conditions.
 #[Object(name = "ComputeNode")]
 impl ComputeNodeObj {
     /// The node's id (`node_…`).
@@ -539,7 +561,7 @@ impl ComputeNodeObj {
     async fn labels(&self) -> Vec<Label> {
         labels_of(&self.0.labels)
     }
-    /// Taints.
+    /// Its taints: placement avoids them unless tolerated.
     async fn taints(&self) -> async_graphql::Result<Vec<Taint>> {
         let taints: Vec<m::Taint> = serde_json::from_value(self.0.taints.clone())
             .map_err(|e| gql_error(Error::internal(e)))?;
@@ -577,7 +599,7 @@ impl ComputeNodeObj {
     async fn reachability(&self) -> async_graphql::Result<Reachability> {
         Reachability::from_db(&self.0.reachability)
     }
-    /// Conditions.
+    /// Its conditions, such as `NodeUnreachable`.
     async fn conditions(&self) -> Vec<Condition> {
         conditions_of(&self.0.conditions)
     }
@@ -674,6 +696,7 @@ impl DeviceObj {
     }
 }
 
+/// A GPU of a compute node: its model, memory, mode, health and bookable atoms.
 #[Object(name = "Device")]
 impl DeviceObj {
     /// The device's id (`dev_…`).
@@ -717,7 +740,7 @@ impl DeviceObj {
     async fn slots(&self) -> Option<i64> {
         self.0.layout.as_ref()?.get("slots")?.as_i64()
     }
-    /// Health.
+    /// Its health: placement skips unhealthy GPUs.
     async fn health(&self) -> async_graphql::Result<DeviceHealth> {
         DeviceHealth::from_db(&self.0.health)
     }
@@ -773,6 +796,7 @@ impl DeviceObj {
 /// A bookable unit of a GPU: `<uuid>`, `<uuid>/mig/<k>` or `<uuid>/s<k>`.
 pub struct AtomObj(pub fleet::Atom);
 
+/// A bookable unit of a GPU: `<uuid>`, `<uuid>/mig/<k>` or `<uuid>/s<k>`.
 #[Object(name = "Atom")]
 impl AtomObj {
     /// The atom's name.
@@ -872,6 +896,7 @@ pub fn quota_obj(q: compute_domain::quota::Quota) -> Quota {
 #[derive(Default)]
 pub struct FleetQuery;
 
+/// The fleet's queries.
 #[Object]
 impl FleetQuery {
     /// Any object by its global id. Members see sites and pools; another tenant's object, or an
@@ -879,7 +904,7 @@ impl FleetQuery {
     async fn node(
         &self,
         ctx: &Context<'_>,
-        id: ID,
+        #[graphql(desc = "The global id of the object.")] id: ID,
     ) -> async_graphql::Result<Option<NodeInterface>> {
         let operator = require_viewer(ctx)?;
         let found = load_node(ctx, &id, operator).await?;
@@ -897,7 +922,7 @@ impl FleetQuery {
     async fn nodes(
         &self,
         ctx: &Context<'_>,
-        ids: Vec<ID>,
+        #[graphql(desc = "Global ids, at most 100; the answer keeps their order.")] ids: Vec<ID>,
     ) -> async_graphql::Result<Vec<Option<NodeInterface>>> {
         let operator = require_viewer(ctx)?;
         if ids.len() > 100 {
@@ -918,10 +943,18 @@ impl FleetQuery {
     async fn sites(
         &self,
         ctx: &Context<'_>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Conn<SiteObj>> {
         require_viewer(ctx)?;
         let args = page_request(first, after, last, before)
@@ -938,12 +971,20 @@ impl FleetQuery {
     async fn pools(
         &self,
         ctx: &Context<'_>,
-        site_id: Option<ID>,
-        kind: Option<PoolKind>,
+        #[graphql(desc = "Only those of this site.")] site_id: Option<ID>,
+        #[graphql(desc = "Only pools of this kind.")] kind: Option<PoolKind>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Conn<PoolObj>> {
         require_viewer(ctx)?;
         let filter = PoolFilter {
@@ -964,19 +1005,28 @@ impl FleetQuery {
     async fn compute_nodes(
         &self,
         ctx: &Context<'_>,
-        site_id: Option<ID>,
-        pool_id: Option<ID>,
-        reachability: Option<Reachability>,
+        #[graphql(desc = "Only those of this site.")] site_id: Option<ID>,
+        #[graphql(desc = "Only those of this pool.")] pool_id: Option<ID>,
+        #[graphql(desc = "Only nodes with this reachability.")] reachability: Option<Reachability>,
+        #[graphql(desc = "Only cordoned (`true`) or schedulable (`false`) nodes.")]
         cordoned: Option<bool>,
         #[graphql(
             desc = "Only nodes with (true) or without (false) an atom placement could take now."
         )]
         has_free_capacity: Option<bool>,
-        #[graphql(default = false)] include_retired: bool,
+        #[graphql(default = false, desc = "Retired nodes too.")] include_retired: bool,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Conn<ComputeNodeObj>> {
         require_operator(ctx)?;
         let filter = NodeFilter {
@@ -1001,16 +1051,24 @@ impl FleetQuery {
     async fn devices(
         &self,
         ctx: &Context<'_>,
-        site_id: Option<ID>,
-        pool_id: Option<ID>,
-        compute_node_id: Option<ID>,
-        model: Option<String>,
-        mode: Option<DeviceMode>,
-        health: Option<DeviceHealth>,
+        #[graphql(desc = "Only those of this site.")] site_id: Option<ID>,
+        #[graphql(desc = "Only those of this pool.")] pool_id: Option<ID>,
+        #[graphql(desc = "Only those of this compute node.")] compute_node_id: Option<ID>,
+        #[graphql(desc = "Only GPUs of this model.")] model: Option<String>,
+        #[graphql(desc = "Only GPUs in this mode.")] mode: Option<DeviceMode>,
+        #[graphql(desc = "Only GPUs with this health.")] health: Option<DeviceHealth>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Conn<DeviceObj>> {
         require_operator(ctx)?;
         let filter = DeviceFilter {
@@ -1040,19 +1098,27 @@ impl FleetQuery {
     async fn atoms(
         &self,
         ctx: &Context<'_>,
-        pool_id: Option<ID>,
-        device_id: Option<ID>,
-        model: Option<String>,
-        kind: Option<AtomKind>,
-        profile: Option<String>,
+        #[graphql(desc = "Only those of this pool.")] pool_id: Option<ID>,
+        #[graphql(desc = "Only those of this GPU.")] device_id: Option<ID>,
+        #[graphql(desc = "Only GPUs of this model.")] model: Option<String>,
+        #[graphql(desc = "Only atoms of this kind.")] kind: Option<AtomKind>,
+        #[graphql(desc = "Only MIG instances of this profile.")] profile: Option<String>,
         #[graphql(
             desc = "Only atoms placement could take now (true), or only the others (false)."
         )]
         free: Option<bool>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
         first: Option<i32>,
-        after: Option<String>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
         last: Option<i32>,
-        before: Option<String>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
     ) -> async_graphql::Result<Conn<AtomObj>> {
         require_operator(ctx)?;
         let filter = AtomFilter {
@@ -1081,6 +1147,7 @@ impl FleetQuery {
     async fn quotas(
         &self,
         ctx: &Context<'_>,
+        #[graphql(desc = "The tenant whose quotas to list; members may name only their own.")]
         tenant_id: Option<String>,
     ) -> async_graphql::Result<Vec<Quota>> {
         let v = viewer(ctx)?;

@@ -149,12 +149,12 @@ pub struct LabelInput {
 /// A taint.
 #[derive(InputObject)]
 pub struct TaintInput {
-    /// Key.
+    /// The taint key, such as `dedicated`.
     pub key: String,
     /// Value; empty when unset.
     #[graphql(default)]
     pub value: String,
-    /// Effect.
+    /// What the taint does to placement.
     pub effect: TaintEffect,
 }
 
@@ -183,10 +183,10 @@ pub struct LayoutInput {
 pub struct DeviceInput {
     /// Hardware UUID, unique in the fleet.
     pub uuid: String,
-    /// Vendor.
+    /// The GPU vendor, such as `nvidia`.
     #[graphql(default_with = "\"nvidia\".to_string()")]
     pub vendor: String,
-    /// Model.
+    /// The GPU model, such as `H100`.
     pub model: String,
     /// Memory in MiB.
     pub memory_mib: i64,
@@ -204,10 +204,10 @@ pub struct RegisterNodeInput {
     pub pool_id: ID,
     /// Host name, unique in the fleet.
     pub hostname: String,
-    /// Labels.
+    /// The node labels that selectors match.
     #[graphql(default)]
     pub labels: Vec<LabelInput>,
-    /// Taints.
+    /// The node taints that allocations must tolerate.
     #[graphql(default)]
     pub taints: Vec<TaintInput>,
     /// vCPU, memory and disk.
@@ -242,7 +242,7 @@ pub struct CordonNodeInput {
     pub id: ID,
     /// The version you read; when given, a newer node is `CONFLICT`.
     pub version: Option<i64>,
-    /// Why.
+    /// Why the node is cordoned, for people (at most 500 characters).
     pub reason: Option<String>,
 }
 
@@ -310,7 +310,7 @@ pub struct SetDeviceHealthInput {
     pub version: Option<i64>,
     /// Its health.
     pub health: DeviceHealth,
-    /// Why.
+    /// Why the health changed, for people (at most 500 characters).
     pub reason: Option<String>,
 }
 
@@ -328,7 +328,7 @@ pub struct QuarantineDeviceInput {
     pub id: ID,
     /// The version you read.
     pub version: Option<i64>,
-    /// Why.
+    /// Why the GPU is quarantined, for people (at most 500 characters).
     pub reason: String,
 }
 
@@ -404,13 +404,14 @@ fn optional_reason(field: &str, r: Option<String>) -> async_graphql::Result<Opti
 #[derive(Default)]
 pub struct FleetMutation;
 
+/// The fleet's mutations; all need the operator role.
 #[Object]
 impl FleetMutation {
     /// Creates a site.
     async fn create_site(
         &self,
         ctx: &Context<'_>,
-        input: CreateSiteInput,
+        #[graphql(desc = "The arguments of `createSite`.")] input: CreateSiteInput,
     ) -> async_graphql::Result<CreateSitePayload> {
         require_operator(ctx)?;
         let new = NewSite {
@@ -437,7 +438,7 @@ impl FleetMutation {
     async fn update_site(
         &self,
         ctx: &Context<'_>,
-        input: UpdateSiteInput,
+        #[graphql(desc = "The arguments of `updateSite`.")] input: UpdateSiteInput,
     ) -> async_graphql::Result<UpdateSitePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "site", &input.id)?;
@@ -459,7 +460,7 @@ impl FleetMutation {
     async fn create_pool(
         &self,
         ctx: &Context<'_>,
-        input: CreatePoolInput,
+        #[graphql(desc = "The arguments of `createPool`.")] input: CreatePoolInput,
     ) -> async_graphql::Result<CreatePoolPayload> {
         require_operator(ctx)?;
         let oc = input.overcommit.unwrap_or_default();
@@ -488,7 +489,7 @@ impl FleetMutation {
     async fn update_pool(
         &self,
         ctx: &Context<'_>,
-        input: UpdatePoolInput,
+        #[graphql(desc = "The arguments of `updatePool`.")] input: UpdatePoolInput,
     ) -> async_graphql::Result<UpdatePoolPayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "pool", &input.id)?;
@@ -528,7 +529,7 @@ impl FleetMutation {
     async fn register_node(
         &self,
         ctx: &Context<'_>,
-        input: RegisterNodeInput,
+        #[graphql(desc = "The arguments of `registerNode`.")] input: RegisterNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
         let mut devices = Vec::with_capacity(input.devices.len());
@@ -599,7 +600,7 @@ impl FleetMutation {
     async fn update_node(
         &self,
         ctx: &Context<'_>,
-        input: UpdateNodeInput,
+        #[graphql(desc = "The arguments of `updateNode`.")] input: UpdateNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "node", &input.id)?;
@@ -620,7 +621,7 @@ impl FleetMutation {
     async fn cordon_node(
         &self,
         ctx: &Context<'_>,
-        input: CordonNodeInput,
+        #[graphql(desc = "The arguments of `cordonNode`.")] input: CordonNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "node", &input.id)?;
@@ -637,7 +638,7 @@ impl FleetMutation {
     async fn uncordon_node(
         &self,
         ctx: &Context<'_>,
-        input: NodeActionInput,
+        #[graphql(desc = "The arguments of `uncordonNode`.")] input: NodeActionInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "node", &input.id)?;
@@ -653,7 +654,7 @@ impl FleetMutation {
     async fn taint_node(
         &self,
         ctx: &Context<'_>,
-        input: TaintNodeInput,
+        #[graphql(desc = "The arguments of `taintNode`.")] input: TaintNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "node", &input.id)?;
@@ -670,7 +671,7 @@ impl FleetMutation {
     async fn untaint_node(
         &self,
         ctx: &Context<'_>,
-        input: UntaintNodeInput,
+        #[graphql(desc = "The arguments of `untaintNode`.")] input: UntaintNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "node", &input.id)?;
@@ -693,7 +694,7 @@ impl FleetMutation {
     async fn drain_node(
         &self,
         ctx: &Context<'_>,
-        input: NodeActionInput,
+        #[graphql(desc = "The arguments of `drainNode`.")] input: NodeActionInput,
     ) -> async_graphql::Result<DrainNodePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "node", &input.id)?;
@@ -718,7 +719,7 @@ impl FleetMutation {
     async fn retire_node(
         &self,
         ctx: &Context<'_>,
-        input: NodeActionInput,
+        #[graphql(desc = "The arguments of `retireNode`.")] input: NodeActionInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "node", &input.id)?;
@@ -734,7 +735,7 @@ impl FleetMutation {
     async fn set_device_health(
         &self,
         ctx: &Context<'_>,
-        input: SetDeviceHealthInput,
+        #[graphql(desc = "The arguments of `setDeviceHealth`.")] input: SetDeviceHealthInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "dev", &input.id)?;
@@ -752,7 +753,7 @@ impl FleetMutation {
     async fn quarantine_device(
         &self,
         ctx: &Context<'_>,
-        input: QuarantineDeviceInput,
+        #[graphql(desc = "The arguments of `quarantineDevice`.")] input: QuarantineDeviceInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "dev", &input.id)?;
@@ -771,7 +772,7 @@ impl FleetMutation {
     async fn unquarantine_device(
         &self,
         ctx: &Context<'_>,
-        input: UnquarantineDeviceInput,
+        #[graphql(desc = "The arguments of `unquarantineDevice`.")] input: UnquarantineDeviceInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "dev", &input.id)?;
@@ -788,7 +789,7 @@ impl FleetMutation {
     async fn change_device_mode(
         &self,
         ctx: &Context<'_>,
-        input: ChangeDeviceModeInput,
+        #[graphql(desc = "The arguments of `changeDeviceMode`.")] input: ChangeDeviceModeInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id("id", "dev", &input.id)?;
@@ -816,7 +817,7 @@ impl FleetMutation {
     async fn set_quota(
         &self,
         ctx: &Context<'_>,
-        input: SetQuotaInput,
+        #[graphql(desc = "The arguments of `setQuota`.")] input: SetQuotaInput,
     ) -> async_graphql::Result<SetQuotaPayload> {
         require_operator(ctx)?;
         let limits = quota::QuotaLimits {
