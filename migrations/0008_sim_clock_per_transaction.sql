@@ -1,5 +1,5 @@
--- Simulated time stands still within a transaction, as the wall clock's compute_now() (now(),
--- the transaction's start) does in production. Before this, compute_now() on simulated time read
+-- Simulated time stands still within a transaction, as the wall clock's compute_now() (the
+-- transaction's start time) does in production. Before this, compute_now() on simulated time read
 -- compute_sim_clock at every statement, so a transaction running while a test moved the clock
 -- saw two different times: a cancel checked "not started yet" at one time and ended the bookings
 -- at a later one, leaving a booking behind that production could never leave.
@@ -8,7 +8,7 @@
 -- compute.sim_now (set_config(…, true): gone at commit or rollback, safe behind a
 -- transaction-pooling proxy); later reads in the transaction return it. Moving the clock updates
 -- it too, so the transaction that moves time sees the new time. Production (never on simulated
--- time) is untouched: its compute_now() stays `SELECT now()`.
+-- time) is untouched: its compute_now() keeps the body 0001_clock.sql gave it.
 
 CREATE OR REPLACE FUNCTION compute_use_sim_clock(p_start timestamptz) RETURNS timestamptz
     LANGUAGE plpgsql
