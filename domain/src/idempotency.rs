@@ -208,7 +208,7 @@ pub async fn settle<T>(
 }
 
 /// The error a stored response holds, if it holds one.
-pub fn stored_error(response: &Value) -> Option<Error> {
+fn stored_error(response: &Value) -> Option<Error> {
     let e = response.get("error")?;
     let code = e.get("code")?.as_str()?;
     let message = e
