@@ -22,6 +22,16 @@ pub struct FleetLoader {
 /// The process's loader.
 pub type Loaders = DataLoader<FleetLoader, NoCache>;
 
+/// The request's loaders; `INTERNAL` only when the schema was built without a database (a bug
+/// of ours: `compute-api schema` builds one only to print it).
+pub fn loaders_of<'a>(ctx: &'a async_graphql::Context<'_>) -> async_graphql::Result<&'a Loaders> {
+    ctx.data::<Loaders>().map_err(|_| {
+        crate::graph::gql_error(compute_domain::Error::internal(
+            "the schema was built without its data loaders",
+        ))
+    })
+}
+
 /// Builds the loader; needs a Tokio runtime.
 pub fn loaders(db: Db) -> Loaders {
     DataLoader::with_cache(FleetLoader { db }, tokio::spawn, NoCache)

@@ -32,7 +32,7 @@ pub async fn load_node(
     id: &ID,
     operator: bool,
 ) -> async_graphql::Result<Option<NodeInterface>> {
-    let loaders = ctx.data_unchecked::<Loaders>();
+    let loaders = loaders_of(ctx)?;
     let prefix = compute_domain::ids::prefix_of(id.as_str()).ok_or_else(|| {
         gql_error(Error::bad_input(
             "id",

@@ -136,7 +136,7 @@ impl ReservationObj {
     }
     /// Its pool.
     async fn pool(&self, ctx: &Context<'_>) -> async_graphql::Result<PoolObj> {
-        ctx.data_unchecked::<Loaders>()
+        loaders_of(ctx)?
             .load_one(PoolId(self.0.pool_id.clone()))
             .await?
             .map(PoolObj)
@@ -144,8 +144,7 @@ impl ReservationObj {
     }
     /// Its allocations, in order.
     async fn allocations(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<AllocationObj>> {
-        Ok(ctx
-            .data_unchecked::<Loaders>()
+        Ok(loaders_of(ctx)?
             .load_one(AllocationsOfReservation(self.0.id.clone()))
             .await?
             .unwrap_or_default()
@@ -212,8 +211,7 @@ impl AllocationObj {
         if !viewer(ctx)?.has_role(Role::Operator) {
             return Ok(None);
         }
-        Ok(ctx
-            .data_unchecked::<Loaders>()
+        Ok(loaders_of(ctx)?
             .load_one(NodeId(node_id.clone()))
             .await?
             .map(ComputeNodeObj::new))
@@ -258,8 +256,7 @@ impl ReservationQuery {
         #[graphql(desc = "The global id of the object.")] id: ID,
     ) -> async_graphql::Result<ReservationObj> {
         let rid = m::parse_id("id", "rsv", id.as_str()).map_err(gql_error)?;
-        let found = ctx
-            .data_unchecked::<Loaders>()
+        let found = loaders_of(ctx)?
             .load_one(ReservationId(rid.clone()))
             .await?;
         match found {

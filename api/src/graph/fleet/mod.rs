@@ -113,7 +113,7 @@ impl TotalCount {
     /// How many items the connection has across all pages.
     async fn total_count(&self, ctx: &Context<'_>) -> async_graphql::Result<i64> {
         let db = db(ctx)?;
-        let loaders = ctx.data_unchecked::<Loaders>();
+        let loaders = loaders_of(ctx)?;
         let n = match &self.0 {
             CountOf::Sites => fleet::count_sites(db).await,
             CountOf::Pools(f) => fleet::count_pools(db, f).await,
@@ -188,8 +188,7 @@ async fn capacity(
     id: &str,
     w: Option<WindowInput>,
 ) -> async_graphql::Result<Vec<Capacity>> {
-    let rows = ctx
-        .data_unchecked::<Loaders>()
+    let rows = loaders_of(ctx)?
         .load_one(CapacityOf(scope, id.to_owned(), window(w)?))
         .await?
         .unwrap_or_default();
@@ -257,8 +256,7 @@ impl SiteObj {
         let args = page_request(first, after, last, before)
             .resolve()
             .map_err(gql_error)?;
-        let page = ctx
-            .data_unchecked::<Loaders>()
+        let page = loaders_of(ctx)?
             .load_one(PoolsOfSite(self.0.id.clone(), args))
             .await?
             .unwrap_or(Page {
@@ -340,7 +338,7 @@ impl PoolObj {
     }
     /// The site it belongs to.
     async fn site(&self, ctx: &Context<'_>) -> async_graphql::Result<SiteObj> {
-        ctx.data_unchecked::<Loaders>()
+        loaders_of(ctx)?
             .load_one(SiteId(self.0.site_id.clone()))
             .await?
             .map(SiteObj)
@@ -367,8 +365,7 @@ impl PoolObj {
         let args = page_request(first, after, last, before)
             .resolve()
             .map_err(gql_error)?;
-        let page = ctx
-            .data_unchecked::<Loaders>()
+        let page = loaders_of(ctx)?
             .load_one(NodesOfPool(self.0.id.clone(), args))
             .await?
             .unwrap_or(Page {
@@ -473,7 +470,7 @@ async fn prefetch_nodes(
     if nodes.is_empty() || !(want_devices || want_resources) {
         return Ok(None);
     }
-    let loaders = ctx.data_unchecked::<Loaders>();
+    let loaders = loaders_of(ctx)?;
     let node_ids = || nodes.iter().map(|n| n.id.clone());
     let devices = async {
         if want_devices {
@@ -629,7 +626,7 @@ impl ComputeNodeObj {
     }
     /// Its pool.
     async fn pool(&self, ctx: &Context<'_>) -> async_graphql::Result<PoolObj> {
-        ctx.data_unchecked::<Loaders>()
+        loaders_of(ctx)?
             .load_one(PoolId(self.0.pool_id.clone()))
             .await?
             .map(PoolObj)
@@ -640,8 +637,7 @@ impl ComputeNodeObj {
         let prefetched = self.1.as_ref().and_then(|t| t.resources.as_ref());
         let rows = match prefetched {
             Some(r) => r.get(&self.0.id).cloned().unwrap_or_default(),
-            None => ctx
-                .data_unchecked::<Loaders>()
+            None => loaders_of(ctx)?
                 .load_one(ResourcesOfNode(self.0.id.clone()))
                 .await?
                 .unwrap_or_default(),
@@ -675,8 +671,7 @@ impl ComputeNodeObj {
                 .map(|d| DeviceObj(d.clone(), atoms_of(d)))
                 .collect());
         }
-        Ok(ctx
-            .data_unchecked::<Loaders>()
+        Ok(loaders_of(ctx)?
             .load_one(DevicesOfNode(self.0.id.clone()))
             .await?
             .unwrap_or_default()
@@ -770,7 +765,7 @@ impl DeviceObj {
     }
     /// The node it is in.
     async fn compute_node(&self, ctx: &Context<'_>) -> async_graphql::Result<ComputeNodeObj> {
-        ctx.data_unchecked::<Loaders>()
+        loaders_of(ctx)?
             .load_one(NodeId(self.0.node_id.clone()))
             .await?
             .map(ComputeNodeObj::new)
@@ -782,8 +777,7 @@ impl DeviceObj {
         if let Some(atoms) = &self.1 {
             return Ok(atoms.iter().cloned().map(AtomObj).collect());
         }
-        Ok(ctx
-            .data_unchecked::<Loaders>()
+        Ok(loaders_of(ctx)?
             .load_one(AtomsOfDevice(self.0.id.clone()))
             .await?
             .unwrap_or_default()
@@ -829,7 +823,7 @@ impl AtomObj {
     }
     /// Its GPU.
     async fn device(&self, ctx: &Context<'_>) -> async_graphql::Result<DeviceObj> {
-        ctx.data_unchecked::<Loaders>()
+        loaders_of(ctx)?
             .load_one(DeviceId(self.0.device_id.clone()))
             .await?
             .map(DeviceObj::new)
