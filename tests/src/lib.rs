@@ -465,6 +465,44 @@ impl TestApp {
         (status, body)
     }
 
+    /// Sends a GraphQL request on a task of its own and returns at once; the handle yields the
+    /// JSON body. For tests that order concurrent requests with row locks.
+    pub fn graphql_in_background(
+        &self,
+        token: &str,
+        query: &str,
+        variables: Value,
+    ) -> tokio::task::JoinHandle<Value> {
+        let request = self
+            .http
+            .post(self.url("/graphql"))
+            .header("Accept", "application/graphql-response+json")
+            .bearer_auth(token)
+            .json(&serde_json::json!({ "query": query, "variables": variables }));
+        tokio::spawn(async move {
+            let res = request.send().await.expect("POST /graphql");
+            res.json::<Value>().await.expect("JSON body")
+        })
+    }
+
+    /// Waits until `n` backends of this test's database wait on a lock (a row, a key, a
+    /// transaction), so a test can order concurrent requests without sleeping on a guess.
+    pub async fn until_lock_waiters(&self, n: i64) {
+        for _ in 0..2_000 {
+            let (waiting,): (i64,) = sqlx::query_as(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(self.db.db.pool())
+            .await
+            .expect("pg_stat_activity");
+            if waiting >= n {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        panic!("{n} lock waiters never appeared");
+    }
+
     /// An operator's token (tenant `ops`).
     pub fn operator(&self) -> String {
         self.token("root@ops", Some("ops"), &[Role::Operator])

@@ -922,24 +922,6 @@ async fn the_reconciler_works_where_it_holds_the_lease() {
     );
 }
 
-/// Waits until `n` backends of this test's database wait on a lock (a row, a key, a
-/// transaction), so a test can order concurrent requests without sleeping on a guess.
-pub async fn until_lock_waiters(app: &TestApp, n: i64) {
-    for _ in 0..2_000 {
-        let (waiting,): (i64,) = sqlx::query_as(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(app.db.db.pool())
-        .await
-        .expect("pg_stat_activity");
-        if waiting >= n {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    panic!("{n} lock waiters never appeared");
-}
-
 /// Issue 10 A: repeats of one key sent together, while an operator raises the quota between
 /// the first request's refusal and its repeats' turn, all get the first's answer. The order is
 /// forced with row locks: the first waits on the quota rows held by this test, the quota change
@@ -961,43 +943,13 @@ async fn repeats_of_a_key_racing_a_quota_change_all_get_the_first_answer() {
         .execute(&mut holder)
         .await
         .expect("hold");
-    let send = |req: Value| {
-        let (http, url, token) = (app.http.clone(), app.url("/graphql"), member.clone());
-        tokio::spawn(async move {
-            let res = http
-                .post(url)
-                .bearer_auth(token)
-                .json(&json!({ "query": CREATE, "variables": req }))
-                .send()
-                .await
-                .expect("POST");
-            res.json::<Value>().await.expect("json")
-        })
-    };
+    let send = |req: Value| app.graphql_in_background(&member, CREATE, req);
     let first = send(req.clone());
-    until_lock_waiters(&app, 1).await;
-    let raise = {
-        let (http, url, token, body) = (
-            app.http.clone(),
-            app.url("/graphql"),
-            app.operator(),
-            json!({ "query": SET_QUOTA, "variables": set_gpus(8) }),
-        );
-        tokio::spawn(async move {
-            http.post(url)
-                .bearer_auth(token)
-                .json(&body)
-                .send()
-                .await
-                .expect("POST")
-                .json::<Value>()
-                .await
-                .expect("json")
-        })
-    };
-    until_lock_waiters(&app, 2).await;
+    app.until_lock_waiters(1).await;
+    let raise = app.graphql_in_background(&app.operator(), SET_QUOTA, set_gpus(8));
+    app.until_lock_waiters(2).await;
     let repeats: Vec<_> = (0..3).map(|_| send(req.clone())).collect();
-    until_lock_waiters(&app, 5).await;
+    app.until_lock_waiters(5).await;
     sqlx::raw_sql("COMMIT")
         .execute(&mut holder)
         .await

@@ -313,39 +313,23 @@ async fn a_recompute_racing_a_registration_keeps_the_rollup_exact() {
         .fetch_one(&mut holder)
         .await
         .expect("hold the pool's wake-up");
-    let register = {
-        let (http, url, token, pool) = (
-            app.http.clone(),
-            app.url("/graphql"),
-            app.operator(),
-            p.pool.clone(),
-        );
-        tokio::spawn(async move {
-            http.post(url)
-                .bearer_auth(token)
-                .json(
-                    &json!({ "query": crate::fleet::REGISTER, "variables": { "i": {
-                    "poolId": pool, "hostname": "h100-late",
-                    "resources": { "vcpu": 32, "memoryMib": 262144, "diskGib": 1000 },
-                    "devices": [{ "uuid": "GPU-L0", "model": "H100", "memoryMib": 81559 },
-                                { "uuid": "GPU-L1", "model": "H100", "memoryMib": 81559 }] } } }),
-                )
-                .send()
-                .await
-                .expect("POST")
-                .json::<serde_json::Value>()
-                .await
-                .expect("json")
-        })
-    };
-    crate::reservations::until_lock_waiters(&app, 1).await;
+    let register = app.graphql_in_background(
+        &app.operator(),
+        crate::fleet::REGISTER,
+        json!({ "i": {
+            "poolId": p.pool, "hostname": "h100-late",
+            "resources": { "vcpu": 32, "memoryMib": 262144, "diskGib": 1000 },
+            "devices": [{ "uuid": "GPU-L0", "model": "H100", "memoryMib": 81559 },
+                        { "uuid": "GPU-L1", "model": "H100", "memoryMib": 81559 }] } }),
+    );
+    app.until_lock_waiters(1).await;
     let recompute = {
         let (db, pool) = (db.clone(), p.pool.clone());
         tokio::spawn(
             async move { compute_domain::fleet::commands::recompute_rollup(&db, &pool).await },
         )
     };
-    crate::reservations::until_lock_waiters(&app, 2).await;
+    app.until_lock_waiters(2).await;
     sqlx::query("COMMIT")
         .execute(&mut holder)
         .await
