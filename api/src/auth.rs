@@ -6,6 +6,8 @@
 //! are real-world times set by the issuer, so they are checked against this machine's wall clock,
 //! not against `compute_now()`.
 
+use compute_domain::actor::{Actor, Authority};
+use compute_domain::ids::TenantId;
 use std::fmt;
 use std::path::Path;
 
@@ -83,7 +85,9 @@ pub struct Claims {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Viewer {
     pub subject: String,
-    pub tenant: Option<String>,
+    /// The `tenant` claim, checked at the door ([`TenantId::parse`]): a token whose tenant is
+    /// not a valid tenant id is refused, so an empty or odd tenant never reaches a rule.
+    pub tenant: Option<TenantId>,
     pub roles: Vec<Role>,
     /// When the token expires (seconds since the epoch).
     pub expires_at: i64,
@@ -92,6 +96,23 @@ pub struct Viewer {
 impl Viewer {
     pub fn has_role(&self, role: Role) -> bool {
         self.roles.contains(&role)
+    }
+
+    /// The caller as the domain sees it: an operator, or a member of its tenant; `None` for a
+    /// token with neither role (a node daemon's).
+    pub fn actor(&self) -> Option<Actor> {
+        let authority = if self.has_role(Role::Operator) {
+            Authority::Operator
+        } else if self.has_role(Role::Member) {
+            Authority::Member
+        } else {
+            return None;
+        };
+        Some(Actor {
+            subject: self.subject.clone(),
+            authority,
+            tenant: self.tenant.clone(),
+        })
     }
 
     /// How long the token stays valid from now, by the same rule (and leeway) as
@@ -251,9 +272,19 @@ impl Verifier {
             unauthenticated(why)
         })?;
         let claims = data.claims;
+        let tenant = claims
+            .tenant
+            .as_deref()
+            .map(|t| TenantId::parse("tenant", t))
+            .transpose()
+            .map_err(|_| {
+                unauthenticated(
+                    "the bearer token's tenant claim is not a tenant id (1 to 63 of letters, digits, `_`, `.`, `-`)",
+                )
+            })?;
         Ok(Viewer {
             subject: claims.sub,
-            tenant: claims.tenant,
+            tenant,
             roles: claims.roles.iter().filter_map(|r| Role::parse(r)).collect(),
             expires_at: claims.exp,
         })
@@ -349,7 +380,7 @@ mod tests {
         .expect("mint");
         let viewer = v.verify(&token).expect("valid");
         assert_eq!(viewer.subject, "alice");
-        assert_eq!(viewer.tenant.as_deref(), Some("acme"));
+        assert_eq!(viewer.tenant.as_ref().map(TenantId::as_str), Some("acme"));
         assert_eq!(viewer.roles, vec![Role::Member]);
     }
 

@@ -15,6 +15,7 @@
 //! its own cursor, and rejoins the live channel when it has caught up: it never blocks the
 //! others and never loses an event. Events are deduplicated by cursor at every seam.
 
+use compute_domain::ids::TenantId;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -62,7 +63,7 @@ pub enum Topic {
     /// Every event (operators).
     All,
     /// One tenant's events.
-    Tenant(String),
+    Tenant(TenantId),
     /// Events about one subject (a reservation, a node).
     Subject(String),
 }

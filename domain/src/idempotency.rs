@@ -27,12 +27,7 @@ use crate::error::{Error, ErrorCode, Result};
 /// How long keys are kept, at least.
 pub const RETENTION_HOURS: i64 = 24;
 
-/// Who is calling, for scoping keys and recording actions.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Actor {
-    pub subject: String,
-    pub tenant: Option<String>,
-}
+pub use crate::actor::Actor;
 
 /// A result, and whether it is the replay of an earlier request with the same idempotency key.
 #[derive(Debug, Clone)]
@@ -67,10 +62,6 @@ pub fn parse_key(field: &str, key: &str) -> Result<String> {
     Ok(key.to_owned())
 }
 
-fn tenant(actor: &Actor) -> &str {
-    actor.tenant.as_deref().unwrap_or("")
-}
-
 /// Claims `key` for `operation` with arguments `fingerprint`.
 pub async fn claim(
     conn: &mut PgConnection,
@@ -83,7 +74,7 @@ pub async fn claim(
         "INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint) \
          VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING 1",
     )
-    .bind(tenant(actor))
+    .bind(actor.idempotency_scope())
     .bind(&actor.subject)
     .bind(key)
     .bind(operation)
@@ -104,7 +95,7 @@ pub async fn claim(
         "SELECT operation = $4 AND fingerprint = $5, response FROM idempotency_keys \
          WHERE tenant_id = $1 AND subject = $2 AND key = $3",
     )
-    .bind(tenant(actor))
+    .bind(actor.idempotency_scope())
     .bind(&actor.subject)
     .bind(key)
     .bind(operation)
@@ -137,7 +128,7 @@ async fn complete(
     response: &Value,
 ) -> Result<()> {
     sqlx::query("UPDATE idempotency_keys SET response = $4 WHERE tenant_id = $1 AND subject = $2 AND key = $3")
-        .bind(tenant(actor))
+        .bind(actor.idempotency_scope())
         .bind(&actor.subject)
         .bind(key)
         .bind(response)

@@ -4,7 +4,9 @@
 //! Architecture invariant: this crate knows nothing of HTTP, WebSocket or GraphQL. The API and
 //! the workers call it; it calls PostgreSQL.
 
+pub mod actor;
 pub mod clock;
+pub mod condition;
 pub mod db;
 pub mod error;
 pub mod fleet;
@@ -16,6 +18,7 @@ pub mod page;
 pub mod quota;
 pub mod reservations;
 pub mod sinks;
+mod text_enum;
 pub mod work_queue;
 
 pub use error::{Error, ErrorCode, Result};

@@ -7,6 +7,7 @@
 //! `compute_emit` also sends a `NOTIFY compute_outbox` poke; it only wakes readers early, they
 //! poll anyway.
 
+use crate::ids::{EventId, TenantId};
 use serde_json::Value;
 use sqlx::PgConnection;
 
@@ -21,7 +22,7 @@ pub struct NewEvent<'a> {
     /// Dotted type, such as `reservation.scheduled`.
     pub event_type: &'a str,
     /// The tenant the event belongs to; `None` for fleet events only operators see.
-    pub tenant_id: Option<&'a str>,
+    pub tenant_id: Option<&'a TenantId>,
     /// The id of the entity that changed.
     pub subject: &'a str,
     /// The entity as it is after the change.
@@ -29,8 +30,8 @@ pub struct NewEvent<'a> {
 }
 
 /// Writes `event` in the caller's transaction; returns the event id (`evt_…`).
-pub async fn emit(conn: &mut PgConnection, event: NewEvent<'_>) -> Result<String> {
-    let (id,): (String,) = sqlx::query_as("SELECT compute_emit($1, $2, $3, $4)")
+pub async fn emit(conn: &mut PgConnection, event: NewEvent<'_>) -> Result<EventId> {
+    let (id,): (EventId,) = sqlx::query_as("SELECT compute_emit($1, $2, $3, $4)")
         .bind(event.event_type)
         .bind(event.tenant_id)
         .bind(event.subject)
@@ -87,13 +88,13 @@ impl Cursor {
 /// An event as readers see it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
 pub struct Event {
-    pub id: String,
+    pub id: EventId,
     #[sqlx(skip)]
     #[serde(skip)]
     pub cursor: Option<Cursor>,
     #[sqlx(rename = "type")]
     pub event_type: String,
-    pub tenant_id: Option<String>,
+    pub tenant_id: Option<TenantId>,
     pub subject: String,
     pub data: Value,
     pub time: chrono::DateTime<chrono::Utc>,
@@ -107,7 +108,7 @@ pub struct Event {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventFilter {
     /// `Some(t)`: only tenant `t`'s events. `None`: every event (operators).
-    pub tenant_id: Option<String>,
+    pub tenant_id: Option<TenantId>,
     /// Only these types, when not empty.
     pub types: Vec<String>,
     /// Only these subjects, when not empty.
@@ -169,10 +170,10 @@ pub async fn read_after(
 struct FrontAndEvent {
     front_txid: i64,
     front_seq: i64,
-    id: Option<String>,
+    id: Option<EventId>,
     #[sqlx(rename = "type")]
     event_type: Option<String>,
-    tenant_id: Option<String>,
+    tenant_id: Option<TenantId>,
     subject: Option<String>,
     data: Option<Value>,
     time: Option<chrono::DateTime<chrono::Utc>>,

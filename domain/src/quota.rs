@@ -3,20 +3,43 @@
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::FromRow;
+use sqlx::{FromRow, PgConnection};
 
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::idempotency::Actor;
+use crate::ids::{PoolId, ScopeId, SiteId, TenantId};
 use crate::outbox::{self, NewEvent};
+use crate::text_enum::text_enum;
+
+text_enum!(
+    /// What a quota limits.
+    QuotaResource {
+        /// GPUs, in whole-GPU equivalents (a MIG instance or a slot is a fraction).
+        Gpu = "gpu",
+        Vcpu = "vcpu",
+        MemoryMib = "memory_mib",
+    }
+);
+
+/// One quota row a reservation charged, as its refund reads it back (`reservations.charged`,
+/// `[{"scope_kind", "scope_id", "resource", "amount"}]`; `scope_kind` is kept for readers of
+/// the column, and is always `scope_id`'s kind).
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct Charge {
+    pub scope_kind: String,
+    pub scope_id: ScopeId,
+    pub resource: QuotaResource,
+    pub amount: f64,
+}
 
 /// One limit and its usage.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Quota {
-    pub tenant_id: String,
-    pub scope_kind: String,
-    pub scope_id: String,
-    pub resource: String,
+    pub tenant_id: TenantId,
+    #[sqlx(rename = "scope_id")]
+    pub scope: ScopeId,
+    pub resource: QuotaResource,
     pub max_amount: f64,
     pub used: f64,
     pub version: i64,
@@ -33,40 +56,15 @@ pub struct QuotaLimits {
     pub memory_mib: Option<i64>,
 }
 
-/// A tenant id: 1 to 63 of letters, digits, `_`, `.`, `-`.
-pub fn parse_tenant(field: &str, s: &str) -> Result<String> {
-    let ok = !s.is_empty()
-        && s.len() <= 63
-        && s.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
-    if ok {
-        Ok(s.to_owned())
-    } else {
-        Err(Error::bad_input(field, format!("`{s}` is not a tenant id")))
-    }
-}
-
 /// Sets limits for `tenant` on a pool (`pool_…`) or a site (`site_…`).
 pub async fn set_quota(
     db: &Db,
     actor: &Actor,
-    tenant: &str,
-    scope_id: &str,
+    tenant: &TenantId,
+    scope: &ScopeId,
     limits: QuotaLimits,
 ) -> Result<Vec<Quota>> {
-    let tenant = parse_tenant("tenantId", tenant)?;
-    let scope_kind = match crate::ids::prefix_of(scope_id) {
-        Some("pool") => "pool",
-        Some("site") => "site",
-        _ => {
-            return Err(Error::bad_input(
-                "scopeId",
-                format!("`{scope_id}` is not a pool or site id"),
-            ));
-        }
-    };
-    let mut rows: Vec<(&'static str, f64)> = Vec::new();
+    let mut rows: Vec<(QuotaResource, f64)> = Vec::new();
     if let Some(g) = limits.gpus {
         if !(0.0..=1_000_000.0).contains(&g) || !g.is_finite() {
             return Err(Error::bad_input(
@@ -74,13 +72,13 @@ pub async fn set_quota(
                 "`gpus` must be between 0 and 1000000",
             ));
         }
-        rows.push(("gpu", g));
+        rows.push((QuotaResource::Gpu, g));
     }
     if let Some(v) = limits.vcpu {
         if v < 0 {
             return Err(Error::bad_input("vcpu", "`vcpu` must not be negative"));
         }
-        rows.push(("vcpu", v as f64));
+        rows.push((QuotaResource::Vcpu, v as f64));
     }
     if let Some(m) = limits.memory_mib {
         if m < 0 {
@@ -89,7 +87,7 @@ pub async fn set_quota(
                 "`memoryMib` must not be negative",
             ));
         }
-        rows.push(("memory_mib", m as f64));
+        rows.push((QuotaResource::MemoryMib, m as f64));
     }
     if rows.is_empty() {
         return Err(Error::bad_input(
@@ -97,14 +95,13 @@ pub async fn set_quota(
             "give at least one of `gpus`, `vcpu`, `memoryMib`",
         ));
     }
-    let scope_id = scope_id.to_owned();
     let subject = actor.subject.clone();
     db.tx(TxKind::Write, move |conn| {
-        let (tenant, scope_id, rows, subject) = (tenant.clone(), scope_id.clone(), rows.clone(), subject.clone());
+        let (tenant, scope, rows, subject) = (tenant.clone(), scope.clone(), rows.clone(), subject.clone());
         Box::pin(async move {
             // Lock order: quota_usage first, then the scope's row (FOR KEY SHARE: it must exist
             // and stay).
-            let resources: Vec<&str> = rows.iter().map(|(r, _)| *r).collect();
+            let resources: Vec<QuotaResource> = rows.iter().map(|(r, _)| *r).collect();
             let amounts: Vec<f64> = rows.iter().map(|(_, a)| *a).collect();
             let quotas: Vec<Quota> = sqlx::query_as(&format!(
                 "INSERT INTO quota_usage AS q (tenant_id, scope_kind, scope_id, resource, max_amount) \
@@ -114,27 +111,30 @@ pub async fn set_quota(
                  RETURNING {QUOTA_COLS}"
             ))
             .bind(&tenant)
-            .bind(scope_kind)
-            .bind(&scope_id)
+            .bind(scope.kind())
+            .bind(&scope)
             .bind(&resources)
             .bind(&amounts)
             .fetch_all(&mut *conn)
             .await?;
-            let table = if scope_kind == "pool" { "pools" } else { "sites" };
+            let table = match scope {
+                ScopeId::Pool(_) => "pools",
+                ScopeId::Site(_) => "sites",
+            };
             let exists: Option<(i32,)> = sqlx::query_as(&format!("SELECT 1 FROM {table} WHERE id = $1 FOR KEY SHARE"))
-                .bind(&scope_id)
+                .bind(&scope)
                 .fetch_optional(&mut *conn)
                 .await?;
             if exists.is_none() {
-                return Err(Error::NotFound { kind: scope_kind, id: scope_id });
+                return Err(Error::NotFound { kind: scope.kind(), id: scope.to_string() });
             }
             outbox::emit(
                 conn,
                 NewEvent {
                     event_type: "quota.set",
                     tenant_id: Some(&tenant),
-                    subject: &scope_id,
-                    data: serde_json::json!({ "tenantId": tenant, "scopeId": scope_id, "quotas": quotas, "setBy": subject }),
+                    subject: scope.as_str(),
+                    data: serde_json::json!({ "tenantId": tenant, "scopeId": scope, "quotas": quotas, "setBy": subject }),
                 },
             )
             .await?;
@@ -145,11 +145,129 @@ pub async fn set_quota(
 }
 
 /// The quotas of a tenant.
-pub async fn quotas_of(db: &Db, tenant: &str) -> Result<Vec<Quota>> {
+pub async fn quotas_of(db: &Db, tenant: &TenantId) -> Result<Vec<Quota>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {QUOTA_COLS} FROM quota_usage WHERE tenant_id = $1 ORDER BY scope_kind, scope_id, resource"
     ))
     .bind(tenant)
     .fetch_all(db.pool())
     .await?)
+}
+
+/// Charges every quota row of the tenant on the pool and its site, all or nothing; returns the
+/// rows charged. Rows are locked in key order first (lock order: quota_usage before anything
+/// of the fleet). A missing row means no limit on that scope and resource.
+pub(crate) async fn charge(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    pool_id: &PoolId,
+    site_id: &SiteId,
+    gpu: f64,
+    vcpu: i64,
+    memory: i64,
+) -> Result<Vec<Charge>> {
+    let (pool, site) = (
+        ScopeId::Pool(pool_id.clone()),
+        ScopeId::Site(site_id.clone()),
+    );
+    let want = [
+        (&pool, QuotaResource::Gpu, gpu),
+        (&pool, QuotaResource::Vcpu, vcpu as f64),
+        (&pool, QuotaResource::MemoryMib, memory as f64),
+        (&site, QuotaResource::Gpu, gpu),
+        (&site, QuotaResource::Vcpu, vcpu as f64),
+        (&site, QuotaResource::MemoryMib, memory as f64),
+    ];
+    let kinds: Vec<&str> = want.iter().map(|w| w.0.kind()).collect();
+    let ids: Vec<&str> = want.iter().map(|w| w.0.as_str()).collect();
+    let resources: Vec<QuotaResource> = want.iter().map(|w| w.1).collect();
+    let amounts: Vec<f64> = want.iter().map(|w| w.2).collect();
+    // `locked` takes the rows FOR UPDATE in key order; the UPDATE then charges those whose limit
+    // allows it (re-reading each row's latest version). Fewer charged than locked: over quota.
+    let rows: Vec<(String, ScopeId, QuotaResource, f64, bool, f64, f64)> = sqlx::query_as(
+        "WITH want AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)), \
+         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q \
+                      JOIN want w USING (scope_kind, scope_id, resource) \
+                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q), \
+         charged AS (UPDATE quota_usage q SET used = q.used + w.amount::numeric, version = q.version + 1, updated_at = compute_now() \
+                       FROM want w, locked l \
+                      WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
+                        AND w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource \
+                        AND q.used + w.amount::numeric <= q.max_amount \
+                  RETURNING q.scope_kind, q.scope_id, q.resource) \
+         SELECT l.scope_kind, l.scope_id, l.resource, w.amount, c.resource IS NOT NULL, q.used::float8, q.max_amount::float8 \
+           FROM locked l \
+           JOIN want w ON w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource \
+           JOIN quota_usage q ON q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
+           LEFT JOIN charged c ON c.scope_kind = l.scope_kind AND c.scope_id = l.scope_id AND c.resource = l.resource",
+    )
+    .bind(tenant)
+    .bind(&kinds)
+    .bind(&ids)
+    .bind(&resources)
+    .bind(&amounts)
+    .fetch_all(&mut *conn)
+    .await?;
+    if let Some((kind, id, resource, amount, _, used, max)) = rows.iter().find(|r| !r.4) {
+        let unit = match resource {
+            QuotaResource::Gpu => "GPUs",
+            QuotaResource::Vcpu => "vCPU",
+            QuotaResource::MemoryMib => "MiB of memory",
+        };
+        return Err(Error::QuotaExceeded(format!(
+            "quota exceeded: tenant {tenant} would hold {} of its {} {unit} on {kind} {id} (holds {}, asks {})",
+            amount_text(used + amount),
+            amount_text(*max),
+            amount_text(*used),
+            amount_text(*amount),
+        )));
+    }
+    Ok(rows
+        .into_iter()
+        .filter(|r| r.3 > 0.0)
+        .map(|(_, scope_id, resource, amount, _, _, _)| Charge {
+            scope_kind: scope_id.kind().to_owned(),
+            scope_id,
+            resource,
+            amount,
+        })
+        .collect())
+}
+
+/// An amount as people write it: at most six decimals, no trailing zeros.
+fn amount_text(x: f64) -> String {
+    let s = format!("{x:.6}");
+    s.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
+/// Gives back what a reservation charged, in key order.
+pub(crate) async fn refund(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    charges: &[Charge],
+) -> Result<()> {
+    if charges.is_empty() {
+        return Ok(());
+    }
+    let kinds: Vec<&str> = charges.iter().map(|c| c.scope_id.kind()).collect();
+    let ids: Vec<&str> = charges.iter().map(|c| c.scope_id.as_str()).collect();
+    let resources: Vec<QuotaResource> = charges.iter().map(|c| c.resource).collect();
+    let amounts: Vec<f64> = charges.iter().map(|c| c.amount).collect();
+    sqlx::query(
+        "WITH back AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)), \
+         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q JOIN back b USING (scope_kind, scope_id, resource) \
+                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q) \
+         UPDATE quota_usage q SET used = q.used - b.amount::numeric, version = q.version + 1, updated_at = compute_now() \
+           FROM back b, locked l \
+          WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
+            AND b.scope_kind = l.scope_kind AND b.scope_id = l.scope_id AND b.resource = l.resource",
+    )
+    .bind(tenant)
+    .bind(&kinds)
+    .bind(&ids)
+    .bind(&resources)
+    .bind(&amounts)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }

@@ -8,6 +8,8 @@
 //! the sink `failing`; other sinks are not held up. A sink whose undelivered events were pruned
 //! past the outbox's hard maximum age is marked `behind` and resumes at the pruned front.
 
+use crate::ids::{SinkId, TenantId};
+use crate::text_enum::text_enum;
 use serde::Serialize;
 use sqlx::{FromRow, PgConnection};
 
@@ -21,15 +23,27 @@ pub const FAILING_AFTER: i32 = 3;
 /// The longest wait between two attempts of a failing sink.
 pub const MAX_BACKOFF_SECONDS: f64 = 300.0;
 
+text_enum!(
+    /// How a sink's deliveries are going.
+    SinkState {
+        /// Deliveries succeed (or have not failed often enough to say otherwise).
+        Healthy = "healthy",
+        /// The last deliveries failed; it is retried with backoff.
+        Failing = "failing",
+        /// It fell behind the outbox's retention and skipped events.
+        Behind = "behind",
+    }
+);
+
 /// A sink, with its position.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Sink {
-    pub id: String,
-    pub tenant_id: Option<String>,
+    pub id: SinkId,
+    pub tenant_id: Option<TenantId>,
     pub url: String,
     pub types: Vec<String>,
     pub active: bool,
-    pub state: String,
+    pub state: SinkState,
     pub failures: i32,
     pub next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
     pub last_success_at: Option<chrono::DateTime<chrono::Utc>>,
@@ -74,7 +88,7 @@ const SINK_COLS: &str = "s.id, s.tenant_id, s.url, s.types, s.active, s.state, s
 /// tenant's.
 #[derive(Debug, Clone)]
 pub struct Scope {
-    pub tenant_id: Option<String>,
+    pub tenant_id: Option<TenantId>,
 }
 
 fn check_url(url: &str) -> Result<()> {
@@ -126,7 +140,7 @@ fn new_secret() -> Result<String> {
 }
 
 /// Reads one sink in `conn`.
-async fn get_in(conn: &mut PgConnection, id: &str) -> Result<Option<Sink>> {
+async fn get_in(conn: &mut PgConnection, id: &SinkId) -> Result<Option<Sink>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {SINK_COLS} FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id WHERE s.id = $1"
     ))
@@ -136,13 +150,13 @@ async fn get_in(conn: &mut PgConnection, id: &str) -> Result<Option<Sink>> {
 }
 
 /// One sink as `scope` may see it, or `NOT_FOUND`.
-pub async fn get(db: &Db, scope: &Scope, id: &str) -> Result<Sink> {
+pub async fn get(db: &Db, scope: &Scope, id: &SinkId) -> Result<Sink> {
     let mut conn = db.pool().acquire().await?;
     match get_in(&mut conn, id).await? {
         Some(s) if visible(scope, &s) => Ok(s),
         _ => Err(Error::NotFound {
             kind: "event sink",
-            id: id.to_owned(),
+            id: id.to_string(),
         }),
     }
 }
@@ -163,7 +177,7 @@ pub async fn create(
     check_url(url)?;
     check_types(&types)?;
     let secret = new_secret()?;
-    let id = crate::ids::new_id("snk");
+    let id = SinkId::generate();
     let sink = db
         .tx(TxKind::Write, |conn| {
             let (id, url, types, secret) = (id.clone(), url.to_owned(), types.clone(), secret.clone());
@@ -197,8 +211,8 @@ pub async fn create(
                     conn,
                     crate::outbox::NewEvent {
                         event_type: "event_sink.created",
-                        tenant_id: tenant.as_deref(),
-                        subject: &id,
+                        tenant_id: tenant.as_ref(),
+                        subject: id.as_str(),
                         data: serde_json::to_value(&sink).map_err(Error::internal)?,
                     },
                 )
@@ -220,7 +234,7 @@ pub struct SinkChange {
 }
 
 /// Changes a sink. Re-activating a sink clears its failures, so it is tried at once.
-pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Result<Sink> {
+pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> Result<Sink> {
     if let Some(url) = &change.url {
         check_url(url)?;
     }
@@ -228,7 +242,7 @@ pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Res
         check_types(types)?;
     }
     db.tx(TxKind::Write, |conn| {
-        let (id, change, scope) = (id.to_owned(), change.clone(), scope.clone());
+        let (id, change, scope) = (id.clone(), change.clone(), scope.clone());
         Box::pin(async move {
             let done = sqlx::query(
                 "UPDATE event_sinks SET url = coalesce($2, url), types = coalesce($3, types), \
@@ -253,7 +267,7 @@ pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Res
                 .filter(|s| visible(&scope, s))
                 .ok_or_else(|| Error::NotFound {
                     kind: "event sink",
-                    id: id.clone(),
+                    id: id.to_string(),
                 })?;
             if done.rows_affected() == 0 {
                 return Err(Error::Conflict {
@@ -269,8 +283,8 @@ pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Res
                 conn,
                 crate::outbox::NewEvent {
                     event_type: "event_sink.updated",
-                    tenant_id: sink.tenant_id.as_deref(),
-                    subject: &id,
+                    tenant_id: sink.tenant_id.as_ref(),
+                    subject: id.as_str(),
                     data: serde_json::to_value(&sink).map_err(Error::internal)?,
                 },
             )
@@ -282,16 +296,16 @@ pub async fn update(db: &Db, scope: &Scope, id: &str, change: SinkChange) -> Res
 }
 
 /// Deletes a sink and its position.
-pub async fn delete(db: &Db, scope: &Scope, id: &str) -> Result<Sink> {
+pub async fn delete(db: &Db, scope: &Scope, id: &SinkId) -> Result<Sink> {
     db.tx(TxKind::Write, |conn| {
-        let (id, scope) = (id.to_owned(), scope.clone());
+        let (id, scope) = (id.clone(), scope.clone());
         Box::pin(async move {
             let sink = get_in(conn, &id)
                 .await?
                 .filter(|s| visible(&scope, s))
                 .ok_or_else(|| Error::NotFound {
                     kind: "event sink",
-                    id: id.clone(),
+                    id: id.to_string(),
                 })?;
             sqlx::query("DELETE FROM event_sinks WHERE id = $1")
                 .bind(&sink.id)
@@ -301,8 +315,8 @@ pub async fn delete(db: &Db, scope: &Scope, id: &str) -> Result<Sink> {
                 conn,
                 crate::outbox::NewEvent {
                     event_type: "event_sink.deleted",
-                    tenant_id: sink.tenant_id.as_deref(),
-                    subject: &sink.id,
+                    tenant_id: sink.tenant_id.as_ref(),
+                    subject: sink.id.as_str(),
                     data: serde_json::json!({ "id": sink.id }),
                 },
             )
@@ -333,20 +347,19 @@ pub async fn count_active(db: &Db) -> Result<i64> {
 }
 
 /// The ids of active sinks that are due (not backing off), oldest first.
-pub async fn due(db: &Db) -> Result<Vec<String>> {
-    let rows: Vec<(String,)> = sqlx::query_as(
+pub async fn due(db: &Db) -> Result<Vec<SinkId>> {
+    Ok(sqlx::query_scalar(
         "SELECT id FROM event_sinks WHERE active AND (next_attempt_at IS NULL OR next_attempt_at <= compute_now()) ORDER BY id",
     )
     .fetch_all(db.pool())
-    .await?;
-    Ok(rows.into_iter().map(|(id,)| id).collect())
+    .await?)
 }
 
 /// A sink with its secret, for its dispatcher.
 #[derive(Debug, Clone, FromRow)]
 pub struct Delivery {
-    pub id: String,
-    pub tenant_id: Option<String>,
+    pub id: SinkId,
+    pub tenant_id: Option<TenantId>,
     pub url: String,
     pub types: Vec<String>,
     pub secret: String,
@@ -374,7 +387,7 @@ impl Delivery {
 }
 
 /// The dispatcher's view of a sink (read inside its fenced transaction or alone).
-pub async fn delivery(conn: &mut PgConnection, id: &str) -> Result<Option<Delivery>> {
+pub async fn delivery(conn: &mut PgConnection, id: &SinkId) -> Result<Option<Delivery>> {
     Ok(sqlx::query_as(
         "SELECT s.id, s.tenant_id, s.url, s.types, s.secret, s.active, s.next_attempt_at, \
                 c.txid::text::bigint AS cursor_txid, c.seq AS cursor_seq \
@@ -389,7 +402,7 @@ pub async fn delivery(conn: &mut PgConnection, id: &str) -> Result<Option<Delive
 /// the new cursor, the count, and a healthy state.
 pub async fn save_progress(
     conn: &mut PgConnection,
-    id: &str,
+    id: &SinkId,
     cursor: Cursor,
     delivered: i64,
 ) -> Result<()> {
@@ -411,7 +424,7 @@ pub async fn save_progress(
 
 /// Records a failed delivery (in the dispatcher's fenced transaction): the error, one more
 /// failure, and the time of the next attempt. Returns the wait before it, in seconds.
-pub async fn record_failure(conn: &mut PgConnection, id: &str, error: &str) -> Result<f64> {
+pub async fn record_failure(conn: &mut PgConnection, id: &SinkId, error: &str) -> Result<f64> {
     let error: String = error.chars().take(1000).collect();
     let (wait,): (f64,) = sqlx::query_as(
         "UPDATE event_sinks SET failures = failures + 1, last_error = $2, last_error_at = compute_now(), \

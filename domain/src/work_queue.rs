@@ -8,11 +8,12 @@ use std::time::Duration;
 use sqlx::PgConnection;
 
 use crate::error::Result;
+use crate::text_enum::text_enum;
 
 /// A claimed item.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Item {
-    pub kind: String,
+    pub kind: WorkKind,
     pub key: String,
     /// The generation claimed (`work_queue.gen`).
     #[sqlx(rename = "gen")]
@@ -24,12 +25,17 @@ pub struct Item {
 /// `shard:<kind>:<n>` of each shard it works on.
 pub const SHARDS: i32 = 8;
 
-/// Reconcile one reservation (key: its id): start, expire or retry it when due.
-pub const RESERVATION: &str = "reservation";
-/// Recompute one pool's capacity rollup (key: the pool's id).
-pub const POOL_CAPACITY: &str = "pool_capacity";
-/// Work that does nothing, for the benchmark of the queue itself.
-pub const NOOP: &str = "noop";
+text_enum!(
+    /// What a work-queue row asks for; its key names the subject.
+    WorkKind {
+        /// Reconcile one reservation (key: its id): start, expire or retry it when due.
+        Reservation = "reservation",
+        /// Recompute one pool's capacity rollup (key: the pool's id).
+        PoolCapacity = "pool_capacity",
+        /// Work that does nothing, for the benchmark of the queue itself.
+        Noop = "noop",
+    }
+);
 
 /// The longest backoff after failures.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
@@ -39,7 +45,7 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
 /// the one definition; `compute_enqueue` is the one upsert).
 pub async fn enqueue(
     conn: &mut PgConnection,
-    kind: &str,
+    kind: WorkKind,
     key: &str,
     shards: i32,
     delay: Duration,
@@ -58,7 +64,7 @@ pub async fn enqueue(
 /// fenced by the shard leases; other claimers skip the rows this one locks.
 pub async fn claim(
     conn: &mut PgConnection,
-    kind: &str,
+    kind: WorkKind,
     shards: &[i32],
     limit: i64,
     claim_for: Duration,
@@ -86,7 +92,7 @@ pub async fn claim(
 pub async fn enqueue_all_pools(db: &crate::db::Db) -> Result<u64> {
     let (n,): (i32,) =
         sqlx::query_as("SELECT compute_enqueue($1, array_agg(p.id), $2) FROM pools p")
-            .bind(POOL_CAPACITY)
+            .bind(WorkKind::PoolCapacity)
             .bind(SHARDS)
             .fetch_one(db.pool())
             .await?;
@@ -111,7 +117,7 @@ pub async fn finish(
                          WHERE kind = $1 AND key = $2 AND gen <> $3 RETURNING 1) \
          SELECT EXISTS (SELECT 1 FROM gone) OR EXISTS (SELECT 1 FROM later)",
     )
-    .bind(&item.kind)
+    .bind(item.kind)
     .bind(&item.key)
     .bind(item.generation)
     .bind(next)
@@ -124,14 +130,14 @@ pub async fn finish(
 /// stays, unclaimed, and runs again. Returns whether it was deleted.
 pub async fn complete(conn: &mut PgConnection, item: &Item) -> Result<bool> {
     let deleted = sqlx::query("DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3")
-        .bind(&item.kind)
+        .bind(item.kind)
         .bind(&item.key)
         .bind(item.generation)
         .execute(&mut *conn)
         .await?;
     if deleted.rows_affected() == 0 {
         sqlx::query("UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL WHERE kind = $1 AND key = $2")
-            .bind(&item.kind)
+            .bind(item.kind)
             .bind(&item.key)
             .execute(&mut *conn)
             .await?;
@@ -148,7 +154,7 @@ pub async fn fail(conn: &mut PgConnection, item: &Item, error: &str) -> Result<(
                 updated_at = compute_now() \
           WHERE kind = $1 AND key = $2",
     )
-    .bind(&item.kind)
+    .bind(item.kind)
     .bind(&item.key)
     .bind(error)
     .bind(MAX_BACKOFF.as_secs_f64())

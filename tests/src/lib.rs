@@ -578,3 +578,8 @@ pub fn mint(claims: Claims) -> String {
 pub fn first_code(body: &Value) -> Option<&str> {
     body["errors"][0]["extensions"]["code"].as_str()
 }
+
+/// A tenant id for tests.
+pub fn tenant(id: &str) -> compute_domain::ids::TenantId {
+    compute_domain::ids::TenantId::parse("tenant", id).expect("a valid tenant id")
+}

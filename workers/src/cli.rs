@@ -115,13 +115,14 @@ pub async fn main() -> ExitCode {
         .map(str::trim)
         .filter(|k| !k.is_empty())
     {
-        match crate::queue::ALL_KINDS.iter().find(|known| **known == k) {
-            Some(known) => kinds.push(*known),
+        match compute_domain::work_queue::WorkKind::parse(k) {
+            Some(known) => kinds.push(known),
             None => {
+                let known: Vec<&str> = crate::queue::ALL_KINDS.iter().map(|k| k.as_str()).collect();
                 let _ = writeln!(
                     std::io::stderr(),
                     "compute-worker: unknown work kind `{k}` (known: {})",
-                    crate::queue::ALL_KINDS.join(", ")
+                    known.join(", ")
                 );
                 return ExitCode::from(2);
             }

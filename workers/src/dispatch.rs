@@ -13,6 +13,7 @@
 //! `Compute-Timestamp` (seconds since the epoch) and `Compute-Signature: v1=<hex>`, the
 //! HMAC-SHA256 of `<timestamp>.<body>` under the sink's secret. A 2xx answer is a delivery.
 
+use compute_domain::ids::SinkId;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,7 +80,7 @@ pub struct Dispatcher {
     db: Db,
     owner: String,
     http: reqwest::Client,
-    tasks: HashMap<String, SinkTask>,
+    tasks: HashMap<SinkId, SinkTask>,
     presence: Option<HeldLease>,
     stats: Arc<DispatchStats>,
     /// How long a caught-up sink waits before it looks for new events.
@@ -220,7 +221,7 @@ async fn deliver_sink(
     db: Db,
     http: reqwest::Client,
     lease: HeldLease,
-    id: String,
+    id: SinkId,
     stats: Arc<DispatchStats>,
     idle: Duration,
     mut stop: watch::Receiver<bool>,
@@ -275,7 +276,7 @@ async fn deliver_batch(
     db: &Db,
     http: &reqwest::Client,
     lease: &HeldLease,
-    id: &str,
+    id: &SinkId,
     stats: &DispatchStats,
 ) -> compute_domain::Result<Result<usize, Stop>> {
     let mut conn = db.pool().acquire().await?;
@@ -315,7 +316,7 @@ async fn deliver_batch(
         .delivered
         .fetch_add(delivered as u64, Ordering::Relaxed);
     db.fenced_tx(lease.fence(), TxKind::Maintenance, |conn| {
-        let (failure, id) = (failure.clone(), id.to_owned());
+        let (failure, id) = (failure.clone(), id.clone());
         Box::pin(async move {
             if let Some(cursor) = last {
                 sinks::save_progress(conn, &id, cursor, delivered).await?;
@@ -347,7 +348,7 @@ async fn post(
     let response = http
         .post(url)
         .header("Content-Type", "application/json")
-        .header("Compute-Event-Id", &event.id)
+        .header("Compute-Event-Id", event.id.as_str())
         .header("Compute-Event-Type", &event.event_type)
         .header("Compute-Timestamp", timestamp.to_string())
         .header("Compute-Signature", signature(secret, timestamp, &body))

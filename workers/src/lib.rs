@@ -210,7 +210,7 @@ impl Reconciler {
 pub struct Options {
     pub role: Role,
     /// The work-queue kinds to run ([`queue::KINDS`] normally).
-    pub kinds: Vec<&'static str>,
+    pub kinds: Vec<compute_domain::work_queue::WorkKind>,
     /// Names this process in every lease it takes.
     pub owner: String,
     /// How often the resync runs.

@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use compute_domain::db::{Db, TxKind};
-use compute_domain::work_queue::{self, Item, NOOP, POOL_CAPACITY, RESERVATION, SHARDS};
+use compute_domain::ids::{PoolId, ReservationId};
+use compute_domain::work_queue::{self, Item, SHARDS, WorkKind};
 use compute_domain::{Error, Result};
 use tracing::{debug, info, warn};
 
@@ -31,18 +32,18 @@ pub struct QueueStats {
 }
 
 /// The kinds a reconcile worker runs.
-pub const KINDS: [&str; 2] = [RESERVATION, POOL_CAPACITY];
+pub const KINDS: [WorkKind; 2] = [WorkKind::Reservation, WorkKind::PoolCapacity];
 
 /// Every kind a worker can run (`noop` only for the benchmark).
-pub const ALL_KINDS: [&str; 3] = [RESERVATION, POOL_CAPACITY, NOOP];
+pub const ALL_KINDS: &[WorkKind] = WorkKind::ALL;
 
 /// One worker process's share of the queue.
 pub struct QueueWorker {
     db: Db,
     owner: String,
-    kinds: Vec<&'static str>,
+    kinds: Vec<WorkKind>,
     presence: Option<HeldLease>,
-    shards: BTreeMap<(&'static str, i32), HeldLease>,
+    shards: BTreeMap<(WorkKind, i32), HeldLease>,
     /// How many due rows one claim takes.
     pub batch: i64,
     /// How long a claim keeps other claimers off a row.
@@ -70,20 +71,28 @@ pub fn presence_lease(family: &str, owner: &str) -> String {
 /// Runs the reconciler of `kind` for `key`; returns when the key is due again, if ever.
 pub async fn run_item(
     db: &Db,
-    kind: &str,
+    kind: WorkKind,
     key: &str,
 ) -> Result<Option<chrono::DateTime<chrono::Utc>>> {
+    // A key this kind cannot name is a bug of the enqueuer: it fails, and stays for operators.
+    let bad_key = || {
+        Error::internal(format!(
+            "work of kind `{kind}` has a key that is not its subject's id: `{key}`"
+        ))
+    };
     match kind {
-        RESERVATION => {
+        WorkKind::Reservation => {
+            let id = ReservationId::from_trusted(key).ok_or_else(bad_key)?;
             let (step, next) =
-                compute_domain::reservations::reconcile::reconcile_one(db, key).await?;
+                compute_domain::reservations::reconcile::reconcile_one(db, &id).await?;
             if step != compute_domain::reservations::reconcile::Step::Nothing {
                 debug!(reservation = key, ?step, "reservation reconciled");
             }
             Ok(next)
         }
-        POOL_CAPACITY => {
-            let fixed = compute_domain::fleet::commands::recompute_rollup(db, key).await?;
+        WorkKind::PoolCapacity => {
+            let id = PoolId::from_trusted(key).ok_or_else(bad_key)?;
+            let fixed = compute_domain::fleet::commands::recompute_rollup(db, &id).await?;
             if fixed > 0 {
                 warn!(
                     pool = key,
@@ -93,15 +102,12 @@ pub async fn run_item(
             }
             Ok(None)
         }
-        NOOP => Ok(None),
-        other => Err(Error::internal(format!(
-            "no reconciler for work of kind `{other}`"
-        ))),
+        WorkKind::Noop => Ok(None),
     }
 }
 
 impl QueueWorker {
-    pub fn new(db: Db, owner: impl Into<String>, kinds: &[&'static str]) -> Self {
+    pub fn new(db: Db, owner: impl Into<String>, kinds: &[WorkKind]) -> Self {
         QueueWorker {
             db,
             owner: owner.into(),
@@ -120,7 +126,7 @@ impl QueueWorker {
     }
 
     /// The shards held now, as `(kind, n)`.
-    pub fn held(&self) -> Vec<(&'static str, i32)> {
+    pub fn held(&self) -> Vec<(WorkKind, i32)> {
         self.shards.keys().copied().collect()
     }
 
@@ -275,7 +281,7 @@ impl QueueWorker {
 async fn run_shard(
     db: &Db,
     lease: &HeldLease,
-    (kind, shard): (&'static str, i32),
+    (kind, shard): (WorkKind, i32),
     batch: i64,
     claim_for: Duration,
     stats: &QueueStats,
@@ -326,7 +332,7 @@ async fn run_shard(
             Ok(Some(_)) => stats.rescheduled.fetch_add(1, Ordering::Relaxed),
             Ok(None) => stats.succeeded.fetch_add(1, Ordering::Relaxed),
             Err(why) => {
-                warn!(kind, why = %why, "work item failed; retried after its backoff");
+                warn!(kind = %kind, why = %why, "work item failed; retried after its backoff");
                 stats.failed.fetch_add(1, Ordering::Relaxed)
             }
         };

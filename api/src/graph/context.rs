@@ -5,6 +5,7 @@
 //! `auth`, so every resolver module can use it without forming a cycle.
 
 use async_graphql::{Context, ErrorExtensions};
+use compute_domain::actor::Actor;
 use compute_domain::db::Db;
 use compute_domain::{Error, ErrorCode};
 use tracing::error;
@@ -68,6 +69,16 @@ pub fn viewer<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Viewer> {
     ctx.data_opt::<Viewer>().ok_or_else(|| {
         gql_error(Error::Unauthenticated(
             "this field needs a bearer token (Authorization: Bearer <jwt>)".into(),
+        ))
+    })
+}
+
+/// The caller as the domain sees it; `FORBIDDEN` for a token with neither the operator nor the
+/// member role.
+pub fn actor(ctx: &Context<'_>) -> async_graphql::Result<Actor> {
+    viewer(ctx)?.actor().ok_or_else(|| {
+        gql_error(Error::Forbidden(
+            "this needs the member or operator role".into(),
         ))
     })
 }

@@ -14,11 +14,12 @@ use std::sync::{Arc, Mutex};
 
 use async_graphql::{Context, ID, Json, Object, Subscription};
 use chrono::{DateTime, Utc};
+use compute_domain::ids::{NodeId, PoolId, ReservationId, TenantId};
 use compute_domain::outbox::{self, Cursor, Event, EventFilter};
 use futures_util::Stream;
 
-use crate::auth::Role;
-use crate::graph::{db, gql_error, viewer};
+use crate::graph::common::gql_id;
+use crate::graph::{actor, db, gql_error, viewer};
 use crate::tailer::{Feed, Tailer};
 
 /// Where the item a subscription yielded last sits in the outbox. A transport puts one in each
@@ -93,7 +94,7 @@ pub struct EventObj(Arc<Event>);
 impl EventObj {
     /// The event's id (`evt_…`), stable across redeliveries: deduplicate by it.
     async fn id(&self) -> ID {
-        ID(self.0.id.clone())
+        gql_id(&self.0.id)
     }
     /// Where this event is in the stream: resume after it with `events(after:)`.
     async fn cursor(&self) -> String {
@@ -105,7 +106,7 @@ impl EventObj {
     }
     /// The tenant it belongs to; null for fleet events.
     async fn tenant_id(&self) -> Option<&str> {
-        self.0.tenant_id.as_deref()
+        self.0.tenant_id.as_ref().map(TenantId::as_str)
     }
     /// The id of what changed.
     async fn subject(&self) -> &str {
@@ -229,16 +230,14 @@ impl SubscriptionRoot {
             Vec<String>,
         >,
     ) -> async_graphql::Result<impl Stream<Item = async_graphql::Result<EventObj>> + use<>> {
-        let v = viewer(ctx)?;
-        let tenant_id = if v.has_role(Role::Operator) {
-            None
-        } else {
-            Some(v.tenant.clone().ok_or_else(|| {
+        let tenant_id = actor(ctx)?
+            .visible_tenant()
+            .map_err(|_| {
                 gql_error(compute_domain::Error::Forbidden(
                     "your token names no tenant".into(),
                 ))
-            })?)
-        };
+            })?
+            .cloned();
         let cursor = start(ctx, after).await?;
         let filter = EventFilter {
             tenant_id,
@@ -263,8 +262,7 @@ impl SubscriptionRoot {
     ) -> async_graphql::Result<
         impl Stream<Item = async_graphql::Result<crate::graph::reservations::ReservationObj>> + use<>,
     > {
-        let rid =
-            compute_domain::fleet::model::parse_id("id", "rsv", id.as_str()).map_err(gql_error)?;
+        let rid = ReservationId::parse("id", id.as_str()).map_err(gql_error)?;
         let db = db(ctx)?.clone();
         let found = compute_domain::reservations::get_reservations(&db, std::slice::from_ref(&rid))
             .await
@@ -274,7 +272,7 @@ impl SubscriptionRoot {
             _ => {
                 return Err(gql_error(compute_domain::Error::NotFound {
                     kind: "reservation",
-                    id: rid,
+                    id: rid.to_string(),
                 }));
             }
         };
@@ -282,7 +280,7 @@ impl SubscriptionRoot {
         let filter = EventFilter {
             tenant_id: Some(tenant),
             types: vec![],
-            subjects: vec![rid.clone()],
+            subjects: vec![rid.to_string()],
         };
         let feed = tailer(ctx)?.feed(cursor, filter);
         Ok(follow(
@@ -310,8 +308,7 @@ impl SubscriptionRoot {
         impl Stream<Item = async_graphql::Result<crate::graph::fleet::ComputeNodeObj>> + use<>,
     > {
         crate::graph::require_operator(ctx)?;
-        let nid =
-            compute_domain::fleet::model::parse_id("id", "node", id.as_str()).map_err(gql_error)?;
+        let nid = NodeId::parse("id", id.as_str()).map_err(gql_error)?;
         let db = db(ctx)?.clone();
         if compute_domain::fleet::get_nodes(&db, std::slice::from_ref(&nid))
             .await
@@ -320,14 +317,14 @@ impl SubscriptionRoot {
         {
             return Err(gql_error(compute_domain::Error::NotFound {
                 kind: "compute node",
-                id: nid,
+                id: nid.to_string(),
             }));
         }
         let cursor = start(ctx, after).await?;
         let filter = EventFilter {
             tenant_id: None,
             types: vec![],
-            subjects: vec![nid.clone()],
+            subjects: vec![nid.to_string()],
         };
         let feed = tailer(ctx)?.feed(cursor, filter);
         Ok(follow(
@@ -356,8 +353,7 @@ impl SubscriptionRoot {
         impl Stream<Item = async_graphql::Result<crate::graph::fleet::PoolObj>> + use<>,
     > {
         viewer(ctx)?;
-        let pid =
-            compute_domain::fleet::model::parse_id("id", "pool", id.as_str()).map_err(gql_error)?;
+        let pid = PoolId::parse("id", id.as_str()).map_err(gql_error)?;
         let db = db(ctx)?.clone();
         if compute_domain::fleet::get_pools(&db, std::slice::from_ref(&pid))
             .await
@@ -366,7 +362,7 @@ impl SubscriptionRoot {
         {
             return Err(gql_error(compute_domain::Error::NotFound {
                 kind: "pool",
-                id: pid,
+                id: pid.to_string(),
             }));
         }
         let cursor = start(ctx, after).await?;
@@ -374,8 +370,8 @@ impl SubscriptionRoot {
             .await
             .map_err(gql_error)?;
         let relevance = PoolRelevance {
-            pool_id: pid.clone(),
-            nodes: nodes.into_iter().collect(),
+            pool_id: pid.to_string(),
+            nodes: nodes.into_iter().map(String::from).collect(),
         };
         // Fleet events are not a tenant's, so this follows every event and keeps those about
         // the pool: one stream for the whole dashboard tile, never one per node.

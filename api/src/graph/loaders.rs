@@ -7,9 +7,8 @@ use std::collections::HashMap;
 use async_graphql::dataloader::{DataLoader, Loader, NoCache};
 use compute_domain::db::Db;
 use compute_domain::fleet::model::Window;
-use compute_domain::fleet::{
-    self, Atom, CapacityRow, CapacityScope, Device, Node, NodeResource, Pool, Site,
-};
+use compute_domain::fleet::{self, Atom, CapacityRow, Device, Node, NodeResource, Pool, Site};
+use compute_domain::ids::{DeviceId, NodeId, PoolId, ReservationId, ScopeId, SiteId};
 use compute_domain::page::{Page, PageArgs};
 
 use crate::graph::gql_error;
@@ -39,28 +38,25 @@ pub fn loaders(db: Db) -> Loaders {
 
 type LoadResult<K, V> = Result<HashMap<K, V>, async_graphql::Error>;
 
-fn ids<K: Clone, F: Fn(&K) -> String>(keys: &[K], f: F) -> Vec<String> {
-    let mut v: Vec<String> = keys.iter().map(f).collect();
+/// The distinct ids of a batch, sorted (one statement binds them as an array).
+fn ids<K, I: Clone + Ord, F: Fn(&K) -> &I>(keys: &[K], f: F) -> Vec<I> {
+    let mut v: Vec<I> = keys.iter().map(|k| f(k).clone()).collect();
     v.sort();
     v.dedup();
     v
 }
 
 macro_rules! by_id {
-    ($key:ident, $value:ty, $fetch:path) => {
-        /// An entity by its id.
-        #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-        pub struct $key(pub String);
-
+    ($key:ty, $value:ty, $fetch:path) => {
         impl Loader<$key> for FleetLoader {
             type Value = $value;
             type Error = async_graphql::Error;
 
             async fn load(&self, keys: &[$key]) -> LoadResult<$key, $value> {
-                let rows = $fetch(&self.db, &ids(keys, |k| k.0.clone()))
+                let rows = $fetch(&self.db, &ids(keys, |k| k))
                     .await
                     .map_err(gql_error)?;
-                Ok(rows.into_iter().map(|r| ($key(r.id.clone()), r)).collect())
+                Ok(rows.into_iter().map(|r| (r.id.clone(), r)).collect())
             }
         }
     };
@@ -70,19 +66,24 @@ by_id!(SiteId, Site, fleet::get_sites);
 by_id!(PoolId, Pool, fleet::get_pools);
 by_id!(NodeId, Node, fleet::get_nodes);
 by_id!(DeviceId, Device, fleet::get_devices);
+by_id!(
+    ReservationId,
+    compute_domain::reservations::Reservation,
+    compute_domain::reservations::get_reservations
+);
 
 macro_rules! children {
-    ($key:ident, $value:ty, $fetch:path, $parent:ident) => {
+    ($key:ident($parent_id:ty), $value:ty, $fetch:path, $parent:ident) => {
         /// The children of one parent.
         #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-        pub struct $key(pub String);
+        pub struct $key(pub $parent_id);
 
         impl Loader<$key> for FleetLoader {
             type Value = Vec<$value>;
             type Error = async_graphql::Error;
 
             async fn load(&self, keys: &[$key]) -> LoadResult<$key, Vec<$value>> {
-                let rows = $fetch(&self.db, &ids(keys, |k| k.0.clone()))
+                let rows = $fetch(&self.db, &ids(keys, |k| &k.0))
                     .await
                     .map_err(gql_error)?;
                 let mut out: HashMap<$key, Vec<$value>> =
@@ -96,21 +97,37 @@ macro_rules! children {
     };
 }
 
-children!(DevicesOfNode, Device, fleet::devices_by_nodes, node_id);
-children!(AtomsOfDevice, Atom, fleet::atoms_by_devices, device_id);
 children!(
-    ResourcesOfNode,
+    DevicesOfNode(NodeId),
+    Device,
+    fleet::devices_by_nodes,
+    node_id
+);
+children!(
+    AtomsOfDevice(DeviceId),
+    Atom,
+    fleet::atoms_by_devices,
+    device_id
+);
+children!(
+    ResourcesOfNode(NodeId),
     NodeResource,
     fleet::resources_by_nodes,
     node_id
 );
+children!(
+    AllocationsOfReservation(ReservationId),
+    compute_domain::reservations::Allocation,
+    compute_domain::reservations::allocations_by_reservations,
+    reservation_id
+);
 
 /// Groups keys that share page arguments, so each group is one statement.
-fn by_args<K, F: Fn(&K) -> (&String, &PageArgs)>(
+fn by_args<K, I: Clone, F: Fn(&K) -> (&I, &PageArgs)>(
     keys: &[K],
     f: F,
-) -> HashMap<PageArgs, Vec<String>> {
-    let mut groups: HashMap<PageArgs, Vec<String>> = HashMap::new();
+) -> HashMap<PageArgs, Vec<I>> {
+    let mut groups: HashMap<PageArgs, Vec<I>> = HashMap::new();
     for k in keys {
         let (id, args) = f(k);
         groups.entry(args.clone()).or_default().push(id.clone());
@@ -119,10 +136,10 @@ fn by_args<K, F: Fn(&K) -> (&String, &PageArgs)>(
 }
 
 macro_rules! nested_page {
-    ($key:ident, $value:ty, $fetch:path) => {
+    ($key:ident($parent_id:ty), $value:ty, $fetch:path) => {
         /// One page of a parent's children.
         #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-        pub struct $key(pub String, pub PageArgs);
+        pub struct $key(pub $parent_id, pub PageArgs);
 
         impl Loader<$key> for FleetLoader {
             type Value = Page<$value>;
@@ -142,21 +159,21 @@ macro_rules! nested_page {
     };
 }
 
-nested_page!(PoolsOfSite, Pool, fleet::pools_by_sites);
-nested_page!(NodesOfPool, Node, fleet::nodes_by_pools);
+nested_page!(PoolsOfSite(SiteId), Pool, fleet::pools_by_sites);
+nested_page!(NodesOfPool(PoolId), Node, fleet::nodes_by_pools);
 
 macro_rules! child_count {
-    ($key:ident, $fetch:path) => {
+    ($key:ident($parent_id:ty), $fetch:path) => {
         /// How many children a parent has.
         #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-        pub struct $key(pub String);
+        pub struct $key(pub $parent_id);
 
         impl Loader<$key> for FleetLoader {
             type Value = i64;
             type Error = async_graphql::Error;
 
             async fn load(&self, keys: &[$key]) -> LoadResult<$key, i64> {
-                let counts = $fetch(&self.db, &ids(keys, |k| k.0.clone()))
+                let counts = $fetch(&self.db, &ids(keys, |k| &k.0))
                     .await
                     .map_err(gql_error)?;
                 Ok(keys
@@ -168,30 +185,44 @@ macro_rules! child_count {
     };
 }
 
-child_count!(PoolCountOfSite, fleet::count_pools_by_sites);
-child_count!(NodeCountOfPool, fleet::count_nodes_by_pools);
+child_count!(PoolCountOfSite(SiteId), fleet::count_pools_by_sites);
+child_count!(NodeCountOfPool(PoolId), fleet::count_nodes_by_pools);
 
-/// Capacity of a pool or site over a window (now when `None`).
+/// Capacity of a pool or a site over a window (now when `None`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct CapacityOf(pub CapacityScope, pub String, pub Option<Window>);
+pub struct CapacityOf(pub ScopeId, pub Option<Window>);
 
 impl Loader<CapacityOf> for FleetLoader {
     type Value = Vec<CapacityRow>;
     type Error = async_graphql::Error;
 
     async fn load(&self, keys: &[CapacityOf]) -> LoadResult<CapacityOf, Vec<CapacityRow>> {
-        let mut groups: HashMap<(CapacityScope, Option<Window>), Vec<String>> = HashMap::new();
-        for k in keys {
-            groups.entry((k.0, k.2)).or_default().push(k.1.clone());
+        let mut pools: HashMap<Option<Window>, Vec<PoolId>> = HashMap::new();
+        let mut sites: HashMap<Option<Window>, Vec<SiteId>> = HashMap::new();
+        for CapacityOf(scope, window) in keys {
+            match scope {
+                ScopeId::Pool(p) => pools.entry(*window).or_default().push(p.clone()),
+                ScopeId::Site(s) => sites.entry(*window).or_default().push(s.clone()),
+            }
         }
         let mut out: HashMap<CapacityOf, Vec<CapacityRow>> =
             keys.iter().map(|k| (k.clone(), Vec::new())).collect();
-        for ((scope, window), scope_ids) in groups {
-            for row in fleet::capacity(&self.db, scope, &scope_ids, window)
+        for (window, ids) in pools {
+            for row in fleet::pool_capacity(&self.db, &ids, window)
                 .await
                 .map_err(gql_error)?
             {
-                out.entry(CapacityOf(scope, row.scope_id.clone(), window))
+                out.entry(CapacityOf(row.scope_id.clone(), window))
+                    .or_default()
+                    .push(row);
+            }
+        }
+        for (window, ids) in sites {
+            for row in fleet::site_capacity(&self.db, &ids, window)
+                .await
+                .map_err(gql_error)?
+            {
+                out.entry(CapacityOf(row.scope_id.clone(), window))
                     .or_default()
                     .push(row);
             }
@@ -199,30 +230,3 @@ impl Loader<CapacityOf> for FleetLoader {
         Ok(out)
     }
 }
-
-/// A reservation by id.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct ReservationId(pub String);
-
-impl Loader<ReservationId> for FleetLoader {
-    type Value = compute_domain::reservations::Reservation;
-    type Error = async_graphql::Error;
-
-    async fn load(&self, keys: &[ReservationId]) -> LoadResult<ReservationId, Self::Value> {
-        let rows =
-            compute_domain::reservations::get_reservations(&self.db, &ids(keys, |k| k.0.clone()))
-                .await
-                .map_err(gql_error)?;
-        Ok(rows
-            .into_iter()
-            .map(|r| (ReservationId(r.id.clone()), r))
-            .collect())
-    }
-}
-
-children!(
-    AllocationsOfReservation,
-    compute_domain::reservations::Allocation,
-    compute_domain::reservations::allocations_by_reservations,
-    reservation_id
-);

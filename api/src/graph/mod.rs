@@ -22,7 +22,7 @@ pub mod node;
 pub mod reservations;
 pub mod sinks;
 
-pub use context::{ReplayFlag, db, gql_error, require_operator, viewer};
+pub use context::{ReplayFlag, actor, db, gql_error, require_operator, viewer};
 
 /// The schema type served by the API.
 pub type ApiSchema = Schema<Query, Mutation, events::SubscriptionRoot>;
@@ -82,7 +82,7 @@ impl CoreQuery {
         let v = viewer(ctx)?;
         Ok(ViewerInfo {
             subject: v.subject.clone(),
-            tenant_id: v.tenant.clone(),
+            tenant_id: v.tenant.as_ref().map(ToString::to_string),
             roles: v.roles.iter().map(|r| GqlRole::from(*r)).collect(),
             expires_at: DateTime::from_timestamp(v.expires_at, 0).unwrap_or_default(),
         })

@@ -2,6 +2,7 @@
 
 use async_graphql::{Context, ID, Interface};
 use compute_domain::Error;
+use compute_domain::ids::{DeviceId, NodeId, PoolId, ReservationId, SiteId};
 
 use crate::graph::fleet::{ComputeNodeObj, DeviceObj, PoolObj, SiteObj};
 use crate::graph::gql_error;
@@ -39,25 +40,28 @@ pub async fn load_node(
             format!("`{}` is not an id of this API", id.as_str()),
         ))
     })?;
-    let key = id.to_string();
+    let key = id.as_str();
     Ok(match prefix {
-        "site" => loaders
-            .load_one(SiteId(key))
+        SiteId::PREFIX => loaders
+            .load_one(SiteId::parse("id", key).map_err(gql_error)?)
             .await?
             .map(|s| NodeInterface::Site(SiteObj(s))),
-        "pool" => loaders
-            .load_one(PoolId(key))
+        PoolId::PREFIX => loaders
+            .load_one(PoolId::parse("id", key).map_err(gql_error)?)
             .await?
             .map(|p| NodeInterface::Pool(PoolObj(p))),
-        "node" if operator => loaders
-            .load_one(NodeId(key))
+        NodeId::PREFIX if operator => loaders
+            .load_one(NodeId::parse("id", key).map_err(gql_error)?)
             .await?
             .map(|n| NodeInterface::ComputeNode(ComputeNodeObj::new(n))),
-        "dev" if operator => loaders
-            .load_one(DeviceId(key))
+        DeviceId::PREFIX if operator => loaders
+            .load_one(DeviceId::parse("id", key).map_err(gql_error)?)
             .await?
             .map(|d| NodeInterface::Device(DeviceObj::new(d))),
-        "rsv" => match loaders.load_one(ReservationId(key)).await? {
+        ReservationId::PREFIX => match loaders
+            .load_one(ReservationId::parse("id", key).map_err(gql_error)?)
+            .await?
+        {
             Some(r) if crate::graph::reservations::visible(ctx, &r)? => {
                 Some(NodeInterface::Reservation(ReservationObj(r)))
             }

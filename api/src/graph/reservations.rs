@@ -4,21 +4,21 @@ use async_graphql::connection::{Connection, Edge};
 use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
-use compute_domain::fleet::model::{self as m, Window};
-use compute_domain::idempotency::Actor;
+use compute_domain::fleet::model::Window;
+use compute_domain::ids::{PoolId, ReservationId, TenantId};
 use compute_domain::page::{PageRequest, encode_cursor};
 use compute_domain::reservations::model::{AllocationInput, parse_request};
-use compute_domain::reservations::state::State;
 use compute_domain::reservations::{self as rsv, ReservationFilter, commands};
 
 use crate::auth::Role;
-use crate::graph::common::{AtomKind, Condition, TaintEffect, WindowInput, conditions_of};
+use crate::graph::common::{AtomKind, Condition, TaintEffect, WindowInput, conditions_of, gql_id};
 use crate::graph::fleet::{ComputeNodeObj, PoolObj};
 use crate::graph::loaders::*;
-use crate::graph::{ReplayFlag, db, gql_error, viewer};
+use crate::graph::{ReplayFlag, actor, db, gql_error, viewer};
 
 /// Where a reservation is in its life.
 #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
+#[graphql(remote = "compute_domain::reservations::state::State")]
 pub enum ReservationState {
     /// Holds its quota, not placed yet; retried every 30 seconds.
     Pending,
@@ -36,34 +36,6 @@ pub enum ReservationState {
     Failed,
 }
 
-impl From<State> for ReservationState {
-    fn from(s: State) -> Self {
-        match s {
-            State::Pending => ReservationState::Pending,
-            State::Scheduled => ReservationState::Scheduled,
-            State::Active => ReservationState::Active,
-            State::Released => ReservationState::Released,
-            State::Expired => ReservationState::Expired,
-            State::Cancelled => ReservationState::Cancelled,
-            State::Failed => ReservationState::Failed,
-        }
-    }
-}
-
-impl From<ReservationState> for State {
-    fn from(s: ReservationState) -> Self {
-        match s {
-            ReservationState::Pending => State::Pending,
-            ReservationState::Scheduled => State::Scheduled,
-            ReservationState::Active => State::Active,
-            ReservationState::Released => State::Released,
-            ReservationState::Expired => State::Expired,
-            ReservationState::Cancelled => State::Cancelled,
-            ReservationState::Failed => State::Failed,
-        }
-    }
-}
-
 /// A tenant's claim on GPUs with vCPU, memory and disk, for a window.
 pub struct ReservationObj(pub rsv::Reservation);
 
@@ -72,21 +44,19 @@ pub struct ReservationObj(pub rsv::Reservation);
 impl ReservationObj {
     /// The reservation's id (`rsv_…`).
     pub async fn id(&self) -> ID {
-        ID(self.0.id.clone())
+        gql_id(&self.0.id)
     }
     /// The tenant it belongs to.
     async fn tenant_id(&self) -> &str {
-        &self.0.tenant_id
+        self.0.tenant_id.as_str()
     }
     /// Who created it.
     async fn created_by(&self) -> &str {
         &self.0.created_by
     }
     /// Its state, as time says: active from its start, expired from its end.
-    async fn state(&self) -> async_graphql::Result<ReservationState> {
-        State::parse(&self.0.state)
-            .map(Into::into)
-            .ok_or_else(|| gql_error(Error::internal("unknown reservation state")))
+    async fn state(&self) -> ReservationState {
+        self.0.state.into()
     }
     /// When its window starts: when it holds its devices from. A pending reservation placed
     /// after the start it asked for starts at its placement.
@@ -137,7 +107,7 @@ impl ReservationObj {
     /// Its pool.
     async fn pool(&self, ctx: &Context<'_>) -> async_graphql::Result<PoolObj> {
         loaders_of(ctx)?
-            .load_one(PoolId(self.0.pool_id.clone()))
+            .load_one(self.0.pool_id.clone())
             .await?
             .map(PoolObj)
             .ok_or_else(|| gql_error(Error::internal("a reservation without its pool")))
@@ -162,11 +132,11 @@ pub struct AllocationObj(pub rsv::Allocation);
 impl AllocationObj {
     /// The allocation's id (`alc_…`).
     pub async fn id(&self) -> ID {
-        ID(self.0.id.clone())
+        gql_id(&self.0.id)
     }
     /// Whole GPUs, MIG instances or slots.
-    async fn gpu_kind(&self) -> async_graphql::Result<AtomKind> {
-        AtomKind::from_db(&self.0.gpu_kind)
+    async fn gpu_kind(&self) -> AtomKind {
+        self.0.gpu_kind.into()
     }
     /// How many.
     async fn gpu_count(&self) -> i32 {
@@ -197,8 +167,8 @@ impl AllocationObj {
         self.0.disk_gib
     }
     /// The atoms it holds (empty while pending).
-    async fn atoms(&self) -> &[String] {
-        &self.0.atoms
+    async fn atoms(&self) -> Vec<&str> {
+        self.0.atoms.iter().map(|a| a.as_str()).collect()
     }
     /// The node it was placed on (null while pending). Operators only.
     async fn compute_node(
@@ -212,20 +182,21 @@ impl AllocationObj {
             return Ok(None);
         }
         Ok(loaders_of(ctx)?
-            .load_one(NodeId(node_id.clone()))
+            .load_one(node_id.clone())
             .await?
             .map(ComputeNodeObj::new))
     }
     /// The id of the node it was placed on (null while pending).
     async fn compute_node_id(&self) -> Option<ID> {
-        self.0.node_id.clone().map(ID)
+        self.0.node_id.as_ref().map(gql_id)
     }
 }
 
 /// Whether the caller may see `r`.
 pub fn visible(ctx: &Context<'_>, r: &rsv::Reservation) -> async_graphql::Result<bool> {
-    let v = viewer(ctx)?;
-    Ok(v.has_role(Role::Operator) || v.tenant.as_deref() == Some(r.tenant_id.as_str()))
+    Ok(viewer(ctx)?
+        .actor()
+        .is_some_and(|a| a.may_access(&r.tenant_id)))
 }
 
 /// `totalCount` of the reservations connection.
@@ -255,15 +226,13 @@ impl ReservationQuery {
         ctx: &Context<'_>,
         #[graphql(desc = "The global id of the object.")] id: ID,
     ) -> async_graphql::Result<ReservationObj> {
-        let rid = m::parse_id("id", "rsv", id.as_str()).map_err(gql_error)?;
-        let found = loaders_of(ctx)?
-            .load_one(ReservationId(rid.clone()))
-            .await?;
+        let rid = ReservationId::parse("id", id.as_str()).map_err(gql_error)?;
+        let found = loaders_of(ctx)?.load_one(rid.clone()).await?;
         match found {
             Some(r) if visible(ctx, &r)? => Ok(ReservationObj(r)),
             _ => Err(gql_error(Error::NotFound {
                 kind: "reservation",
-                id: rid,
+                id: rid.to_string(),
             })),
         }
     }
@@ -294,20 +263,24 @@ impl ReservationQuery {
             String,
         >,
     ) -> async_graphql::Result<Connection<String, ReservationObj, ReservationCount>> {
-        let v = viewer(ctx)?;
-        let tenant =
-            if v.has_role(Role::Operator) {
-                tenant_id
-            } else {
-                Some(v.tenant.clone().ok_or_else(|| {
-                    gql_error(Error::Forbidden("your token names no tenant".into()))
-                })?)
-            };
+        let actor = actor(ctx)?;
+        let tenant = match actor.visible_tenant() {
+            Ok(Some(own)) => Some(own.clone()),
+            Ok(None) => tenant_id
+                .map(|t| TenantId::parse("tenantId", &t))
+                .transpose()
+                .map_err(gql_error)?,
+            Err(_) => {
+                return Err(gql_error(Error::Forbidden(
+                    "your token names no tenant".into(),
+                )));
+            }
+        };
         let filter = ReservationFilter {
             tenant_id: tenant,
             state: state.map(Into::into),
             pool_id: pool_id
-                .map(|p| m::parse_id("poolId", "pool", p.as_str()))
+                .map(|p| PoolId::parse("poolId", p.as_str()))
                 .transpose()
                 .map_err(gql_error)?,
             window: window
@@ -334,7 +307,7 @@ impl ReservationQuery {
         c.edges.extend(
             page.items
                 .into_iter()
-                .map(|r| Edge::new(encode_cursor(&r.id), ReservationObj(r))),
+                .map(|r| Edge::new(encode_cursor(r.id.as_str()), ReservationObj(r))),
         );
         Ok(c)
     }
@@ -437,22 +410,6 @@ pub struct ReservationActionInput {
     pub version: Option<i64>,
 }
 
-fn actor(ctx: &Context<'_>) -> async_graphql::Result<(Actor, bool)> {
-    let v = viewer(ctx)?;
-    if !(v.has_role(Role::Member) || v.has_role(Role::Operator)) {
-        return Err(gql_error(Error::Forbidden(
-            "reservations need the member or operator role".into(),
-        )));
-    }
-    Ok((
-        Actor {
-            subject: v.subject.clone(),
-            tenant: v.tenant.clone(),
-        },
-        v.has_role(Role::Operator),
-    ))
-}
-
 fn payload(
     ctx: &Context<'_>,
     outcome: compute_domain::idempotency::Outcome<rsv::Reservation>,
@@ -483,7 +440,7 @@ impl ReservationMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `createReservation`.")] input: CreateReservationInput,
     ) -> async_graphql::Result<ReservationPayload> {
-        let (actor, _) = actor(ctx)?;
+        let actor = actor(ctx)?;
         let allocations: Vec<AllocationInput> = input
             .allocations
             .iter()
@@ -529,12 +486,11 @@ impl ReservationMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `extendReservation`.")] input: ExtendReservationInput,
     ) -> async_graphql::Result<ReservationPayload> {
-        let (actor, operator) = actor(ctx)?;
-        let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;
+        let actor = actor(ctx)?;
+        let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
         let outcome = commands::extend_reservation(
             db(ctx)?,
             &actor,
-            operator,
             &id,
             input.ends_at,
             &input.idempotency_key,
@@ -550,9 +506,9 @@ impl ReservationMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `releaseReservation`.")] input: ReservationActionInput,
     ) -> async_graphql::Result<ReservationPayload> {
-        let (actor, operator) = actor(ctx)?;
-        let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;
-        let r = commands::release_reservation(db(ctx)?, &actor, operator, &id, input.version)
+        let actor = actor(ctx)?;
+        let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
+        let r = commands::release_reservation(db(ctx)?, &actor, &id, input.version)
             .await
             .map_err(gql_error)?;
         Ok(ReservationPayload {
@@ -569,9 +525,9 @@ impl ReservationMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `cancelReservation`.")] input: ReservationActionInput,
     ) -> async_graphql::Result<ReservationPayload> {
-        let (actor, operator) = actor(ctx)?;
-        let id = m::parse_id("id", "rsv", input.id.as_str()).map_err(gql_error)?;
-        let r = commands::cancel_reservation(db(ctx)?, &actor, operator, &id, input.version)
+        let actor = actor(ctx)?;
+        let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
+        let r = commands::cancel_reservation(db(ctx)?, &actor, &id, input.version)
             .await
             .map_err(gql_error)?;
         Ok(ReservationPayload {

@@ -1,10 +1,12 @@
 //! Webhook sinks in the graph: a tenant's (or, for operators, the fleet's) event sinks, their
 //! delivery state, and the mutations that manage them.
 
+use crate::graph::common::gql_id;
 use async_graphql::connection::{Connection, Edge};
 use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
+use compute_domain::ids::{SinkId, TenantId};
 use compute_domain::page::{PageRequest, encode_cursor};
 use compute_domain::sinks::{self, Scope, Sink, SinkChange};
 
@@ -31,8 +33,8 @@ fn scope(ctx: &Context<'_>) -> async_graphql::Result<(Scope, String)> {
     Ok((Scope { tenant_id }, v.subject.clone()))
 }
 
-fn sink_id(field: &str, id: &ID) -> async_graphql::Result<String> {
-    compute_domain::fleet::model::parse_id(field, "snk", id.as_str()).map_err(gql_error)
+fn sink_id(field: &str, id: &ID) -> async_graphql::Result<SinkId> {
+    SinkId::parse(field, id.as_str()).map_err(gql_error)
 }
 
 /// How a sink's delivery is going.
@@ -54,11 +56,11 @@ pub struct EventSinkObj(Sink);
 impl EventSinkObj {
     /// The sink's id (`snk_…`).
     async fn id(&self) -> ID {
-        ID(self.0.id.clone())
+        gql_id(&self.0.id)
     }
     /// The tenant whose events it receives; null for an operator's sink of every event.
     async fn tenant_id(&self) -> Option<&str> {
-        self.0.tenant_id.as_deref()
+        self.0.tenant_id.as_ref().map(TenantId::as_str)
     }
     /// Where each event is POSTed.
     async fn url(&self) -> &str {
@@ -180,7 +182,7 @@ impl SinkQuery {
         c.edges.extend(
             page.items
                 .into_iter()
-                .map(|s| Edge::new(encode_cursor(&s.id), EventSinkObj(s))),
+                .map(|s| Edge::new(encode_cursor(s.id.as_str()), EventSinkObj(s))),
         );
         Ok(c)
     }
@@ -317,7 +319,7 @@ impl SinkMutation {
             .await
             .map_err(gql_error)?;
         Ok(DeleteEventSinkPayload {
-            deleted_event_sink_id: ID(sink.id),
+            deleted_event_sink_id: gql_id(&sink.id),
         })
     }
 }

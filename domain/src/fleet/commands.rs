@@ -6,13 +6,17 @@
 
 use serde_json::{Value, json};
 use sqlx::PgConnection;
+use sqlx::types::Json;
 
-use super::model::{AtomSpec, Labels, Layout, PoolKind, Taint, TaintEffect};
-use super::state::{NodeAction, allowed_from};
+use super::model::{
+    AtomKind, AtomSpec, DeviceMode, Labels, Layout, PoolKind, StoredLayout, Taint, TaintEffect,
+};
+use super::state::{NodeAction, NodeLifecycle, allowed_from};
 use super::{DEVICE_COLS, Device, NODE_COLS, Node, POOL_COLS, Pool, SITE_COLS, Site};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::idempotency::{self, Actor, Claim, Outcome};
+use crate::ids::{AllocationId, AtomName, DeviceId, NodeId, PoolId, SiteId};
 use crate::outbox::{self, NewEvent};
 
 /// Maps a violated constraint, by name, to a domain error; anything else passes through.
@@ -32,13 +36,18 @@ fn conflict(message: impl Into<String>, current_version: Option<i64>) -> Error {
     }
 }
 
-async fn emit(conn: &mut PgConnection, event_type: &str, subject: &str, data: Value) -> Result<()> {
+async fn emit(
+    conn: &mut PgConnection,
+    event_type: &str,
+    subject: &impl AsRef<str>,
+    data: Value,
+) -> Result<()> {
     outbox::emit(
         conn,
         NewEvent {
             event_type,
             tenant_id: None,
-            subject,
+            subject: subject.as_ref(),
             data,
         },
     )
@@ -83,20 +92,16 @@ async fn explain_node_miss(
     expected_version: Option<i64>,
     action: NodeAction,
 ) -> Error {
-    let found: std::result::Result<Option<(i64, String)>, sqlx::Error> =
+    let found: std::result::Result<Option<(i64, NodeLifecycle)>, sqlx::Error> =
         sqlx::query_as("SELECT version, lifecycle FROM nodes WHERE id = $1")
             .bind(id)
             .fetch_optional(&mut *conn)
             .await;
     match found {
-        Ok(Some((current, lifecycle))) if !allowed_from(action).contains(&lifecycle.as_str()) => {
-            conflict(
-                format!(
-                    "compute node {id} is {lifecycle}: {action:?} is not allowed from that state"
-                ),
-                Some(current),
-            )
-        }
+        Ok(Some((current, lifecycle))) if !allowed_from(action).contains(&lifecycle) => conflict(
+            format!("compute node {id} is {lifecycle}: {action:?} is not allowed from that state"),
+            Some(current),
+        ),
         _ => explain_miss(conn, "nodes", "compute node", id, expected_version).await,
     }
 }
@@ -118,7 +123,7 @@ pub async fn create_site(
     let idempotency_key = idempotency_key
         .map(|k| idempotency::parse_key("idempotencyKey", &k))
         .transpose()?;
-    let id = crate::ids::new_id("site");
+    let id = SiteId::generate();
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
     db.tx(TxKind::Write, |conn| {
         let (id, input, request, key, actor) =
@@ -160,13 +165,13 @@ pub async fn create_site(
 /// Changes a site's name or region.
 pub async fn update_site(
     db: &Db,
-    id: &str,
+    id: &SiteId,
     version: i64,
     name: Option<String>,
     region: Option<String>,
 ) -> Result<Site> {
     db.tx(TxKind::Write, |conn| {
-        let (id, name, region) = (id.to_owned(), name.clone(), region.clone());
+        let (id, name, region) = (id.clone(), name.clone(), region.clone());
         Box::pin(async move {
             let site: Option<Site> = sqlx::query_as(&format!(
                 "UPDATE sites AS s SET name = coalesce($3, s.name), region = coalesce($4, s.region), \
@@ -181,7 +186,7 @@ pub async fn update_site(
             .await
             .map_err(|e| on_constraint(e, &[("sites_name_key", &|| conflict(format!("a site named `{}` already exists", name.clone().unwrap_or_default()), None))]))?;
             let Some(site) = site else {
-                return Err(explain_miss(conn, "sites", "site", &id, Some(version)).await);
+                return Err(explain_miss(conn, "sites", "site", id.as_str(), Some(version)).await);
             };
             emit(conn, "site.updated", &site.id, json!(site)).await?;
             Ok(site)
@@ -193,7 +198,7 @@ pub async fn update_site(
 /// Input of `create_pool`.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct NewPool {
-    pub site_id: String,
+    pub site_id: SiteId,
     pub name: String,
     pub kind: PoolKind,
     pub lost_after_seconds: Option<i64>,
@@ -227,7 +232,7 @@ pub async fn create_pool(
     let idempotency_key = idempotency_key
         .map(|k| idempotency::parse_key("idempotencyKey", &k))
         .transpose()?;
-    let id = crate::ids::new_id("pool");
+    let id = PoolId::generate();
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
     db.tx(TxKind::Write, |conn| {
         let (id, input, request, key, actor) =
@@ -255,7 +260,7 @@ pub async fn create_pool(
             .bind(&id)
             .bind(&input.site_id)
             .bind(&input.name)
-            .bind(input.kind.as_str())
+            .bind(input.kind)
             .bind(input.lost_after_seconds.map(|s| s as f64))
             .bind(input.vcpu_ratio)
             .bind(input.memory_ratio)
@@ -266,7 +271,7 @@ pub async fn create_pool(
                 on_constraint(
                     e,
                     &[
-                        ("pools_site_id_fkey", &|| Error::NotFound { kind: "site", id: input.site_id.clone() }),
+                        ("pools_site_id_fkey", &|| Error::NotFound { kind: "site", id: input.site_id.to_string() }),
                         ("pools_site_name_key", &|| conflict(format!("site {} already has a pool named `{}`", input.site_id, input.name), None)),
                     ],
                 )
@@ -294,9 +299,9 @@ pub struct PoolChanges {
 
 /// Changes a pool. New overcommit ratios apply to its nodes' resources in the same transaction;
 /// a ratio that would leave a node over-allocated is refused.
-pub async fn update_pool(db: &Db, id: &str, version: i64, changes: PoolChanges) -> Result<Pool> {
+pub async fn update_pool(db: &Db, id: &PoolId, version: i64, changes: PoolChanges) -> Result<Pool> {
     db.tx(TxKind::Write, |conn| {
-        let (id, changes) = (id.to_owned(), changes.clone());
+        let (id, changes) = (id.clone(), changes.clone());
         Box::pin(async move {
             let pool: Option<Pool> = sqlx::query_as(&format!(
                 "UPDATE pools AS p SET name = coalesce($3, p.name), \
@@ -325,7 +330,7 @@ pub async fn update_pool(db: &Db, id: &str, version: i64, changes: PoolChanges) 
                 )
             })?;
             let Some(pool) = pool else {
-                return Err(explain_miss(conn, "pools", "pool", &id, Some(version)).await);
+                return Err(explain_miss(conn, "pools", "pool", id.as_str(), Some(version)).await);
             };
             if changes.vcpu_ratio.is_some() || changes.memory_ratio.is_some() || changes.disk_ratio.is_some() {
                 // Lock order: pools (held), then node_resources.
@@ -366,7 +371,7 @@ pub struct NewDevice {
 /// Input of `register_node`.
 #[derive(Debug, Clone)]
 pub struct NewNode {
-    pub pool_id: String,
+    pub pool_id: PoolId,
     pub hostname: String,
     pub labels: Labels,
     pub taints: Vec<Taint>,
@@ -384,10 +389,10 @@ pub struct Registered {
 }
 
 /// Inserts atoms for devices, in one statement.
-async fn insert_atoms(conn: &mut PgConnection, atoms: &[(String, AtomSpec)]) -> Result<()> {
+async fn insert_atoms(conn: &mut PgConnection, atoms: &[(DeviceId, AtomSpec)]) -> Result<()> {
     let names: Vec<&str> = atoms.iter().map(|(_, a)| a.name.as_str()).collect();
     let devices: Vec<&str> = atoms.iter().map(|(d, _)| d.as_str()).collect();
-    let kinds: Vec<&str> = atoms.iter().map(|(_, a)| a.kind.as_str()).collect();
+    let kinds: Vec<AtomKind> = atoms.iter().map(|(_, a)| a.kind).collect();
     let ordinals: Vec<i32> = atoms.iter().map(|(_, a)| a.ordinal).collect();
     let profiles: Vec<Option<&str>> = atoms.iter().map(|(_, a)| a.profile.as_deref()).collect();
     let nums: Vec<i32> = atoms.iter().map(|(_, a)| a.share_num).collect();
@@ -409,22 +414,27 @@ async fn insert_atoms(conn: &mut PgConnection, atoms: &[(String, AtomSpec)]) -> 
     Ok(())
 }
 
-/// Takes the row of the pool of node `node_id` (or of the node of device `device_id`) `FOR SHARE`,
-/// as the first lock of a transaction that changes that pool's atoms (lock order: pools before
-/// nodes and devices). The deltas of [`adjust_rollup`] commute, so such transactions share it;
-/// [`recompute_rollup`] takes it `FOR NO KEY UPDATE`, so it counts the atoms only once no
-/// transaction that changes them is in flight, and none starts until it commits.
-async fn share_pool_of(
-    conn: &mut PgConnection,
-    node_id: Option<&str>,
-    device_id: Option<&str>,
-) -> Result<()> {
+/// Takes the row of the pool of node `node_id` `FOR SHARE`, as the first lock of a transaction
+/// that changes that pool's atoms (lock order: pools before nodes and devices). The deltas of
+/// [`adjust_rollup`] commute, so such transactions share it; [`recompute_rollup`] takes it
+/// `FOR NO KEY UPDATE`, so it counts the atoms only once no transaction that changes them is in
+/// flight, and none starts until it commits.
+async fn share_pool_of_node(conn: &mut PgConnection, node_id: &NodeId) -> Result<()> {
     sqlx::query(
-        "SELECT 1 FROM pools p WHERE p.id = \
-           (SELECT n.pool_id FROM nodes n WHERE n.id = coalesce($1, (SELECT d.node_id FROM devices d WHERE d.id = $2))) \
-         FOR SHARE",
+        "SELECT 1 FROM pools p WHERE p.id = (SELECT n.pool_id FROM nodes n WHERE n.id = $1) FOR SHARE",
     )
     .bind(node_id)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// [`share_pool_of_node`] for the node of device `device_id`.
+async fn share_pool_of_device(conn: &mut PgConnection, device_id: &DeviceId) -> Result<()> {
+    sqlx::query(
+        "SELECT 1 FROM pools p WHERE p.id = \
+           (SELECT n.pool_id FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = $1) FOR SHARE",
+    )
     .bind(device_id)
     .execute(&mut *conn)
     .await?;
@@ -441,7 +451,7 @@ enum Change {
 
 async fn adjust_rollup(
     conn: &mut PgConnection,
-    device_ids: &[String],
+    device_ids: &[DeviceId],
     change: Change,
 ) -> Result<()> {
     const COUNTS: &str = "SELECT n.pool_id, d.model, a.kind, coalesce(a.profile, '') AS profile, count(*)::int AS atoms \
@@ -471,7 +481,7 @@ async fn adjust_rollup(
            FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = ANY($1)",
     )
     .bind(device_ids)
-    .bind(crate::work_queue::POOL_CAPACITY)
+    .bind(crate::work_queue::WorkKind::PoolCapacity)
     .bind(crate::work_queue::SHARDS)
     .execute(&mut *conn)
     .await?;
@@ -483,14 +493,14 @@ async fn adjust_rollup(
 /// how many rows it had to correct (0 when the rollup was true).
 ///
 /// The pool's row `FOR NO KEY UPDATE` comes first, in a statement of its own: it waits for every
-/// transaction that changes the pool's atoms (they hold it `FOR SHARE`, [`share_pool_of`]) and
+/// transaction that changes the pool's atoms (they hold it `FOR SHARE`, [`share_pool_of_node`]) and
 /// keeps new ones out, so the count, read by the next statement's snapshot, and the rollup rows
 /// it overwrites are of the same moment. (Without it, a count read before a concurrent
 /// registration committed would overwrite that registration's increment: a lost update.)
 /// Reservations only take the pool `FOR KEY SHARE` and are not held up.
-pub async fn recompute_rollup(db: &Db, pool_id: &str) -> Result<u64> {
+pub async fn recompute_rollup(db: &Db, pool_id: &PoolId) -> Result<u64> {
     db.tx(TxKind::Maintenance, |conn| {
-        let pool_id = pool_id.to_owned();
+        let pool_id = pool_id.clone();
         Box::pin(async move {
             let pool: Option<(i32,)> = sqlx::query_as("SELECT 1 FROM pools WHERE id = $1 FOR NO KEY UPDATE")
                 .bind(&pool_id)
@@ -537,12 +547,8 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             ));
         }
     }
-    let node_id = crate::ids::new_id("node");
-    let device_ids: Vec<String> = input
-        .devices
-        .iter()
-        .map(|_| crate::ids::new_id("dev"))
-        .collect();
+    let node_id = NodeId::generate();
+    let device_ids: Vec<DeviceId> = input.devices.iter().map(|_| DeviceId::generate()).collect();
     db.tx(TxKind::Write, |conn| {
         let (input, node_id, device_ids) = (input.clone(), node_id.clone(), device_ids.clone());
         Box::pin(async move {
@@ -557,7 +563,7 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             .fetch_optional(&mut *conn)
             .await?;
             let Some((vcpu_ratio, memory_ratio, disk_ratio)) = ratios else {
-                return Err(Error::NotFound { kind: "pool", id: input.pool_id.clone() });
+                return Err(Error::NotFound { kind: "pool", id: input.pool_id.to_string() });
             };
             let node: Node = sqlx::query_as(&format!(
                 "INSERT INTO nodes AS n (id, pool_id, hostname, labels, taints) VALUES ($1, $2, $3, $4, $5) RETURNING {NODE_COLS}"
@@ -565,8 +571,8 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             .bind(&node_id)
             .bind(&input.pool_id)
             .bind(&input.hostname)
-            .bind(json!(input.labels))
-            .bind(json!(input.taints))
+            .bind(Json(&input.labels))
+            .bind(Json(&input.taints))
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| on_constraint(e, &[("nodes_hostname_key", &|| conflict(format!("a node named `{}` is already registered", input.hostname), None))]))?;
@@ -578,8 +584,8 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
                 let vendors: Vec<&str> = input.devices.iter().map(|d| d.vendor.as_str()).collect();
                 let models: Vec<&str> = input.devices.iter().map(|d| d.model.as_str()).collect();
                 let memory: Vec<i64> = input.devices.iter().map(|d| d.memory_mib).collect();
-                let modes: Vec<&str> = input.devices.iter().map(|d| d.layout.mode().as_str()).collect();
-                let layouts: Vec<Option<Value>> = input.devices.iter().map(|d| d.layout.to_json()).collect();
+                let modes: Vec<DeviceMode> = input.devices.iter().map(|d| d.layout.mode()).collect();
+                let layouts: Vec<Option<Json<StoredLayout>>> = input.devices.iter().map(|d| d.layout.stored().map(Json)).collect();
                 sqlx::query_as(&format!(
                     "INSERT INTO devices AS d (id, node_id, uuid, vendor, model, memory_mib, mode, layout) \
                      SELECT i, $2, u, v, m, mem, mo, l \
@@ -599,7 +605,7 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
                 .await
                 .map_err(|e| on_constraint(e, &[("devices_uuid_key", &|| conflict("a GPU with one of these UUIDs is already registered", None))]))?
             };
-            let atoms: Vec<(String, AtomSpec)> = input
+            let atoms: Vec<(DeviceId, AtomSpec)> = input
                 .devices
                 .iter()
                 .zip(&device_ids)
@@ -634,7 +640,7 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
 /// A guarded update of one node: `set` is the SET list; `extra` more WHERE conditions.
 async fn update_node_row(
     conn: &mut PgConnection,
-    id: &str,
+    id: &NodeId,
     version: Option<i64>,
     action: NodeAction,
     set: &str,
@@ -655,14 +661,14 @@ async fn update_node_row(
     }
     match q.fetch_optional(&mut *conn).await? {
         Some(node) => Ok(node),
-        None => Err(explain_node_miss(conn, id, version, action).await),
+        None => Err(explain_node_miss(conn, id.as_str(), version, action).await),
     }
 }
 
 /// Changes a node's labels (a spec change: the generation moves).
-pub async fn update_node(db: &Db, id: &str, version: i64, labels: Labels) -> Result<Node> {
+pub async fn update_node(db: &Db, id: &NodeId, version: i64, labels: Labels) -> Result<Node> {
     db.tx(TxKind::Write, |conn| {
-        let (id, labels) = (id.to_owned(), labels.clone());
+        let (id, labels) = (id.clone(), labels.clone());
         Box::pin(async move {
             let node = update_node_row(
                 conn,
@@ -684,13 +690,13 @@ pub async fn update_node(db: &Db, id: &str, version: i64, labels: Labels) -> Res
 /// Cordons (`true`) or uncordons (`false`) a node.
 pub async fn set_cordoned(
     db: &Db,
-    id: &str,
+    id: &NodeId,
     version: Option<i64>,
     cordoned: bool,
     reason: Option<String>,
 ) -> Result<Node> {
     db.tx(TxKind::Write, |conn| {
-        let (id, reason) = (id.to_owned(), reason.clone());
+        let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
             let (action, event) = if cordoned {
                 (NodeAction::Cordon, "node.cordoned")
@@ -715,9 +721,9 @@ pub async fn set_cordoned(
 }
 
 /// Adds a taint, replacing one with the same key and effect.
-pub async fn taint_node(db: &Db, id: &str, version: Option<i64>, taint: Taint) -> Result<Node> {
+pub async fn taint_node(db: &Db, id: &NodeId, version: Option<i64>, taint: Taint) -> Result<Node> {
     db.tx(TxKind::Write, |conn| {
-        let (id, taint) = (id.to_owned(), taint.clone());
+        let (id, taint) = (id.clone(), taint.clone());
         Box::pin(async move {
             let node = update_node_row(
                 conn,
@@ -741,13 +747,13 @@ pub async fn taint_node(db: &Db, id: &str, version: Option<i64>, taint: Taint) -
 /// Removes the taints with `key` (and `effect`, when given). `NOT_FOUND` when there is none.
 pub async fn untaint_node(
     db: &Db,
-    id: &str,
+    id: &NodeId,
     version: Option<i64>,
     key: &str,
     effect: Option<TaintEffect>,
 ) -> Result<Node> {
     db.tx(TxKind::Write, |conn| {
-        let (id, key) = (id.to_owned(), key.to_owned());
+        let (id, key) = (id.clone(), key.to_owned());
         Box::pin(async move {
             let pattern = json!({ "key": key, "effect": effect.map(|e| e.as_str()) });
             let matches = "(t->>'key' = $4->>'key' AND ($4->>'effect' IS NULL OR t->>'effect' = $4->>'effect'))";
@@ -783,14 +789,14 @@ pub async fn untaint_node(
 #[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
 pub struct Holder {
     /// The allocation, or `None` for a maintenance hold (a mode change).
-    pub allocation_id: Option<String>,
+    pub allocation_id: Option<AllocationId>,
     pub reason: String,
-    pub atoms: Vec<String>,
+    pub atoms: Vec<AtomName>,
     pub until: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// Bookings on a node's GPUs that end after now, grouped by allocation.
-async fn holders(conn: &mut PgConnection, node_id: &str) -> Result<Vec<Holder>> {
+async fn holders(conn: &mut PgConnection, node_id: &NodeId) -> Result<Vec<Holder>> {
     Ok(sqlx::query_as(
         "SELECT b.allocation_id, b.reason, array_agg(b.atom ORDER BY b.atom) AS atoms, \
                 max(upper(b.during)) FILTER (WHERE NOT upper_inf(b.during)) AS until \
@@ -804,9 +810,9 @@ async fn holders(conn: &mut PgConnection, node_id: &str) -> Result<Vec<Holder>> 
 }
 
 /// Cordons a node and reports what still holds its GPUs.
-pub async fn drain_node(db: &Db, id: &str, version: Option<i64>) -> Result<(Node, Vec<Holder>)> {
+pub async fn drain_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<(Node, Vec<Holder>)> {
     db.tx(TxKind::Write, |conn| {
-        let id = id.to_owned();
+        let id = id.clone();
         Box::pin(async move {
             let node = update_node_row(
                 conn,
@@ -833,27 +839,31 @@ pub async fn drain_node(db: &Db, id: &str, version: Option<i64>) -> Result<(Node
 }
 
 /// Retires a node for good. Refused while any booking on its GPUs ends after now.
-pub async fn retire_node(db: &Db, id: &str, version: Option<i64>) -> Result<Node> {
+pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<Node> {
     db.tx(TxKind::Write, |conn| {
-        let id = id.to_owned();
+        let id = id.clone();
         Box::pin(async move {
             // The pool first (lock order; its atoms leave the rollup), then the node's row, in a
             // statement of its own, so the check below reads every booking committed by
             // placements that held the row FOR SHARE.
-            share_pool_of(conn, Some(&id), None).await?;
+            share_pool_of_node(conn, &id).await?;
             let locked: Option<(i64, String)> =
                 sqlx::query_as("SELECT version, lifecycle FROM nodes WHERE id = $1 FOR UPDATE")
                     .bind(&id)
                     .fetch_optional(&mut *conn)
                     .await?;
             if locked.is_none() {
-                return Err(Error::NotFound { kind: "compute node", id });
+                return Err(Error::NotFound { kind: "compute node", id: id.to_string() });
             }
             let remaining = holders(conn, &id).await?;
             if !remaining.is_empty() {
                 let list: Vec<String> = remaining
                     .iter()
-                    .map(|h| format!("{} ({})", h.allocation_id.as_deref().unwrap_or("mode change"), h.atoms.join(", ")))
+                    .map(|h| {
+                        let atoms: Vec<&str> = h.atoms.iter().map(AtomName::as_str).collect();
+                        let by = h.allocation_id.as_ref().map_or("mode change", AllocationId::as_str);
+                        format!("{by} ({})", atoms.join(", "))
+                    })
                     .collect();
                 return Err(conflict(
                     format!("compute node {id} still holds bookings: {}; drain it and wait for them to end", list.join("; ")),
@@ -870,11 +880,10 @@ pub async fn retire_node(db: &Db, id: &str, version: Option<i64>) -> Result<Node
                 vec![],
             )
             .await?;
-            let device_ids: Vec<(String,)> = sqlx::query_as("SELECT id FROM devices WHERE node_id = $1 ORDER BY id")
+            let device_ids: Vec<DeviceId> = sqlx::query_scalar("SELECT id FROM devices WHERE node_id = $1 ORDER BY id")
                 .bind(&id)
                 .fetch_all(&mut *conn)
                 .await?;
-            let device_ids: Vec<String> = device_ids.into_iter().map(|(d,)| d).collect();
             if !device_ids.is_empty() {
                 adjust_rollup(conn, &device_ids, Change::Remove).await?;
             }
@@ -888,7 +897,7 @@ pub async fn retire_node(db: &Db, id: &str, version: Option<i64>) -> Result<Node
 /// A guarded update of one device.
 async fn update_device_row(
     conn: &mut PgConnection,
-    id: &str,
+    id: &DeviceId,
     version: Option<i64>,
     set: &str,
     binds: Vec<Value>,
@@ -903,27 +912,27 @@ async fn update_device_row(
     }
     match q.fetch_optional(&mut *conn).await? {
         Some(d) => Ok(d),
-        None => Err(explain_miss(conn, "devices", "device", id, version).await),
+        None => Err(explain_miss(conn, "devices", "device", id.as_str(), version).await),
     }
 }
 
 /// Sets a GPU's health.
 pub async fn set_device_health(
     db: &Db,
-    id: &str,
+    id: &DeviceId,
     version: Option<i64>,
     health: super::model::Health,
     reason: Option<String>,
 ) -> Result<Device> {
     db.tx(TxKind::Write, |conn| {
-        let (id, reason) = (id.to_owned(), reason.clone());
+        let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
             let device = update_device_row(
                 conn,
                 &id,
                 version,
                 "health = $3 #>> '{}', health_reason = $4 #>> '{}'",
-                vec![json!(health.as_str()), json!(reason)],
+                vec![json!(health), json!(reason)],
             )
             .await?;
             emit(conn, "device.health_changed", &device.id, json!(device)).await?;
@@ -936,12 +945,12 @@ pub async fn set_device_health(
 /// Quarantines (`Some(reason)`) or releases (`None`) a GPU.
 pub async fn set_quarantine(
     db: &Db,
-    id: &str,
+    id: &DeviceId,
     version: Option<i64>,
     reason: Option<String>,
 ) -> Result<Device> {
     db.tx(TxKind::Write, |conn| {
-        let (id, reason) = (id.to_owned(), reason.clone());
+        let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
             let quarantined = reason.is_some();
             let device = update_device_row(
@@ -975,8 +984,8 @@ pub struct LayoutRequest {
 /// A booking that keeps a GPU from changing mode.
 #[derive(Debug, sqlx::FromRow)]
 struct Blocker {
-    atom: String,
-    allocation_id: Option<String>,
+    atom: AtomName,
+    allocation_id: Option<AllocationId>,
     reason: String,
     until: Option<chrono::DateTime<chrono::Utc>>,
 }
@@ -990,7 +999,7 @@ pub const MAX_CHANGE_WINDOW_SECONDS: i64 = 86_400;
 /// node applies the change.
 pub async fn change_device_mode(
     db: &Db,
-    id: &str,
+    id: &DeviceId,
     version: i64,
     layout: LayoutRequest,
     window_seconds: i64,
@@ -1002,13 +1011,13 @@ pub async fn change_device_mode(
         ));
     }
     db.tx(TxKind::Write, |conn| {
-        let (id, layout) = (id.to_owned(), layout.clone());
+        let (id, layout) = (id.clone(), layout.clone());
         Box::pin(async move {
             // 0. The pool's row FOR SHARE: the GPU's atoms change in its rollup.
-            share_pool_of(conn, None, Some(&id)).await?;
+            share_pool_of_device(conn, &id).await?;
             // 1. The node row (lock order: nodes before devices): a spec change moves its
             //    generation; a retired node refuses.
-            let node: Option<(String,)> = sqlx::query_as(
+            let node: Option<NodeId> = sqlx::query_scalar(
                 "UPDATE nodes AS n SET generation = n.generation + 1, version = n.version + 1, updated_at = compute_now() \
                    FROM devices d WHERE d.id = $1 AND n.id = d.node_id AND n.lifecycle = ANY($2) RETURNING n.id",
             )
@@ -1017,13 +1026,13 @@ pub async fn change_device_mode(
             .fetch_optional(&mut *conn)
             .await?;
             if node.is_none() {
-                let exists: Option<(String,)> = sqlx::query_as("SELECT node_id FROM devices WHERE id = $1")
+                let exists: Option<NodeId> = sqlx::query_scalar("SELECT node_id FROM devices WHERE id = $1")
                     .bind(&id)
                     .fetch_optional(&mut *conn)
                     .await?;
                 return Err(match exists {
-                    None => Error::NotFound { kind: "device", id },
-                    Some((node_id,)) => conflict(format!("device {id} is on retired compute node {node_id}"), None),
+                    None => Error::NotFound { kind: "device", id: id.to_string() },
+                    Some(node_id) => conflict(format!("device {id} is on retired compute node {node_id}"), None),
                 });
             }
             // 2. The device row, at the expected version.
@@ -1035,7 +1044,7 @@ pub async fn change_device_mode(
             .fetch_optional(&mut *conn)
             .await?;
             let Some(device) = device else {
-                return Err(explain_miss(conn, "devices", "device", &id, Some(version)).await);
+                return Err(explain_miss(conn, "devices", "device", id.as_str(), Some(version)).await);
             };
             let new_layout = Layout::parse(
                 "layout",
@@ -1079,7 +1088,7 @@ pub async fn change_device_mode(
                 let list: Vec<String> = blockers
                     .iter()
                     .map(|b| {
-                        let by = b.allocation_id.clone().unwrap_or_else(|| format!("a {} hold", b.reason));
+                        let by = b.allocation_id.as_ref().map_or_else(|| format!("a {} hold", b.reason), ToString::to_string);
                         match b.until {
                             Some(t) => format!("{} is booked by {by} until {}", b.atom, t.to_rfc3339()),
                             None => format!("{} is booked by {by}", b.atom),
@@ -1101,7 +1110,7 @@ pub async fn change_device_mode(
                 .bind(&id)
                 .execute(&mut *conn)
                 .await?;
-            let atoms: Vec<(String, AtomSpec)> =
+            let atoms: Vec<(DeviceId, AtomSpec)> =
                 new_layout.atoms(&device.uuid).into_iter().map(|a| (id.clone(), a)).collect();
             insert_atoms(conn, &atoms).await?;
             let device = update_device_row(
@@ -1109,7 +1118,7 @@ pub async fn change_device_mode(
                 &id,
                 Some(version),
                 "mode = $3 #>> '{}', layout = CASE WHEN $4 = 'null'::jsonb THEN NULL ELSE $4 END",
-                vec![json!(new_layout.mode().as_str()), new_layout.to_json().unwrap_or(Value::Null)],
+                vec![json!(new_layout.mode()), json!(new_layout.stored())],
             )
             .await?;
             // 6. Hold the GPU while the node applies the change.

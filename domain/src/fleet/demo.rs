@@ -1,6 +1,7 @@
 //! The demonstration fleet `compute-api dev` creates on an empty database, so that the first
 //! GraphiQL query shows something real. `serve` never calls this.
 
+use crate::ids::{PoolId, ScopeId, SiteId, TenantId};
 use tracing::info;
 
 use super::commands::{self, NewDevice, NewNode, NewPool, NewSite};
@@ -36,10 +37,7 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
     if sites > 0 {
         return Ok(false);
     }
-    let actor = Actor {
-        subject: "demo-seed".into(),
-        tenant: None,
-    };
+    let actor = Actor::operator("demo-seed");
     let site = |name: &str, region: &str| NewSite {
         name: name.into(),
         region: Some(region.into()),
@@ -61,9 +59,9 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
     .await?
     .value;
     let pool =
-        |site_id: &str, name: &str, kind: PoolKind, lost_after: Option<i64>, vcpu_ratio: f64| {
+        |site_id: &SiteId, name: &str, kind: PoolKind, lost_after: Option<i64>, vcpu_ratio: f64| {
             NewPool {
-                site_id: site_id.into(),
+                site_id: site_id.clone(),
                 name: name.into(),
                 kind,
                 lost_after_seconds: lost_after,
@@ -100,19 +98,20 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
     const H100: i64 = 81_559;
     const A100: i64 = 81_920;
     const L4: i64 = 23_034;
-    let node = |pool_id: &str, host: &str, taints: Vec<Taint>, devices: Vec<NewDevice>| NewNode {
-        pool_id: pool_id.into(),
-        hostname: host.into(),
-        labels: Labels::from([(
-            "rack".to_owned(),
-            host.rsplit('-').next().unwrap_or("r1").to_owned(),
-        )]),
-        taints,
-        vcpu: 192,
-        memory_mib: 2_097_152,
-        disk_gib: 30_000,
-        devices,
-    };
+    let node =
+        |pool_id: &PoolId, host: &str, taints: Vec<Taint>, devices: Vec<NewDevice>| NewNode {
+            pool_id: pool_id.clone(),
+            hostname: host.into(),
+            labels: Labels::from([(
+                "rack".to_owned(),
+                host.rsplit('-').next().unwrap_or("r1").to_owned(),
+            )]),
+            taints,
+            vcpu: 192,
+            memory_mib: 2_097_152,
+            disk_gib: 30_000,
+            devices,
+        };
     let nodes = vec![
         node(
             &h100.id,
@@ -168,8 +167,8 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
     quota::set_quota(
         db,
         &actor,
-        "dev",
-        &h100.id,
+        &TenantId::parse("tenant", "dev")?,
+        &ScopeId::Pool(h100.id.clone()),
         QuotaLimits {
             gpus: Some(8.0),
             vcpu: Some(128),
@@ -180,8 +179,8 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
     quota::set_quota(
         db,
         &actor,
-        "acme",
-        &iad.id,
+        &TenantId::parse("tenant", "acme")?,
+        &ScopeId::Site(iad.id.clone()),
         QuotaLimits {
             gpus: Some(4.0),
             vcpu: None,

@@ -14,18 +14,24 @@ use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use serde_json::Value;
+use sqlx::types::Json;
 use sqlx::{FromRow, Postgres, QueryBuilder};
 
+use crate::condition::Conditions;
 use crate::db::Db;
 use crate::error::Result;
-use crate::fleet::model::Window;
+use crate::fleet::model::{
+    AtomKind, DeviceMode, Health, Labels, PoolKind, Reachability, Resource, StoredLayout, Taint,
+    Window,
+};
+use crate::fleet::state::NodeLifecycle;
+use crate::ids::{AtomName, DeviceId, NodeId, PoolId, ScopeId, SiteId};
 use crate::page::{Page, PageArgs};
 
 /// A site: a place that holds pools.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Site {
-    pub id: String,
+    pub id: SiteId,
     pub name: String,
     pub region: Option<String>,
     pub version: i64,
@@ -36,10 +42,10 @@ pub struct Site {
 /// A pool of nodes in a site, with its overcommit ratios.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Pool {
-    pub id: String,
-    pub site_id: String,
+    pub id: PoolId,
+    pub site_id: SiteId,
     pub name: String,
-    pub kind: String,
+    pub kind: PoolKind,
     pub lost_after_seconds: Option<f64>,
     pub vcpu_ratio: f64,
     pub memory_ratio: f64,
@@ -52,20 +58,20 @@ pub struct Pool {
 /// A machine (`ComputeNode` in GraphQL).
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Node {
-    pub id: String,
-    pub pool_id: String,
+    pub id: NodeId,
+    pub pool_id: PoolId,
     pub hostname: String,
-    pub labels: Value,
-    pub taints: Value,
+    pub labels: Json<Labels>,
+    pub taints: Json<Vec<Taint>>,
     pub cordoned: bool,
     pub cordon_reason: Option<String>,
-    pub reachability: String,
-    pub conditions: Value,
+    pub reachability: Reachability,
+    pub conditions: Conditions,
     pub generation: i64,
     pub observed_generation: i64,
     pub joined_at: DateTime<Utc>,
     pub retired_at: Option<DateTime<Utc>>,
-    pub lifecycle: String,
+    pub lifecycle: NodeLifecycle,
     pub version: i64,
     pub updated_at: DateTime<Utc>,
 }
@@ -73,8 +79,8 @@ pub struct Node {
 /// One scalar resource of a node.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct NodeResource {
-    pub node_id: String,
-    pub resource: String,
+    pub node_id: NodeId,
+    pub resource: Resource,
     pub allocatable: i64,
     pub ratio: f64,
     pub allocated: i64,
@@ -83,15 +89,15 @@ pub struct NodeResource {
 /// A GPU.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Device {
-    pub id: String,
-    pub node_id: String,
+    pub id: DeviceId,
+    pub node_id: NodeId,
     pub uuid: String,
     pub vendor: String,
     pub model: String,
     pub memory_mib: i64,
-    pub mode: String,
-    pub layout: Option<Value>,
-    pub health: String,
+    pub mode: DeviceMode,
+    pub layout: Option<Json<StoredLayout>>,
+    pub health: Health,
     pub health_reason: Option<String>,
     pub quarantined: bool,
     pub quarantine_reason: Option<String>,
@@ -103,9 +109,9 @@ pub struct Device {
 /// A bookable unit of a GPU.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Atom {
-    pub name: String,
-    pub device_id: String,
-    pub kind: String,
+    pub name: AtomName,
+    pub device_id: DeviceId,
+    pub kind: AtomKind,
     pub ordinal: i32,
     pub profile: Option<String>,
     pub share_num: i32,
@@ -115,9 +121,9 @@ pub struct Atom {
 /// Capacity of one (model, kind, profile) in a pool or site.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct CapacityRow {
-    pub scope_id: String,
+    pub scope_id: ScopeId,
     pub model: String,
-    pub kind: String,
+    pub kind: AtomKind,
     pub profile: String,
     /// Atoms on nodes that are not retired.
     pub total: i64,
@@ -207,6 +213,24 @@ impl<'a> Select<'a> {
     }
 }
 
+/// An id that parents a nested connection: bound as an array, decoded from a row, a map key.
+trait ParentId:
+    Clone
+    + Eq
+    + std::hash::Hash
+    + Send
+    + Sync
+    + Unpin
+    + sqlx::Type<Postgres>
+    + sqlx::postgres::PgHasArrayType
+    + for<'q> sqlx::Encode<'q, Postgres>
+    + for<'r> sqlx::Decode<'r, Postgres>
+    + 'static
+{
+}
+impl ParentId for SiteId {}
+impl ParentId for PoolId {}
+
 /// Where the children of a nested connection live.
 struct Nested<'a> {
     /// The columns to select.
@@ -220,14 +244,15 @@ struct Nested<'a> {
 }
 
 /// Children of many parents, one page each, in one statement.
-async fn nested_pages<T>(
+async fn nested_pages<K, T>(
     db: &Db,
     spec: Nested<'_>,
-    parents: &[String],
+    parents: &[K],
     page: &PageArgs,
-    parent_of: impl Fn(&T) -> &str,
-) -> Result<HashMap<String, Page<T>>>
+    parent_of: impl Fn(&T) -> &K,
+) -> Result<HashMap<K, Page<T>>>
 where
+    K: ParentId,
     T: for<'r> FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
 {
     let Nested {
@@ -252,10 +277,10 @@ where
         .push_bind(page.limit + 1)
         .push(" ORDER BY page_rn");
     let rows: Vec<T> = qb.build_query_as().fetch_all(db.pool()).await?;
-    let mut grouped: HashMap<String, Vec<T>> = HashMap::new();
+    let mut grouped: HashMap<K, Vec<T>> = HashMap::new();
     for row in rows {
         grouped
-            .entry(parent_of(&row).to_owned())
+            .entry(parent_of(&row).clone())
             .or_default()
             .push(row);
     }
@@ -269,13 +294,13 @@ where
 }
 
 /// Counts children per parent in one statement.
-async fn count_by(
+async fn count_by<K: ParentId>(
     db: &Db,
     table: &str,
     parent_col: &str,
-    parents: &[String],
-) -> Result<HashMap<String, i64>> {
-    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+    parents: &[K],
+) -> Result<HashMap<K, i64>> {
+    let rows: Vec<(K, i64)> = sqlx::query_as(&format!(
         "SELECT {parent_col}, count(*) FROM {table} WHERE {parent_col} = ANY($1) GROUP BY {parent_col}"
     ))
     .bind(parents)
@@ -285,7 +310,7 @@ async fn count_by(
 }
 
 /// Sites by id.
-pub async fn get_sites(db: &Db, ids: &[String]) -> Result<Vec<Site>> {
+pub async fn get_sites(db: &Db, ids: &[SiteId]) -> Result<Vec<Site>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {SITE_COLS} FROM sites s WHERE s.id = ANY($1)"
     ))
@@ -295,7 +320,7 @@ pub async fn get_sites(db: &Db, ids: &[String]) -> Result<Vec<Site>> {
 }
 
 /// Pools by id.
-pub async fn get_pools(db: &Db, ids: &[String]) -> Result<Vec<Pool>> {
+pub async fn get_pools(db: &Db, ids: &[PoolId]) -> Result<Vec<Pool>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {POOL_COLS} FROM pools p WHERE p.id = ANY($1)"
     ))
@@ -305,16 +330,17 @@ pub async fn get_pools(db: &Db, ids: &[String]) -> Result<Vec<Pool>> {
 }
 
 /// The ids of a pool's nodes, retired ones included.
-pub async fn node_ids_of_pool(db: &Db, pool_id: &str) -> Result<Vec<String>> {
-    let rows: Vec<(String,)> = sqlx::query_as("SELECT n.id FROM nodes n WHERE n.pool_id = $1")
-        .bind(pool_id)
-        .fetch_all(db.pool())
-        .await?;
-    Ok(rows.into_iter().map(|(id,)| id).collect())
+pub async fn node_ids_of_pool(db: &Db, pool_id: &PoolId) -> Result<Vec<NodeId>> {
+    Ok(
+        sqlx::query_scalar("SELECT n.id FROM nodes n WHERE n.pool_id = $1")
+            .bind(pool_id)
+            .fetch_all(db.pool())
+            .await?,
+    )
 }
 
 /// Nodes by id.
-pub async fn get_nodes(db: &Db, ids: &[String]) -> Result<Vec<Node>> {
+pub async fn get_nodes(db: &Db, ids: &[NodeId]) -> Result<Vec<Node>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {NODE_COLS} FROM nodes n WHERE n.id = ANY($1)"
     ))
@@ -324,7 +350,7 @@ pub async fn get_nodes(db: &Db, ids: &[String]) -> Result<Vec<Node>> {
 }
 
 /// Devices by id.
-pub async fn get_devices(db: &Db, ids: &[String]) -> Result<Vec<Device>> {
+pub async fn get_devices(db: &Db, ids: &[DeviceId]) -> Result<Vec<Device>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {DEVICE_COLS} FROM devices d WHERE d.id = ANY($1)"
     ))
@@ -351,7 +377,7 @@ pub async fn count_sites(db: &Db) -> Result<i64> {
 /// Filters of the pools connection.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct PoolFilter {
-    pub site_id: Option<String>,
+    pub site_id: Option<SiteId>,
     pub kind: Option<model::PoolKind>,
 }
 
@@ -361,7 +387,7 @@ fn pool_select<'a>(cols: &str, f: &PoolFilter) -> Select<'a> {
         q.and().push("p.site_id = ").push_bind(site.clone());
     }
     if let Some(kind) = f.kind {
-        q.and().push("p.kind = ").push_bind(kind.as_str());
+        q.and().push("p.kind = ").push_bind(kind);
     }
     q
 }
@@ -381,9 +407,9 @@ pub async fn count_pools(db: &Db, filter: &PoolFilter) -> Result<i64> {
 /// A page of pools for each site.
 pub async fn pools_by_sites(
     db: &Db,
-    site_ids: &[String],
+    site_ids: &[SiteId],
     page: &PageArgs,
-) -> Result<HashMap<String, Page<Pool>>> {
+) -> Result<HashMap<SiteId, Page<Pool>>> {
     let spec = Nested {
         cols: POOL_COLS,
         from: "pools p",
@@ -394,15 +420,15 @@ pub async fn pools_by_sites(
 }
 
 /// How many pools each site has.
-pub async fn count_pools_by_sites(db: &Db, site_ids: &[String]) -> Result<HashMap<String, i64>> {
+pub async fn count_pools_by_sites(db: &Db, site_ids: &[SiteId]) -> Result<HashMap<SiteId, i64>> {
     count_by(db, "pools", "site_id", site_ids).await
 }
 
 /// Filters of the compute-nodes connection.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct NodeFilter {
-    pub site_id: Option<String>,
-    pub pool_id: Option<String>,
+    pub site_id: Option<SiteId>,
+    pub pool_id: Option<PoolId>,
     pub reachability: Option<model::Reachability>,
     pub cordoned: Option<bool>,
     pub has_free_capacity: Option<bool>,
@@ -421,7 +447,7 @@ fn node_select<'a>(cols: &str, f: &NodeFilter) -> Select<'a> {
         q.and().push("n.pool_id = ").push_bind(pool.clone());
     }
     if let Some(r) = f.reachability {
-        q.and().push("n.reachability = ").push_bind(r.as_str());
+        q.and().push("n.reachability = ").push_bind(r);
     }
     if let Some(c) = f.cordoned {
         q.and().push("n.cordoned = ").push_bind(c);
@@ -454,9 +480,9 @@ pub async fn count_nodes(db: &Db, filter: &NodeFilter) -> Result<i64> {
 /// A page of nodes for each pool, retired ones included.
 pub async fn nodes_by_pools(
     db: &Db,
-    pool_ids: &[String],
+    pool_ids: &[PoolId],
     page: &PageArgs,
-) -> Result<HashMap<String, Page<Node>>> {
+) -> Result<HashMap<PoolId, Page<Node>>> {
     let spec = Nested {
         cols: NODE_COLS,
         from: "nodes n",
@@ -467,12 +493,12 @@ pub async fn nodes_by_pools(
 }
 
 /// How many nodes each pool has, retired ones included.
-pub async fn count_nodes_by_pools(db: &Db, pool_ids: &[String]) -> Result<HashMap<String, i64>> {
+pub async fn count_nodes_by_pools(db: &Db, pool_ids: &[PoolId]) -> Result<HashMap<PoolId, i64>> {
     count_by(db, "nodes", "pool_id", pool_ids).await
 }
 
 /// The scalar resources of each node.
-pub async fn resources_by_nodes(db: &Db, node_ids: &[String]) -> Result<Vec<NodeResource>> {
+pub async fn resources_by_nodes(db: &Db, node_ids: &[NodeId]) -> Result<Vec<NodeResource>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {RESOURCE_COLS} FROM node_resources r WHERE r.node_id = ANY($1) ORDER BY r.node_id, r.resource"
     ))
@@ -484,9 +510,9 @@ pub async fn resources_by_nodes(db: &Db, node_ids: &[String]) -> Result<Vec<Node
 /// Filters of the devices connection.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct DeviceFilter {
-    pub site_id: Option<String>,
-    pub pool_id: Option<String>,
-    pub node_id: Option<String>,
+    pub site_id: Option<SiteId>,
+    pub pool_id: Option<PoolId>,
+    pub node_id: Option<NodeId>,
     pub model: Option<String>,
     pub mode: Option<model::DeviceMode>,
     pub health: Option<model::Health>,
@@ -512,10 +538,10 @@ fn device_select<'a>(cols: &str, f: &DeviceFilter) -> Select<'a> {
         q.and().push("d.model = ").push_bind(model.clone());
     }
     if let Some(mode) = f.mode {
-        q.and().push("d.mode = ").push_bind(mode.as_str());
+        q.and().push("d.mode = ").push_bind(mode);
     }
     if let Some(h) = f.health {
-        q.and().push("d.health = ").push_bind(h.as_str());
+        q.and().push("d.health = ").push_bind(h);
     }
     q
 }
@@ -533,7 +559,7 @@ pub async fn count_devices(db: &Db, filter: &DeviceFilter) -> Result<i64> {
 }
 
 /// The devices of each node (a small, bounded list per node).
-pub async fn devices_by_nodes(db: &Db, node_ids: &[String]) -> Result<Vec<Device>> {
+pub async fn devices_by_nodes(db: &Db, node_ids: &[NodeId]) -> Result<Vec<Device>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {DEVICE_COLS} FROM devices d WHERE d.node_id = ANY($1) ORDER BY d.node_id, d.id"
     ))
@@ -543,7 +569,7 @@ pub async fn devices_by_nodes(db: &Db, node_ids: &[String]) -> Result<Vec<Device
 }
 
 /// The atoms of each device, in ordinal order.
-pub async fn atoms_by_devices(db: &Db, device_ids: &[String]) -> Result<Vec<Atom>> {
+pub async fn atoms_by_devices(db: &Db, device_ids: &[DeviceId]) -> Result<Vec<Atom>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {ATOM_COLS} FROM device_atoms a WHERE a.device_id = ANY($1) ORDER BY a.device_id, a.ordinal"
     ))
@@ -555,8 +581,8 @@ pub async fn atoms_by_devices(db: &Db, device_ids: &[String]) -> Result<Vec<Atom
 /// Filters of the atoms connection.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct AtomFilter {
-    pub pool_id: Option<String>,
-    pub device_id: Option<String>,
+    pub pool_id: Option<PoolId>,
+    pub device_id: Option<DeviceId>,
     pub model: Option<String>,
     pub kind: Option<model::AtomKind>,
     pub profile: Option<String>,
@@ -578,7 +604,7 @@ fn atom_select<'a>(cols: &str, f: &AtomFilter) -> Select<'a> {
         q.and().push("d.model = ").push_bind(model.clone());
     }
     if let Some(kind) = f.kind {
-        q.and().push("a.kind = ").push_bind(kind.as_str());
+        q.and().push("a.kind = ").push_bind(kind);
     }
     if let Some(profile) = &f.profile {
         q.and().push("a.profile = ").push_bind(profile.clone());
@@ -604,24 +630,30 @@ pub async fn count_atoms(db: &Db, filter: &AtomFilter) -> Result<i64> {
     atom_select("count(*)", filter).fetch_count(db).await
 }
 
-/// Which level capacity is summed at.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CapacityScope {
-    Pool,
-    Site,
-}
-
-/// Capacity of many pools or sites over a window (now when `None`), one statement.
-pub async fn capacity(
+/// Capacity of many pools over a window (now when `None`), one statement.
+pub async fn pool_capacity(
     db: &Db,
-    scope: CapacityScope,
-    ids: &[String],
+    ids: &[PoolId],
     window: Option<Window>,
 ) -> Result<Vec<CapacityRow>> {
-    let scope_col = match scope {
-        CapacityScope::Pool => "p.id",
-        CapacityScope::Site => "p.site_id",
-    };
+    capacity(db, "p.id", ids, window).await
+}
+
+/// Capacity of many sites (all their pools) over a window (now when `None`), one statement.
+pub async fn site_capacity(
+    db: &Db,
+    ids: &[SiteId],
+    window: Option<Window>,
+) -> Result<Vec<CapacityRow>> {
+    capacity(db, "p.site_id", ids, window).await
+}
+
+async fn capacity<K: ParentId>(
+    db: &Db,
+    scope_col: &str,
+    ids: &[K],
+    window: Option<Window>,
+) -> Result<Vec<CapacityRow>> {
     let sql = format!(
         "WITH w AS (SELECT CASE WHEN $2::timestamptz IS NULL THEN tstzrange(compute_now(), compute_now(), '[]') \
                                 ELSE tstzrange($2, $3, '[)') END AS range), \

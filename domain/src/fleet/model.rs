@@ -7,50 +7,33 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-macro_rules! string_enum {
-    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-        pub enum $name { $($(#[$vmeta])* #[serde(rename = $text)] $variant),+ }
+use crate::text_enum::text_enum;
 
-        impl $name {
-            /// The value as stored in the database.
-            pub fn as_str(self) -> &'static str {
-                match self { $($name::$variant => $text),+ }
-            }
-            /// Parses a stored value.
-            pub fn parse(s: &str) -> Option<Self> {
-                match s { $($text => Some($name::$variant),)+ _ => None }
-            }
-        }
-    };
-}
-
-string_enum!(
+text_enum!(
     /// What kind of machines a pool holds.
     PoolKind { BareMetal = "bare_metal", Provider = "provider", VpsHost = "vps_host" }
 );
-string_enum!(
+text_enum!(
     /// Whether the node's daemon is talking to the control plane.
     Reachability { Connected = "connected", Disconnected = "disconnected", Unreachable = "unreachable", Lost = "lost" }
 );
-string_enum!(
+text_enum!(
     /// How a GPU is shared.
     DeviceMode { Exclusive = "exclusive", Mig = "mig", TimeSlice = "time_slice", Mps = "mps" }
 );
-string_enum!(
+text_enum!(
     /// A GPU's health as reported or set by an operator.
     Health { Healthy = "healthy", Degraded = "degraded", Unhealthy = "unhealthy" }
 );
-string_enum!(
+text_enum!(
     /// What a taint does to placement.
     TaintEffect { NoSchedule = "NoSchedule", PreferNoSchedule = "PreferNoSchedule", NoExecute = "NoExecute" }
 );
-string_enum!(
+text_enum!(
     /// The kind of a bookable atom.
     AtomKind { Gpu = "gpu", Mig = "mig", Slot = "slot" }
 );
-string_enum!(
+text_enum!(
     /// A scalar resource of a node.
     Resource { Vcpu = "vcpu", MemoryMib = "memory_mib", DiskGib = "disk_gib" }
 );
@@ -177,18 +160,6 @@ pub fn parse_hostname(field: &str, s: &str) -> Result<String> {
         Err(Error::bad_input(
             field,
             format!("`{s}` is not a host name: lowercase letters, digits, `.` and `-`"),
-        ))
-    }
-}
-
-/// An entity id of the given prefix, such as `site_0193…`.
-pub fn parse_id(field: &str, prefix: &'static str, s: &str) -> Result<String> {
-    if crate::ids::prefix_of(s) == Some(prefix) {
-        Ok(s.to_owned())
-    } else {
-        Err(Error::bad_input(
-            field,
-            format!("`{s}` is not a {prefix} id (expected {prefix}_ and 32 hex digits)"),
         ))
     }
 }
@@ -434,13 +405,17 @@ impl Layout {
     }
 
     /// The layout as stored in `devices.layout`.
-    pub fn to_json(&self) -> Option<serde_json::Value> {
+    pub fn stored(&self) -> Option<StoredLayout> {
         match self {
             Layout::Exclusive => None,
-            Layout::Mig(p) => Some(
-                serde_json::json!({ "profiles": p.iter().map(|p| p.name).collect::<Vec<_>>() }),
-            ),
-            Layout::TimeSlice(n) | Layout::Mps(n) => Some(serde_json::json!({ "slots": n })),
+            Layout::Mig(p) => Some(StoredLayout {
+                profiles: Some(p.iter().map(|p| p.name.to_owned()).collect()),
+                slots: None,
+            }),
+            Layout::TimeSlice(n) | Layout::Mps(n) => Some(StoredLayout {
+                profiles: None,
+                slots: Some(*n),
+            }),
         }
     }
 
@@ -479,6 +454,16 @@ impl Layout {
                 .collect(),
         }
     }
+}
+
+/// A layout as stored in `devices.layout`: `{"profiles": [...]}` for MIG, `{"slots": n}` for
+/// time-slicing and MPS, `NULL` for an exclusive GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredLayout {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profiles: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
 }
 
 /// An atom to create.

@@ -2,34 +2,19 @@
 //! they lead. Guarded updates test `nodes.lifecycle = ANY(allowed_from(action))`, so the rule lives
 //! here once and the database enforces it under the row lock.
 
-/// Where a node is in its life (`nodes.lifecycle`, derived from `cordoned` and `retired_at`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NodeLifecycle {
-    /// Takes new work.
-    Active,
-    /// Keeps its work; takes no new work.
-    Cordoned,
-    /// Out of the fleet for good; kept for history.
-    Retired,
-}
+use crate::text_enum::text_enum;
 
-impl NodeLifecycle {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            NodeLifecycle::Active => "active",
-            NodeLifecycle::Cordoned => "cordoned",
-            NodeLifecycle::Retired => "retired",
-        }
+text_enum!(
+    /// Where a node is in its life (`nodes.lifecycle`, derived from `cordoned` and `retired_at`).
+    NodeLifecycle {
+        /// Takes new work.
+        Active = "active",
+        /// Keeps its work; takes no new work.
+        Cordoned = "cordoned",
+        /// Out of the fleet for good; kept for history.
+        Retired = "retired",
     }
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "active" => Some(NodeLifecycle::Active),
-            "cordoned" => Some(NodeLifecycle::Cordoned),
-            "retired" => Some(NodeLifecycle::Retired),
-            _ => None,
-        }
-    }
-}
+);
 
 /// What an operator does to a node (or to a device on it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,11 +46,11 @@ pub const NODE_TRANSITIONS: &[(NodeAction, &[NodeLifecycle], Option<NodeLifecycl
 ];
 
 /// The states `action` may start from, as stored.
-pub fn allowed_from(action: NodeAction) -> Vec<&'static str> {
+pub fn allowed_from(action: NodeAction) -> Vec<NodeLifecycle> {
     NODE_TRANSITIONS
         .iter()
         .filter(|(a, _, _)| *a == action)
-        .flat_map(|(_, from, _)| from.iter().map(|s| s.as_str()))
+        .flat_map(|(_, from, _)| from.iter().copied())
         .collect()
 }
 
@@ -85,7 +70,7 @@ mod tests {
     fn a_retired_node_accepts_nothing() {
         for (action, _, _) in NODE_TRANSITIONS {
             assert_eq!(next(*action, Retired), None, "{action:?}");
-            assert!(!allowed_from(*action).contains(&"retired"));
+            assert!(!allowed_from(*action).contains(&Retired));
         }
         assert_eq!(next(NodeAction::Cordon, Active), Some(Cordoned));
         assert_eq!(next(NodeAction::Uncordon, Cordoned), Some(Active));

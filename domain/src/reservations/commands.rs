@@ -11,16 +11,21 @@
 //! with an `Unschedulable` condition, still holding its quota.
 
 use chrono::{DateTime, Duration, Utc};
-use serde_json::{Value, json};
+use serde_json::json;
 use sqlx::PgConnection;
+use sqlx::types::Json;
 
 use super::model::{AllocationRequest, ReservationRequest};
 use super::state::{Action, State, allowed_from};
 use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
+use crate::condition::{Condition, ConditionStatus};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::idempotency::{self, Actor, Claim, Outcome};
+use crate::ids::{AllocationId, AtomName, NodeId, PoolId, ReservationId, SiteId, TenantId};
 use crate::outbox::{self, NewEvent};
+use crate::quota;
+use crate::work_queue::WorkKind;
 
 /// How many placement attempts an allocation gets before the reservation goes pending.
 pub const MAX_ATTEMPTS: usize = 3;
@@ -36,7 +41,7 @@ fn conflict(message: impl Into<String>) -> Error {
     }
 }
 
-fn tenant_of(actor: &Actor) -> Result<String> {
+fn tenant_of(actor: &Actor) -> Result<TenantId> {
     actor.tenant.clone().ok_or_else(|| {
         Error::bad_input(
             "tenantId",
@@ -45,7 +50,7 @@ fn tenant_of(actor: &Actor) -> Result<String> {
     })
 }
 
-async fn load(conn: &mut PgConnection, id: &str) -> Result<Reservation> {
+async fn load(conn: &mut PgConnection, id: &ReservationId) -> Result<Reservation> {
     Ok(sqlx::query_as(&format!(
         "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1"
     ))
@@ -54,7 +59,7 @@ async fn load(conn: &mut PgConnection, id: &str) -> Result<Reservation> {
     .await?)
 }
 
-async fn allocations_of(conn: &mut PgConnection, id: &str) -> Result<Vec<Allocation>> {
+async fn allocations_of(conn: &mut PgConnection, id: &ReservationId) -> Result<Vec<Allocation>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
     ))
@@ -70,7 +75,7 @@ async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: &str) -> R
         NewEvent {
             event_type,
             tenant_id: Some(&rsv.tenant_id),
-            subject: &rsv.id,
+            subject: rsv.id.as_str(),
             data: json!({ "reservation": rsv, "allocations": allocations }),
         },
     )
@@ -78,8 +83,8 @@ async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: &str) -> R
     // Its reconciler looks at it again (and sets its next wake-up), in this transaction.
     crate::work_queue::enqueue(
         conn,
-        crate::work_queue::RESERVATION,
-        &rsv.id,
+        WorkKind::Reservation,
+        rsv.id.as_str(),
         crate::work_queue::SHARDS,
         std::time::Duration::ZERO,
     )
@@ -87,139 +92,19 @@ async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: &str) -> R
     Ok(())
 }
 
-/// One quota row a reservation charges.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct Charge {
-    scope_kind: String,
-    scope_id: String,
-    resource: String,
-    amount: f64,
-}
-
-/// Charges every quota row of the tenant on the pool and its site, all or nothing; returns the
-/// rows charged. Rows are locked in key order first (lock order: quota_usage before anything
-/// of the fleet). A missing row means no limit on that scope and resource.
-async fn charge_quota(
-    conn: &mut PgConnection,
-    tenant: &str,
-    pool_id: &str,
-    site_id: &str,
-    gpu: f64,
-    vcpu: i64,
-    memory: i64,
-) -> Result<Vec<Charge>> {
-    let want = [
-        ("pool", pool_id, "gpu", gpu),
-        ("pool", pool_id, "vcpu", vcpu as f64),
-        ("pool", pool_id, "memory_mib", memory as f64),
-        ("site", site_id, "gpu", gpu),
-        ("site", site_id, "vcpu", vcpu as f64),
-        ("site", site_id, "memory_mib", memory as f64),
-    ];
-    let kinds: Vec<&str> = want.iter().map(|w| w.0).collect();
-    let ids: Vec<&str> = want.iter().map(|w| w.1).collect();
-    let resources: Vec<&str> = want.iter().map(|w| w.2).collect();
-    let amounts: Vec<f64> = want.iter().map(|w| w.3).collect();
-    // `locked` takes the rows FOR UPDATE in key order; the UPDATE then charges those whose limit
-    // allows it (re-reading each row's latest version). Fewer charged than locked: over quota.
-    let rows: Vec<(String, String, String, f64, bool, f64, f64)> = sqlx::query_as(
-        "WITH want AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)), \
-         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q \
-                      JOIN want w USING (scope_kind, scope_id, resource) \
-                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q), \
-         charged AS (UPDATE quota_usage q SET used = q.used + w.amount::numeric, version = q.version + 1, updated_at = compute_now() \
-                       FROM want w, locked l \
-                      WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
-                        AND w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource \
-                        AND q.used + w.amount::numeric <= q.max_amount \
-                  RETURNING q.scope_kind, q.scope_id, q.resource) \
-         SELECT l.scope_kind, l.scope_id, l.resource, w.amount, c.resource IS NOT NULL, q.used::float8, q.max_amount::float8 \
-           FROM locked l \
-           JOIN want w ON w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource \
-           JOIN quota_usage q ON q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
-           LEFT JOIN charged c ON c.scope_kind = l.scope_kind AND c.scope_id = l.scope_id AND c.resource = l.resource",
-    )
-    .bind(tenant)
-    .bind(&kinds)
-    .bind(&ids)
-    .bind(&resources)
-    .bind(&amounts)
-    .fetch_all(&mut *conn)
-    .await?;
-    if let Some((kind, id, resource, amount, _, used, max)) = rows.iter().find(|r| !r.4) {
-        let unit = match resource.as_str() {
-            "gpu" => "GPUs",
-            "vcpu" => "vCPU",
-            _ => "MiB of memory",
-        };
-        return Err(Error::QuotaExceeded(format!(
-            "quota exceeded: tenant {tenant} would hold {} of its {} {unit} on {kind} {id} (holds {}, asks {})",
-            amount_text(used + amount),
-            amount_text(*max),
-            amount_text(*used),
-            amount_text(*amount),
-        )));
-    }
-    Ok(rows
-        .into_iter()
-        .filter(|r| r.3 > 0.0)
-        .map(|(scope_kind, scope_id, resource, amount, _, _, _)| Charge {
-            scope_kind,
-            scope_id,
-            resource,
-            amount,
-        })
-        .collect())
-}
-
-/// An amount as people write it: at most six decimals, no trailing zeros.
-fn amount_text(x: f64) -> String {
-    let s = format!("{x:.6}");
-    s.trim_end_matches('0').trim_end_matches('.').to_owned()
-}
-
-/// Gives back what a reservation charged, in key order.
-async fn refund_quota(conn: &mut PgConnection, tenant: &str, charged: &Value) -> Result<()> {
-    let charges: Vec<Charge> = serde_json::from_value(charged.clone()).map_err(Error::internal)?;
-    if charges.is_empty() {
-        return Ok(());
-    }
-    let kinds: Vec<&str> = charges.iter().map(|c| c.scope_kind.as_str()).collect();
-    let ids: Vec<&str> = charges.iter().map(|c| c.scope_id.as_str()).collect();
-    let resources: Vec<&str> = charges.iter().map(|c| c.resource.as_str()).collect();
-    let amounts: Vec<f64> = charges.iter().map(|c| c.amount).collect();
-    sqlx::query(
-        "WITH back AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)), \
-         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q JOIN back b USING (scope_kind, scope_id, resource) \
-                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q) \
-         UPDATE quota_usage q SET used = q.used - b.amount::numeric, version = q.version + 1, updated_at = compute_now() \
-           FROM back b, locked l \
-          WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
-            AND b.scope_kind = l.scope_kind AND b.scope_id = l.scope_id AND b.resource = l.resource",
-    )
-    .bind(tenant)
-    .bind(&kinds)
-    .bind(&ids)
-    .bind(&resources)
-    .bind(&amounts)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
 /// Where an allocation went.
 #[derive(Debug, Clone)]
 struct Placed {
-    allocation_id: String,
-    node_id: String,
-    atoms: Vec<String>,
+    allocation_id: AllocationId,
+    node_id: NodeId,
+    atoms: Vec<AtomName>,
 }
 
 /// A node and atoms that fit an allocation now.
 #[derive(Debug, sqlx::FromRow)]
 struct Candidate {
-    node_id: String,
-    atoms: Vec<String>,
+    node_id: NodeId,
+    atoms: Vec<AtomName>,
 }
 
 /// Eligibility of a node for an allocation: active, reachable, labels, hard taints tolerated.
@@ -241,15 +126,16 @@ fn node_eligible(selector: usize, tolerations: usize) -> String {
 /// rarely reach for the same atoms.
 fn choose_atoms(
     kind: crate::fleet::model::AtomKind,
-    allocation_id: &str,
-    free: Vec<String>,
+    allocation_id: &AllocationId,
+    free: Vec<AtomName>,
     count: usize,
-) -> Vec<String> {
+) -> Vec<AtomName> {
     if kind != crate::fleet::model::AtomKind::Gpu || free.len() <= count {
         return free.into_iter().take(count).collect();
     }
     let spread = free.len() - count + 1;
     let hash = allocation_id
+        .as_str()
         .bytes()
         .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
@@ -264,11 +150,11 @@ fn choose_atoms(
 /// the allocation, so concurrent placements spread over them instead of racing for one.
 async fn candidate(
     conn: &mut PgConnection,
-    allocation_id: &str,
-    pool_id: &str,
+    allocation_id: &AllocationId,
+    pool_id: &PoolId,
     a: &AllocationRequest,
     window: (DateTime<Utc>, DateTime<Utc>),
-    excluded: &[String],
+    excluded: &[NodeId],
 ) -> Result<Option<Candidate>> {
     // `busy` is one index scan (device_bookings_during) for the bookings that overlap the window;
     // the atoms are then filtered with a hashed lookup instead of a probe per atom.
@@ -296,9 +182,9 @@ async fn candidate(
     Ok(sqlx::query_as(&sql)
         .bind(pool_id)
         .bind(excluded)
-        .bind(json!(a.node_selector))
-        .bind(json!(a.tolerations))
-        .bind(a.gpu_kind.as_str())
+        .bind(Json(&a.node_selector))
+        .bind(Json(&a.tolerations))
+        .bind(a.gpu_kind)
         .bind(&a.model)
         .bind(&a.profile)
         .bind(a.slots_per_gpu)
@@ -325,7 +211,7 @@ enum Attempt {
 async fn attempt(
     conn: &mut PgConnection,
     a: &AllocationRequest,
-    allocation_id: &str,
+    allocation_id: &AllocationId,
     c: &Candidate,
     window: (DateTime<Utc>, DateTime<Utc>),
 ) -> Result<Attempt> {
@@ -334,8 +220,8 @@ async fn attempt(
         node_eligible(2, 3)
     ))
     .bind(&c.node_id)
-    .bind(json!(a.node_selector))
-    .bind(json!(a.tolerations))
+    .bind(Json(&a.node_selector))
+    .bind(Json(&a.tolerations))
     .fetch_optional(&mut *conn)
     .await?;
     if node.is_none() {
@@ -395,8 +281,8 @@ async fn record_placements(conn: &mut PgConnection, placed: &[Placed]) -> Result
         "UPDATE allocations a SET node_id = p.node_id, atoms = ARRAY(SELECT jsonb_array_elements_text(p.atoms)) \
            FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS p(id, node_id, atoms) WHERE a.id = p.id",
     )
-    .bind(placed.iter().map(|p| p.allocation_id.clone()).collect::<Vec<_>>())
-    .bind(placed.iter().map(|p| p.node_id.clone()).collect::<Vec<_>>())
+    .bind(placed.iter().map(|p| p.allocation_id.clone()).collect::<Vec<AllocationId>>())
+    .bind(placed.iter().map(|p| p.node_id.clone()).collect::<Vec<NodeId>>())
     .bind(placed.iter().map(|p| json!(p.atoms)).collect::<Vec<_>>())
     .execute(&mut *conn)
     .await?;
@@ -409,7 +295,7 @@ async fn close_out(
     conn: &mut PgConnection,
     rsv: &Reservation,
     to: State,
-    conditions: Option<Value>,
+    conditions: Option<Vec<Condition>>,
 ) -> Result<Reservation> {
     give_back(conn, rsv).await?;
     let rsv: Reservation = sqlx::query_as(&format!(
@@ -419,8 +305,8 @@ async fn close_out(
          WHERE r.id = $1 RETURNING {RSV_COLS}"
     ))
     .bind(&rsv.id)
-    .bind(to.as_str())
-    .bind(conditions)
+    .bind(to)
+    .bind(conditions.map(Json))
     .fetch_one(&mut *conn)
     .await?;
     emit(conn, &rsv, &format!("reservation.{}", to.as_str())).await?;
@@ -437,8 +323,8 @@ enum Placement {
 /// Places every allocation or none.
 async fn place(
     conn: &mut PgConnection,
-    pool: (&str, &str),
-    allocations: &[(String, AllocationRequest)],
+    pool: (&PoolId, &str),
+    allocations: &[(AllocationId, AllocationRequest)],
     window: (DateTime<Utc>, DateTime<Utc>),
 ) -> Result<(Placement, usize)> {
     sqlx::query("SAVEPOINT placement")
@@ -447,7 +333,7 @@ async fn place(
     let mut placed = Vec::new();
     let mut replans = 0;
     for (i, (allocation_id, a)) in allocations.iter().enumerate() {
-        let mut excluded: Vec<String> = Vec::new();
+        let mut excluded: Vec<NodeId> = Vec::new();
         let mut lost: Vec<&'static str> = Vec::new();
         loop {
             let Some(mut c) = candidate(conn, allocation_id, pool.0, a, window, &excluded).await?
@@ -576,11 +462,11 @@ pub async fn create_reservation(
     let tenant = tenant_of(actor)?;
     let key = idempotency::parse_key("idempotencyKey", key)?;
     let fingerprint = json!(req);
-    let rsv_id = crate::ids::new_id("rsv");
-    let alloc_ids: Vec<String> = req
+    let rsv_id = ReservationId::generate();
+    let alloc_ids: Vec<AllocationId> = req
         .allocations
         .iter()
-        .map(|_| crate::ids::new_id("alc"))
+        .map(|_| AllocationId::generate())
         .collect();
     db.tx(TxKind::Write, |conn| {
         let (actor, key, fingerprint, req, rsv_id, alloc_ids, tenant) = (
@@ -599,8 +485,12 @@ pub async fn create_reservation(
                 Claim::Replay(response) => {
                     let id = response["reservationId"]
                         .as_str()
-                        .unwrap_or_default()
-                        .to_owned();
+                        .and_then(ReservationId::from_trusted)
+                        .ok_or_else(|| {
+                            Error::internal(
+                                "a stored createReservation response names no reservation",
+                            )
+                        })?;
                     let value = load(conn, &id).await?;
                     return Ok(Ok((
                         Outcome {
@@ -629,12 +519,12 @@ pub async fn create_reservation(
 async fn create_effect(
     conn: &mut PgConnection,
     actor: &Actor,
-    tenant: &str,
+    tenant: &TenantId,
     req: &ReservationRequest,
-    rsv_id: &str,
-    alloc_ids: &[String],
+    rsv_id: &ReservationId,
+    alloc_ids: &[AllocationId],
 ) -> Result<(Outcome<Reservation>, CreateStats)> {
-    let pool: Option<(DateTime<Utc>, String, String)> =
+    let pool: Option<(DateTime<Utc>, SiteId, String)> =
         sqlx::query_as("SELECT compute_now(), site_id, name FROM pools WHERE id = $1")
             .bind(&req.pool_id)
             .fetch_optional(&mut *conn)
@@ -642,7 +532,7 @@ async fn create_effect(
     let Some((now, site_id, pool_name)) = pool else {
         return Err(Error::NotFound {
             kind: "pool",
-            id: req.pool_id.clone(),
+            id: req.pool_id.to_string(),
         });
     };
     let starts_at = req.starts_at.unwrap_or(now);
@@ -658,7 +548,7 @@ async fn create_effect(
     let gpu = super::model::gpu_charge(&req.allocations);
     let vcpu: i64 = req.allocations.iter().map(|a| a.vcpu).sum();
     let memory: i64 = req.allocations.iter().map(|a| a.memory_mib).sum();
-    let charged = charge_quota(conn, tenant, &req.pool_id, &site_id, gpu, vcpu, memory).await?;
+    let charged = quota::charge(conn, tenant, &req.pool_id, &site_id, gpu, vcpu, memory).await?;
 
     sqlx::query(
         "INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at, \
@@ -674,7 +564,7 @@ async fn create_effect(
     .bind(gpu)
     .bind(vcpu)
     .bind(memory)
-    .bind(json!(charged))
+    .bind(Json(&charged))
     .execute(&mut *conn)
     .await?;
     let a = &req.allocations;
@@ -688,7 +578,7 @@ async fn create_effect(
                 )
                 .bind(alloc_ids)
                 .bind(rsv_id)
-                .bind(a.iter().map(|x| x.gpu_kind.as_str()).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| x.gpu_kind).collect::<Vec<_>>())
                 .bind(a.iter().map(|x| x.gpu_count).collect::<Vec<_>>())
                 .bind(a.iter().map(|x| x.model.clone()).collect::<Vec<_>>())
                 .bind(a.iter().map(|x| x.profile.clone()).collect::<Vec<_>>())
@@ -696,12 +586,12 @@ async fn create_effect(
                 .bind(a.iter().map(|x| x.vcpu).collect::<Vec<_>>())
                 .bind(a.iter().map(|x| x.memory_mib).collect::<Vec<_>>())
                 .bind(a.iter().map(|x| x.disk_gib).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| json!(x.node_selector)).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| json!(x.tolerations)).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| Json(&x.node_selector)).collect::<Vec<_>>())
+                .bind(a.iter().map(|x| Json(&x.tolerations)).collect::<Vec<_>>())
                 .execute(&mut *conn)
                 .await?;
 
-    let pairs: Vec<(String, AllocationRequest)> = alloc_ids
+    let pairs: Vec<(AllocationId, AllocationRequest)> = alloc_ids
         .iter()
         .cloned()
         .zip(req.allocations.iter().cloned())
@@ -725,10 +615,14 @@ async fn create_effect(
         Placement::Unschedulable(_) => (State::Pending, "reservation.pending"),
     };
     let conditions = match &placement {
-        Placement::Unschedulable(why) => json!([{
-            "type": "Unschedulable", "status": "True", "reason": "NoCapacity", "message": why, "since": now
-        }]),
-        Placement::Placed(_) => json!([]),
+        Placement::Unschedulable(why) => vec![Condition {
+            kind: "Unschedulable".into(),
+            status: ConditionStatus::True,
+            reason: Some("NoCapacity".into()),
+            message: Some(why.clone()),
+            since: Some(now),
+        }],
+        Placement::Placed(_) => Vec::new(),
     };
     let rsv: Reservation = sqlx::query_as(&format!(
                     "UPDATE reservations r SET state = $2, conditions = $3, \
@@ -736,8 +630,8 @@ async fn create_effect(
                      WHERE r.id = $1 RETURNING {RSV_COLS}"
                 ))
                 .bind(rsv_id)
-                .bind(state.as_str())
-                .bind(conditions)
+                .bind(state)
+                .bind(Json(conditions))
                 .bind(RETRY_SECONDS as f64)
                 .fetch_one(&mut *conn)
                 .await?;
@@ -755,8 +649,7 @@ async fn create_effect(
 async fn lock_for(
     conn: &mut PgConnection,
     actor: &Actor,
-    operator: bool,
-    id: &str,
+    id: &ReservationId,
     version: Option<i64>,
     action: Action,
 ) -> Result<Reservation> {
@@ -767,11 +660,11 @@ async fn lock_for(
     .fetch_optional(&mut *conn)
     .await?;
     let rsv = match rsv {
-        Some(r) if operator || Some(&r.tenant_id) == actor.tenant.as_ref() => r,
+        Some(r) if actor.may_access(&r.tenant_id) => r,
         _ => {
             return Err(Error::NotFound {
                 kind: "reservation",
-                id: id.to_owned(),
+                id: id.to_string(),
             });
         }
     };
@@ -785,13 +678,13 @@ async fn lock_for(
     }
     // `rsv.state` is the state as time says: a reservation whose window has started is active
     // (it can be released, no longer cancelled), one whose window has ended is expired.
-    if !allowed_from(action).contains(&rsv.state.as_str()) {
-        let message = match (action, rsv.state.as_str()) {
-            (Action::Cancel, "active") => format!(
+    if !allowed_from(action).contains(&rsv.state) {
+        let message = match (action, rsv.state) {
+            (Action::Cancel, State::Active) => format!(
                 "reservation {id} started at {}: it is active and can no longer be cancelled; release it to end it now",
                 rsv.starts_at.to_rfc3339()
             ),
-            (_, "expired") => format!(
+            (_, State::Expired) => format!(
                 "reservation {id} ended at {}: it is expired",
                 rsv.ends_at.to_rfc3339()
             ),
@@ -810,7 +703,7 @@ async fn lock_for(
 /// Ends bookings at now (future ones are removed) and gives back quota and scalars, in the
 /// lock order: quota first.
 async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
-    refund_quota(conn, &rsv.tenant_id, &rsv.charged).await?;
+    quota::refund(conn, &rsv.tenant_id, &rsv.charged).await?;
     sqlx::query(
         "WITH mine AS (SELECT id FROM allocations WHERE reservation_id = $1), \
          gone AS (DELETE FROM device_bookings b USING mine WHERE b.allocation_id = mine.id AND lower(b.during) >= compute_now() RETURNING 1) \
@@ -839,8 +732,7 @@ async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
 async fn finish(
     db: &Db,
     actor: &Actor,
-    operator: bool,
-    id: &str,
+    id: &ReservationId,
     version: Option<i64>,
     action: Action,
 ) -> Result<Reservation> {
@@ -849,9 +741,9 @@ async fn finish(
         _ => State::Cancelled,
     };
     db.tx(TxKind::Write, |conn| {
-        let (actor, id) = (actor.clone(), id.to_owned());
+        let (actor, id) = (actor.clone(), id.clone());
         Box::pin(async move {
-            let rsv = lock_for(conn, &actor, operator, &id, version, action).await?;
+            let rsv = lock_for(conn, &actor, &id, version, action).await?;
             close_out(conn, &rsv, to, None).await
         })
     })
@@ -860,9 +752,9 @@ async fn finish(
 
 /// Expires a reservation whose window has ended (the reconciler's step): quota first, then scalars
 /// come back; its bookings already end at its end.
-pub(crate) async fn expire(db: &Db, id: &str) -> Result<()> {
+pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
     db.tx(TxKind::Maintenance, |conn| {
-        let id = id.to_owned();
+        let id = id.clone();
         Box::pin(async move {
             let rsv: Option<Reservation> = sqlx::query_as(&format!(
                 "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) AND r.ends_at <= compute_now() FOR UPDATE"
@@ -883,9 +775,9 @@ pub(crate) async fn expire(db: &Db, id: &str) -> Result<()> {
 
 /// Fails a scheduled or active reservation one of whose nodes is lost (the reconciler's step):
 /// its bookings end now, quota first, then scalars come back.
-pub(crate) async fn fail_lost(db: &Db, id: &str) -> Result<()> {
+pub(crate) async fn fail_lost(db: &Db, id: &ReservationId) -> Result<()> {
     db.tx(TxKind::Maintenance, |conn| {
-        let id = id.to_owned();
+        let id = id.clone();
         Box::pin(async move {
             let rsv: Option<Reservation> = sqlx::query_as(&format!(
                 "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE"
@@ -897,21 +789,23 @@ pub(crate) async fn fail_lost(db: &Db, id: &str) -> Result<()> {
             let Some(rsv) = rsv else {
                 return Err(conflict(format!("reservation {id} cannot fail now")));
             };
-            let lost: Vec<(String,)> = sqlx::query_as(
+            let hosts: Vec<String> = sqlx::query_scalar(
                 "SELECT DISTINCT n.hostname FROM allocations a JOIN nodes n ON n.id = a.node_id \
                   WHERE a.reservation_id = $1 AND n.reachability = 'lost' ORDER BY 1",
             )
             .bind(&id)
             .fetch_all(&mut *conn)
             .await?;
-            if lost.is_empty() {
+            if hosts.is_empty() {
                 return Err(conflict(format!("reservation {id} has no lost node")));
             }
-            let hosts: Vec<String> = lost.into_iter().map(|(h,)| h).collect();
-            let condition = json!([{
-                "type": "NodeLost", "status": "True", "reason": "NodeLost",
-                "message": format!("its node {} was lost", hosts.join(", ")),
-            }]);
+            let condition = vec![Condition {
+                kind: "NodeLost".into(),
+                status: ConditionStatus::True,
+                reason: Some("NodeLost".into()),
+                message: Some(format!("its node {} was lost", hosts.join(", "))),
+                since: None,
+            }];
             close_out(conn, &rsv, State::Failed, Some(condition)).await?;
             Ok(())
         })
@@ -920,17 +814,17 @@ pub(crate) async fn fail_lost(db: &Db, id: &str) -> Result<()> {
 }
 
 /// A pending reservation as a retry reads it: pool, pool name, window, and now.
-type PendingRow = (String, String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
+type PendingRow = (PoolId, String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
 
 /// Places a pending reservation again (the reconciler's retry). Returns whether it was placed;
 /// otherwise its `Unschedulable` condition says the latest reason and it is tried again later.
 pub(crate) async fn place_pending(
     db: &Db,
-    id: &str,
-    allocations: Vec<(String, AllocationRequest)>,
+    id: &ReservationId,
+    allocations: Vec<(AllocationId, AllocationRequest)>,
 ) -> Result<bool> {
     db.tx(TxKind::Write, |conn| {
-        let (id, allocations) = (id.to_owned(), allocations.clone());
+        let (id, allocations) = (id.clone(), allocations.clone());
         Box::pin(async move {
             // Lock order: the reservation row, then (no quota: a pending reservation already holds
             // its charge) the fleet rows in `place`.
@@ -958,7 +852,7 @@ pub(crate) async fn place_pending(
                            version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
                     ))
                     .bind(&id)
-                    .bind(state.as_str())
+                    .bind(state)
                     .bind(start)
                     .fetch_one(&mut *conn)
                     .await?;
@@ -990,42 +884,35 @@ pub(crate) async fn place_pending(
 pub async fn release_reservation(
     db: &Db,
     actor: &Actor,
-    operator: bool,
-    id: &str,
+    id: &ReservationId,
     version: Option<i64>,
 ) -> Result<Reservation> {
-    finish(db, actor, operator, id, version, Action::Release).await
+    finish(db, actor, id, version, Action::Release).await
 }
 
 /// Withdraws a pending or not yet started reservation.
 pub async fn cancel_reservation(
     db: &Db,
     actor: &Actor,
-    operator: bool,
-    id: &str,
+    id: &ReservationId,
     version: Option<i64>,
 ) -> Result<Reservation> {
-    finish(db, actor, operator, id, version, Action::Cancel).await
+    finish(db, actor, id, version, Action::Cancel).await
 }
 
 /// Moves the end of a scheduled or active reservation later: every booking grows, or none.
 pub async fn extend_reservation(
     db: &Db,
     actor: &Actor,
-    operator: bool,
-    id: &str,
+    id: &ReservationId,
     ends_at: DateTime<Utc>,
     key: &str,
 ) -> Result<Outcome<Reservation>> {
     let key = idempotency::parse_key("idempotencyKey", key)?;
     let fingerprint = json!({ "reservationId": id, "endsAt": ends_at });
     db.tx(TxKind::Write, |conn| {
-        let (actor, id, key, fingerprint) = (
-            actor.clone(),
-            id.to_owned(),
-            key.clone(),
-            fingerprint.clone(),
-        );
+        let (actor, id, key, fingerprint) =
+            (actor.clone(), id.clone(), key.clone(), fingerprint.clone());
         Box::pin(async move {
             match idempotency::claim(conn, &actor, &key, "extendReservation", &fingerprint).await? {
                 Claim::New => {}
@@ -1037,7 +924,7 @@ pub async fn extend_reservation(
                     }));
                 }
             }
-            let extended = extend_effect(conn, &actor, operator, &id, ends_at).await;
+            let extended = extend_effect(conn, &actor, &id, ends_at).await;
             idempotency::settle(
                 conn,
                 &actor,
@@ -1055,12 +942,10 @@ pub async fn extend_reservation(
 async fn extend_effect(
     conn: &mut PgConnection,
     actor: &Actor,
-    operator: bool,
-    id: &str,
+    id: &ReservationId,
     ends_at: DateTime<Utc>,
 ) -> Result<Outcome<Reservation>> {
-    let id = id.to_owned();
-    let rsv = lock_for(conn, actor, operator, &id, None, Action::Extend).await?;
+    let rsv = lock_for(conn, actor, id, None, Action::Extend).await?;
     if ends_at <= rsv.ends_at {
         return Err(Error::bad_input(
             "endsAt",
@@ -1079,13 +964,13 @@ async fn extend_effect(
             ),
         ));
     }
-    let blockers: Vec<(String, Option<String>, String)> = sqlx::query_as(
+    let blockers: Vec<(AtomName, Option<AllocationId>, String)> = sqlx::query_as(
                     "SELECT b.atom, b.allocation_id, b.reason FROM device_bookings b \
                       WHERE b.atom IN (SELECT unnest(atoms) FROM allocations WHERE reservation_id = $1) \
                         AND NOT EXISTS (SELECT 1 FROM allocations x WHERE x.reservation_id = $1 AND x.id = b.allocation_id) \
                         AND b.during && tstzrange($2, $3) ORDER BY b.atom",
                 )
-                .bind(&id)
+                .bind(id)
                 .bind(rsv.ends_at)
                 .bind(ends_at)
                 .fetch_all(&mut *conn)
@@ -1096,7 +981,9 @@ async fn extend_effect(
             .map(|(atom, alloc, reason)| {
                 format!(
                     "{atom} is booked by {}",
-                    alloc.clone().unwrap_or_else(|| format!("a {reason} hold"))
+                    alloc
+                        .as_ref()
+                        .map_or_else(|| format!("a {reason} hold"), ToString::to_string)
                 )
             })
             .collect();
@@ -1112,7 +999,7 @@ async fn extend_effect(
                     "UPDATE device_bookings b SET during = tstzrange(lower(b.during), $2) \
                       WHERE b.allocation_id IN (SELECT id FROM allocations WHERE reservation_id = $1) AND upper(b.during) = $3",
                 )
-                .bind(&id)
+                .bind(id)
                 .bind(ends_at)
                 .bind(rsv.ends_at)
                 .execute(&mut *conn)
@@ -1125,7 +1012,7 @@ async fn extend_effect(
                     "UPDATE reservations r SET ends_at = $2, version = r.version + 1, updated_at = compute_now() \
                      WHERE r.id = $1 RETURNING {RSV_COLS}"
                 ))
-                .bind(&id)
+                .bind(id)
                 .bind(ends_at)
                 .fetch_one(&mut *conn)
                 .await?;

@@ -10,30 +10,36 @@ pub mod state;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use serde_json::Value;
+use sqlx::types::Json;
 use sqlx::{FromRow, Postgres, QueryBuilder};
 
+use crate::condition::Conditions;
 use crate::db::Db;
 use crate::error::Result;
+use crate::fleet::model::{AtomKind, Labels};
+use crate::ids::{AllocationId, AtomName, NodeId, PoolId, ReservationId, TenantId};
 use crate::page::{Page, PageArgs};
+use crate::quota::Charge;
+use model::Toleration;
+use state::State;
 
 /// A reservation.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Reservation {
-    pub id: String,
-    pub tenant_id: String,
+    pub id: ReservationId,
+    pub tenant_id: TenantId,
     pub created_by: String,
-    pub pool_id: String,
+    pub pool_id: PoolId,
     /// As time says (`state_now!`), not necessarily as stored.
-    pub state: String,
+    pub state: State,
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
-    pub conditions: Value,
+    pub conditions: Conditions,
     pub charge_gpu: f64,
     pub charge_vcpu: i64,
     pub charge_memory_mib: i64,
     /// The quota rows charged, as refunds read them.
-    pub charged: Value,
+    pub charged: Json<Vec<Charge>>,
     pub next_attempt_at: Option<DateTime<Utc>>,
     pub version: i64,
     pub created_at: DateTime<Utc>,
@@ -44,10 +50,10 @@ pub struct Reservation {
 /// One allocation of a reservation: what it asked for and where it was placed.
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Allocation {
-    pub id: String,
-    pub reservation_id: String,
+    pub id: AllocationId,
+    pub reservation_id: ReservationId,
     pub ordinal: i32,
-    pub gpu_kind: String,
+    pub gpu_kind: AtomKind,
     pub gpu_count: i32,
     pub model: Option<String>,
     pub profile: Option<String>,
@@ -55,10 +61,10 @@ pub struct Allocation {
     pub vcpu: i64,
     pub memory_mib: i64,
     pub disk_gib: i64,
-    pub node_selector: Value,
-    pub tolerations: Value,
-    pub node_id: Option<String>,
-    pub atoms: Vec<String>,
+    pub node_selector: Json<Labels>,
+    pub tolerations: Json<Vec<Toleration>>,
+    pub node_id: Option<NodeId>,
+    pub atoms: Vec<AtomName>,
 }
 
 /// A reservation's state as time says, from its stored row `r`: a scheduled reservation whose
@@ -84,7 +90,7 @@ pub(crate) const ALLOC_COLS: &str = "a.id, a.reservation_id, a.ordinal, a.gpu_ki
      a.slots_per_gpu, a.vcpu, a.memory_mib, a.disk_gib, a.node_selector, a.tolerations, a.node_id, a.atoms";
 
 /// Reservations by id.
-pub async fn get_reservations(db: &Db, ids: &[String]) -> Result<Vec<Reservation>> {
+pub async fn get_reservations(db: &Db, ids: &[ReservationId]) -> Result<Vec<Reservation>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {RSV_COLS} FROM reservations r WHERE r.id = ANY($1)"
     ))
@@ -94,7 +100,10 @@ pub async fn get_reservations(db: &Db, ids: &[String]) -> Result<Vec<Reservation
 }
 
 /// The allocations of each reservation, in order.
-pub async fn allocations_by_reservations(db: &Db, ids: &[String]) -> Result<Vec<Allocation>> {
+pub async fn allocations_by_reservations(
+    db: &Db,
+    ids: &[ReservationId],
+) -> Result<Vec<Allocation>> {
     Ok(sqlx::query_as(&format!(
         "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = ANY($1) ORDER BY a.reservation_id, a.ordinal"
     ))
@@ -107,9 +116,9 @@ pub async fn allocations_by_reservations(db: &Db, ids: &[String]) -> Result<Vec<
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct ReservationFilter {
     /// Only this tenant's (always set for members).
-    pub tenant_id: Option<String>,
-    pub state: Option<state::State>,
-    pub pool_id: Option<String>,
+    pub tenant_id: Option<TenantId>,
+    pub state: Option<State>,
+    pub pool_id: Option<PoolId>,
     /// Only reservations whose window overlaps this one.
     pub window: Option<crate::fleet::model::Window>,
 }
@@ -120,8 +129,7 @@ fn select<'a>(cols: &str, f: &ReservationFilter) -> QueryBuilder<'a, Postgres> {
         qb.push(" AND r.tenant_id = ").push_bind(t.clone());
     }
     if let Some(s) = f.state {
-        qb.push(concat!(" AND ", state_now!(), " = "))
-            .push_bind(s.as_str());
+        qb.push(concat!(" AND ", state_now!(), " = ")).push_bind(s);
     }
     if let Some(p) = &f.pool_id {
         qb.push(" AND r.pool_id = ").push_bind(p.clone());

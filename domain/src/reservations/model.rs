@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fleet::model::{self as m, AtomKind, Labels, MIG_COMPUTE_SLICES, TaintEffect};
+use crate::ids::PoolId;
 
 /// A toleration: matches taints with its key, and its value and effect when given.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -103,7 +104,7 @@ pub struct AllocationInput {
 /// A whole reservation request.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReservationRequest {
-    pub pool_id: String,
+    pub pool_id: PoolId,
     /// `None`: now.
     pub starts_at: Option<DateTime<Utc>>,
     pub ends_at: DateTime<Utc>,
@@ -228,7 +229,7 @@ pub fn parse_request(
     ends_at: DateTime<Utc>,
     allocations: &[AllocationInput],
 ) -> Result<ReservationRequest> {
-    let pool_id = m::parse_id("poolId", "pool", pool_id)?;
+    let pool_id = PoolId::parse("poolId", pool_id)?;
     if allocations.is_empty() || allocations.len() > MAX_ALLOCATIONS {
         return Err(Error::bad_input(
             "allocations",

@@ -5,11 +5,12 @@
 //! nothing due does nothing, so a repeated or concurrent run is harmless.
 
 use super::commands;
-use super::model::{AllocationRequest, Toleration};
+use super::model::AllocationRequest;
+use super::state::State;
 use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
-use crate::fleet::model::AtomKind;
+use crate::ids::{AllocationId, ReservationId};
 
 /// Moves every scheduled reservation whose window has started to `active`, with its event, in one
 /// statement.
@@ -19,9 +20,9 @@ pub async fn activate_due(db: &Db) -> Result<u64> {
 
 /// [`activate_due`] for every due reservation, or only `id`; the moved ones are enqueued for
 /// their reconciler (their next wake-up is their end).
-async fn activate(db: &Db, id: Option<&str>) -> Result<u64> {
+async fn activate(db: &Db, id: Option<&ReservationId>) -> Result<u64> {
     db.tx(TxKind::Maintenance, |conn| {
-        let id = id.map(str::to_owned);
+        let id = id.cloned();
         Box::pin(async move {
             let (n,): (i64,) = sqlx::query_as(&format!(
                 "WITH moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now() \
@@ -32,7 +33,7 @@ async fn activate(db: &Db, id: Option<&str>) -> Result<u64> {
                         + 0 * (SELECT count(n) FROM woken) FROM moved m"
             ))
             .bind(id)
-            .bind(crate::work_queue::RESERVATION)
+            .bind(crate::work_queue::WorkKind::Reservation)
             .bind(crate::work_queue::SHARDS)
             .fetch_one(&mut *conn)
             .await?;
@@ -55,7 +56,7 @@ pub enum Step {
 /// The stored columns the reservation reconciler decides on.
 #[derive(sqlx::FromRow)]
 struct Stored {
-    state: String,
+    state: State,
     starts_at: chrono::DateTime<chrono::Utc>,
     ends_at: chrono::DateTime<chrono::Utc>,
     next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
@@ -67,7 +68,7 @@ struct Stored {
 /// is terminal). Level-triggered: running it again, or early, does nothing wrong.
 pub async fn reconcile_one(
     db: &Db,
-    id: &str,
+    id: &ReservationId,
 ) -> Result<(Step, Option<chrono::DateTime<chrono::Utc>>)> {
     // The stored state, not the state as time says: this is the code that moves it.
     let load = || async {
@@ -83,29 +84,29 @@ pub async fn reconcile_one(
         return Ok((Step::Nothing, None));
     };
     let now = db.compute_now().await?;
-    let live = matches!(rsv.state.as_str(), "pending" | "scheduled" | "active");
+    let live = !rsv.state.is_terminal();
     let mut step = Step::Nothing;
     if live && rsv.ends_at <= now {
         match commands::expire(db, id).await {
             Ok(()) | Err(Error::Conflict { .. }) => step = Step::Expired,
             Err(e) => return Err(e),
         }
-    } else if rsv.state == "pending" && rsv.next_attempt_at.is_none_or(|t| t <= now) {
+    } else if rsv.state == State::Pending && rsv.next_attempt_at.is_none_or(|t| t <= now) {
         let requests = requests_of(db, id).await?;
         step = match commands::place_pending(db, id, requests).await {
             Ok(true) => Step::Placed,
             Ok(false) | Err(Error::Conflict { .. }) => Step::StillPending,
             Err(e) => return Err(e),
         };
-    } else if rsv.state == "scheduled" && rsv.starts_at <= now {
+    } else if rsv.state == State::Scheduled && rsv.starts_at <= now {
         activate(db, Some(id)).await?;
         step = Step::Started;
     }
     let next = match load().await? {
-        Some(r) => match r.state.as_str() {
-            "pending" => Some(r.next_attempt_at.map_or(r.ends_at, |t| t.min(r.ends_at))),
-            "scheduled" => Some(r.starts_at.min(r.ends_at)),
-            "active" => Some(r.ends_at),
+        Some(r) => match r.state {
+            State::Pending => Some(r.next_attempt_at.map_or(r.ends_at, |t| t.min(r.ends_at))),
+            State::Scheduled => Some(r.starts_at.min(r.ends_at)),
+            State::Active => Some(r.ends_at),
             _ => None,
         },
         None => None,
@@ -116,13 +117,13 @@ pub async fn reconcile_one(
 /// Expires every pending, scheduled or active reservation whose window has ended: quota first,
 /// then scalars come back. One transaction per reservation.
 pub async fn expire_due(db: &Db) -> Result<u64> {
-    let due: Vec<(String,)> = sqlx::query_as(
+    let due: Vec<ReservationId> = sqlx::query_scalar(
         "SELECT id FROM reservations WHERE state IN ('pending', 'scheduled', 'active') AND ends_at <= compute_now() ORDER BY id LIMIT 500",
     )
     .fetch_all(db.pool())
     .await?;
     let mut moved = 0;
-    for (id,) in due {
+    for id in due {
         match commands::expire(db, &id).await {
             Ok(()) => moved += 1,
             // Someone else moved it first (released, or another worker): nothing to do.
@@ -136,7 +137,7 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
 /// Fails every scheduled or active reservation placed on a node that is `lost`; one
 /// transaction per reservation.
 pub async fn fail_lost(db: &Db) -> Result<u64> {
-    let due: Vec<(String,)> = sqlx::query_as(
+    let due: Vec<ReservationId> = sqlx::query_scalar(
         "SELECT DISTINCT r.id FROM reservations r JOIN allocations a ON a.reservation_id = r.id \
            JOIN nodes n ON n.id = a.node_id \
           WHERE r.state IN ('scheduled', 'active') AND n.reachability = 'lost' ORDER BY r.id LIMIT 500",
@@ -144,7 +145,7 @@ pub async fn fail_lost(db: &Db) -> Result<u64> {
     .fetch_all(db.pool())
     .await?;
     let mut moved = 0;
-    for (id,) in due {
+    for id in due {
         match commands::fail_lost(db, &id).await {
             Ok(()) => moved += 1,
             Err(Error::Conflict { .. }) => {}
@@ -154,13 +155,9 @@ pub async fn fail_lost(db: &Db) -> Result<u64> {
     Ok(moved)
 }
 
-fn request_of(a: &Allocation) -> Result<AllocationRequest> {
-    let node_selector = serde_json::from_value(a.node_selector.clone()).map_err(Error::internal)?;
-    let tolerations: Vec<Toleration> =
-        serde_json::from_value(a.tolerations.clone()).map_err(Error::internal)?;
-    Ok(AllocationRequest {
-        gpu_kind: AtomKind::parse(&a.gpu_kind)
-            .ok_or_else(|| Error::internal("unknown gpu kind"))?,
+fn request_of(a: &Allocation) -> AllocationRequest {
+    AllocationRequest {
+        gpu_kind: a.gpu_kind,
         gpu_count: a.gpu_count,
         model: a.model.clone(),
         profile: a.profile.clone(),
@@ -168,23 +165,26 @@ fn request_of(a: &Allocation) -> Result<AllocationRequest> {
         vcpu: a.vcpu,
         memory_mib: a.memory_mib,
         disk_gib: a.disk_gib,
-        node_selector,
-        tolerations,
-    })
+        node_selector: a.node_selector.0.clone(),
+        tolerations: a.tolerations.0.clone(),
+    }
 }
 
 /// What each allocation of a reservation asked for, to place it again.
-async fn requests_of(db: &Db, id: &str) -> Result<Vec<(String, AllocationRequest)>> {
+async fn requests_of(
+    db: &Db,
+    id: &ReservationId,
+) -> Result<Vec<(AllocationId, AllocationRequest)>> {
     let allocations: Vec<Allocation> = sqlx::query_as(&format!(
         "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
     ))
     .bind(id)
     .fetch_all(db.pool())
     .await?;
-    allocations
+    Ok(allocations
         .iter()
-        .map(|a| request_of(a).map(|r| (a.id.clone(), r)))
-        .collect()
+        .map(|a| (a.id.clone(), request_of(a)))
+        .collect())
 }
 
 /// Tries again to place every pending reservation whose `next_attempt_at` has come; returns how

@@ -1,51 +1,28 @@
 //! The reservation state table: the one place that says which transitions are legal.
 
-/// Where a reservation is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum State {
-    /// Holds its quota; not placed yet (retried every 30 s).
-    Pending,
-    /// Booked; its window has not started.
-    Scheduled,
-    /// Booked; its window is running.
-    Active,
-    /// Ended early by its tenant; bookings end at the release.
-    Released,
-    /// Its window ended.
-    Expired,
-    /// Withdrawn before it started.
-    Cancelled,
-    /// Could not be honoured (the node was lost).
-    Failed,
-}
+use crate::text_enum::text_enum;
+
+text_enum!(
+    /// Where a reservation is in its life.
+    State {
+        /// Holds its quota; not placed yet (retried every 30 s).
+        Pending = "pending",
+        /// Booked; its window has not started.
+        Scheduled = "scheduled",
+        /// Booked; its window is running.
+        Active = "active",
+        /// Ended early by its tenant; bookings end at the release.
+        Released = "released",
+        /// Its window ended.
+        Expired = "expired",
+        /// Withdrawn before it started.
+        Cancelled = "cancelled",
+        /// Could not be honoured (the node was lost).
+        Failed = "failed",
+    }
+);
 
 impl State {
-    pub const ALL: [State; 7] = [
-        State::Pending,
-        State::Scheduled,
-        State::Active,
-        State::Released,
-        State::Expired,
-        State::Cancelled,
-        State::Failed,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            State::Pending => "pending",
-            State::Scheduled => "scheduled",
-            State::Active => "active",
-            State::Released => "released",
-            State::Expired => "expired",
-            State::Cancelled => "cancelled",
-            State::Failed => "failed",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<State> {
-        State::ALL.into_iter().find(|st| st.as_str() == s)
-    }
-
     /// A terminal state holds nothing: no quota, no booking after its end, no scalars.
     pub fn is_terminal(self) -> bool {
         matches!(
@@ -95,11 +72,11 @@ pub const TRANSITIONS: &[(Action, State, State)] = &[
 ];
 
 /// The states `action` may start from, as stored.
-pub fn allowed_from(action: Action) -> Vec<&'static str> {
-    let mut v: Vec<&'static str> = TRANSITIONS
+pub fn allowed_from(action: Action) -> Vec<State> {
+    let mut v: Vec<State> = TRANSITIONS
         .iter()
         .filter(|(a, _, _)| *a == action)
-        .map(|(_, from, _)| from.as_str())
+        .map(|(_, from, _)| *from)
         .collect();
     v.dedup();
     v
@@ -122,7 +99,7 @@ mod tests {
                 "{from:?} is terminal but has a transition out"
             );
         }
-        assert_eq!(allowed_from(Action::Cancel), vec!["pending", "scheduled"]);
+        assert_eq!(allowed_from(Action::Cancel), vec![Pending, Scheduled]);
         assert!(allowed(Action::Release, Active, Released));
         assert!(!allowed(Action::Release, Pending, Released));
     }

@@ -30,10 +30,10 @@ async fn main() {
     let clients: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(8);
     let test_db = compute_tests::test_db_with(clients as u32 + 2).await;
     let db = test_db.db.clone();
-    let actor = Actor {
-        subject: "bench".into(),
-        tenant: Some("bench".into()),
-    };
+    let actor = Actor::member(
+        "bench",
+        compute_domain::ids::TenantId::parse("tenant", "bench").expect("valid tenant"),
+    );
     let site = commands::create_site(
         &db,
         &actor,
@@ -116,21 +116,24 @@ async fn main() {
                     .await
                     .expect("create");
                 let created = t.elapsed();
-                let pending = outcome.value.state == "pending";
+                let pending =
+                    outcome.value.state == compute_domain::reservations::state::State::Pending;
                 if pending {
-                    let why = outcome.value.conditions[0]["message"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .to_owned();
+                    let why = outcome
+                        .value
+                        .conditions
+                        .first()
+                        .and_then(|c| c.message.clone())
+                        .unwrap_or_default();
                     let _ = writeln!(std::io::stderr(), "pending: {why}");
                 }
                 let t = Instant::now();
                 if pending {
-                    rsv::cancel_reservation(&db, &actor, false, &outcome.value.id, None)
+                    rsv::cancel_reservation(&db, &actor, &outcome.value.id, None)
                         .await
                         .expect("cancel");
                 } else {
-                    rsv::release_reservation(&db, &actor, false, &outcome.value.id, None)
+                    rsv::release_reservation(&db, &actor, &outcome.value.id, None)
                         .await
                         .expect("release");
                 }

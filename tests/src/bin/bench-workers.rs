@@ -19,7 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use compute_domain::db::{Db, TxKind};
-use compute_domain::work_queue::{self, NOOP, SHARDS};
+use compute_domain::ids::TenantId;
+use compute_domain::work_queue::{self, SHARDS, WorkKind};
 
 fn worker(binary: &std::path::Path, url: &str, role: &str, kinds: &str) -> tokio::process::Child {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -55,7 +56,7 @@ async fn queue_run(binary: &std::path::Path, items: usize, processes: usize) {
     let test_db = compute_tests::test_db_with(8).await;
     let db = test_db.db.clone();
     let mut children: Vec<_> = (0..processes)
-        .map(|_| worker(binary, &test_db.url, "reconcile", NOOP))
+        .map(|_| worker(binary, &test_db.url, "reconcile", WorkKind::Noop.as_str()))
         .collect();
     // Wait until the shards have spread over the processes (they rebalance every 5 s).
     let spread = Instant::now();
@@ -100,7 +101,7 @@ async fn queue_run(binary: &std::path::Path, items: usize, processes: usize) {
                     let keys = keys.clone();
                     Box::pin(async move {
                         for k in &keys {
-                            work_queue::enqueue(conn, NOOP, k, SHARDS, delay).await?;
+                            work_queue::enqueue(conn, WorkKind::Noop, k, SHARDS, delay).await?;
                         }
                         Ok(())
                     })
@@ -171,7 +172,7 @@ async fn webhook_run(binary: &std::path::Path, events: usize) {
     compute_domain::sinks::create(
         &db,
         &compute_domain::sinks::Scope {
-            tenant_id: Some("bench".into()),
+            tenant_id: Some(TenantId::parse("tenant", "bench").expect("valid tenant")),
         },
         "bench",
         &url,

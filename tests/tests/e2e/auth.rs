@@ -144,3 +144,73 @@ fn public_key_verifiers_pin_their_algorithm() {
         "a JWKS with no key for the configured algorithm is a configuration error"
     );
 }
+
+#[tokio::test]
+async fn a_tenant_claim_that_is_not_a_tenant_id_is_refused_at_the_door() {
+    let app = spawn_app().await;
+    for tenant in ["", " acme", "a\u{0}b", "-x"] {
+        let token = app.token("alice", Some(tenant), &[Role::Member]);
+        let (status, body) = app.graphql(VIEWER, json!({}), Some(&token)).await;
+        assert_eq!(status, 401, "{tenant:?}: {body}");
+        assert_eq!(
+            first_code(&body),
+            Some("UNAUTHENTICATED"),
+            "{tenant:?}: {body}"
+        );
+        let message = body["errors"][0]["message"].as_str().unwrap_or("");
+        assert!(message.contains("tenant claim"), "{tenant:?}: {message}");
+    }
+}
+
+#[tokio::test]
+async fn an_operator_and_a_member_of_the_same_subject_never_share_idempotency_keys() {
+    // An operator's keys live in a scope of their own (`:operator`), which no tenant id can
+    // name: a member token with the operator's subject and key runs its own request.
+    let app = spawn_app().await;
+    let operator = app.token("shared-subject", None, &[Role::Operator]);
+    let member = app.token(
+        "shared-subject",
+        Some("acme"),
+        &[Role::Member, Role::Operator],
+    );
+    let plain_member = app.token("shared-subject", Some("acme"), &[Role::Member]);
+    let input = |name: &str| json!({ "i": { "name": name, "idempotencyKey": "k-1" } });
+    let create = "mutation($i: CreateSiteInput!) { createSite(input: $i) { site { id name } idempotentReplay } }";
+    let (_, first) = app
+        .graphql(create, input("by-operator"), Some(&operator))
+        .await;
+    let first_id = first["data"]["createSite"]["site"]["id"].clone();
+    assert!(first_id.is_string(), "{first}");
+    // The same subject and key under another authority is another scope: a new request, not
+    // the operator's stored response.
+    let (_, second) = app
+        .graphql(create, input("by-operator-with-tenant"), Some(&member))
+        .await;
+    assert_eq!(
+        second["data"]["createSite"]["idempotentReplay"],
+        json!(false),
+        "{second}"
+    );
+    assert_ne!(
+        second["data"]["createSite"]["site"]["id"], first_id,
+        "{second}"
+    );
+    // A member cannot create sites at all, and certainly gets no operator's response.
+    let (_, third) = app
+        .graphql(create, input("by-operator"), Some(&plain_member))
+        .await;
+    assert_eq!(first_code(&third), Some("FORBIDDEN"), "{third}");
+    // The operator itself gets its answer back.
+    let (_, again) = app
+        .graphql(create, input("by-operator"), Some(&operator))
+        .await;
+    assert_eq!(
+        again["data"]["createSite"]["site"]["id"], first_id,
+        "{again}"
+    );
+    assert_eq!(
+        again["data"]["createSite"]["idempotentReplay"],
+        json!(true),
+        "{again}"
+    );
+}

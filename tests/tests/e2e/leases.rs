@@ -147,7 +147,14 @@ async fn the_work_queue_never_loses_a_wake_up() {
     let enqueue = |key: &'static str| async move {
         db.tx(TxKind::Write, |conn| {
             Box::pin(async move {
-                work_queue::enqueue(conn, "reservation", key, 4, Duration::ZERO).await
+                work_queue::enqueue(
+                    conn,
+                    work_queue::WorkKind::Reservation,
+                    key,
+                    4,
+                    Duration::ZERO,
+                )
+                .await
             })
         })
         .await
@@ -171,7 +178,7 @@ async fn the_work_queue_never_loses_a_wake_up() {
             Box::pin(async move {
                 work_queue::claim(
                     conn,
-                    "reservation",
+                    work_queue::WorkKind::Reservation,
                     &all_shards,
                     10,
                     Duration::from_secs(60),
@@ -238,7 +245,7 @@ async fn the_work_queue_never_loses_a_wake_up() {
     sqlx::query("BEGIN").execute(&mut two).await.expect("begin");
     let first = work_queue::claim(
         &mut one,
-        "reservation",
+        work_queue::WorkKind::Reservation,
         &all_shards,
         3,
         Duration::from_secs(60),
@@ -247,7 +254,7 @@ async fn the_work_queue_never_loses_a_wake_up() {
     .expect("claim");
     let second = work_queue::claim(
         &mut two,
-        "reservation",
+        work_queue::WorkKind::Reservation,
         &all_shards,
         10,
         Duration::from_secs(60),

@@ -52,7 +52,7 @@ async fn an_event_exists_exactly_when_its_transaction_commits() {
                     conn,
                     NewEvent {
                         event_type: "reservation.scheduled",
-                        tenant_id: Some("acme"),
+                        tenant_id: Some(&compute_tests::tenant("acme")),
                         subject: "rsv_1",
                         data: json!({ "id": "rsv_1", "state": "SCHEDULED" }),
                     },
@@ -62,7 +62,10 @@ async fn an_event_exists_exactly_when_its_transaction_commits() {
         })
         .await
         .expect("commit");
-    assert!(id.starts_with("evt_") && id.len() == 4 + 32, "{id}");
+    assert!(
+        id.as_str().starts_with("evt_") && id.as_str().len() == 4 + 32,
+        "{id}"
+    );
 
     let (kind, tenant, subject, data, time, same_tx): (
         String,

@@ -70,7 +70,7 @@ async fn a_late_commit_with_a_lower_seq_is_neither_skipped_nor_overtaken() {
     assert_eq!(Cursor::decode("after", &encoded).expect("decode"), last);
     assert!(Cursor::decode("after", "evt_123").is_err());
     let mine = EventFilter {
-        tenant_id: Some("globex".into()),
+        tenant_id: Some(compute_tests::tenant("globex")),
         ..EventFilter::default()
     };
     assert!(

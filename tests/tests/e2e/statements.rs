@@ -46,10 +46,7 @@ impl<S: tracing::Subscriber> Layer<S> for CountStatements {
 
 async fn fleet_of(app: &TestApp, nodes: usize) {
     let db = &app.db.db;
-    let actor = Actor {
-        subject: "test".into(),
-        tenant: None,
-    };
+    let actor = Actor::operator("test");
     let site = commands::create_site(
         db,
         &actor,

@@ -51,10 +51,7 @@ impl Rng {
 
 async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
     let db = &app.db.db;
-    let actor = Actor {
-        subject: "torture".into(),
-        tenant: None,
-    };
+    let actor = Actor::operator("torture");
     let site = commands::create_site(
         db,
         &actor,
@@ -138,8 +135,8 @@ async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
         compute_domain::quota::set_quota(
             db,
             &actor,
-            t,
-            &pool.id,
+            &compute_domain::ids::TenantId::parse("tenant", t).expect("valid tenant"),
+            &compute_domain::ids::ScopeId::Pool(pool.id.clone()),
             compute_domain::quota::QuotaLimits {
                 gpus: Some(GPU_LIMIT as f64),
                 vcpu: Some(400),
@@ -149,7 +146,11 @@ async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
         .await
         .expect("quota");
     }
-    (pool.id, nodes, devices)
+    (
+        pool.id.to_string(),
+        nodes.into_iter().map(String::from).collect(),
+        devices.into_iter().map(String::from).collect(),
+    )
 }
 
 #[derive(Default)]
@@ -514,7 +515,11 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                 ("retry pending", reconcile::retry_pending(db).await),
                 (
                     "rollup recompute",
-                    commands::recompute_rollup(db, &pool).await,
+                    commands::recompute_rollup(
+                        db,
+                        &compute_domain::ids::PoolId::parse("pool", &pool).expect("a pool id"),
+                    )
+                    .await,
                 ),
             ];
             let (mismatched,): (i64,) = sqlx::query_as(ROLLUP_MISMATCHES)

@@ -254,7 +254,7 @@ async fn the_rollup_reconciler_corrects_a_drifted_rollup() {
         .await
         .expect("drift");
     assert_eq!(
-        compute_domain::fleet::commands::recompute_rollup(db, &p.pool)
+        compute_domain::fleet::commands::recompute_rollup(db, &pool_id(&p.pool))
             .await
             .expect("recompute"),
         truth.len() as u64,
@@ -282,7 +282,7 @@ async fn a_recompute_racing_a_registration_keeps_the_rollup_exact() {
     let p = pool(&app).await;
     let db = app.db.db.clone();
     let rollup_vs_atoms = || {
-        let (db, pool) = (db.clone(), p.pool.clone());
+        let (db, pool) = (db.clone(), pool_id(&p.pool));
         async move {
             // One statement, one snapshot.
             let (rollup, atoms): (i64, i64) = sqlx::query_as(
@@ -324,7 +324,7 @@ async fn a_recompute_racing_a_registration_keeps_the_rollup_exact() {
     );
     app.until_lock_waiters(1).await;
     let recompute = {
-        let (db, pool) = (db.clone(), p.pool.clone());
+        let (db, pool) = (db.clone(), pool_id(&p.pool));
         tokio::spawn(
             async move { compute_domain::fleet::commands::recompute_rollup(&db, &pool).await },
         )
@@ -736,7 +736,7 @@ async fn outbox_pruning_waits_for_sinks_up_to_the_hard_maximum() {
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let db = &app.db.db;
     let scope = compute_domain::sinks::Scope {
-        tenant_id: Some("acme".into()),
+        tenant_id: Some(compute_tests::tenant("acme")),
     };
     let (sink, _) =
         compute_domain::sinks::create(db, &scope, "test", "http://127.0.0.1:9/x", vec![])
@@ -773,7 +773,7 @@ async fn outbox_pruning_waits_for_sinks_up_to_the_hard_maximum() {
             .await
             .expect("sink")
             .state,
-        "healthy"
+        compute_domain::sinks::SinkState::Healthy
     );
     app.db.advance_clock(23 * 24 * 3600).await; // 31 days
     let pruned = compute_domain::sinks::prune_outbox(
@@ -788,7 +788,11 @@ async fn outbox_pruning_waits_for_sinks_up_to_the_hard_maximum() {
     let after = compute_domain::sinks::get(db, &scope, &sink.id)
         .await
         .expect("sink");
-    assert_eq!(after.state, "behind", "and the sink says it fell behind");
+    assert_eq!(
+        after.state,
+        compute_domain::sinks::SinkState::Behind,
+        "and the sink says it fell behind"
+    );
     assert_eq!(
         after.cursor(),
         compute_domain::outbox::pruned_through(db)
@@ -853,7 +857,7 @@ async fn a_worker_serves_its_metrics_and_health() {
             Box::pin(async move {
                 compute_domain::work_queue::enqueue(
                     conn,
-                    compute_domain::work_queue::NOOP,
+                    compute_domain::work_queue::WorkKind::Noop,
                     key,
                     SHARDS,
                     Duration::ZERO,
@@ -864,7 +868,11 @@ async fn a_worker_serves_its_metrics_and_health() {
         .await
         .expect("enqueue");
     }
-    let mut w = QueueWorker::new(db.clone(), "worker-m", &[compute_domain::work_queue::NOOP]);
+    let mut w = QueueWorker::new(
+        db.clone(),
+        "worker-m",
+        &[compute_domain::work_queue::WorkKind::Noop],
+    );
     assert_eq!(drain(&mut w).await, 3);
     let stats = compute_workers::Stats {
         queue: w.stats(),
@@ -904,4 +912,8 @@ async fn a_worker_serves_its_metrics_and_health() {
         1,
         "one TYPE line per metric: {text}"
     );
+}
+
+fn pool_id(id: &str) -> compute_domain::ids::PoolId {
+    compute_domain::ids::PoolId::parse("pool", id).expect("a pool id")
 }

@@ -9,82 +9,90 @@ use async_graphql::{ComplexObject, Context, Enum, ID, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
 use compute_domain::fleet::model::{self as m};
-use compute_domain::fleet::{
-    self, AtomFilter, CapacityScope, DeviceFilter, NodeFilter, PoolFilter,
-};
+use compute_domain::fleet::{self, AtomFilter, DeviceFilter, NodeFilter, PoolFilter};
+use compute_domain::ids::{DeviceId, NodeId, PoolId, ScopeId, SiteId, TenantId};
 use compute_domain::page::{Page, encode_cursor};
-use serde_json::Value;
 
 use crate::auth::Role;
 use crate::graph::common::*;
 use crate::graph::loaders::*;
 use crate::graph::node::{NodeInterface, load_node};
-use crate::graph::{db, gql_error, require_operator, viewer};
+use crate::graph::{actor, db, gql_error, require_operator, viewer};
 
 pub mod mutations;
 
-gql_enum!(
-    /// What kind of machines a pool holds.
-    PoolKind("PoolKind") <=> m::PoolKind {
-        /// Machines the operator owns.
-        BareMetal,
-        /// Machines rented from a provider.
-        Provider,
-        /// Virtual machines on hosts.
-        VpsHost,
-    }
-);
-gql_enum!(
-    /// Whether the node's daemon talks to the control plane.
-    Reachability("Reachability") <=> m::Reachability {
-        /// A daemon session is open.
-        Connected,
-        /// No session; nothing is released.
-        Disconnected,
-        /// No session for too long: the node leaves placement, keeps its work.
-        Unreachable,
-        /// Given up for good (provider and VPS pools with `lostAfterSeconds`).
-        Lost,
-    }
-);
-gql_enum!(
-    /// How a GPU is shared.
-    DeviceMode("DeviceMode") <=> m::DeviceMode {
-        /// The whole GPU is one atom.
-        Exclusive,
-        /// Only its MIG instances are bookable.
-        Mig,
-        /// Only its time-slice slots are bookable.
-        TimeSlice,
-        /// Only its MPS slots are bookable.
-        Mps,
-    }
-);
-gql_enum!(
-    /// A GPU's health.
-    DeviceHealth("DeviceHealth") <=> m::Health {
-        /// No problem is known.
-        Healthy,
-        /// Usable, with a problem worth watching.
-        Degraded,
-        /// Not usable: placement skips it.
-        Unhealthy,
-    }
-);
-gql_enum!(
-    /// A scalar resource of a node.
-    ResourceKind("ResourceKind") <=> m::Resource {
-        /// Virtual CPUs.
-        Vcpu,
-        /// Memory, in MiB.
-        MemoryMib,
-        /// Disk, in GiB.
-        DiskGib,
-    }
-);
+/// What kind of machines a pool holds.
+#[derive(async_graphql::Enum, Clone, Copy, PartialEq, Eq, Debug)]
+#[graphql(name = "PoolKind", remote = "compute_domain::fleet::model::PoolKind")]
+pub enum PoolKind {
+    /// Machines the operator owns.
+    BareMetal,
+    /// Machines rented from a provider.
+    Provider,
+    /// Virtual machines on hosts.
+    VpsHost,
+}
+/// Whether the node's daemon talks to the control plane.
+#[derive(async_graphql::Enum, Clone, Copy, PartialEq, Eq, Debug)]
+#[graphql(
+    name = "Reachability",
+    remote = "compute_domain::fleet::model::Reachability"
+)]
+pub enum Reachability {
+    /// A daemon session is open.
+    Connected,
+    /// No session; nothing is released.
+    Disconnected,
+    /// No session for too long: the node leaves placement, keeps its work.
+    Unreachable,
+    /// Given up for good (provider and VPS pools with `lostAfterSeconds`).
+    Lost,
+}
+/// How a GPU is shared.
+#[derive(async_graphql::Enum, Clone, Copy, PartialEq, Eq, Debug)]
+#[graphql(
+    name = "DeviceMode",
+    remote = "compute_domain::fleet::model::DeviceMode"
+)]
+pub enum DeviceMode {
+    /// The whole GPU is one atom.
+    Exclusive,
+    /// Only its MIG instances are bookable.
+    Mig,
+    /// Only its time-slice slots are bookable.
+    TimeSlice,
+    /// Only its MPS slots are bookable.
+    Mps,
+}
+/// A GPU's health.
+#[derive(async_graphql::Enum, Clone, Copy, PartialEq, Eq, Debug)]
+#[graphql(name = "DeviceHealth", remote = "compute_domain::fleet::model::Health")]
+pub enum DeviceHealth {
+    /// No problem is known.
+    Healthy,
+    /// Usable, with a problem worth watching.
+    Degraded,
+    /// Not usable: placement skips it.
+    Unhealthy,
+}
+/// A scalar resource of a node.
+#[derive(async_graphql::Enum, Clone, Copy, PartialEq, Eq, Debug)]
+#[graphql(
+    name = "ResourceKind",
+    remote = "compute_domain::fleet::model::Resource"
+)]
+pub enum ResourceKind {
+    /// Virtual CPUs.
+    Vcpu,
+    /// Memory, in MiB.
+    MemoryMib,
+    /// Disk, in GiB.
+    DiskGib,
+}
 
 /// Where a node is in its life.
 #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
+#[graphql(remote = "compute_domain::fleet::state::NodeLifecycle")]
 pub enum NodeLifecycle {
     /// Takes new work.
     Active,
@@ -103,8 +111,8 @@ enum CountOf {
     Nodes(NodeFilter),
     Devices(DeviceFilter),
     Atoms(AtomFilter),
-    PoolsOfSite(String),
-    NodesOfPool(String),
+    PoolsOfSite(SiteId),
+    NodesOfPool(PoolId),
 }
 
 /// `totalCount` of a connection, counted only when asked for.
@@ -184,19 +192,18 @@ pub struct Capacity {
 
 async fn capacity(
     ctx: &Context<'_>,
-    scope: CapacityScope,
-    id: &str,
+    scope: ScopeId,
     w: Option<WindowInput>,
 ) -> async_graphql::Result<Vec<Capacity>> {
     let rows = loaders_of(ctx)?
-        .load_one(CapacityOf(scope, id.to_owned(), window(w)?))
+        .load_one(CapacityOf(scope, window(w)?))
         .await?
         .unwrap_or_default();
     rows.into_iter()
         .map(|r| {
             Ok(Capacity {
                 model: r.model,
-                kind: AtomKind::from_db(&r.kind)?,
+                kind: r.kind.into(),
                 profile: (!r.profile.is_empty()).then_some(r.profile),
                 total: r.total,
                 booked: r.booked,
@@ -214,7 +221,7 @@ pub struct SiteObj(pub fleet::Site);
 impl SiteObj {
     /// The site's id (`site_…`).
     pub async fn id(&self) -> ID {
-        ID(self.0.id.clone())
+        gql_id(&self.0.id)
     }
     /// Unique name.
     async fn name(&self) -> &str {
@@ -267,7 +274,7 @@ impl SiteObj {
         Ok(connection(
             page,
             CountOf::PoolsOfSite(self.0.id.clone()),
-            |p| &p.id,
+            |p| p.id.as_str(),
             PoolObj,
         ))
     }
@@ -279,7 +286,7 @@ impl SiteObj {
         #[graphql(desc = "The window to count bookings over; the present instant when unset.")]
         window: Option<WindowInput>,
     ) -> async_graphql::Result<Vec<Capacity>> {
-        capacity(ctx, CapacityScope::Site, &self.0.id, window).await
+        capacity(ctx, ScopeId::Site(self.0.id.clone()), window).await
     }
 }
 
@@ -302,15 +309,15 @@ pub struct PoolObj(pub fleet::Pool);
 impl PoolObj {
     /// The pool's id (`pool_…`).
     pub async fn id(&self) -> ID {
-        ID(self.0.id.clone())
+        gql_id(&self.0.id)
     }
     /// Name, unique in its site.
     async fn name(&self) -> &str {
         &self.0.name
     }
     /// What kind of machines it holds.
-    async fn kind(&self) -> async_graphql::Result<PoolKind> {
-        PoolKind::from_db(&self.0.kind)
+    async fn kind(&self) -> PoolKind {
+        self.0.kind.into()
     }
     /// After how long unreachable a node counts as lost (provider and VPS pools only).
     async fn lost_after_seconds(&self) -> Option<i64> {
@@ -339,7 +346,7 @@ impl PoolObj {
     /// The site it belongs to.
     async fn site(&self, ctx: &Context<'_>) -> async_graphql::Result<SiteObj> {
         loaders_of(ctx)?
-            .load_one(SiteId(self.0.site_id.clone()))
+            .load_one(self.0.site_id.clone())
             .await?
             .map(SiteObj)
             .ok_or_else(|| gql_error(Error::internal("a pool without its site")))
@@ -382,7 +389,7 @@ impl PoolObj {
         #[graphql(desc = "The window to count bookings over; the present instant when unset.")]
         window: Option<WindowInput>,
     ) -> async_graphql::Result<Vec<Capacity>> {
-        capacity(ctx, CapacityScope::Pool, &self.0.id, window).await
+        capacity(ctx, ScopeId::Pool(self.0.id.clone()), window).await
     }
 }
 
@@ -438,9 +445,9 @@ impl ComputeNodeObj {
 /// level for the whole page.
 #[derive(Default)]
 pub struct NodeSubtree {
-    devices: HashMap<String, Vec<fleet::Device>>,
-    atoms: Option<HashMap<String, Vec<fleet::Atom>>>,
-    resources: Option<HashMap<String, Vec<fleet::NodeResource>>>,
+    devices: HashMap<NodeId, Vec<fleet::Device>>,
+    atoms: Option<HashMap<DeviceId, Vec<fleet::Atom>>>,
+    resources: Option<HashMap<NodeId, Vec<fleet::NodeResource>>>,
 }
 
 /// Loads, for a page of nodes, the children the query selects below them, a level at a time
@@ -490,7 +497,7 @@ async fn prefetch_nodes(
         }
     };
     let (devices, resources) = futures_util::future::try_join(devices, resources).await?;
-    let devices: HashMap<String, Vec<fleet::Device>> =
+    let devices: HashMap<NodeId, Vec<fleet::Device>> =
         devices.into_iter().map(|(k, v)| (k.0, v)).collect();
     let atoms = if want_atoms {
         let ids = devices
@@ -525,22 +532,19 @@ async fn node_connection(
     Ok(connection(
         page,
         count,
-        |n| &n.id,
+        |n| n.id.as_str(),
         |n| ComputeNodeObj(n, subtree.clone()),
     ))
 }
 
-fn labels_of(v: &Value) -> Vec<Label> {
-    v.as_object()
-        .map(|o| {
-            o.iter()
-                .map(|(k, v)| Label {
-                    key: k.clone(),
-                    value: v.as_str().unwrap_or_default().to_owned(),
-                })
-                .collect()
+fn labels_of(labels: &m::Labels) -> Vec<Label> {
+    labels
+        .iter()
+        .map(|(k, v)| Label {
+            key: k.clone(),
+            value: v.clone(),
         })
-        .unwrap_or_default()
+        .collect()
 }
 
 /// A machine in a pool: its resources, GPUs, labels, taints, state and conditions.
@@ -548,7 +552,7 @@ fn labels_of(v: &Value) -> Vec<Label> {
 impl ComputeNodeObj {
     /// The node's id (`node_…`).
     pub async fn id(&self) -> ID {
-        ID(self.0.id.clone())
+        gql_id(&self.0.id)
     }
     /// Host name, unique in the fleet.
     async fn hostname(&self) -> &str {
@@ -559,17 +563,16 @@ impl ComputeNodeObj {
         labels_of(&self.0.labels)
     }
     /// Its taints: placement avoids them unless tolerated.
-    async fn taints(&self) -> async_graphql::Result<Vec<Taint>> {
-        let taints: Vec<m::Taint> = serde_json::from_value(self.0.taints.clone())
-            .map_err(|e| gql_error(Error::internal(e)))?;
-        Ok(taints
-            .into_iter()
+    async fn taints(&self) -> Vec<Taint> {
+        self.0
+            .taints
+            .iter()
             .map(|t| Taint {
-                key: t.key,
-                value: t.value,
+                key: t.key.clone(),
+                value: t.value.clone(),
                 effect: t.effect.into(),
             })
-            .collect())
+            .collect()
     }
     /// Whether the node takes no new work.
     async fn cordoned(&self) -> bool {
@@ -580,21 +583,12 @@ impl ComputeNodeObj {
         self.0.cordon_reason.as_deref()
     }
     /// Where the node is in its life.
-    async fn lifecycle(&self) -> async_graphql::Result<NodeLifecycle> {
-        match compute_domain::fleet::state::NodeLifecycle::parse(&self.0.lifecycle) {
-            Some(compute_domain::fleet::state::NodeLifecycle::Active) => Ok(NodeLifecycle::Active),
-            Some(compute_domain::fleet::state::NodeLifecycle::Cordoned) => {
-                Ok(NodeLifecycle::Cordoned)
-            }
-            Some(compute_domain::fleet::state::NodeLifecycle::Retired) => {
-                Ok(NodeLifecycle::Retired)
-            }
-            None => Err(gql_error(Error::internal("unknown lifecycle"))),
-        }
+    async fn lifecycle(&self) -> NodeLifecycle {
+        self.0.lifecycle.into()
     }
     /// Whether its daemon talks to the control plane.
-    async fn reachability(&self) -> async_graphql::Result<Reachability> {
-        Reachability::from_db(&self.0.reachability)
+    async fn reachability(&self) -> Reachability {
+        self.0.reachability.into()
     }
     /// Its conditions, such as `NodeUnreachable`.
     async fn conditions(&self) -> Vec<Condition> {
@@ -627,7 +621,7 @@ impl ComputeNodeObj {
     /// Its pool.
     async fn pool(&self, ctx: &Context<'_>) -> async_graphql::Result<PoolObj> {
         loaders_of(ctx)?
-            .load_one(PoolId(self.0.pool_id.clone()))
+            .load_one(self.0.pool_id.clone())
             .await?
             .map(PoolObj)
             .ok_or_else(|| gql_error(Error::internal("a node without its pool")))
@@ -646,7 +640,7 @@ impl ComputeNodeObj {
             .map(|r| {
                 let limit = (r.allocatable as f64 * r.ratio).floor() as i64;
                 Ok(NodeResource {
-                    resource: ResourceKind::from_db(&r.resource)?,
+                    resource: r.resource.into(),
                     allocatable: r.allocatable,
                     ratio: r.ratio,
                     limit,
@@ -696,7 +690,7 @@ impl DeviceObj {
 impl DeviceObj {
     /// The device's id (`dev_…`).
     pub async fn id(&self) -> ID {
-        ID(self.0.id.clone())
+        gql_id(&self.0.id)
     }
     /// The hardware UUID; also the name of its atom in exclusive mode.
     async fn uuid(&self) -> &str {
@@ -715,29 +709,20 @@ impl DeviceObj {
         self.0.memory_mib
     }
     /// How it is shared.
-    async fn mode(&self) -> async_graphql::Result<DeviceMode> {
-        DeviceMode::from_db(&self.0.mode)
+    async fn mode(&self) -> DeviceMode {
+        self.0.mode.into()
     }
     /// The MIG profiles of its instances, in order (MIG mode).
     async fn mig_profiles(&self) -> Option<Vec<String>> {
-        self.0
-            .layout
-            .as_ref()?
-            .get("profiles")?
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|p| p.as_str().map(str::to_owned))
-                    .collect()
-            })
+        self.0.layout.as_ref()?.profiles.clone()
     }
     /// Its slot count (time-slice and MPS modes).
     async fn slots(&self) -> Option<i64> {
-        self.0.layout.as_ref()?.get("slots")?.as_i64()
+        self.0.layout.as_ref()?.slots.map(i64::from)
     }
     /// Its health: placement skips unhealthy GPUs.
-    async fn health(&self) -> async_graphql::Result<DeviceHealth> {
-        DeviceHealth::from_db(&self.0.health)
+    async fn health(&self) -> DeviceHealth {
+        self.0.health.into()
     }
     /// Why the health was set.
     async fn health_reason(&self) -> Option<&str> {
@@ -766,7 +751,7 @@ impl DeviceObj {
     /// The node it is in.
     async fn compute_node(&self, ctx: &Context<'_>) -> async_graphql::Result<ComputeNodeObj> {
         loaders_of(ctx)?
-            .load_one(NodeId(self.0.node_id.clone()))
+            .load_one(self.0.node_id.clone())
             .await?
             .map(ComputeNodeObj::new)
             .ok_or_else(|| gql_error(Error::internal("a device without its node")))
@@ -795,11 +780,11 @@ pub struct AtomObj(pub fleet::Atom);
 impl AtomObj {
     /// The atom's name.
     async fn name(&self) -> &str {
-        &self.0.name
+        self.0.name.as_str()
     }
     /// Whole GPU, MIG instance or slot.
-    async fn kind(&self) -> async_graphql::Result<AtomKind> {
-        AtomKind::from_db(&self.0.kind)
+    async fn kind(&self) -> AtomKind {
+        self.0.kind.into()
     }
     /// Position on its GPU.
     async fn ordinal(&self) -> i32 {
@@ -824,7 +809,7 @@ impl AtomObj {
     /// Its GPU.
     async fn device(&self, ctx: &Context<'_>) -> async_graphql::Result<DeviceObj> {
         loaders_of(ctx)?
-            .load_one(DeviceId(self.0.device_id.clone()))
+            .load_one(self.0.device_id.clone())
             .await?
             .map(DeviceObj::new)
             .ok_or_else(|| gql_error(Error::internal("an atom without its device")))
@@ -872,17 +857,17 @@ pub enum QuotaResource {
 
 pub fn quota_obj(q: compute_domain::quota::Quota) -> Quota {
     Quota {
-        tenant_id: q.tenant_id,
-        scope_id: ID(q.scope_id),
-        resource: match q.resource.as_str() {
-            "gpu" => QuotaResource::Gpus,
-            "vcpu" => QuotaResource::Vcpu,
-            _ => QuotaResource::MemoryMib,
+        tenant_id: q.tenant_id.to_string(),
+        scope_id: ID(q.scope.to_string()),
+        resource: match q.resource {
+            compute_domain::quota::QuotaResource::Gpu => QuotaResource::Gpus,
+            compute_domain::quota::QuotaResource::Vcpu => QuotaResource::Vcpu,
+            compute_domain::quota::QuotaResource::MemoryMib => QuotaResource::MemoryMib,
         },
         max: q.max_amount,
         used: q.used,
         version: q.version,
-        scope_kind: q.scope_kind.to_uppercase(),
+        scope_kind: q.scope.kind().to_uppercase(),
     }
 }
 
@@ -957,7 +942,7 @@ impl FleetQuery {
         let page = fleet::list_sites(db(ctx)?, &args)
             .await
             .map_err(gql_error)?;
-        Ok(connection(page, CountOf::Sites, |s| &s.id, SiteObj))
+        Ok(connection(page, CountOf::Sites, |s| s.id.as_str(), SiteObj))
     }
 
     /// Pools, optionally of one site or kind.
@@ -982,7 +967,7 @@ impl FleetQuery {
     ) -> async_graphql::Result<Conn<PoolObj>> {
         require_viewer(ctx)?;
         let filter = PoolFilter {
-            site_id: opt_id("siteId", "site", site_id.as_ref())?,
+            site_id: opt_id::<SiteId>("siteId", site_id.as_ref())?,
             kind: kind.map(Into::into),
         };
         let args = page_request(first, after, last, before)
@@ -991,7 +976,12 @@ impl FleetQuery {
         let page = fleet::list_pools(db(ctx)?, &filter, &args)
             .await
             .map_err(gql_error)?;
-        Ok(connection(page, CountOf::Pools(filter), |p| &p.id, PoolObj))
+        Ok(connection(
+            page,
+            CountOf::Pools(filter),
+            |p| p.id.as_str(),
+            PoolObj,
+        ))
     }
 
     /// Compute nodes (operators only). Retired nodes are left out unless `includeRetired`.
@@ -1024,8 +1014,8 @@ impl FleetQuery {
     ) -> async_graphql::Result<Conn<ComputeNodeObj>> {
         require_operator(ctx)?;
         let filter = NodeFilter {
-            site_id: opt_id("siteId", "site", site_id.as_ref())?,
-            pool_id: opt_id("poolId", "pool", pool_id.as_ref())?,
+            site_id: opt_id::<SiteId>("siteId", site_id.as_ref())?,
+            pool_id: opt_id::<PoolId>("poolId", pool_id.as_ref())?,
             reachability: reachability.map(Into::into),
             cordoned,
             has_free_capacity,
@@ -1066,9 +1056,9 @@ impl FleetQuery {
     ) -> async_graphql::Result<Conn<DeviceObj>> {
         require_operator(ctx)?;
         let filter = DeviceFilter {
-            site_id: opt_id("siteId", "site", site_id.as_ref())?,
-            pool_id: opt_id("poolId", "pool", pool_id.as_ref())?,
-            node_id: opt_id("computeNodeId", "node", compute_node_id.as_ref())?,
+            site_id: opt_id::<SiteId>("siteId", site_id.as_ref())?,
+            pool_id: opt_id::<PoolId>("poolId", pool_id.as_ref())?,
+            node_id: opt_id::<NodeId>("computeNodeId", compute_node_id.as_ref())?,
             model,
             mode: mode.map(Into::into),
             health: health.map(Into::into),
@@ -1082,7 +1072,7 @@ impl FleetQuery {
         Ok(connection(
             page,
             CountOf::Devices(filter),
-            |d| &d.id,
+            |d| d.id.as_str(),
             DeviceObj::new,
         ))
     }
@@ -1116,8 +1106,8 @@ impl FleetQuery {
     ) -> async_graphql::Result<Conn<AtomObj>> {
         require_operator(ctx)?;
         let filter = AtomFilter {
-            pool_id: opt_id("poolId", "pool", pool_id.as_ref())?,
-            device_id: opt_id("deviceId", "dev", device_id.as_ref())?,
+            pool_id: opt_id::<PoolId>("poolId", pool_id.as_ref())?,
+            device_id: opt_id::<DeviceId>("deviceId", device_id.as_ref())?,
             model,
             kind: kind.map(Into::into),
             profile,
@@ -1132,7 +1122,7 @@ impl FleetQuery {
         Ok(connection(
             page,
             CountOf::Atoms(filter),
-            |a| &a.name,
+            |a| a.name.as_str(),
             AtomObj,
         ))
     }
@@ -1144,18 +1134,19 @@ impl FleetQuery {
         #[graphql(desc = "The tenant whose quotas to list; members may name only their own.")]
         tenant_id: Option<String>,
     ) -> async_graphql::Result<Vec<Quota>> {
-        let v = viewer(ctx)?;
-        let tenant = match (v.has_role(Role::Operator), tenant_id) {
-            (true, Some(t)) => t,
-            (_, None) => v.tenant.clone().ok_or_else(|| {
+        let actor = actor(ctx)?;
+        let tenant = match tenant_id {
+            Some(t) => TenantId::parse("tenantId", &t).map_err(gql_error)?,
+            None => actor.tenant.clone().ok_or_else(|| {
                 gql_error(Error::bad_input(
                     "tenantId",
                     "give `tenantId`: your token has no tenant",
                 ))
             })?,
-            (false, Some(t)) if Some(&t) == v.tenant.as_ref() => t,
-            (false, Some(_)) => return Ok(Vec::new()),
         };
+        if !actor.may_access(&tenant) {
+            return Ok(Vec::new());
+        }
         let rows = compute_domain::quota::quotas_of(db(ctx)?, &tenant)
             .await
             .map_err(gql_error)?;

@@ -7,23 +7,16 @@ use compute_domain::fleet::commands::{
     self as cmd, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
 };
 use compute_domain::fleet::model::{self as m, Layout};
-use compute_domain::idempotency::Actor;
+
+use compute_domain::ids::{ScopeId, TenantId};
 use compute_domain::{Error, quota};
 
 use crate::graph::common::*;
 use crate::graph::fleet::*;
-use crate::graph::{db, gql_error, require_operator, viewer};
+use crate::graph::{actor, db, gql_error, require_operator};
 
 fn bad<T>(e: Error) -> async_graphql::Result<T> {
     Err(gql_error(e))
-}
-
-fn actor(ctx: &Context<'_>) -> async_graphql::Result<Actor> {
-    let v = viewer(ctx)?;
-    Ok(Actor {
-        subject: v.subject.clone(),
-        tenant: v.tenant.clone(),
-    })
 }
 
 fn name(field: &str, s: &str) -> async_graphql::Result<String> {
@@ -441,7 +434,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `updateSite`.")] input: UpdateSiteInput,
     ) -> async_graphql::Result<UpdateSitePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "site", &input.id)?;
+        let id = parse_id::<SiteId>("id", &input.id)?;
         let new_name = input.name.as_deref().map(|n| name("name", n)).transpose()?;
         let region = input
             .region
@@ -465,7 +458,7 @@ impl FleetMutation {
         require_operator(ctx)?;
         let oc = input.overcommit.unwrap_or_default();
         let new = NewPool {
-            site_id: parse_id("siteId", "site", &input.site_id)?,
+            site_id: parse_id::<SiteId>("siteId", &input.site_id)?,
             name: name("name", &input.name)?,
             kind: input.kind.into(),
             lost_after_seconds: input.lost_after_seconds,
@@ -492,7 +485,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `updatePool`.")] input: UpdatePoolInput,
     ) -> async_graphql::Result<UpdatePoolPayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "pool", &input.id)?;
+        let id = parse_id::<PoolId>("id", &input.id)?;
         if input.clear_lost_after && input.lost_after_seconds.is_some() {
             return bad(Error::bad_input(
                 "lostAfterSeconds",
@@ -569,7 +562,7 @@ impl FleetMutation {
             });
         }
         let new = NewNode {
-            pool_id: parse_id("poolId", "pool", &input.pool_id)?,
+            pool_id: parse_id::<PoolId>("poolId", &input.pool_id)?,
             hostname: m::parse_hostname("hostname", &input.hostname).map_err(gql_error)?,
             labels: labels("labels", &input.labels)?,
             taints: input
@@ -603,7 +596,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `updateNode`.")] input: UpdateNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "node", &input.id)?;
+        let id = parse_id::<NodeId>("id", &input.id)?;
         let node = cmd::update_node(
             db(ctx)?,
             &id,
@@ -624,7 +617,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `cordonNode`.")] input: CordonNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "node", &input.id)?;
+        let id = parse_id::<NodeId>("id", &input.id)?;
         let reason = optional_reason("reason", input.reason)?;
         let node = cmd::set_cordoned(db(ctx)?, &id, input.version, true, reason)
             .await
@@ -641,7 +634,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `uncordonNode`.")] input: NodeActionInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "node", &input.id)?;
+        let id = parse_id::<NodeId>("id", &input.id)?;
         let node = cmd::set_cordoned(db(ctx)?, &id, input.version, false, None)
             .await
             .map_err(gql_error)?;
@@ -657,7 +650,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `taintNode`.")] input: TaintNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "node", &input.id)?;
+        let id = parse_id::<NodeId>("id", &input.id)?;
         let t = taint("taint", &input.taint)?;
         let node = cmd::taint_node(db(ctx)?, &id, input.version, t)
             .await
@@ -674,7 +667,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `untaintNode`.")] input: UntaintNodeInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "node", &input.id)?;
+        let id = parse_id::<NodeId>("id", &input.id)?;
         let key = m::parse_key("key", &input.key).map_err(gql_error)?;
         let node = cmd::untaint_node(
             db(ctx)?,
@@ -697,7 +690,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `drainNode`.")] input: NodeActionInput,
     ) -> async_graphql::Result<DrainNodePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "node", &input.id)?;
+        let id = parse_id::<NodeId>("id", &input.id)?;
         let (node, remaining) = cmd::drain_node(db(ctx)?, &id, input.version)
             .await
             .map_err(gql_error)?;
@@ -706,9 +699,9 @@ impl FleetMutation {
             remaining: remaining
                 .into_iter()
                 .map(|h| BookingHolder {
-                    allocation_id: h.allocation_id.map(ID),
+                    allocation_id: h.allocation_id.as_ref().map(gql_id),
                     reason: h.reason,
-                    atoms: h.atoms,
+                    atoms: h.atoms.iter().map(|a| a.as_str().to_owned()).collect(),
                     until: h.until,
                 })
                 .collect(),
@@ -722,7 +715,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `retireNode`.")] input: NodeActionInput,
     ) -> async_graphql::Result<ComputeNodePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "node", &input.id)?;
+        let id = parse_id::<NodeId>("id", &input.id)?;
         let node = cmd::retire_node(db(ctx)?, &id, input.version)
             .await
             .map_err(gql_error)?;
@@ -738,7 +731,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `setDeviceHealth`.")] input: SetDeviceHealthInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "dev", &input.id)?;
+        let id = parse_id::<DeviceId>("id", &input.id)?;
         let reason = optional_reason("reason", input.reason)?;
         let device =
             cmd::set_device_health(db(ctx)?, &id, input.version, input.health.into(), reason)
@@ -756,7 +749,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `quarantineDevice`.")] input: QuarantineDeviceInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "dev", &input.id)?;
+        let id = parse_id::<DeviceId>("id", &input.id)?;
         let Some(reason) = optional_reason("reason", Some(input.reason))? else {
             return bad(Error::bad_input("reason", "say why the GPU is quarantined"));
         };
@@ -775,7 +768,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `unquarantineDevice`.")] input: UnquarantineDeviceInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "dev", &input.id)?;
+        let id = parse_id::<DeviceId>("id", &input.id)?;
         let device = cmd::set_quarantine(db(ctx)?, &id, input.version, None)
             .await
             .map_err(gql_error)?;
@@ -792,7 +785,7 @@ impl FleetMutation {
         #[graphql(desc = "The arguments of `changeDeviceMode`.")] input: ChangeDeviceModeInput,
     ) -> async_graphql::Result<DevicePayload> {
         require_operator(ctx)?;
-        let id = parse_id("id", "dev", &input.id)?;
+        let id = parse_id::<DeviceId>("id", &input.id)?;
         let layout = input.layout.unwrap_or_default();
         let request = LayoutRequest {
             mode: input.mode.into(),
@@ -825,15 +818,11 @@ impl FleetMutation {
             vcpu: input.vcpu,
             memory_mib: input.memory_mib,
         };
-        let quotas = quota::set_quota(
-            db(ctx)?,
-            &actor(ctx)?,
-            &input.tenant_id,
-            input.scope_id.as_str(),
-            limits,
-        )
-        .await
-        .map_err(gql_error)?;
+        let tenant = TenantId::parse("tenantId", &input.tenant_id).map_err(gql_error)?;
+        let scope = ScopeId::parse("scopeId", input.scope_id.as_str()).map_err(gql_error)?;
+        let quotas = quota::set_quota(db(ctx)?, &actor(ctx)?, &tenant, &scope, limits)
+            .await
+            .map_err(gql_error)?;
         Ok(SetQuotaPayload {
             quotas: quotas.into_iter().map(quota_obj).collect(),
         })
