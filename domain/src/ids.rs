@@ -47,6 +47,15 @@ macro_rules! entity_id {
         #[serde(transparent)]
         pub struct $name(String);
 
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                $name::from_trusted(&s).ok_or_else(|| {
+                    serde::de::Error::custom(format!("`{s}` is not a {} id", $what))
+                })
+            }
+        }
+
         impl $name {
             /// The prefix of every id of this type.
             pub const PREFIX: &'static str = $prefix;
@@ -160,6 +169,13 @@ entity_id!(
 #[serde(transparent)]
 pub struct TenantId(String);
 
+impl<'de> serde::Deserialize<'de> for TenantId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        TenantId::parse("tenantId", &s).map_err(serde::de::Error::custom)
+    }
+}
+
 impl TenantId {
     /// Parses input; `field` names it in the error.
     pub fn parse(field: &str, s: &str) -> Result<TenantId> {
@@ -200,7 +216,18 @@ impl From<TenantId> for String {
 
 /// A bookable atom's name: its GPU's hardware id, then `/mig/<k>` for a MIG instance or `/s<k>`
 /// for a slot (the atom rule, `fleet::model::Layout::atoms`, makes them).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, sqlx::Type)]
+#[derive(
+    Debug,
+    Clone,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+    sqlx::Type,
+)]
 #[sqlx(transparent)]
 #[serde(transparent)]
 pub struct AtomName(String);

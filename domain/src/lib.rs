@@ -9,6 +9,7 @@ pub mod clock;
 pub mod condition;
 pub mod db;
 pub mod error;
+pub mod events;
 pub mod fleet;
 pub mod idempotency;
 pub mod ids;

@@ -7,6 +7,7 @@
 //! `compute_emit` also sends a `NOTIFY compute_outbox` poke; it only wakes readers early, they
 //! poll anyway.
 
+use crate::events::EventType;
 use crate::ids::{EventId, TenantId};
 use serde_json::Value;
 use sqlx::PgConnection;
@@ -19,13 +20,12 @@ pub const NOTIFY_CHANNEL: &str = "compute_outbox";
 /// An event to write.
 #[derive(Debug, Clone)]
 pub struct NewEvent<'a> {
-    /// Dotted type, such as `reservation.scheduled`.
-    pub event_type: &'a str,
+    pub event_type: EventType,
     /// The tenant the event belongs to; `None` for fleet events only operators see.
     pub tenant_id: Option<&'a TenantId>,
     /// The id of the entity that changed.
     pub subject: &'a str,
-    /// The entity as it is after the change.
+    /// The payload of the event's family (`events`), as JSON.
     pub data: Value,
 }
 
@@ -39,6 +39,28 @@ pub async fn emit(conn: &mut PgConnection, event: NewEvent<'_>) -> Result<EventI
         .fetch_one(conn)
         .await?;
     Ok(id)
+}
+
+/// Writes `events` in the caller's transaction, in order, in one statement (a reconciler's batch).
+pub async fn emit_all(conn: &mut PgConnection, events: &[NewEvent<'_>]) -> Result<()> {
+    if events.is_empty() {
+        return Ok(());
+    }
+    let types: Vec<EventType> = events.iter().map(|e| e.event_type).collect();
+    let tenants: Vec<Option<&TenantId>> = events.iter().map(|e| e.tenant_id).collect();
+    let subjects: Vec<&str> = events.iter().map(|e| e.subject).collect();
+    let data: Vec<&Value> = events.iter().map(|e| &e.data).collect();
+    sqlx::query(
+        "SELECT compute_emit(t, te, s, d) FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[]) \
+           WITH ORDINALITY AS e(t, te, s, d, n) ORDER BY n",
+    )
+    .bind(&types)
+    .bind(&tenants)
+    .bind(&subjects)
+    .bind(&data)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// A position in the outbox: the `(txid, seq)` of the last event seen. Clients see it as an

@@ -7,6 +7,7 @@ use sqlx::{FromRow, PgConnection};
 
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
+use crate::events::{self, EventType, QuotaPayload, QuotaView};
 use crate::idempotency::Actor;
 use crate::ids::{PoolId, ScopeId, SiteId, TenantId};
 use crate::outbox::{self, NewEvent};
@@ -34,7 +35,7 @@ pub struct Charge {
 }
 
 /// One limit and its usage.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Quota {
     pub tenant_id: TenantId,
     #[sqlx(rename = "scope_id")]
@@ -131,10 +132,15 @@ pub async fn set_quota(
             outbox::emit(
                 conn,
                 NewEvent {
-                    event_type: "quota.set",
+                    event_type: EventType::QuotaSet,
                     tenant_id: Some(&tenant),
                     subject: scope.as_str(),
-                    data: serde_json::json!({ "tenantId": tenant, "scopeId": scope, "quotas": quotas, "setBy": subject }),
+                    data: events::to_data(&QuotaPayload {
+                        tenant_id: tenant.clone(),
+                        scope_id: scope.clone(),
+                        quotas: quotas.iter().map(QuotaView::from).collect(),
+                        set_by: subject.clone(),
+                    })?,
                 },
             )
             .await?;

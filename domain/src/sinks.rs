@@ -8,9 +8,9 @@
 //! the sink `failing`; other sinks are not held up. A sink whose undelivered events were pruned
 //! past the outbox's hard maximum age is marked `behind` and resumes at the pruned front.
 
+use crate::events::{self, EventSinkPayload, EventType};
 use crate::ids::{SinkId, TenantId};
 use crate::text_enum::text_enum;
-use serde::Serialize;
 use sqlx::{FromRow, PgConnection};
 
 use crate::db::{Db, TxKind};
@@ -36,7 +36,7 @@ text_enum!(
 );
 
 /// A sink, with its position.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Sink {
     pub id: SinkId,
     pub tenant_id: Option<TenantId>,
@@ -53,9 +53,7 @@ pub struct Sink {
     pub version: i64,
     pub created_at: chrono::DateTime<chrono::Utc>,
     pub updated_at: chrono::DateTime<chrono::Utc>,
-    #[serde(skip)]
     pub cursor_txid: i64,
-    #[serde(skip)]
     pub cursor_seq: i64,
     /// Events delivered so far.
     pub delivered: i64,
@@ -210,10 +208,10 @@ pub async fn create(
                 crate::outbox::emit(
                     conn,
                     crate::outbox::NewEvent {
-                        event_type: "event_sink.created",
+                        event_type: EventType::EventSinkCreated,
                         tenant_id: tenant.as_ref(),
                         subject: id.as_str(),
-                        data: serde_json::to_value(&sink).map_err(Error::internal)?,
+                        data: events::to_data(&EventSinkPayload { event_sink: (&sink).into() })?,
                     },
                 )
                 .await?;
@@ -282,10 +280,12 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
             crate::outbox::emit(
                 conn,
                 crate::outbox::NewEvent {
-                    event_type: "event_sink.updated",
+                    event_type: EventType::EventSinkUpdated,
                     tenant_id: sink.tenant_id.as_ref(),
                     subject: id.as_str(),
-                    data: serde_json::to_value(&sink).map_err(Error::internal)?,
+                    data: events::to_data(&EventSinkPayload {
+                        event_sink: (&sink).into(),
+                    })?,
                 },
             )
             .await?;
@@ -314,10 +314,12 @@ pub async fn delete(db: &Db, scope: &Scope, id: &SinkId) -> Result<Sink> {
             crate::outbox::emit(
                 conn,
                 crate::outbox::NewEvent {
-                    event_type: "event_sink.deleted",
+                    event_type: EventType::EventSinkDeleted,
                     tenant_id: sink.tenant_id.as_ref(),
                     subject: sink.id.as_str(),
-                    data: serde_json::json!({ "id": sink.id }),
+                    data: events::to_data(&EventSinkPayload {
+                        event_sink: (&sink).into(),
+                    })?,
                 },
             )
             .await?;

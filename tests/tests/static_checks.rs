@@ -236,3 +236,17 @@ fn every_schema_element_has_a_real_description() {
         missing.join("\n")
     );
 }
+
+#[test]
+fn every_event_type_is_documented() {
+    let doc = std::fs::read_to_string(root().join("docs/webhooks.md")).expect("docs/webhooks.md");
+    let missing: Vec<&str> = compute_domain::events::EventType::ALL
+        .iter()
+        .map(|t| t.as_str())
+        .filter(|t| !doc.contains(&format!("`{t}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/webhooks.md does not document {missing:?}"
+    );
+}

@@ -282,11 +282,12 @@ impl SubscriptionRoot {
             types: vec![],
             subjects: vec![rid.to_string()],
         };
-        let feed = tailer(ctx)?.feed(cursor, filter);
-        Ok(follow(
-            feed,
-            ctx.data_opt::<StreamPosition>().cloned(),
-            move |_| {
+        follow_object(
+            ctx,
+            cursor,
+            filter,
+            |_| true,
+            move || {
                 let (db, rid) = (db.clone(), rid.clone());
                 async move {
                     let mut found =
@@ -294,7 +295,7 @@ impl SubscriptionRoot {
                     Ok(found.pop().map(crate::graph::reservations::ReservationObj))
                 }
             },
-        ))
+        )
     }
 
     /// A compute node as it is after each change (operators only).
@@ -326,18 +327,19 @@ impl SubscriptionRoot {
             types: vec![],
             subjects: vec![nid.to_string()],
         };
-        let feed = tailer(ctx)?.feed(cursor, filter);
-        Ok(follow(
-            feed,
-            ctx.data_opt::<StreamPosition>().cloned(),
-            move |_| {
+        follow_object(
+            ctx,
+            cursor,
+            filter,
+            |_| true,
+            move || {
                 let (db, nid) = (db.clone(), nid.clone());
                 async move {
                     let mut found = compute_domain::fleet::get_nodes(&db, &[nid]).await?;
                     Ok(found.pop().map(crate::graph::fleet::ComputeNodeObj::new))
                 }
             },
-        ))
+        )
     }
 
     /// A pool as it is after each change that can move its capacity: a reservation placed,
@@ -365,67 +367,82 @@ impl SubscriptionRoot {
                 id: pid.to_string(),
             }));
         }
+        // The cursor first, then the pool's nodes: a node that joins in between is seen by its
+        // `node.registered` event, after the cursor.
         let cursor = start(ctx, after).await?;
         let nodes = compute_domain::fleet::node_ids_of_pool(&db, &pid)
             .await
             .map_err(gql_error)?;
-        let relevance = PoolRelevance {
-            pool_id: pid.to_string(),
-            nodes: nodes.into_iter().map(String::from).collect(),
+        let mut relevance = PoolRelevance {
+            pool_id: pid.clone(),
+            nodes: nodes.into_iter().collect(),
         };
         // Fleet events are not a tenant's, so this follows every event and keeps those about
         // the pool: one stream for the whole dashboard tile, never one per node.
-        let feed = tailer(ctx)?.feed(cursor, EventFilter::default());
-        let relevance = Arc::new(Mutex::new(relevance));
-        Ok(follow(
-            feed,
-            ctx.data_opt::<StreamPosition>().cloned(),
-            move |event| {
-                let (db, pid, relevance) = (db.clone(), pid.clone(), relevance.clone());
+        follow_object(
+            ctx,
+            cursor,
+            EventFilter::default(),
+            move |event| relevance.concerns(event),
+            move || {
+                let (db, pid) = (db.clone(), pid.clone());
                 async move {
-                    let concerns = relevance
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .concerns(&event);
-                    if !concerns {
-                        return Ok(None);
-                    }
                     let mut found = compute_domain::fleet::get_pools(&db, &[pid]).await?;
                     Ok(found.pop().map(crate::graph::fleet::PoolObj))
                 }
             },
-        ))
+        )
     }
 }
 
-/// Which events move a pool's capacity.
+/// One object followed through its events, the one shape of the follow-one-object
+/// subscriptions: from `cursor`, after each event of `filter` that `wanted` keeps, the object
+/// as it is then (`reload`), skipped when it is gone.
+fn follow_object<T, W, R, Fut>(
+    ctx: &Context<'_>,
+    cursor: Cursor,
+    filter: EventFilter,
+    mut wanted: W,
+    reload: R,
+) -> async_graphql::Result<impl Stream<Item = async_graphql::Result<T>> + use<T, W, R, Fut>>
+where
+    T: Send + 'static,
+    W: FnMut(&Event) -> bool + Send + 'static,
+    R: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = compute_domain::Result<Option<T>>> + Send + 'static,
+{
+    let feed = tailer(ctx)?.feed(cursor, filter);
+    Ok(follow(
+        feed,
+        ctx.data_opt::<StreamPosition>().cloned(),
+        move |event| {
+            let fetch = wanted(&event).then(&reload);
+            async move {
+                match fetch {
+                    Some(fut) => fut.await,
+                    None => Ok(None),
+                }
+            }
+        },
+    ))
+}
+
+/// What the pool-capacity subscription follows: the pool, and the nodes it learned are in it
+/// (a device's event names only its node).
 struct PoolRelevance {
-    pool_id: String,
-    nodes: std::collections::HashSet<String>,
+    pool_id: PoolId,
+    nodes: std::collections::HashSet<NodeId>,
 }
 
 impl PoolRelevance {
     fn concerns(&mut self, event: &Event) -> bool {
-        let d = &event.data;
-        let pool_of =
-            |v: &serde_json::Value| v.get("pool_id").and_then(|p| p.as_str()).map(str::to_owned);
-        if event.subject == self.pool_id {
+        let about = compute_domain::events::concerns(&event.event_type, &event.data);
+        if about.pool.as_ref() == Some(&self.pool_id) {
+            if let Some(node) = about.node {
+                self.nodes.insert(node);
+            }
             return true;
         }
-        // A node's event: the node itself, or {node, devices} when it registers.
-        if let Some(pool) = pool_of(d).or_else(|| d.get("node").and_then(pool_of)) {
-            if pool == self.pool_id && event.subject.starts_with("node_") {
-                self.nodes.insert(event.subject.clone());
-            }
-            return pool == self.pool_id;
-        }
-        // A reservation's event.
-        if let Some(pool) = d.get("reservation").and_then(pool_of) {
-            return pool == self.pool_id;
-        }
-        // A device's event.
-        d.get("node_id")
-            .and_then(|n| n.as_str())
-            .is_some_and(|n| self.nodes.contains(n))
+        about.pool.is_none() && about.node.is_some_and(|n| self.nodes.contains(&n))
     }
 }

@@ -15,6 +15,9 @@ use super::state::{NodeAction, NodeLifecycle, allowed_from};
 use super::{DEVICE_COLS, Device, NODE_COLS, Node, POOL_COLS, Pool, SITE_COLS, Site};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
+use crate::events::{
+    self, DevicePayload, DeviceView, EventType, HolderView, NodePayload, PoolPayload, SitePayload,
+};
 use crate::idempotency::{self, Actor, Claim, Outcome};
 use crate::ids::{AllocationId, AtomName, DeviceId, NodeId, PoolId, SiteId};
 use crate::outbox::{self, NewEvent};
@@ -36,11 +39,12 @@ fn conflict(message: impl Into<String>, current_version: Option<i64>) -> Error {
     }
 }
 
+/// Writes a fleet event (operators only: no tenant) with its family's payload.
 async fn emit(
     conn: &mut PgConnection,
-    event_type: &str,
+    event_type: EventType,
     subject: &impl AsRef<str>,
-    data: Value,
+    payload: &impl serde::Serialize,
 ) -> Result<()> {
     outbox::emit(
         conn,
@@ -48,7 +52,7 @@ async fn emit(
             event_type,
             tenant_id: None,
             subject: subject.as_ref(),
-            data,
+            data: events::to_data(payload)?,
         },
     )
     .await?;
@@ -152,7 +156,7 @@ pub async fn create_site(
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| on_constraint(e, &[("sites_name_key", &|| conflict(format!("a site named `{}` already exists", input.name), None))]))?;
-            emit(conn, "site.created", &site.id, json!(site)).await?;
+            emit(conn, EventType::SiteCreated, &site.id, &SitePayload { site: (&site).into() }).await?;
             Ok(Outcome { value: site, replayed: false })
             }
             .await;
@@ -188,7 +192,7 @@ pub async fn update_site(
             let Some(site) = site else {
                 return Err(explain_miss(conn, "sites", "site", id.as_str(), Some(version)).await);
             };
-            emit(conn, "site.updated", &site.id, json!(site)).await?;
+            emit(conn, EventType::SiteUpdated, &site.id, &SitePayload { site: (&site).into() }).await?;
             Ok(site)
         })
     })
@@ -276,7 +280,7 @@ pub async fn create_pool(
                     ],
                 )
             })?;
-            emit(conn, "pool.created", &pool.id, json!(pool)).await?;
+            emit(conn, EventType::PoolCreated, &pool.id, &PoolPayload { pool: (&pool).into() }).await?;
             Ok(Outcome { value: pool, replayed: false })
             }
             .await;
@@ -351,7 +355,7 @@ pub async fn update_pool(db: &Db, id: &PoolId, version: i64, changes: PoolChange
                     )
                 })?;
             }
-            emit(conn, "pool.updated", &pool.id, json!(pool)).await?;
+            emit(conn, EventType::PoolUpdated, &pool.id, &PoolPayload { pool: (&pool).into() }).await?;
             Ok(pool)
         })
     })
@@ -630,7 +634,7 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             if !devices.is_empty() {
                 adjust_rollup(conn, &device_ids, Change::Add).await?;
             }
-            emit(conn, "node.registered", &node.id, json!({ "node": node, "devices": devices })).await?;
+            emit(conn, EventType::NodeRegistered, &node.id, &NodePayload { devices: Some(devices.iter().map(DeviceView::from).collect()), ..NodePayload::of(&node) }).await?;
             Ok(Registered { node, devices })
         })
     })
@@ -680,7 +684,13 @@ pub async fn update_node(db: &Db, id: &NodeId, version: i64, labels: Labels) -> 
                 vec![json!(labels)],
             )
             .await?;
-            emit(conn, "node.updated", &node.id, json!(node)).await?;
+            emit(
+                conn,
+                EventType::NodeUpdated,
+                &node.id,
+                &NodePayload::of(&node),
+            )
+            .await?;
             Ok(node)
         })
     })
@@ -699,9 +709,9 @@ pub async fn set_cordoned(
         let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
             let (action, event) = if cordoned {
-                (NodeAction::Cordon, "node.cordoned")
+                (NodeAction::Cordon, EventType::NodeCordoned)
             } else {
-                (NodeAction::Uncordon, "node.uncordoned")
+                (NodeAction::Uncordon, EventType::NodeUncordoned)
             };
             let node = update_node_row(
                 conn,
@@ -713,7 +723,7 @@ pub async fn set_cordoned(
                 vec![json!(cordoned), json!(if cordoned { reason } else { None })],
             )
             .await?;
-            emit(conn, event, &node.id, json!(node)).await?;
+            emit(conn, event, &node.id, &NodePayload::of(&node)).await?;
             Ok(node)
         })
     })
@@ -737,7 +747,7 @@ pub async fn taint_node(db: &Db, id: &NodeId, version: Option<i64>, taint: Taint
                 vec![json!(taint)],
             )
             .await?;
-            emit(conn, "node.tainted", &node.id, json!(node)).await?;
+            emit(conn, EventType::NodeTainted, &node.id, &NodePayload::of(&node)).await?;
             Ok(node)
         })
     })
@@ -778,7 +788,7 @@ pub async fn untaint_node(
                 }
                 Err(e) => return Err(e),
             };
-            emit(conn, "node.untainted", &node.id, json!(node)).await?;
+            emit(conn, EventType::NodeUntainted, &node.id, &NodePayload::of(&node)).await?;
             Ok(node)
         })
     })
@@ -786,7 +796,7 @@ pub async fn untaint_node(
 }
 
 /// A booking that still holds atoms of a node.
-#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Holder {
     /// The allocation, or `None` for a maintenance hold (a mode change).
     pub allocation_id: Option<AllocationId>,
@@ -827,9 +837,12 @@ pub async fn drain_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<(N
             let remaining = holders(conn, &id).await?;
             emit(
                 conn,
-                "node.drained",
+                EventType::NodeDrained,
                 &node.id,
-                json!({ "node": node, "remaining": remaining }),
+                &NodePayload {
+                    remaining: Some(remaining.iter().map(HolderView::from).collect()),
+                    ..NodePayload::of(&node)
+                },
             )
             .await?;
             Ok((node, remaining))
@@ -887,7 +900,7 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
             if !device_ids.is_empty() {
                 adjust_rollup(conn, &device_ids, Change::Remove).await?;
             }
-            emit(conn, "node.retired", &node.id, json!(node)).await?;
+            emit(conn, EventType::NodeRetired, &node.id, &NodePayload::of(&node)).await?;
             Ok(node)
         })
     })
@@ -935,7 +948,15 @@ pub async fn set_device_health(
                 vec![json!(health), json!(reason)],
             )
             .await?;
-            emit(conn, "device.health_changed", &device.id, json!(device)).await?;
+            emit(
+                conn,
+                EventType::DeviceHealthChanged,
+                &device.id,
+                &DevicePayload {
+                    device: (&device).into(),
+                },
+            )
+            .await?;
             Ok(device)
         })
     })
@@ -962,11 +983,19 @@ pub async fn set_quarantine(
             )
             .await?;
             let event = if quarantined {
-                "device.quarantined"
+                EventType::DeviceQuarantined
             } else {
-                "device.unquarantined"
+                EventType::DeviceUnquarantined
             };
-            emit(conn, event, &device.id, json!(device)).await?;
+            emit(
+                conn,
+                event,
+                &device.id,
+                &DevicePayload {
+                    device: (&device).into(),
+                },
+            )
+            .await?;
             Ok(device)
         })
     })
@@ -1139,7 +1168,7 @@ pub async fn change_device_mode(
                 .await?;
             }
             adjust_rollup(conn, std::slice::from_ref(&id), Change::Add).await?;
-            emit(conn, "device.mode_changed", &device.id, json!(device)).await?;
+            emit(conn, EventType::DeviceModeChanged, &device.id, &DevicePayload { device: (&device).into() }).await?;
             Ok(device)
         })
     })

@@ -13,7 +13,6 @@ pub mod state;
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use sqlx::types::Json;
 use sqlx::{FromRow, Postgres, QueryBuilder};
 
@@ -29,7 +28,7 @@ use crate::ids::{AtomName, DeviceId, NodeId, PoolId, ScopeId, SiteId};
 use crate::page::{Page, PageArgs};
 
 /// A site: a place that holds pools.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Site {
     pub id: SiteId,
     pub name: String,
@@ -40,7 +39,7 @@ pub struct Site {
 }
 
 /// A pool of nodes in a site, with its overcommit ratios.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Pool {
     pub id: PoolId,
     pub site_id: SiteId,
@@ -56,7 +55,7 @@ pub struct Pool {
 }
 
 /// A machine (`ComputeNode` in GraphQL).
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Node {
     pub id: NodeId,
     pub pool_id: PoolId,
@@ -77,7 +76,7 @@ pub struct Node {
 }
 
 /// One scalar resource of a node.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct NodeResource {
     pub node_id: NodeId,
     pub resource: Resource,
@@ -87,7 +86,7 @@ pub struct NodeResource {
 }
 
 /// A GPU.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Device {
     pub id: DeviceId,
     pub node_id: NodeId,
@@ -107,7 +106,7 @@ pub struct Device {
 }
 
 /// A bookable unit of a GPU.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Atom {
     pub name: AtomName,
     pub device_id: DeviceId,
@@ -119,7 +118,7 @@ pub struct Atom {
 }
 
 /// Capacity of one (model, kind, profile) in a pool or site.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct CapacityRow {
     pub scope_id: ScopeId,
     pub model: String,

@@ -21,6 +21,7 @@ use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
 use crate::condition::{Condition, ConditionStatus};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
+use crate::events::{self, EventType, ReservationPayload};
 use crate::idempotency::{self, Actor, Claim, Outcome};
 use crate::ids::{AllocationId, AtomName, NodeId, PoolId, ReservationId, SiteId, TenantId};
 use crate::outbox::{self, NewEvent};
@@ -68,7 +69,7 @@ async fn allocations_of(conn: &mut PgConnection, id: &ReservationId) -> Result<V
     .await?)
 }
 
-async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: &str) -> Result<()> {
+async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: EventType) -> Result<()> {
     let allocations = allocations_of(conn, &rsv.id).await?;
     outbox::emit(
         conn,
@@ -76,7 +77,7 @@ async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: &str) -> R
             event_type,
             tenant_id: Some(&rsv.tenant_id),
             subject: rsv.id.as_str(),
-            data: json!({ "reservation": rsv, "allocations": allocations }),
+            data: events::to_data(&ReservationPayload::of(rsv, &allocations))?,
         },
     )
     .await?;
@@ -309,7 +310,7 @@ async fn close_out(
     .bind(conditions.map(Json))
     .fetch_one(&mut *conn)
     .await?;
-    emit(conn, &rsv, &format!("reservation.{}", to.as_str())).await?;
+    emit(conn, &rsv, EventType::of_reservation(to)).await?;
     Ok(rsv)
 }
 
@@ -607,12 +608,12 @@ async fn create_effect(
         Placement::Placed(placed) => {
             record_placements(conn, placed).await?;
             if starts_at <= now {
-                (State::Active, "reservation.active")
+                (State::Active, EventType::ReservationActive)
             } else {
-                (State::Scheduled, "reservation.scheduled")
+                (State::Scheduled, EventType::ReservationScheduled)
             }
         }
-        Placement::Unschedulable(_) => (State::Pending, "reservation.pending"),
+        Placement::Unschedulable(_) => (State::Pending, EventType::ReservationPending),
     };
     let conditions = match &placement {
         Placement::Unschedulable(why) => vec![Condition {
@@ -856,7 +857,7 @@ pub(crate) async fn place_pending(
                     .bind(start)
                     .fetch_one(&mut *conn)
                     .await?;
-                    emit(conn, &rsv, if state == State::Active { "reservation.active" } else { "reservation.scheduled" }).await?;
+                    emit(conn, &rsv, EventType::of_reservation(state)).await?;
                     Ok(true)
                 }
                 Placement::Unschedulable(why) => {
@@ -1016,7 +1017,7 @@ async fn extend_effect(
                 .bind(ends_at)
                 .fetch_one(&mut *conn)
                 .await?;
-    emit(conn, &rsv, "reservation.extended").await?;
+    emit(conn, &rsv, EventType::ReservationExtended).await?;
     Ok(Outcome {
         value: rsv,
         replayed: false,

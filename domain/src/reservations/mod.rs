@@ -9,7 +9,6 @@ pub mod reconcile;
 pub mod state;
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use sqlx::types::Json;
 use sqlx::{FromRow, Postgres, QueryBuilder};
 
@@ -24,7 +23,7 @@ use model::Toleration;
 use state::State;
 
 /// A reservation.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Reservation {
     pub id: ReservationId,
     pub tenant_id: TenantId,
@@ -48,7 +47,7 @@ pub struct Reservation {
 }
 
 /// One allocation of a reservation: what it asked for and where it was placed.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, FromRow)]
 pub struct Allocation {
     pub id: AllocationId,
     pub reservation_id: ReservationId,

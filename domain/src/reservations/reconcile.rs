@@ -10,7 +10,9 @@ use super::state::State;
 use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
+use crate::events::{self, EventType, ReservationPayload};
 use crate::ids::{AllocationId, ReservationId};
+use crate::outbox::{self, NewEvent};
 
 /// Moves every scheduled reservation whose window has started to `active`, with its event, in one
 /// statement.
@@ -19,25 +21,55 @@ pub async fn activate_due(db: &Db) -> Result<u64> {
 }
 
 /// [`activate_due`] for every due reservation, or only `id`; the moved ones are enqueued for
-/// their reconciler (their next wake-up is their end).
+/// their reconciler (their next wake-up is their end), and their `reservation.active` events are
+/// written in one statement, with the payload every other path writes.
 async fn activate(db: &Db, id: Option<&ReservationId>) -> Result<u64> {
     db.tx(TxKind::Maintenance, |conn| {
         let id = id.cloned();
         Box::pin(async move {
-            let (n,): (i64,) = sqlx::query_as(&format!(
+            let moved: Vec<Reservation> = sqlx::query_as(&format!(
                 "WITH moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now() \
                    WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() AND ($1::text IS NULL OR r.id = $1) \
                    RETURNING {RSV_COLS}), \
                       woken AS (SELECT compute_enqueue($2, array_agg(m.id), $3) AS n FROM moved m) \
-                 SELECT count(compute_emit('reservation.active', m.tenant_id, m.id, jsonb_build_object('reservation', to_jsonb(m)))) \
-                        + 0 * (SELECT count(n) FROM woken) FROM moved m"
+                 SELECT m.* FROM moved m CROSS JOIN (SELECT count(n) FROM woken) w ORDER BY m.id"
             ))
             .bind(id)
             .bind(crate::work_queue::WorkKind::Reservation)
             .bind(crate::work_queue::SHARDS)
-            .fetch_one(&mut *conn)
+            .fetch_all(&mut *conn)
             .await?;
-            Ok(n as u64)
+            if moved.is_empty() {
+                return Ok(0);
+            }
+            let ids: Vec<ReservationId> = moved.iter().map(|r| r.id.clone()).collect();
+            let allocations: Vec<Allocation> = sqlx::query_as(&format!(
+                "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = ANY($1) ORDER BY a.reservation_id, a.ordinal"
+            ))
+            .bind(&ids)
+            .fetch_all(&mut *conn)
+            .await?;
+            let mut data = Vec::with_capacity(moved.len());
+            for r in &moved {
+                let mine: Vec<Allocation> = allocations
+                    .iter()
+                    .filter(|a| a.reservation_id == r.id)
+                    .cloned()
+                    .collect();
+                data.push(events::to_data(&ReservationPayload::of(r, &mine))?);
+            }
+            let batch: Vec<NewEvent<'_>> = moved
+                .iter()
+                .zip(data)
+                .map(|(r, data)| NewEvent {
+                    event_type: EventType::ReservationActive,
+                    tenant_id: Some(&r.tenant_id),
+                    subject: r.id.as_str(),
+                    data,
+                })
+                .collect();
+            outbox::emit_all(conn, &batch).await?;
+            Ok(moved.len() as u64)
         })
     })
     .await

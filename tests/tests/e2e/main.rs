@@ -3,6 +3,7 @@
 mod auth;
 mod clock;
 mod embedded;
+mod event_contract;
 mod fleet;
 mod graphql_http;
 mod health;

@@ -150,7 +150,7 @@ async fn events_are_live_and_a_reconnect_with_the_cursor_misses_nothing() {
     create("first").await;
     let first = next_event(&mut ws).await;
     assert_eq!(first["type"], "site.created");
-    assert_eq!(first["data"]["name"], "first");
+    assert_eq!(first["data"]["site"]["name"], "first");
     let cursor = first["cursor"].as_str().expect("cursor").to_owned();
     drop(ws); // the connection drops
 
@@ -161,8 +161,8 @@ async fn events_are_live_and_a_reconnect_with_the_cursor_misses_nothing() {
     let third = next_event(&mut ws).await;
     assert_eq!(
         (
-            second["data"]["name"].clone(),
-            third["data"]["name"].clone()
+            second["data"]["site"]["name"].clone(),
+            third["data"]["site"]["name"].clone()
         ),
         (json!("second"), json!("third")),
         "nothing missed, in order"

@@ -1,0 +1,419 @@
+//! Events are a public contract (`docs/webhooks.md`): this drives every event type once through
+//! the domain's real code paths (commands and reconcilers, on the simulated clock) and pins
+//! each payload's shape against `tests/snapshots/event-payloads.json`. Renaming a row field, or
+//! a code path that writes another shape, fails here. After a deliberate change of the contract,
+//! run with `UPDATE_SNAPSHOTS=1`, document it in `docs/webhooks.md` and the changelog.
+
+use std::collections::BTreeMap;
+
+use chrono::{Duration, Utc};
+use compute_domain::actor::Actor;
+use compute_domain::events::{
+    DevicePayload, EventSinkPayload, EventType, Family, NodePayload, PoolPayload, QuotaPayload,
+    ReservationPayload, SitePayload,
+};
+use compute_domain::fleet::commands::{
+    self as fleet, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
+};
+use compute_domain::fleet::model::{
+    DeviceMode, Health, Labels, Layout, PoolKind, Taint, TaintEffect,
+};
+use compute_domain::ids::ScopeId;
+use compute_domain::quota::{self, QuotaLimits};
+use compute_domain::reservations::commands as rsv;
+use compute_domain::reservations::model::{AllocationInput, parse_request};
+use compute_domain::reservations::reconcile;
+use compute_domain::sinks::{self, Scope, SinkChange};
+use serde_json::{Value, json};
+
+use compute_tests::{tenant, test_db};
+
+/// The shape of a JSON value: objects keep their keys, arrays the merged shape of their items,
+/// leaves become their JSON type; a key seen with two types gets both (`string|null`).
+fn shape(v: &Value) -> Value {
+    match v {
+        Value::Null => json!("null"),
+        Value::Bool(_) => json!("boolean"),
+        Value::Number(_) => json!("number"),
+        Value::String(_) => json!("string"),
+        Value::Array(items) => {
+            let merged = items.iter().map(shape).reduce(|a, b| merge(&a, &b));
+            json!([merged.unwrap_or(json!("empty"))])
+        }
+        Value::Object(map) => {
+            Value::Object(map.iter().map(|(k, v)| (k.clone(), shape(v))).collect())
+        }
+    }
+}
+
+fn merge(a: &Value, b: &Value) -> Value {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let mut out = x.clone();
+            for (k, v) in y {
+                let m = match x.get(k) {
+                    Some(old) => merge(old, v),
+                    None => v.clone(),
+                };
+                out.insert(k.clone(), m);
+            }
+            Value::Object(out)
+        }
+        (Value::Array(x), Value::Array(y)) => match (x.first(), y.first()) {
+            (Some(p), Some(q)) if p == &json!("empty") => json!([q]),
+            (Some(p), Some(q)) if q == &json!("empty") => json!([p]),
+            (Some(p), Some(q)) => json!([merge(p, q)]),
+            _ => a.clone(),
+        },
+        (Value::String(x), Value::String(y)) => {
+            let mut kinds: Vec<&str> = x.split('|').chain(y.split('|')).collect();
+            kinds.sort_unstable();
+            kinds.dedup();
+            json!(kinds.join("|"))
+        }
+        // An object or array seen null elsewhere.
+        (Value::String(n), other) | (other, Value::String(n)) if n == "null" => {
+            let mut o = other.clone();
+            if let Value::Object(m) = &mut o {
+                m.insert("(nullable)".into(), json!(true));
+            }
+            o
+        }
+        _ => a.clone(),
+    }
+}
+
+/// Reads a payload back with the public type of its family (which refuses unknown fields).
+fn read_back(t: EventType, data: &Value) -> Result<(), String> {
+    let ok = match t.family() {
+        Family::Site => serde_json::from_value::<SitePayload>(data.clone()).map(|_| ()),
+        Family::Pool => serde_json::from_value::<PoolPayload>(data.clone()).map(|_| ()),
+        Family::Node => serde_json::from_value::<NodePayload>(data.clone()).map(|_| ()),
+        Family::Device => serde_json::from_value::<DevicePayload>(data.clone()).map(|_| ()),
+        Family::Reservation => {
+            serde_json::from_value::<ReservationPayload>(data.clone()).map(|_| ())
+        }
+        Family::Quota => serde_json::from_value::<QuotaPayload>(data.clone()).map(|_| ()),
+        Family::EventSink => serde_json::from_value::<EventSinkPayload>(data.clone()).map(|_| ()),
+    };
+    ok.map_err(|e| format!("{t}: {e}: {data}"))
+}
+
+fn alloc(count: i64) -> AllocationInput {
+    AllocationInput {
+        gpu_count: count,
+        vcpu: 4,
+        memory_mib: 1024,
+        disk_gib: 10,
+        ..AllocationInput::default()
+    }
+}
+
+#[tokio::test]
+async fn every_event_payload_keeps_its_documented_shape() {
+    let t = test_db().await;
+    t.use_sim_clock("2031-05-01T08:00:00Z").await;
+    let db = &t.db;
+    let operator = Actor::operator("ops");
+    let acme = Actor::member("alice", tenant("acme"));
+
+    // Fleet: site, pool, a node with an exclusive and a MIG GPU.
+    let site = fleet::create_site(
+        db,
+        &operator,
+        NewSite {
+            name: "ams1".into(),
+            region: Some("eu-west".into()),
+        },
+        None,
+    )
+    .await
+    .expect("site")
+    .value;
+    let site = fleet::update_site(db, &site.id, site.version, None, Some("eu-north".into()))
+        .await
+        .expect("update site");
+    let pool = fleet::create_pool(
+        db,
+        &operator,
+        NewPool {
+            site_id: site.id.clone(),
+            name: "h100".into(),
+            kind: PoolKind::Provider,
+            lost_after_seconds: Some(3600),
+            vcpu_ratio: 1.0,
+            memory_ratio: 1.0,
+            disk_ratio: 1.0,
+        },
+        None,
+    )
+    .await
+    .expect("pool")
+    .value;
+    let pool = fleet::update_pool(
+        db,
+        &pool.id,
+        pool.version,
+        PoolChanges {
+            vcpu_ratio: Some(2.0),
+            ..PoolChanges::default()
+        },
+    )
+    .await
+    .expect("update pool");
+    let mig = Layout::parse(
+        "layout",
+        DeviceMode::Mig,
+        Some(&["3g.40gb".into(), "3g.40gb".into()]),
+        None,
+        81_920,
+    )
+    .expect("layout");
+    let device = |uuid: &str, layout: Layout| NewDevice {
+        uuid: uuid.into(),
+        vendor: "nvidia".into(),
+        model: "H100".into(),
+        memory_mib: 81_920,
+        layout,
+    };
+    let node_of = |host: &str, gpus: Vec<NewDevice>| NewNode {
+        pool_id: pool.id.clone(),
+        hostname: host.into(),
+        labels: Labels::from([("rack".to_owned(), "r1".to_owned())]),
+        taints: vec![],
+        vcpu: 64,
+        memory_mib: 1 << 20,
+        disk_gib: 1000,
+        devices: gpus,
+    };
+    let registered = fleet::register_node(
+        db,
+        node_of(
+            "h1",
+            vec![
+                device("GPU-1", Layout::Exclusive),
+                device("GPU-4", Layout::Exclusive),
+                device("GPU-2", mig),
+            ],
+        ),
+    )
+    .await
+    .expect("register");
+    let node = registered.node.clone();
+    let gpu = registered.devices[0].clone();
+    let node = fleet::update_node(
+        db,
+        &node.id,
+        node.version,
+        Labels::from([("rack".to_owned(), "r2".to_owned())]),
+    )
+    .await
+    .expect("update node");
+    let node = fleet::set_cordoned(db, &node.id, None, true, Some("maintenance".into()))
+        .await
+        .expect("cordon");
+    let node = fleet::set_cordoned(db, &node.id, None, false, None)
+        .await
+        .expect("uncordon");
+    let taint =
+        Taint::new("taint", "dedicated", "ml", TaintEffect::PreferNoSchedule).expect("taint");
+    fleet::taint_node(db, &node.id, None, taint)
+        .await
+        .expect("taint");
+    fleet::untaint_node(db, &node.id, None, "dedicated", None)
+        .await
+        .expect("untaint");
+    let gpu = fleet::set_device_health(db, &gpu.id, None, Health::Degraded, Some("ecc".into()))
+        .await
+        .expect("health");
+    let gpu = fleet::set_quarantine(db, &gpu.id, None, Some("burn-in".into()))
+        .await
+        .expect("quarantine");
+    let gpu = fleet::set_quarantine(db, &gpu.id, None, None)
+        .await
+        .expect("unquarantine");
+    let _ = fleet::set_device_health(db, &gpu.id, None, Health::Healthy, None)
+        .await
+        .expect("healthy");
+    let spare = fleet::register_node(db, node_of("h2", vec![device("GPU-3", Layout::Exclusive)]))
+        .await
+        .expect("spare");
+    fleet::change_device_mode(
+        db,
+        &spare.devices[0].id,
+        spare.devices[0].version,
+        LayoutRequest {
+            mode: DeviceMode::TimeSlice,
+            mig_profiles: None,
+            slots: Some(4),
+        },
+        0,
+    )
+    .await
+    .expect("mode");
+
+    // Quotas and sinks.
+    quota::set_quota(
+        db,
+        &operator,
+        &tenant("acme"),
+        &ScopeId::Pool(pool.id.clone()),
+        QuotaLimits {
+            gpus: Some(8.0),
+            vcpu: Some(64),
+            memory_mib: None,
+        },
+    )
+    .await
+    .expect("quota");
+    let scope = Scope {
+        tenant_id: Some(tenant("acme")),
+    };
+    let (sink, _) = sinks::create(
+        db,
+        &scope,
+        "alice",
+        "https://example.com/hooks",
+        vec!["reservation.active".into()],
+    )
+    .await
+    .expect("sink");
+    let sink = sinks::update(
+        db,
+        &scope,
+        &sink.id,
+        SinkChange {
+            active: Some(false),
+            ..SinkChange::default()
+        },
+    )
+    .await
+    .expect("update sink");
+    sinks::delete(db, &scope, &sink.id)
+        .await
+        .expect("delete sink");
+
+    // Reservations, through every state.
+    let now = db.compute_now().await.expect("now");
+    let request = |start: Option<chrono::DateTime<Utc>>, hours: i64, gpus: i64| {
+        let s = start.unwrap_or(now);
+        parse_request(
+            pool.id.as_str(),
+            start,
+            s + Duration::hours(hours),
+            &[alloc(gpus)],
+        )
+        .expect("request")
+    };
+    let active = rsv::create_reservation(db, &acme, request(None, 2, 1), "k-active")
+        .await
+        .expect("active")
+        .0
+        .value;
+    rsv::extend_reservation(
+        db,
+        &acme,
+        &active.id,
+        active.ends_at + Duration::hours(1),
+        "k-extend",
+    )
+    .await
+    .expect("extend");
+    rsv::release_reservation(db, &acme, &active.id, None)
+        .await
+        .expect("release");
+    let later = rsv::create_reservation(
+        db,
+        &acme,
+        request(Some(now + Duration::hours(1)), 1, 1),
+        "k-later",
+    )
+    .await
+    .expect("later")
+    .0
+    .value;
+    rsv::cancel_reservation(db, &acme, &later.id, None)
+        .await
+        .expect("cancel");
+    rsv::create_reservation(db, &acme, request(None, 1, 3), "k-pending")
+        .await
+        .expect("pending");
+    rsv::create_reservation(
+        db,
+        &acme,
+        request(Some(now + Duration::minutes(10)), 1, 1),
+        "k-starts",
+    )
+    .await
+    .expect("starts");
+    let doomed = rsv::create_reservation(db, &acme, request(None, 5, 1), "k-doomed")
+        .await
+        .expect("doomed")
+        .0
+        .value;
+    t.advance_clock(15 * 60).await;
+    assert!(
+        reconcile::activate_due(db).await.expect("activate") >= 1,
+        "the batch path writes reservation.active"
+    );
+    sqlx::query("UPDATE nodes SET reachability = 'lost' WHERE id IN (SELECT node_id FROM allocations WHERE reservation_id = $1)")
+        .bind(&doomed.id)
+        .execute(db.pool())
+        .await
+        .expect("lose the node");
+    reconcile::fail_lost(db).await.expect("fail lost");
+    t.advance_clock(2 * 3600).await;
+    reconcile::expire_due(db).await.expect("expire");
+
+    // Drain and retire the spare (its mode-change hold has ended).
+    fleet::drain_node(db, &spare.node.id, None)
+        .await
+        .expect("drain");
+    fleet::retire_node(db, &spare.node.id, None)
+        .await
+        .expect("retire");
+
+    // Every type was written; each reads back as its public type; shapes match the snapshot.
+    let rows: Vec<(String, Value)> =
+        sqlx::query_as("SELECT type, data FROM outbox ORDER BY txid, seq")
+            .fetch_all(db.pool())
+            .await
+            .expect("outbox");
+    let mut shapes: BTreeMap<String, Value> = BTreeMap::new();
+    let mut problems = Vec::new();
+    for (ty, data) in &rows {
+        let Some(t) = EventType::parse(ty) else {
+            problems.push(format!("`{ty}` is not an EventType"));
+            continue;
+        };
+        if let Err(e) = read_back(t, data) {
+            problems.push(e);
+        }
+        let s = shape(data);
+        let merged = match shapes.get(ty) {
+            Some(old) => merge(old, &s),
+            None => s,
+        };
+        shapes.insert(ty.clone(), merged);
+    }
+    for t in EventType::ALL {
+        if !shapes.contains_key(t.as_str()) {
+            problems.push(format!("no `{t}` event was written by the scenario"));
+        }
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+    let actual = serde_json::to_string_pretty(&shapes).expect("json") + "\n";
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("snapshots/event-payloads.json");
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(&path, &actual).expect("write the snapshot");
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        expected == actual,
+        "event payload shapes differ from {} (a webhook body would change). If deliberate, run with \
+         UPDATE_SNAPSHOTS=1, document it in docs/webhooks.md and docs/changelog.md.\n--- actual:\n{actual}",
+        path.display()
+    );
+}
