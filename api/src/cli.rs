@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use compute_domain::db::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use compute_domain::db::{Db, PoolSettings};
 use compute_domain::{Error, Result};
+use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres};
 use tracing::info;
 
 use crate::auth::{self, KeySource, Role, Secret, Verifier};
@@ -198,8 +198,12 @@ pub async fn open_database(
             embedded: None,
         }),
         None => {
-            let pg = EmbeddedPostgres::start(EmbeddedOptions::durable(data_dir)).await?;
-            pg.ensure_database(EMBEDDED_DATABASE).await?;
+            let pg = EmbeddedPostgres::start(EmbeddedOptions::durable(data_dir))
+                .await
+                .map_err(Error::internal)?;
+            pg.ensure_database(EMBEDDED_DATABASE)
+                .await
+                .map_err(Error::internal)?;
             let db = Db::connect(&pg.url(EMBEDDED_DATABASE), &settings).await?;
             Ok(Database {
                 db,

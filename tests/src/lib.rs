@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use compute_api::auth::{Claims, KeySource, Role, Secret, Verifier};
 use compute_api::server::Server;
-use compute_domain::db::embedded::{EmbeddedOptions, EmbeddedPostgres, process_alive, quote_ident};
 use compute_domain::db::{Db, MIGRATOR, PoolSettings};
+use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres, process_alive, quote_ident};
 use serde_json::Value;
 use sqlx::Connection;
 use tokio::sync::OnceCell;
@@ -127,7 +127,8 @@ async fn start_cluster() -> compute_domain::Result<Cluster> {
                 durable: false,
                 max_connections: 300,
             })
-            .await?;
+            .await
+            .map_err(compute_domain::Error::internal)?;
             let admin_url = pg.url("postgres");
             let base = url_base::Base::parse(&admin_url);
             let template = "compute_template".to_owned();

@@ -6,8 +6,6 @@
 //! deadlocks and serialization failures a bounded number of times. Nothing here keeps session state
 //! on a connection, so the system runs unchanged behind a transaction-pooling proxy.
 
-pub mod embedded;
-
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;

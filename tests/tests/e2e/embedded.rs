@@ -1,4 +1,4 @@
-use compute_domain::db::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres};
 use sqlx::Connection;
 
 /// What `compute-api dev` relies on: a second start reuses the data of the first, and dropping

@@ -1,4 +1,5 @@
-//! A private PostgreSQL server started from the server binaries installed on the machine.
+//! A private PostgreSQL server started from the server binaries installed on the machine: process
+//! and operating-system code (initdb, a keeper thread, signals), kept apart from the domain.
 //!
 //! Used by `compute-api dev` and by the tests when no `DATABASE_URL` is given. Layout of the data
 //! directory (`--data-dir`, default `.compute/`):
@@ -29,7 +30,31 @@ use std::time::{Duration, Instant};
 use sqlx::Connection;
 use tracing::{info, warn};
 
-use crate::error::{Error, Result};
+/// Why the embedded server could not be started or used, in words for the operator.
+#[derive(Debug)]
+pub struct Error(String);
+
+impl Error {
+    fn new(why: impl std::fmt::Display) -> Error {
+        Error(why.to_string())
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Error {
+        Error::new(e)
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The superuser the embedded cluster is created with.
 pub const SUPERUSER: &str = "compute";
@@ -89,7 +114,7 @@ impl EmbeddedPostgres {
             move || init_cluster(&bin, &data_dir, run_as.as_ref())
         })
         .await
-        .map_err(Error::internal)??;
+        .map_err(Error::new)??;
         let version = server_version(&bin)?;
 
         let mut last_error = None;
@@ -122,7 +147,7 @@ impl EmbeddedPostgres {
                 }
             }
         }
-        Err(last_error.unwrap_or_else(|| Error::internal("embedded PostgreSQL did not start")))
+        Err(last_error.unwrap_or_else(|| Error::new("embedded PostgreSQL did not start")))
     }
 
     /// A connection URL for database `database` on this server.
@@ -177,7 +202,7 @@ impl EmbeddedPostgres {
         let url = self.url("postgres");
         loop {
             if let Ok(status) = exited.try_recv() {
-                return Err(Error::internal(format!(
+                return Err(Error::new(format!(
                     "embedded PostgreSQL exited during start-up ({status}); last lines of {}:\n{}",
                     self.log_path().display(),
                     log_tail(&self.log_path(), 15)
@@ -189,7 +214,7 @@ impl EmbeddedPostgres {
                     return Ok(());
                 }
                 Err(e) if Instant::now() > deadline => {
-                    return Err(Error::internal(format!(
+                    return Err(Error::new(format!(
                         "embedded PostgreSQL did not accept connections within 60 s: {e}; see {}",
                         self.log_path().display()
                     )));
@@ -219,7 +244,7 @@ fn absolute(path: &Path) -> Result<PathBuf> {
     if path.is_absolute() {
         Ok(path.to_path_buf())
     } else {
-        Ok(std::env::current_dir().map_err(Error::internal)?.join(path))
+        Ok(std::env::current_dir().map_err(Error::new)?.join(path))
     }
 }
 
@@ -248,7 +273,7 @@ fn find_server_binaries_in(path: Option<std::ffi::OsString>, lib_root: &Path) ->
         .collect();
     versions.sort();
     versions.pop().map(|(_, bin)| bin).ok_or_else(|| {
-        Error::internal(
+        Error::new(
             "no PostgreSQL server binaries (initdb, postgres) on PATH or under \
              /usr/lib/postgresql/<version>/bin. Install the server package (Debian/Ubuntu: \
              `apt install postgresql`; Fedora: `dnf install postgresql-server`; macOS: \
@@ -261,7 +286,7 @@ fn server_version(bin: &Path) -> Result<String> {
     let out = Command::new(bin.join("postgres"))
         .arg("--version")
         .output()
-        .map_err(Error::internal)?;
+        .map_err(Error::new)?;
     let line = String::from_utf8_lossy(&out.stdout).trim().to_owned();
     // "postgres (PostgreSQL) 15.20 (Debian …)" → "PostgreSQL 15.20 (Debian …)"
     Ok(line
@@ -275,7 +300,7 @@ fn run_as_user() -> Result<Option<RunAs>> {
     if !is_root() {
         return Ok(None);
     }
-    let passwd = fs::read_to_string("/etc/passwd").map_err(Error::internal)?;
+    let passwd = fs::read_to_string("/etc/passwd").map_err(Error::new)?;
     for wanted in ["postgres", "nobody"] {
         for line in passwd.lines() {
             let fields: Vec<&str> = line.split(':').collect();
@@ -291,7 +316,7 @@ fn run_as_user() -> Result<Option<RunAs>> {
             }
         }
     }
-    Err(Error::internal(
+    Err(Error::new(
         "running as root, and neither a `postgres` nor a `nobody` account exists to run the \
          embedded PostgreSQL server (it refuses root); create one or run as another user",
     ))
@@ -308,14 +333,14 @@ fn init_cluster(bin: &Path, data_dir: &Path, run_as: Option<&RunAs>) -> Result<S
     let pg_dir = data_dir.join("pg");
     let password_file = data_dir.join("pg-password");
     fs::create_dir_all(data_dir).map_err(|e| {
-        Error::internal(format!(
+        Error::new(format!(
             "cannot create data directory {}: {e}",
             data_dir.display()
         ))
     })?;
     if pg_dir.join("PG_VERSION").is_file() {
         let password = fs::read_to_string(&password_file).map_err(|e| {
-            Error::internal(format!(
+            Error::new(format!(
                 "{} holds a cluster but {} is unreadable ({e}); remove the data directory to start afresh",
                 pg_dir.display(),
                 password_file.display()
@@ -330,15 +355,14 @@ fn init_cluster(bin: &Path, data_dir: &Path, run_as: Option<&RunAs>) -> Result<S
         .truncate(true)
         .mode(0o600)
         .open(&password_file)
-        .map_err(Error::internal)?;
-    writeln!(file, "{password}").map_err(Error::internal)?;
+        .map_err(Error::new)?;
+    writeln!(file, "{password}").map_err(Error::new)?;
     drop(file);
-    fs::create_dir_all(&pg_dir).map_err(Error::internal)?;
-    fs::set_permissions(&pg_dir, fs::Permissions::from_mode(0o700)).map_err(Error::internal)?;
+    fs::create_dir_all(&pg_dir).map_err(Error::new)?;
+    fs::set_permissions(&pg_dir, fs::Permissions::from_mode(0o700)).map_err(Error::new)?;
     if let Some(user) = run_as {
         for path in [&pg_dir, &password_file] {
-            std::os::unix::fs::chown(path, Some(user.uid), Some(user.gid))
-                .map_err(Error::internal)?;
+            std::os::unix::fs::chown(path, Some(user.uid), Some(user.gid)).map_err(Error::new)?;
         }
     }
     let mut initdb = Command::new(bin.join("initdb"));
@@ -360,7 +384,7 @@ fn init_cluster(bin: &Path, data_dir: &Path, run_as: Option<&RunAs>) -> Result<S
     }
     let started = Instant::now();
     info!(pg.data_dir = %pg_dir.display(), "creating the embedded PostgreSQL cluster (initdb)");
-    let out = initdb.output().map_err(Error::internal)?;
+    let out = initdb.output().map_err(Error::new)?;
     if !out.status.success() {
         let hint = match run_as {
             Some(user) => format!(
@@ -372,7 +396,7 @@ fn init_cluster(bin: &Path, data_dir: &Path, run_as: Option<&RunAs>) -> Result<S
             None => String::new(),
         };
         let _ = fs::remove_dir_all(&pg_dir);
-        return Err(Error::internal(format!(
+        return Err(Error::new(format!(
             "initdb failed ({}): {}{}{hint}",
             out.status,
             String::from_utf8_lossy(&out.stdout).trim(),
@@ -389,13 +413,13 @@ fn init_cluster(bin: &Path, data_dir: &Path, run_as: Option<&RunAs>) -> Result<S
 /// Random bytes as lowercase hex.
 pub fn random_hex(bytes: usize) -> Result<String> {
     let mut buf = vec![0u8; bytes];
-    getrandom::fill(&mut buf).map_err(|e| Error::internal(format!("getrandom: {e}")))?;
+    getrandom::fill(&mut buf).map_err(|e| Error::new(format!("getrandom: {e}")))?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(Error::internal)?;
-    Ok(listener.local_addr().map_err(Error::internal)?.port())
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(Error::new)?;
+    Ok(listener.local_addr().map_err(Error::new)?.port())
 }
 
 type Spawned = (
@@ -416,7 +440,7 @@ fn spawn_server(
         .create(true)
         .append(true)
         .open(data_dir.join("postgres.log"))
-        .map_err(Error::internal)?;
+        .map_err(Error::new)?;
     let mut cmd = Command::new(bin.join("postgres"));
     cmd.arg("-D")
         .arg(data_dir.join("pg"))
@@ -428,7 +452,7 @@ fn spawn_server(
         .arg("-c")
         .arg(format!("max_connections={}", options.max_connections))
         .stdin(Stdio::null())
-        .stdout(log.try_clone().map_err(Error::internal)?)
+        .stdout(log.try_clone().map_err(Error::new)?)
         .stderr(log);
     if !options.durable {
         // Commit timestamps let the torture test check the order of commits.
@@ -496,13 +520,11 @@ fn spawn_server(
                 }
             }
         })
-        .map_err(Error::internal)?;
+        .map_err(Error::new)?;
     match spawned_rx.recv() {
         Ok(Ok(())) => Ok((stop_tx, exit_rx, keeper)),
-        Ok(Err(e)) => Err(Error::internal(format!("cannot start postgres: {e}"))),
-        Err(_) => Err(Error::internal(
-            "the embedded PostgreSQL keeper thread died",
-        )),
+        Ok(Err(e)) => Err(Error::new(format!("cannot start postgres: {e}"))),
+        Err(_) => Err(Error::new("the embedded PostgreSQL keeper thread died")),
     }
 }
 
