@@ -70,15 +70,16 @@ pub async fn claim(
     operation: &str,
     fingerprint: &Value,
 ) -> Result<Claim> {
-    let inserted: Option<(i32,)> = sqlx::query_as(
+    let scope = actor.idempotency_scope();
+    let inserted = sqlx::query_scalar!(
         "INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint) \
-         VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING 1",
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING 1 AS claimed",
+        scope,
+        actor.subject,
+        key,
+        operation,
+        fingerprint,
     )
-    .bind(actor.idempotency_scope())
-    .bind(&actor.subject)
-    .bind(key)
-    .bind(operation)
-    .bind(fingerprint)
     .fetch_optional(&mut *conn)
     .await
     .map_err(|e| match Error::from(e) {
@@ -91,18 +92,18 @@ pub async fn claim(
             .await?;
         return Ok(Claim::New);
     }
-    let (same, response): (bool, Option<Value>) = sqlx::query_as(
-        "SELECT operation = $4 AND fingerprint = $5, response FROM idempotency_keys \
-         WHERE tenant_id = $1 AND subject = $2 AND key = $3",
+    let stored = sqlx::query!(
+        r#"SELECT operation = $4 AND fingerprint = $5 AS "same!", response FROM idempotency_keys
+         WHERE tenant_id = $1 AND subject = $2 AND key = $3"#,
+        scope,
+        actor.subject,
+        key,
+        operation,
+        fingerprint,
     )
-    .bind(actor.idempotency_scope())
-    .bind(&actor.subject)
-    .bind(key)
-    .bind(operation)
-    .bind(fingerprint)
     .fetch_one(&mut *conn)
     .await?;
-    match (same, response) {
+    match (stored.same, stored.response) {
         (false, _) => Err(Error::IdempotencyKeyReused(format!(
             "idempotency key `{key}` was already used with different arguments; use a new key for a new request"
         ))),
@@ -127,13 +128,15 @@ async fn complete(
     key: &str,
     response: &Value,
 ) -> Result<()> {
-    sqlx::query("UPDATE idempotency_keys SET response = $4 WHERE tenant_id = $1 AND subject = $2 AND key = $3")
-        .bind(actor.idempotency_scope())
-        .bind(&actor.subject)
-        .bind(key)
-        .bind(response)
-        .execute(&mut *conn)
-        .await?;
+    sqlx::query!(
+        "UPDATE idempotency_keys SET response = $4 WHERE tenant_id = $1 AND subject = $2 AND key = $3",
+        actor.idempotency_scope(),
+        actor.subject,
+        key,
+        response,
+    )
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 
@@ -213,9 +216,11 @@ fn stored_error(response: &Value) -> Option<Error> {
 /// Deletes keys older than `hours` (at least [`RETENTION_HOURS`]); returns how many.
 pub async fn prune(db: &Db, hours: i64) -> Result<u64> {
     let hours = hours.max(RETENTION_HOURS);
-    let done = sqlx::query("DELETE FROM idempotency_keys WHERE created_at < compute_now() - make_interval(hours => $1::int)")
-        .bind(hours as i32)
-        .execute(db.pool())
-        .await?;
+    let done = sqlx::query!(
+        "DELETE FROM idempotency_keys WHERE created_at < compute_now() - make_interval(hours => $1::int)",
+        hours as i32,
+    )
+    .execute(db.pool())
+    .await?;
     Ok(done.rows_affected())
 }

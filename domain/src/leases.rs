@@ -28,7 +28,7 @@ pub struct Fence {
 /// when another owner holds an unexpired lease. A takeover increments the epoch; it waits for
 /// the old holder's fenced transactions (their `FOR SHARE`) to end.
 pub async fn acquire(db: &Db, name: &str, owner: &str, ttl: Duration) -> Result<Option<Fence>> {
-    let epoch: Option<(i64,)> = sqlx::query_as(
+    let epoch = sqlx::query_scalar!(
         "INSERT INTO leases AS l (name, owner, epoch, expires_at) \
          VALUES ($1, $2, 1, compute_now() + make_interval(secs => $3::float8)) \
          ON CONFLICT (name) DO UPDATE \
@@ -37,13 +37,13 @@ pub async fn acquire(db: &Db, name: &str, owner: &str, ttl: Duration) -> Result<
                 expires_at = EXCLUDED.expires_at, updated_at = compute_now() \
           WHERE l.owner = EXCLUDED.owner OR l.expires_at < compute_now() \
          RETURNING l.epoch",
+        name,
+        owner,
+        ttl.as_secs_f64(),
     )
-    .bind(name)
-    .bind(owner)
-    .bind(ttl.as_secs_f64())
     .fetch_optional(db.pool())
     .await?;
-    Ok(epoch.map(|(epoch,)| Fence {
+    Ok(epoch.map(|epoch| Fence {
         name: name.to_owned(),
         owner: owner.to_owned(),
         epoch,
@@ -52,14 +52,14 @@ pub async fn acquire(db: &Db, name: &str, owner: &str, ttl: Duration) -> Result<
 
 /// Renews a held lease at its epoch; `false` when it was lost (taken over, or expired and taken).
 pub async fn renew(db: &Db, fence: &Fence, ttl: Duration) -> Result<bool> {
-    let done = sqlx::query(
+    let done = sqlx::query!(
         "UPDATE leases SET expires_at = compute_now() + make_interval(secs => $4::float8), updated_at = compute_now() \
           WHERE name = $1 AND owner = $2 AND epoch = $3 AND expires_at > compute_now()",
+        fence.name,
+        fence.owner,
+        fence.epoch,
+        ttl.as_secs_f64(),
     )
-    .bind(&fence.name)
-    .bind(&fence.owner)
-    .bind(fence.epoch)
-    .bind(ttl.as_secs_f64())
     .execute(db.pool())
     .await?;
     Ok(done.rows_affected() == 1)
@@ -67,12 +67,12 @@ pub async fn renew(db: &Db, fence: &Fence, ttl: Duration) -> Result<bool> {
 
 /// Gives a lease up at once (on shutdown), so another process need not wait for its expiry.
 pub async fn release(db: &Db, fence: &Fence) -> Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "UPDATE leases SET expires_at = '-infinity' WHERE name = $1 AND owner = $2 AND epoch = $3",
+        fence.name,
+        fence.owner,
+        fence.epoch,
     )
-    .bind(&fence.name)
-    .bind(&fence.owner)
-    .bind(fence.epoch)
     .execute(db.pool())
     .await?;
     Ok(())
@@ -81,12 +81,12 @@ pub async fn release(db: &Db, fence: &Fence) -> Result<()> {
 /// The first statement of a fenced transaction: the lease row `FOR SHARE` at the holder's epoch.
 /// A plain existence check would not fence under READ COMMITTED; the row lock does.
 pub async fn check(conn: &mut PgConnection, fence: &Fence) -> Result<()> {
-    let held: Option<(i32,)> = sqlx::query_as(
-        "SELECT 1 FROM leases WHERE name = $1 AND owner = $2 AND epoch = $3 AND expires_at > compute_now() FOR SHARE",
+    let held = sqlx::query_scalar!(
+        "SELECT 1 AS held FROM leases WHERE name = $1 AND owner = $2 AND epoch = $3 AND expires_at > compute_now() FOR SHARE",
+        fence.name,
+        fence.owner,
+        fence.epoch,
     )
-    .bind(&fence.name)
-    .bind(&fence.owner)
-    .bind(fence.epoch)
     .fetch_optional(&mut *conn)
     .await?;
     if held.is_none() {
@@ -101,11 +101,10 @@ pub async fn check(conn: &mut PgConnection, fence: &Fence) -> Result<()> {
 /// How many unexpired leases have a name starting with `prefix` (the live workers, from their
 /// presence leases).
 pub async fn count_live(db: &Db, prefix: &str) -> Result<i64> {
-    let (n,): (i64,) = sqlx::query_as(
-        "SELECT count(*) FROM leases WHERE starts_with(name, $1) AND expires_at > compute_now()",
+    Ok(sqlx::query_scalar!(
+        r#"SELECT count(*) AS "n!" FROM leases WHERE starts_with(name, $1) AND expires_at > compute_now()"#,
+        prefix,
     )
-    .bind(prefix)
     .fetch_one(db.pool())
-    .await?;
-    Ok(n)
+    .await?)
 }

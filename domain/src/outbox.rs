@@ -31,14 +31,15 @@ pub struct NewEvent<'a> {
 
 /// Writes `event` in the caller's transaction; returns the event id (`evt_…`).
 pub async fn emit(conn: &mut PgConnection, event: NewEvent<'_>) -> Result<EventId> {
-    let (id,): (EventId,) = sqlx::query_as("SELECT compute_emit($1, $2, $3, $4)")
-        .bind(event.event_type)
-        .bind(event.tenant_id)
-        .bind(event.subject)
-        .bind(event.data)
-        .fetch_one(conn)
-        .await?;
-    Ok(id)
+    Ok(sqlx::query_scalar!(
+        r#"SELECT compute_emit($1, $2, $3, $4) AS "id!: EventId""#,
+        event.event_type.as_str(),
+        event.tenant_id.map(TenantId::as_str),
+        event.subject,
+        event.data,
+    )
+    .fetch_one(conn)
+    .await?)
 }
 
 /// Writes `events` in the caller's transaction, in order, in one statement (a reconciler's batch).
@@ -46,19 +47,22 @@ pub async fn emit_all(conn: &mut PgConnection, events: &[NewEvent<'_>]) -> Resul
     if events.is_empty() {
         return Ok(());
     }
-    let types: Vec<EventType> = events.iter().map(|e| e.event_type).collect();
-    let tenants: Vec<Option<&TenantId>> = events.iter().map(|e| e.tenant_id).collect();
+    let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+    let tenants: Vec<Option<&str>> = events
+        .iter()
+        .map(|e| e.tenant_id.map(TenantId::as_str))
+        .collect();
     let subjects: Vec<&str> = events.iter().map(|e| e.subject).collect();
-    let data: Vec<&Value> = events.iter().map(|e| &e.data).collect();
-    sqlx::query(
+    let data: Vec<Value> = events.iter().map(|e| e.data.clone()).collect();
+    sqlx::query!(
         "SELECT compute_emit(t, te, s, d) FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[]) \
            WITH ORDINALITY AS e(t, te, s, d, n) ORDER BY n",
+        &types as &[&str],
+        &tenants as &[Option<&str>],
+        &subjects as &[&str],
+        &data,
     )
-    .bind(&types)
-    .bind(&tenants)
-    .bind(&subjects)
-    .bind(&data)
-    .execute(conn)
+    .fetch_all(conn)
     .await?;
     Ok(())
 }
@@ -108,22 +112,18 @@ impl Cursor {
 }
 
 /// An event as readers see it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Event {
     pub id: EventId,
-    #[sqlx(skip)]
-    #[serde(skip)]
     pub cursor: Option<Cursor>,
-    #[sqlx(rename = "type")]
+    /// Dotted type. A string, not an [`EventType`]: a reader must pass on types a newer version
+    /// of the system writes.
     pub event_type: String,
     pub tenant_id: Option<TenantId>,
+    /// The id of what changed (of the kind the type's family names).
     pub subject: String,
     pub data: Value,
     pub time: chrono::DateTime<chrono::Utc>,
-    #[serde(skip)]
-    txid: i64,
-    #[serde(skip)]
-    seq: i64,
 }
 
 /// What a reader may see.
@@ -157,50 +157,40 @@ pub async fn read_after(
     filter: &EventFilter,
     limit: i64,
 ) -> crate::Result<Vec<Event>> {
-    let rows: Vec<Event> = sqlx::query_as(
-        "SELECT o.id, o.type, o.tenant_id, o.subject, o.data, o.time, o.txid::text::bigint AS txid, o.seq \
-           FROM outbox o \
-          WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
-            AND (o.txid, o.seq) > ($1::text::xid8, $2) \
-            AND ($3::text IS NULL OR o.tenant_id = $3) \
-            AND (cardinality($4::text[]) = 0 OR o.type = ANY($4)) \
-            AND (cardinality($5::text[]) = 0 OR o.subject = ANY($5)) \
-          ORDER BY o.txid, o.seq LIMIT $6",
+    let rows = sqlx::query!(
+        r#"SELECT o.id AS "id: EventId", o.type AS event_type, o.tenant_id AS "tenant_id: TenantId", o.subject,
+                  o.data, o.time, o.txid::text::bigint AS "txid!", o.seq
+           FROM outbox o
+          WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot())
+            AND (o.txid, o.seq) > ($1::text::xid8, $2)
+            AND ($3::text IS NULL OR o.tenant_id = $3)
+            AND (cardinality($4::text[]) = 0 OR o.type = ANY($4))
+            AND (cardinality($5::text[]) = 0 OR o.subject = ANY($5))
+          ORDER BY o.txid, o.seq LIMIT $6"#,
+        after.txid.to_string(),
+        after.seq,
+        filter.tenant_id.as_ref().map(TenantId::as_str),
+        &filter.types,
+        &filter.subjects,
+        limit,
     )
-    .bind(after.txid.to_string())
-    .bind(after.seq)
-    .bind(&filter.tenant_id)
-    .bind(&filter.types)
-    .bind(&filter.subjects)
-    .bind(limit)
     .fetch_all(db.pool())
     .await?;
     Ok(rows
         .into_iter()
-        .map(|mut e| {
-            e.cursor = Some(Cursor {
-                txid: e.txid,
-                seq: e.seq,
-            });
-            e
+        .map(|r| Event {
+            id: r.id,
+            cursor: Some(Cursor {
+                txid: r.txid,
+                seq: r.seq,
+            }),
+            event_type: r.event_type,
+            tenant_id: r.tenant_id,
+            subject: r.subject,
+            data: r.data,
+            time: r.time,
         })
         .collect())
-}
-
-/// One row of [`read_all_after`]: the front, and an event when there is one.
-#[derive(sqlx::FromRow)]
-struct FrontAndEvent {
-    front_txid: i64,
-    front_seq: i64,
-    id: Option<EventId>,
-    #[sqlx(rename = "type")]
-    event_type: Option<String>,
-    tenant_id: Option<TenantId>,
-    subject: Option<String>,
-    data: Option<Value>,
-    time: Option<chrono::DateTime<chrono::Utc>>,
-    txid: Option<i64>,
-    seq: Option<i64>,
 }
 
 /// [`read_after`] without a filter, and the pruned front ([`pruned_through`]) in the same
@@ -210,23 +200,24 @@ pub async fn read_all_after(
     after: Cursor,
     limit: i64,
 ) -> crate::Result<(Vec<Event>, Cursor)> {
-    let rows: Vec<FrontAndEvent> = sqlx::query_as(
-        "SELECT r.pruned_txid::text::bigint AS front_txid, r.pruned_seq AS front_seq, \
-                o.id, o.type, o.tenant_id, o.subject, o.data, o.time, o.txid, o.seq \
-           FROM outbox_retention r \
-           LEFT JOIN LATERAL ( \
-                SELECT o.id, o.type, o.tenant_id, o.subject, o.data, o.time, \
-                       o.txid::text::bigint AS txid, o.seq \
-                  FROM outbox o \
-                 WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
-                   AND (o.txid, o.seq) > ($1::text::xid8, $2) \
-                 ORDER BY o.txid, o.seq LIMIT $3) o ON true \
-          WHERE r.singleton \
-          ORDER BY o.txid, o.seq",
+    let rows = sqlx::query!(
+        r#"SELECT r.pruned_txid::text::bigint AS "front_txid!", r.pruned_seq AS front_seq,
+                o.id AS "id?: EventId", o.type AS "event_type?", o.tenant_id AS "tenant_id?: TenantId",
+                o.subject AS "subject?", o.data AS "data?", o.time AS "time?", o.txid AS "txid?", o.seq AS "seq?"
+           FROM outbox_retention r
+           LEFT JOIN LATERAL (
+                SELECT o.id, o.type, o.tenant_id, o.subject, o.data, o.time,
+                       o.txid::text::bigint AS txid, o.seq
+                  FROM outbox o
+                 WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot())
+                   AND (o.txid, o.seq) > ($1::text::xid8, $2)
+                 ORDER BY o.txid, o.seq LIMIT $3) o ON true
+          WHERE r.singleton
+          ORDER BY o.txid, o.seq"#,
+        after.txid.to_string(),
+        after.seq,
+        limit,
     )
-    .bind(after.txid.to_string())
-    .bind(after.seq)
-    .bind(limit)
     .fetch_all(db.pool())
     .await?;
     let front = rows
@@ -248,8 +239,6 @@ pub async fn read_all_after(
                 subject: r.subject?,
                 data: r.data?,
                 time: r.time?,
-                txid,
-                seq,
             })
         })
         .collect();
@@ -265,14 +254,17 @@ pub async fn head(db: &crate::db::Db) -> crate::Result<Cursor> {
 
 /// [`head`] on `conn` (inside a transaction, say).
 pub async fn head_in(conn: &mut PgConnection) -> crate::Result<Cursor> {
-    let row: Option<(i64, i64)> = sqlx::query_as(
-        "SELECT o.txid::text::bigint, o.seq FROM outbox o WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
-          ORDER BY o.txid DESC, o.seq DESC LIMIT 1",
+    let row = sqlx::query!(
+        r#"SELECT o.txid::text::bigint AS "txid!", o.seq FROM outbox o WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot())
+          ORDER BY o.txid DESC, o.seq DESC LIMIT 1"#,
     )
     .fetch_optional(conn)
     .await?;
     Ok(row
-        .map(|(txid, seq)| Cursor { txid, seq })
+        .map(|r| Cursor {
+            txid: r.txid,
+            seq: r.seq,
+        })
         .unwrap_or(Cursor::START))
 }
 
@@ -282,12 +274,15 @@ pub const RETENTION: std::time::Duration = std::time::Duration::from_secs(7 * 24
 
 /// The front of the stream that pruning removed: every event at or before it may be gone.
 pub async fn pruned_through(db: &crate::db::Db) -> crate::Result<Cursor> {
-    let (txid, seq): (i64, i64) = sqlx::query_as(
-        "SELECT pruned_txid::text::bigint, pruned_seq FROM outbox_retention WHERE singleton",
+    let r = sqlx::query!(
+        r#"SELECT pruned_txid::text::bigint AS "txid!", pruned_seq FROM outbox_retention WHERE singleton"#,
     )
     .fetch_one(db.pool())
     .await?;
-    Ok(Cursor { txid, seq })
+    Ok(Cursor {
+        txid: r.txid,
+        seq: r.pruned_seq,
+    })
 }
 
 /// Fails with `CURSOR_EXPIRED` when events after `after` may have been pruned.
@@ -319,25 +314,25 @@ pub async fn prune(
         txid: i64::MAX,
         seq: i64::MAX,
     });
-    let (deleted,): (i64,) = sqlx::query_as(
-        "WITH head AS ( \
-             SELECT o.txid, o.seq FROM outbox o \
-              WHERE o.time < compute_now() - make_interval(secs => $1::float8) \
-                AND o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
-                AND (o.txid, o.seq) <= ($2::text::xid8, $3) \
-              ORDER BY o.txid, o.seq LIMIT $4), \
-           front AS (SELECT txid, seq FROM head ORDER BY txid DESC, seq DESC LIMIT 1), \
-           gone AS (DELETE FROM outbox o USING front f WHERE (o.txid, o.seq) <= (f.txid, f.seq) RETURNING 1), \
-           moved AS (UPDATE outbox_retention r SET pruned_txid = f.txid, pruned_seq = f.seq, \
-                            pruned_at = compute_now(), updated_at = compute_now() \
-                       FROM front f WHERE r.singleton AND (f.txid, f.seq) > (r.pruned_txid, r.pruned_seq) \
-                     RETURNING 1) \
-         SELECT (SELECT count(*) FROM gone) + 0 * (SELECT count(*) FROM moved)",
+    let deleted = sqlx::query_scalar!(
+        r#"WITH head AS (
+             SELECT o.txid, o.seq FROM outbox o
+              WHERE o.time < compute_now() - make_interval(secs => $1::float8)
+                AND o.txid < pg_snapshot_xmin(pg_current_snapshot())
+                AND (o.txid, o.seq) <= ($2::text::xid8, $3)
+              ORDER BY o.txid, o.seq LIMIT $4),
+           front AS (SELECT txid, seq FROM head ORDER BY txid DESC, seq DESC LIMIT 1),
+           gone AS (DELETE FROM outbox o USING front f WHERE (o.txid, o.seq) <= (f.txid, f.seq) RETURNING 1),
+           moved AS (UPDATE outbox_retention r SET pruned_txid = f.txid, pruned_seq = f.seq,
+                            pruned_at = compute_now(), updated_at = compute_now()
+                       FROM front f WHERE r.singleton AND (f.txid, f.seq) > (r.pruned_txid, r.pruned_seq)
+                     RETURNING 1)
+         SELECT (SELECT count(*) FROM gone) + 0 * (SELECT count(*) FROM moved) AS "deleted!""#,
+        retention.as_secs_f64(),
+        limit.txid.to_string(),
+        limit.seq,
+        batch,
     )
-    .bind(retention.as_secs_f64())
-    .bind(limit.txid.to_string())
-    .bind(limit.seq)
-    .bind(batch)
     .fetch_one(db.pool())
     .await?;
     Ok(deleted as u64)

@@ -47,8 +47,6 @@ pub struct Quota {
     pub updated_at: DateTime<Utc>,
 }
 
-const QUOTA_COLS: &str = "tenant_id, scope_kind, scope_id, resource, max_amount::float8 AS max_amount, used::float8 AS used, version, updated_at";
-
 /// Limits to set; `None` leaves a resource as it is.
 #[derive(Debug, Clone, Default)]
 pub struct QuotaLimits {
@@ -102,30 +100,32 @@ pub async fn set_quota(
         Box::pin(async move {
             // Lock order: quota_usage first, then the scope's row (FOR KEY SHARE: it must exist
             // and stay).
-            let resources: Vec<QuotaResource> = rows.iter().map(|(r, _)| *r).collect();
+            let resources: Vec<&str> = rows.iter().map(|(r, _)| r.as_str()).collect();
             let amounts: Vec<f64> = rows.iter().map(|(_, a)| *a).collect();
-            let quotas: Vec<Quota> = sqlx::query_as(&format!(
-                "INSERT INTO quota_usage AS q (tenant_id, scope_kind, scope_id, resource, max_amount) \
-                 SELECT $1, $2, $3, r, a FROM unnest($4::text[], $5::float8[]) AS t(r, a) \
-                 ON CONFLICT (tenant_id, scope_kind, scope_id, resource) DO UPDATE \
-                   SET max_amount = EXCLUDED.max_amount, version = q.version + 1, updated_at = compute_now() \
-                 RETURNING {QUOTA_COLS}"
-            ))
-            .bind(&tenant)
-            .bind(scope.kind())
-            .bind(&scope)
-            .bind(&resources)
-            .bind(&amounts)
+            let quotas = sqlx::query_as!(
+                Quota,
+                r#"INSERT INTO quota_usage AS q (tenant_id, scope_kind, scope_id, resource, max_amount)
+                 SELECT $1, $2, $3, r, a FROM unnest($4::text[], $5::float8[]) AS t(r, a)
+                 ON CONFLICT (tenant_id, scope_kind, scope_id, resource) DO UPDATE
+                   SET max_amount = EXCLUDED.max_amount, version = q.version + 1, updated_at = compute_now()
+                 RETURNING q.tenant_id AS "tenant_id: _", q.scope_id AS "scope: _", q.resource AS "resource: _",
+                           q.max_amount::float8 AS "max_amount!", q.used::float8 AS "used!", q.version, q.updated_at"#,
+                tenant.as_str(),
+                scope.kind(),
+                scope.as_str(),
+                &resources as &[&str],
+                &amounts,
+            )
             .fetch_all(&mut *conn)
             .await?;
-            let table = match scope {
-                ScopeId::Pool(_) => "pools",
-                ScopeId::Site(_) => "sites",
+            let exists = match &scope {
+                ScopeId::Pool(p) => sqlx::query_scalar!("SELECT 1 AS found FROM pools WHERE id = $1 FOR KEY SHARE", p.as_str())
+                    .fetch_optional(&mut *conn)
+                    .await?,
+                ScopeId::Site(site) => sqlx::query_scalar!("SELECT 1 AS found FROM sites WHERE id = $1 FOR KEY SHARE", site.as_str())
+                    .fetch_optional(&mut *conn)
+                    .await?,
             };
-            let exists: Option<(i32,)> = sqlx::query_as(&format!("SELECT 1 FROM {table} WHERE id = $1 FOR KEY SHARE"))
-                .bind(&scope)
-                .fetch_optional(&mut *conn)
-                .await?;
             if exists.is_none() {
                 return Err(Error::NotFound { kind: scope.kind(), id: scope.to_string() });
             }
@@ -152,10 +152,13 @@ pub async fn set_quota(
 
 /// The quotas of a tenant.
 pub async fn quotas_of(db: &Db, tenant: &TenantId) -> Result<Vec<Quota>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {QUOTA_COLS} FROM quota_usage WHERE tenant_id = $1 ORDER BY scope_kind, scope_id, resource"
-    ))
-    .bind(tenant)
+    Ok(sqlx::query_as!(
+        Quota,
+        r#"SELECT tenant_id AS "tenant_id: _", scope_id AS "scope: _", resource AS "resource: _",
+                  max_amount::float8 AS "max_amount!", used::float8 AS "used!", version, updated_at
+             FROM quota_usage WHERE tenant_id = $1 ORDER BY scope_kind, scope_id, resource"#,
+        tenant.as_str(),
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -186,36 +189,38 @@ pub(crate) async fn charge(
     ];
     let kinds: Vec<&str> = want.iter().map(|w| w.0.kind()).collect();
     let ids: Vec<&str> = want.iter().map(|w| w.0.as_str()).collect();
-    let resources: Vec<QuotaResource> = want.iter().map(|w| w.1).collect();
+    let resources: Vec<&str> = want.iter().map(|w| w.1.as_str()).collect();
     let amounts: Vec<f64> = want.iter().map(|w| w.2).collect();
     // `locked` takes the rows FOR UPDATE in key order; the UPDATE then charges those whose limit
     // allows it (re-reading each row's latest version). Fewer charged than locked: over quota.
-    let rows: Vec<(String, ScopeId, QuotaResource, f64, bool, f64, f64)> = sqlx::query_as(
-        "WITH want AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)), \
-         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q \
-                      JOIN want w USING (scope_kind, scope_id, resource) \
-                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q), \
-         charged AS (UPDATE quota_usage q SET used = q.used + w.amount::numeric, version = q.version + 1, updated_at = compute_now() \
-                       FROM want w, locked l \
-                      WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
-                        AND w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource \
-                        AND q.used + w.amount::numeric <= q.max_amount \
-                  RETURNING q.scope_kind, q.scope_id, q.resource) \
-         SELECT l.scope_kind, l.scope_id, l.resource, w.amount, c.resource IS NOT NULL, q.used::float8, q.max_amount::float8 \
-           FROM locked l \
-           JOIN want w ON w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource \
-           JOIN quota_usage q ON q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
-           LEFT JOIN charged c ON c.scope_kind = l.scope_kind AND c.scope_id = l.scope_id AND c.resource = l.resource",
+    let rows = sqlx::query!(
+        r#"WITH want AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)),
+         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q
+                      JOIN want w USING (scope_kind, scope_id, resource)
+                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q),
+         charged AS (UPDATE quota_usage q SET used = q.used + w.amount::numeric, version = q.version + 1, updated_at = compute_now()
+                       FROM want w, locked l
+                      WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
+                        AND w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource
+                        AND q.used + w.amount::numeric <= q.max_amount
+                  RETURNING q.scope_kind, q.scope_id, q.resource)
+         SELECT l.scope_kind, l.scope_id AS "scope_id: ScopeId", l.resource AS "resource: QuotaResource", w.amount AS "amount!",
+                c.resource IS NOT NULL AS "charged!", q.used::float8 AS "used!", q.max_amount::float8 AS "max!"
+           FROM locked l
+           JOIN want w ON w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource
+           JOIN quota_usage q ON q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
+           LEFT JOIN charged c ON c.scope_kind = l.scope_kind AND c.scope_id = l.scope_id AND c.resource = l.resource"#,
+        tenant.as_str(),
+        &kinds as &[&str],
+        &ids as &[&str],
+        &resources as &[&str],
+        &amounts,
     )
-    .bind(tenant)
-    .bind(&kinds)
-    .bind(&ids)
-    .bind(&resources)
-    .bind(&amounts)
     .fetch_all(&mut *conn)
     .await?;
-    if let Some((kind, id, resource, amount, _, used, max)) = rows.iter().find(|r| !r.4) {
-        let unit = match resource {
+    if let Some(r) = rows.iter().find(|r| !r.charged) {
+        let (kind, id, amount, used, max) = (&r.scope_kind, &r.scope_id, r.amount, r.used, r.max);
+        let unit = match r.resource {
             QuotaResource::Gpu => "GPUs",
             QuotaResource::Vcpu => "vCPU",
             QuotaResource::MemoryMib => "MiB of memory",
@@ -223,19 +228,19 @@ pub(crate) async fn charge(
         return Err(Error::QuotaExceeded(format!(
             "quota exceeded: tenant {tenant} would hold {} of its {} {unit} on {kind} {id} (holds {}, asks {})",
             amount_text(used + amount),
-            amount_text(*max),
-            amount_text(*used),
-            amount_text(*amount),
+            amount_text(max),
+            amount_text(used),
+            amount_text(amount),
         )));
     }
     Ok(rows
         .into_iter()
-        .filter(|r| r.3 > 0.0)
-        .map(|(_, scope_id, resource, amount, _, _, _)| Charge {
-            scope_kind: scope_id.kind().to_owned(),
-            scope_id,
-            resource,
-            amount,
+        .filter(|r| r.amount > 0.0)
+        .map(|r| Charge {
+            scope_kind: r.scope_id.kind().to_owned(),
+            scope_id: r.scope_id,
+            resource: r.resource,
+            amount: r.amount,
         })
         .collect())
 }
@@ -257,9 +262,9 @@ pub(crate) async fn refund(
     }
     let kinds: Vec<&str> = charges.iter().map(|c| c.scope_id.kind()).collect();
     let ids: Vec<&str> = charges.iter().map(|c| c.scope_id.as_str()).collect();
-    let resources: Vec<QuotaResource> = charges.iter().map(|c| c.resource).collect();
+    let resources: Vec<&str> = charges.iter().map(|c| c.resource.as_str()).collect();
     let amounts: Vec<f64> = charges.iter().map(|c| c.amount).collect();
-    sqlx::query(
+    sqlx::query!(
         "WITH back AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)), \
          locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q JOIN back b USING (scope_kind, scope_id, resource) \
                      WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q) \
@@ -267,12 +272,12 @@ pub(crate) async fn refund(
            FROM back b, locked l \
           WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource \
             AND b.scope_kind = l.scope_kind AND b.scope_id = l.scope_id AND b.resource = l.resource",
+        tenant.as_str(),
+        &kinds as &[&str],
+        &ids as &[&str],
+        &resources as &[&str],
+        &amounts,
     )
-    .bind(tenant)
-    .bind(&kinds)
-    .bind(&ids)
-    .bind(&resources)
-    .bind(&amounts)
     .execute(&mut *conn)
     .await?;
     Ok(())

@@ -72,15 +72,41 @@ impl Sink {
     }
 }
 
-const SINK_COLS: &str = "s.id, s.tenant_id, s.url, s.types, s.active, s.state, s.failures, s.next_attempt_at, \
-     s.last_success_at, s.last_error, s.last_error_at, s.created_by, s.version, s.created_at, s.updated_at, \
-     c.txid::text::bigint AS cursor_txid, c.seq AS cursor_seq, c.delivered, \
-     coalesce(extract(epoch FROM compute_now() - ( \
-        SELECT o.time FROM outbox o \
-         WHERE (o.txid, o.seq) > (c.txid, c.seq) AND o.txid < pg_snapshot_xmin(pg_current_snapshot()) \
-           AND (s.tenant_id IS NULL OR o.tenant_id = s.tenant_id) \
-           AND (cardinality(s.types) = 0 OR o.type = ANY(s.types)) \
-         ORDER BY o.txid, o.seq LIMIT 1)), 0)::float8 AS lag_seconds";
+/// The sinks a caller may see (`tenant`: `None` for every sink), one (`id`) or a page of them:
+/// the one statement that reads sink rows, with their position and lag.
+async fn select_sinks(
+    conn: &mut PgConnection,
+    tenant: Option<&TenantId>,
+    id: Option<&SinkId>,
+    page: &PageArgs,
+) -> Result<Vec<Sink>> {
+    Ok(sqlx::query_as!(
+        Sink,
+        r#"SELECT s.id AS "id: _", s.tenant_id AS "tenant_id: _", s.url, s.types, s.active, s.state AS "state: _",
+                  s.failures, s.next_attempt_at, s.last_success_at, s.last_error, s.last_error_at, s.created_by,
+                  s.version, s.created_at, s.updated_at,
+                  c.txid::text::bigint AS "cursor_txid!", c.seq AS cursor_seq, c.delivered,
+                  coalesce(extract(epoch FROM compute_now() - (
+                     SELECT o.time FROM outbox o
+                      WHERE (o.txid, o.seq) > (c.txid, c.seq) AND o.txid < pg_snapshot_xmin(pg_current_snapshot())
+                        AND (s.tenant_id IS NULL OR o.tenant_id = s.tenant_id)
+                        AND (cardinality(s.types) = 0 OR o.type = ANY(s.types))
+                      ORDER BY o.txid, o.seq LIMIT 1)), 0)::float8 AS "lag_seconds!"
+             FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id
+            WHERE ($1::text IS NULL OR s.tenant_id = $1) AND ($2::text IS NULL OR s.id = $2)
+              AND ($3::text IS NULL OR s.id > $3) AND ($4::text IS NULL OR s.id < $4)
+            ORDER BY CASE WHEN $5 THEN s.id END DESC, s.id
+            LIMIT $6"#,
+        tenant.map(TenantId::as_str),
+        id.map(SinkId::as_str),
+        page.after.as_deref(),
+        page.before.as_deref(),
+        page.backward,
+        page.limit + 1,
+    )
+    .fetch_all(&mut *conn)
+    .await?)
+}
 
 /// Who is asking: a tenant sees its own sinks; an operator (`None`) its fleet sinks and every
 /// tenant's.
@@ -139,12 +165,13 @@ fn new_secret() -> Result<String> {
 
 /// Reads one sink in `conn`.
 async fn get_in(conn: &mut PgConnection, id: &SinkId) -> Result<Option<Sink>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {SINK_COLS} FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id WHERE s.id = $1"
-    ))
-    .bind(id)
-    .fetch_optional(&mut *conn)
-    .await?)
+    let one = PageArgs {
+        after: None,
+        before: None,
+        limit: 1,
+        backward: false,
+    };
+    Ok(select_sinks(conn, None, Some(id), &one).await?.pop())
 }
 
 /// One sink as `scope` may see it, or `NOT_FOUND`.
@@ -181,25 +208,25 @@ pub async fn create(
             let (id, url, types, secret) = (id.clone(), url.to_owned(), types.clone(), secret.clone());
             let (tenant, by) = (scope.tenant_id.clone(), created_by.to_owned());
             Box::pin(async move {
-                sqlx::query(
+                sqlx::query!(
                     "INSERT INTO event_sinks (id, tenant_id, url, types, secret, created_by) VALUES ($1, $2, $3, $4, $5, $6)",
+                    id.as_str(),
+                    tenant.as_ref().map(TenantId::as_str),
+                    url,
+                    &types,
+                    secret,
+                    by,
                 )
-                .bind(&id)
-                .bind(&tenant)
-                .bind(&url)
-                .bind(&types)
-                .bind(&secret)
-                .bind(&by)
                 .execute(&mut *conn)
                 .await?;
                 // The present: after the last event any reader can take now.
                 let present = crate::outbox::head_in(conn).await?;
-                sqlx::query(
+                sqlx::query!(
                     "INSERT INTO outbox_cursors (sink_id, txid, seq) VALUES ($1, $2::text::xid8, $3)",
+                    id.as_str(),
+                    present.txid.to_string(),
+                    present.seq,
                 )
-                .bind(&id)
-                .bind(present.txid.to_string())
-                .bind(present.seq)
                 .execute(&mut *conn)
                 .await?;
                 let sink = get_in(conn, &id)
@@ -242,7 +269,7 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
     db.tx(TxKind::Write, |conn| {
         let (id, change, scope) = (id.clone(), change.clone(), scope.clone());
         Box::pin(async move {
-            let done = sqlx::query(
+            let done = sqlx::query!(
                 "UPDATE event_sinks SET url = coalesce($2, url), types = coalesce($3, types), \
                         active = coalesce($4, active), \
                         failures = CASE WHEN $4 THEN 0 ELSE failures END, \
@@ -251,13 +278,13 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
                         version = version + 1, updated_at = compute_now() \
                   WHERE id = $1 AND ($5::bigint IS NULL OR version = $5) \
                     AND ($6::text IS NULL OR tenant_id = $6)",
+                id.as_str(),
+                change.url,
+                change.types.as_deref(),
+                change.active,
+                change.expected_version,
+                scope.tenant_id.as_ref().map(TenantId::as_str),
             )
-            .bind(&id)
-            .bind(&change.url)
-            .bind(&change.types)
-            .bind(change.active)
-            .bind(change.expected_version)
-            .bind(&scope.tenant_id)
             .execute(&mut *conn)
             .await?;
             let sink = get_in(conn, &id)
@@ -307,8 +334,7 @@ pub async fn delete(db: &Db, scope: &Scope, id: &SinkId) -> Result<Sink> {
                     kind: "event sink",
                     id: id.to_string(),
                 })?;
-            sqlx::query("DELETE FROM event_sinks WHERE id = $1")
-                .bind(&sink.id)
+            sqlx::query!("DELETE FROM event_sinks WHERE id = $1", sink.id.as_str())
                 .execute(&mut *conn)
                 .await?;
             crate::outbox::emit(
@@ -331,27 +357,24 @@ pub async fn delete(db: &Db, scope: &Scope, id: &SinkId) -> Result<Sink> {
 
 /// A page of the sinks `scope` may see, by id.
 pub async fn list(db: &Db, scope: &Scope, page: &PageArgs) -> Result<Page<Sink>> {
-    let mut q = crate::fleet::Select::new(format!(
-        "SELECT {SINK_COLS} FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id"
-    ));
-    if let Some(t) = &scope.tenant_id {
-        q.and().push("s.tenant_id = ").push_bind(t.clone());
-    }
-    q.fetch_page(db, "s.id", page).await
+    let mut conn = db.pool().acquire().await?;
+    let rows = select_sinks(&mut conn, scope.tenant_id.as_ref(), None, page).await?;
+    Ok(Page::from_rows(rows, page))
 }
 
 /// How many sinks are active (delivered or backing off).
 pub async fn count_active(db: &Db) -> Result<i64> {
-    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM event_sinks WHERE active")
-        .fetch_one(db.pool())
-        .await?;
-    Ok(n)
+    Ok(
+        sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM event_sinks WHERE active"#)
+            .fetch_one(db.pool())
+            .await?,
+    )
 }
 
 /// The ids of active sinks that are due (not backing off), oldest first.
 pub async fn due(db: &Db) -> Result<Vec<SinkId>> {
-    Ok(sqlx::query_scalar(
-        "SELECT id FROM event_sinks WHERE active AND (next_attempt_at IS NULL OR next_attempt_at <= compute_now()) ORDER BY id",
+    Ok(sqlx::query_scalar!(
+        r#"SELECT id AS "id: SinkId" FROM event_sinks WHERE active AND (next_attempt_at IS NULL OR next_attempt_at <= compute_now()) ORDER BY id"#,
     )
     .fetch_all(db.pool())
     .await?)
@@ -390,12 +413,13 @@ impl Delivery {
 
 /// The dispatcher's view of a sink (read inside its fenced transaction or alone).
 pub async fn delivery(conn: &mut PgConnection, id: &SinkId) -> Result<Option<Delivery>> {
-    Ok(sqlx::query_as(
-        "SELECT s.id, s.tenant_id, s.url, s.types, s.secret, s.active, s.next_attempt_at, \
-                c.txid::text::bigint AS cursor_txid, c.seq AS cursor_seq \
-           FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id WHERE s.id = $1",
+    Ok(sqlx::query_as!(
+        Delivery,
+        r#"SELECT s.id AS "id: _", s.tenant_id AS "tenant_id: _", s.url, s.types, s.secret, s.active, s.next_attempt_at,
+                c.txid::text::bigint AS "cursor_txid!", c.seq AS cursor_seq
+           FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id WHERE s.id = $1"#,
+        id.as_str(),
     )
-    .bind(id)
     .fetch_optional(&mut *conn)
     .await?)
 }
@@ -408,17 +432,17 @@ pub async fn save_progress(
     cursor: Cursor,
     delivered: i64,
 ) -> Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "WITH c AS (UPDATE outbox_cursors SET txid = $2::text::xid8, seq = $3, delivered = delivered + $4, updated_at = compute_now() \
                      WHERE sink_id = $1 AND ($2::text::xid8, $3) >= (txid, seq)) \
          UPDATE event_sinks SET failures = 0, next_attempt_at = NULL, last_success_at = compute_now(), \
                 state = CASE WHEN state = 'behind' THEN 'behind' ELSE 'healthy' END, updated_at = compute_now() \
           WHERE id = $1",
+        id.as_str(),
+        cursor.txid.to_string(),
+        cursor.seq,
+        delivered,
     )
-    .bind(id)
-    .bind(cursor.txid.to_string())
-    .bind(cursor.seq)
-    .bind(delivered)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -428,20 +452,19 @@ pub async fn save_progress(
 /// failure, and the time of the next attempt. Returns the wait before it, in seconds.
 pub async fn record_failure(conn: &mut PgConnection, id: &SinkId, error: &str) -> Result<f64> {
     let error: String = error.chars().take(1000).collect();
-    let (wait,): (f64,) = sqlx::query_as(
-        "UPDATE event_sinks SET failures = failures + 1, last_error = $2, last_error_at = compute_now(), \
-                next_attempt_at = compute_now() + make_interval(secs => least(power(2, failures + 1), $3)::float8), \
-                state = CASE WHEN failures + 1 >= $4 AND state <> 'behind' THEN 'failing' ELSE state END, \
-                updated_at = compute_now() \
-          WHERE id = $1 RETURNING least(power(2, failures), $3)::float8",
+    Ok(sqlx::query_scalar!(
+        r#"UPDATE event_sinks SET failures = failures + 1, last_error = $2, last_error_at = compute_now(),
+                next_attempt_at = compute_now() + make_interval(secs => least(power(2, failures + 1), $3)::float8),
+                state = CASE WHEN failures + 1 >= $4 AND state <> 'behind' THEN 'failing' ELSE state END,
+                updated_at = compute_now()
+          WHERE id = $1 RETURNING least(power(2, failures), $3)::float8 AS "wait!""#,
+        id.as_str(),
+        error,
+        MAX_BACKOFF_SECONDS,
+        FAILING_AFTER,
     )
-    .bind(id)
-    .bind(&error)
-    .bind(MAX_BACKOFF_SECONDS)
-    .bind(FAILING_AFTER)
     .fetch_one(&mut *conn)
-    .await?;
-    Ok(wait)
+    .await?)
 }
 
 /// Prunes the outbox: events past `retention` that every active sink has passed, and events
@@ -452,13 +475,16 @@ pub async fn prune_outbox(
     retention: std::time::Duration,
     hard_max_age: std::time::Duration,
 ) -> Result<u64> {
-    let slowest: Option<(i64, i64)> = sqlx::query_as(
-        "SELECT c.txid::text::bigint, c.seq FROM outbox_cursors c JOIN event_sinks s ON s.id = c.sink_id \
-          WHERE s.active ORDER BY c.txid, c.seq LIMIT 1",
+    let slowest = sqlx::query!(
+        r#"SELECT c.txid::text::bigint AS "txid!", c.seq FROM outbox_cursors c JOIN event_sinks s ON s.id = c.sink_id
+          WHERE s.active ORDER BY c.txid, c.seq LIMIT 1"#,
     )
     .fetch_optional(db.pool())
     .await?;
-    let limit = slowest.map(|(txid, seq)| Cursor { txid, seq });
+    let limit = slowest.map(|r| Cursor {
+        txid: r.txid,
+        seq: r.seq,
+    });
     let mut pruned = 0;
     loop {
         let n = crate::outbox::prune(db, retention, limit, 10_000).await?;
@@ -474,7 +500,7 @@ pub async fn prune_outbox(
             break;
         }
     }
-    let behind = sqlx::query(
+    let behind = sqlx::query!(
         "WITH f AS (SELECT pruned_txid, pruned_seq FROM outbox_retention WHERE singleton), \
               moved AS (UPDATE outbox_cursors c SET txid = f.pruned_txid, seq = f.pruned_seq, updated_at = compute_now() \
                           FROM f WHERE (c.txid, c.seq) < (f.pruned_txid, f.pruned_seq) RETURNING c.sink_id) \
@@ -496,10 +522,10 @@ pub async fn prune_outbox(
 
 /// How many sinks `scope` may see.
 pub async fn count(db: &Db, scope: &Scope) -> Result<i64> {
-    let (n,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM event_sinks WHERE $1::text IS NULL OR tenant_id = $1")
-            .bind(&scope.tenant_id)
-            .fetch_one(db.pool())
-            .await?;
-    Ok(n)
+    Ok(sqlx::query_scalar!(
+        r#"SELECT count(*) AS "n!" FROM event_sinks WHERE $1::text IS NULL OR tenant_id = $1"#,
+        scope.tenant_id.as_ref().map(TenantId::as_str),
+    )
+    .fetch_one(db.pool())
+    .await?)
 }

@@ -50,13 +50,15 @@ pub async fn enqueue(
     shards: i32,
     delay: Duration,
 ) -> Result<()> {
-    sqlx::query("SELECT compute_enqueue($1, ARRAY[$2], $3, $4)")
-        .bind(kind)
-        .bind(key)
-        .bind(shards.max(1))
-        .bind(delay.as_secs_f64())
-        .execute(&mut *conn)
-        .await?;
+    sqlx::query!(
+        "SELECT compute_enqueue($1, ARRAY[$2], $3, $4)",
+        kind as _,
+        key,
+        shards.max(1),
+        delay.as_secs_f64(),
+    )
+    .fetch_one(&mut *conn)
+    .await?;
     Ok(())
 }
 
@@ -69,20 +71,21 @@ pub async fn claim(
     limit: i64,
     claim_for: Duration,
 ) -> Result<Vec<Item>> {
-    Ok(sqlx::query_as(
-        "UPDATE work_queue w SET claimed_until = compute_now() + make_interval(secs => $4::float8), claimed_gen = w.gen, \
-                updated_at = compute_now() \
-           FROM (SELECT kind, key FROM work_queue \
-                  WHERE kind = $1 AND shard = ANY($2) AND not_before <= compute_now() \
-                    AND (claimed_until IS NULL OR claimed_until < compute_now()) \
-                  ORDER BY not_before, key LIMIT $3 FOR UPDATE SKIP LOCKED) due \
-          WHERE w.kind = due.kind AND w.key = due.key \
-         RETURNING w.kind, w.key, w.gen, w.attempts",
+    Ok(sqlx::query_as!(
+        Item,
+        r#"UPDATE work_queue w SET claimed_until = compute_now() + make_interval(secs => $4::float8), claimed_gen = w.gen,
+                updated_at = compute_now()
+           FROM (SELECT kind, key FROM work_queue
+                  WHERE kind = $1 AND shard = ANY($2) AND not_before <= compute_now()
+                    AND (claimed_until IS NULL OR claimed_until < compute_now())
+                  ORDER BY not_before, key LIMIT $3 FOR UPDATE SKIP LOCKED) due
+          WHERE w.kind = due.kind AND w.key = due.key
+         RETURNING w.kind AS "kind: _", w.key, w.gen AS generation, w.attempts"#,
+        kind as _,
+        shards,
+        limit,
+        claim_for.as_secs_f64(),
     )
-    .bind(kind)
-    .bind(shards)
-    .bind(limit)
-    .bind(claim_for.as_secs_f64())
     .fetch_all(&mut *conn)
     .await?)
 }
@@ -90,12 +93,13 @@ pub async fn claim(
 /// Enqueues every pool for the capacity-rollup reconciler (the resync: a lost queue row only
 /// costs time). Returns how many pools.
 pub async fn enqueue_all_pools(db: &crate::db::Db) -> Result<u64> {
-    let (n,): (i32,) =
-        sqlx::query_as("SELECT compute_enqueue($1, array_agg(p.id), $2) FROM pools p")
-            .bind(WorkKind::PoolCapacity)
-            .bind(SHARDS)
-            .fetch_one(db.pool())
-            .await?;
+    let n = sqlx::query_scalar!(
+        r#"SELECT compute_enqueue($1, array_agg(p.id), $2) AS "n!" FROM pools p"#,
+        WorkKind::PoolCapacity as _,
+        SHARDS,
+    )
+    .fetch_one(db.pool())
+    .await?;
     Ok(u64::try_from(n).unwrap_or(0))
 }
 
@@ -108,39 +112,42 @@ pub async fn finish(
     item: &Item,
     next: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Result<bool> {
-    let (current,): (bool,) = sqlx::query_as(
-        "WITH gone AS (DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3 AND $4::timestamptz IS NULL RETURNING 1), \
-              later AS (UPDATE work_queue SET not_before = $4, claimed_until = NULL, claimed_gen = NULL, attempts = 0, \
-                               last_error = NULL, updated_at = compute_now() \
-                         WHERE kind = $1 AND key = $2 AND gen = $3 AND $4::timestamptz IS NOT NULL RETURNING 1), \
-              again AS (UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL, updated_at = compute_now() \
-                         WHERE kind = $1 AND key = $2 AND gen <> $3 RETURNING 1) \
-         SELECT EXISTS (SELECT 1 FROM gone) OR EXISTS (SELECT 1 FROM later)",
+    Ok(sqlx::query_scalar!(
+        r#"WITH gone AS (DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3 AND $4::timestamptz IS NULL RETURNING 1),
+              later AS (UPDATE work_queue SET not_before = $4, claimed_until = NULL, claimed_gen = NULL, attempts = 0,
+                               last_error = NULL, updated_at = compute_now()
+                         WHERE kind = $1 AND key = $2 AND gen = $3 AND $4::timestamptz IS NOT NULL RETURNING 1),
+              again AS (UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL, updated_at = compute_now()
+                         WHERE kind = $1 AND key = $2 AND gen <> $3 RETURNING 1)
+         SELECT EXISTS (SELECT 1 FROM gone) OR EXISTS (SELECT 1 FROM later) AS "current!""#,
+        item.kind as _,
+        item.key,
+        item.generation,
+        next,
     )
-    .bind(item.kind)
-    .bind(&item.key)
-    .bind(item.generation)
-    .bind(next)
     .fetch_one(&mut *conn)
-    .await?;
-    Ok(current)
+    .await?)
 }
 
 /// Marks a claimed item done: deleted only if nobody enqueued it again meanwhile; otherwise it
 /// stays, unclaimed, and runs again. Returns whether it was deleted.
 pub async fn complete(conn: &mut PgConnection, item: &Item) -> Result<bool> {
-    let deleted = sqlx::query("DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3")
-        .bind(item.kind)
-        .bind(&item.key)
-        .bind(item.generation)
+    let deleted = sqlx::query!(
+        "DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3",
+        item.kind as _,
+        item.key,
+        item.generation,
+    )
+    .execute(&mut *conn)
+    .await?;
+    if deleted.rows_affected() == 0 {
+        sqlx::query!(
+            "UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL WHERE kind = $1 AND key = $2",
+            item.kind as _,
+            item.key,
+        )
         .execute(&mut *conn)
         .await?;
-    if deleted.rows_affected() == 0 {
-        sqlx::query("UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL WHERE kind = $1 AND key = $2")
-            .bind(item.kind)
-            .bind(&item.key)
-            .execute(&mut *conn)
-            .await?;
     }
     Ok(deleted.rows_affected() == 1)
 }
@@ -148,16 +155,16 @@ pub async fn complete(conn: &mut PgConnection, item: &Item) -> Result<bool> {
 /// Records a failure: the error is kept for operators and the item is due again after an
 /// exponential backoff (1 s, 2 s, 4 s, … up to [`MAX_BACKOFF`]).
 pub async fn fail(conn: &mut PgConnection, item: &Item, error: &str) -> Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "UPDATE work_queue SET attempts = attempts + 1, last_error = $3, claimed_until = NULL, claimed_gen = NULL, \
                 not_before = compute_now() + make_interval(secs => least(power(2, attempts)::float8, $4::float8)), \
                 updated_at = compute_now() \
           WHERE kind = $1 AND key = $2",
+        item.kind as _,
+        item.key,
+        error,
+        MAX_BACKOFF.as_secs_f64(),
     )
-    .bind(item.kind)
-    .bind(&item.key)
-    .bind(error)
-    .bind(MAX_BACKOFF.as_secs_f64())
     .execute(&mut *conn)
     .await?;
     Ok(())

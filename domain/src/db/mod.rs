@@ -150,9 +150,10 @@ impl Db {
     /// Compares the applied migrations with the ones this binary carries.
     pub async fn migration_status(&self) -> Result<MigrationStatus> {
         let applied: Vec<(i64, bool)> =
-            sqlx::query_as("SELECT version, success FROM _sqlx_migrations ORDER BY version")
+            sqlx::query!("SELECT version, success FROM _sqlx_migrations ORDER BY version")
                 .fetch_all(&self.pool)
                 .await
+                .map(|rows| rows.into_iter().map(|r| (r.version, r.success)).collect())
                 .or_else(|e| match &e {
                     // 42P01: the table does not exist yet, nothing was ever applied.
                     sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
@@ -256,23 +257,25 @@ impl Db {
 
     /// Reads `compute_now()`, the one clock of the system.
     pub async fn compute_now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
-        let (now,): (chrono::DateTime<chrono::Utc>,) = sqlx::query_as("SELECT compute_now()")
+        Ok(sqlx::query_scalar!(r#"SELECT compute_now() AS "now!""#)
             .fetch_one(&self.pool)
-            .await?;
-        Ok(now)
+            .await?)
     }
 
     /// Whether `compute_now()` reads the simulated clock (tests and the simulator only).
     pub async fn clock_is_simulated(&self) -> Result<bool> {
-        let (sim,): (bool,) = sqlx::query_as("SELECT compute_clock_is_simulated()")
-            .fetch_one(&self.pool)
-            .await?;
-        Ok(sim)
+        Ok(
+            sqlx::query_scalar!(r#"SELECT compute_clock_is_simulated() AS "simulated!""#)
+                .fetch_one(&self.pool)
+                .await?,
+        )
     }
 
     /// A cheap round trip, for readiness.
     pub async fn ping(&self) -> Result<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        sqlx::query!("SELECT 1 AS one")
+            .fetch_one(&self.pool)
+            .await?;
         Ok(())
     }
 }

@@ -8,11 +8,12 @@ use serde_json::{Value, json};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use super::model::{
-    AtomKind, AtomSpec, DeviceMode, Labels, Layout, PoolKind, StoredLayout, Taint, TaintEffect,
-};
+use super::model::{AtomSpec, Labels, Layout, PoolKind, Taint, TaintEffect};
 use super::state::{NodeAction, NodeLifecycle, allowed_from};
-use super::{DEVICE_COLS, Device, NODE_COLS, Node, POOL_COLS, Pool, SITE_COLS, Site};
+use super::{
+    DEVICE_COLS, Device, NODE_COLS, Node, Pool, Site, query_devices, query_nodes, query_pools,
+    query_sites,
+};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{
@@ -67,8 +68,9 @@ async fn explain_miss(
     id: &str,
     expected_version: Option<i64>,
 ) -> Error {
-    let found: std::result::Result<Option<(i64,)>, sqlx::Error> =
-        sqlx::query_as(&format!("SELECT version FROM {table} WHERE id = $1"))
+    // Dynamic over the table (sites, pools, devices), so not a checked statement.
+    let found: std::result::Result<Option<i64>, sqlx::Error> =
+        sqlx::query_scalar(&format!("SELECT version FROM {table} WHERE id = $1"))
             .bind(id)
             .fetch_optional(&mut *conn)
             .await;
@@ -78,14 +80,14 @@ async fn explain_miss(
             kind,
             id: id.to_owned(),
         },
-        Ok(Some((current,))) if expected_version.is_some_and(|v| v != current) => conflict(
+        Ok(Some(current)) if expected_version.is_some_and(|v| v != current) => conflict(
             format!(
                 "{kind} {id} has version {current}, not {}: it changed since you read it",
                 expected_version.unwrap_or_default()
             ),
             Some(current),
         ),
-        Ok(Some((current,))) => conflict(format!("{kind} {id} cannot change now"), Some(current)),
+        Ok(Some(current)) => conflict(format!("{kind} {id} cannot change now"), Some(current)),
     }
 }
 
@@ -96,11 +98,13 @@ async fn explain_node_miss(
     expected_version: Option<i64>,
     action: NodeAction,
 ) -> Error {
-    let found: std::result::Result<Option<(i64, NodeLifecycle)>, sqlx::Error> =
-        sqlx::query_as("SELECT version, lifecycle FROM nodes WHERE id = $1")
-            .bind(id)
-            .fetch_optional(&mut *conn)
-            .await;
+    let found = sqlx::query!(
+        r#"SELECT version, lifecycle AS "lifecycle: NodeLifecycle" FROM nodes WHERE id = $1"#,
+        id,
+    )
+    .fetch_optional(&mut *conn)
+    .await
+    .map(|r| r.map(|r| (r.version, r.lifecycle)));
     match found {
         Ok(Some((current, lifecycle))) if !allowed_from(action).contains(&lifecycle) => conflict(
             format!("compute node {id} is {lifecycle}: {action:?} is not allowed from that state"),
@@ -130,37 +134,74 @@ pub async fn create_site(
     let id = SiteId::generate();
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
     db.tx(TxKind::Write, |conn| {
-        let (id, input, request, key, actor) =
-            (id.clone(), input.clone(), request.clone(), idempotency_key.clone(), actor.clone());
+        let (id, input, request, key, actor) = (
+            id.clone(),
+            input.clone(),
+            request.clone(),
+            idempotency_key.clone(),
+            actor.clone(),
+        );
         Box::pin(async move {
             if let Some(key) = &key {
                 match idempotency::claim(conn, &actor, key, "createSite", &request).await? {
                     Claim::New => {}
                     Claim::Refused(e) => return Ok(Err(e)),
                     Claim::Replay(response) => {
-                        let value = sqlx::query_as(&format!("SELECT {SITE_COLS} FROM sites s WHERE s.id = $1"))
-                            .bind(response["id"].as_str().unwrap_or_default())
+                        let id = response["id"].as_str().unwrap_or_default();
+                        let value = query_sites!("SELECT", "FROM sites s WHERE s.id = $1", id)
                             .fetch_one(&mut *conn)
                             .await?;
-                        return Ok(Ok(Outcome { value, replayed: true }));
+                        return Ok(Ok(Outcome {
+                            value,
+                            replayed: true,
+                        }));
                     }
                 }
             }
             let created = async {
-            let site: Site = sqlx::query_as(&format!(
-                "INSERT INTO sites AS s (id, name, region) VALUES ($1, $2, $3) RETURNING {SITE_COLS}"
-            ))
-            .bind(&id)
-            .bind(&input.name)
-            .bind(&input.region)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(|e| on_constraint(e, &[("sites_name_key", &|| conflict(format!("a site named `{}` already exists", input.name), None))]))?;
-            emit(conn, EventType::SiteCreated, &site.id, &SitePayload { site: (&site).into() }).await?;
-            Ok(Outcome { value: site, replayed: false })
+                let site = query_sites!(
+                    "INSERT INTO sites AS s (id, name, region) VALUES ($1, $2, $3) RETURNING",
+                    "",
+                    id.as_str(),
+                    input.name,
+                    input.region,
+                )
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|e| {
+                    on_constraint(
+                        e,
+                        &[("sites_name_key", &|| {
+                            conflict(
+                                format!("a site named `{}` already exists", input.name),
+                                None,
+                            )
+                        })],
+                    )
+                })?;
+                emit(
+                    conn,
+                    EventType::SiteCreated,
+                    &site.id,
+                    &SitePayload {
+                        site: (&site).into(),
+                    },
+                )
+                .await?;
+                Ok(Outcome {
+                    value: site,
+                    replayed: false,
+                })
             }
             .await;
-            idempotency::settle(conn, &actor, key.as_deref(), created, |o| json!({ "id": o.value.id })).await
+            idempotency::settle(
+                conn,
+                &actor,
+                key.as_deref(),
+                created,
+                |o| json!({ "id": o.value.id }),
+            )
+            .await
         })
     })
     .await?
@@ -177,22 +218,44 @@ pub async fn update_site(
     db.tx(TxKind::Write, |conn| {
         let (id, name, region) = (id.clone(), name.clone(), region.clone());
         Box::pin(async move {
-            let site: Option<Site> = sqlx::query_as(&format!(
-                "UPDATE sites AS s SET name = coalesce($3, s.name), region = coalesce($4, s.region), \
-                 version = s.version + 1, updated_at = compute_now() \
-                 WHERE s.id = $1 AND s.version = $2 RETURNING {SITE_COLS}"
-            ))
-            .bind(&id)
-            .bind(version)
-            .bind(&name)
-            .bind(&region)
+            let site = query_sites!(
+                "UPDATE sites AS s SET name = coalesce($3, s.name), region = coalesce($4, s.region),
+                 version = s.version + 1, updated_at = compute_now()
+                 WHERE s.id = $1 AND s.version = $2 RETURNING",
+                "",
+                id.as_str(),
+                version,
+                name,
+                region,
+            )
             .fetch_optional(&mut *conn)
             .await
-            .map_err(|e| on_constraint(e, &[("sites_name_key", &|| conflict(format!("a site named `{}` already exists", name.clone().unwrap_or_default()), None))]))?;
+            .map_err(|e| {
+                on_constraint(
+                    e,
+                    &[("sites_name_key", &|| {
+                        conflict(
+                            format!(
+                                "a site named `{}` already exists",
+                                name.clone().unwrap_or_default()
+                            ),
+                            None,
+                        )
+                    })],
+                )
+            })?;
             let Some(site) = site else {
                 return Err(explain_miss(conn, "sites", "site", id.as_str(), Some(version)).await);
             };
-            emit(conn, EventType::SiteUpdated, &site.id, &SitePayload { site: (&site).into() }).await?;
+            emit(
+                conn,
+                EventType::SiteUpdated,
+                &site.id,
+                &SitePayload {
+                    site: (&site).into(),
+                },
+            )
+            .await?;
             Ok(site)
         })
     })
@@ -247,8 +310,8 @@ pub async fn create_pool(
                     Claim::New => {}
                     Claim::Refused(e) => return Ok(Err(e)),
                     Claim::Replay(response) => {
-                        let value = sqlx::query_as(&format!("SELECT {POOL_COLS} FROM pools p WHERE p.id = $1"))
-                            .bind(response["id"].as_str().unwrap_or_default())
+                        let id = response["id"].as_str().unwrap_or_default();
+                        let value = query_pools!("SELECT", "FROM pools p WHERE p.id = $1", id)
                             .fetch_one(&mut *conn)
                             .await?;
                         return Ok(Ok(Outcome { value, replayed: true }));
@@ -257,18 +320,19 @@ pub async fn create_pool(
             }
             let created = async {
             // The foreign key takes the site row FOR KEY SHARE.
-            let pool: Pool = sqlx::query_as(&format!(
-                "INSERT INTO pools AS p (id, site_id, name, kind, lost_after, vcpu_ratio, memory_ratio, disk_ratio) \
-                 VALUES ($1, $2, $3, $4, make_interval(secs => $5::float8), $6, $7, $8) RETURNING {POOL_COLS}"
-            ))
-            .bind(&id)
-            .bind(&input.site_id)
-            .bind(&input.name)
-            .bind(input.kind)
-            .bind(input.lost_after_seconds.map(|s| s as f64))
-            .bind(input.vcpu_ratio)
-            .bind(input.memory_ratio)
-            .bind(input.disk_ratio)
+            let pool = query_pools!(
+                "INSERT INTO pools AS p (id, site_id, name, kind, lost_after, vcpu_ratio, memory_ratio, disk_ratio)
+                 VALUES ($1, $2, $3, $4, make_interval(secs => $5::float8), $6::float8, $7::float8, $8::float8) RETURNING",
+                "",
+                id.as_str(),
+                input.site_id.as_str(),
+                input.name,
+                input.kind.as_str(),
+                input.lost_after_seconds.map(|s| s as f64),
+                input.vcpu_ratio,
+                input.memory_ratio,
+                input.disk_ratio,
+            )
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| {
@@ -307,21 +371,22 @@ pub async fn update_pool(db: &Db, id: &PoolId, version: i64, changes: PoolChange
     db.tx(TxKind::Write, |conn| {
         let (id, changes) = (id.clone(), changes.clone());
         Box::pin(async move {
-            let pool: Option<Pool> = sqlx::query_as(&format!(
-                "UPDATE pools AS p SET name = coalesce($3, p.name), \
-                   lost_after = CASE WHEN $4 THEN make_interval(secs => $5::float8) ELSE p.lost_after END, \
-                   vcpu_ratio = coalesce($6, p.vcpu_ratio), memory_ratio = coalesce($7, p.memory_ratio), \
-                   disk_ratio = coalesce($8, p.disk_ratio), version = p.version + 1, updated_at = compute_now() \
-                 WHERE p.id = $1 AND p.version = $2 RETURNING {POOL_COLS}"
-            ))
-            .bind(&id)
-            .bind(version)
-            .bind(&changes.name)
-            .bind(changes.lost_after_seconds.is_some())
-            .bind(changes.lost_after_seconds.flatten().map(|s| s as f64))
-            .bind(changes.vcpu_ratio)
-            .bind(changes.memory_ratio)
-            .bind(changes.disk_ratio)
+            let pool = query_pools!(
+                "UPDATE pools AS p SET name = coalesce($3, p.name),
+                   lost_after = CASE WHEN $4 THEN make_interval(secs => $5::float8) ELSE p.lost_after END,
+                   vcpu_ratio = coalesce($6::float8, p.vcpu_ratio), memory_ratio = coalesce($7::float8, p.memory_ratio),
+                   disk_ratio = coalesce($8::float8, p.disk_ratio), version = p.version + 1, updated_at = compute_now()
+                 WHERE p.id = $1 AND p.version = $2 RETURNING",
+                "",
+                id.as_str(),
+                version,
+                changes.name,
+                changes.lost_after_seconds.is_some(),
+                changes.lost_after_seconds.flatten().map(|s| s as f64),
+                changes.vcpu_ratio,
+                changes.memory_ratio,
+                changes.disk_ratio,
+            )
             .fetch_optional(&mut *conn)
             .await
             .map_err(|e| {
@@ -338,12 +403,12 @@ pub async fn update_pool(db: &Db, id: &PoolId, version: i64, changes: PoolChange
             };
             if changes.vcpu_ratio.is_some() || changes.memory_ratio.is_some() || changes.disk_ratio.is_some() {
                 // Lock order: pools (held), then node_resources.
-                sqlx::query(
+                sqlx::query!(
                     "UPDATE node_resources r SET ratio = CASE r.resource WHEN 'vcpu' THEN p.vcpu_ratio \
                        WHEN 'memory_mib' THEN p.memory_ratio ELSE p.disk_ratio END \
                      FROM nodes n, pools p WHERE n.id = r.node_id AND p.id = n.pool_id AND n.pool_id = $1",
+                    id.as_str(),
                 )
-                .bind(&id)
                 .execute(&mut *conn)
                 .await
                 .map_err(|e| {
@@ -396,22 +461,22 @@ pub struct Registered {
 async fn insert_atoms(conn: &mut PgConnection, atoms: &[(DeviceId, AtomSpec)]) -> Result<()> {
     let names: Vec<&str> = atoms.iter().map(|(_, a)| a.name.as_str()).collect();
     let devices: Vec<&str> = atoms.iter().map(|(d, _)| d.as_str()).collect();
-    let kinds: Vec<AtomKind> = atoms.iter().map(|(_, a)| a.kind).collect();
+    let kinds: Vec<&str> = atoms.iter().map(|(_, a)| a.kind.as_str()).collect();
     let ordinals: Vec<i32> = atoms.iter().map(|(_, a)| a.ordinal).collect();
     let profiles: Vec<Option<&str>> = atoms.iter().map(|(_, a)| a.profile.as_deref()).collect();
     let nums: Vec<i32> = atoms.iter().map(|(_, a)| a.share_num).collect();
     let dens: Vec<i32> = atoms.iter().map(|(_, a)| a.share_den).collect();
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO device_atoms (name, device_id, kind, ordinal, profile, share_num, share_den) \
          SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::int[], $7::int[])",
+        &names as &[&str],
+        &devices as &[&str],
+        &kinds as &[&str],
+        &ordinals,
+        &profiles as &[Option<&str>],
+        &nums,
+        &dens,
     )
-    .bind(&names)
-    .bind(&devices)
-    .bind(&kinds)
-    .bind(&ordinals)
-    .bind(&profiles)
-    .bind(&nums)
-    .bind(&dens)
     .execute(&mut *conn)
     .await
     .map_err(|e| on_constraint(e, &[("device_atoms_pkey", &|| conflict("an atom with that name already exists", None))]))?;
@@ -424,23 +489,23 @@ async fn insert_atoms(conn: &mut PgConnection, atoms: &[(DeviceId, AtomSpec)]) -
 /// `FOR NO KEY UPDATE`, so it counts the atoms only once no transaction that changes them is in
 /// flight, and none starts until it commits.
 async fn share_pool_of_node(conn: &mut PgConnection, node_id: &NodeId) -> Result<()> {
-    sqlx::query(
-        "SELECT 1 FROM pools p WHERE p.id = (SELECT n.pool_id FROM nodes n WHERE n.id = $1) FOR SHARE",
+    sqlx::query!(
+        "SELECT 1 AS locked FROM pools p WHERE p.id = (SELECT n.pool_id FROM nodes n WHERE n.id = $1) FOR SHARE",
+        node_id.as_str(),
     )
-    .bind(node_id)
-    .execute(&mut *conn)
+    .fetch_optional(&mut *conn)
     .await?;
     Ok(())
 }
 
 /// [`share_pool_of_node`] for the node of device `device_id`.
 async fn share_pool_of_device(conn: &mut PgConnection, device_id: &DeviceId) -> Result<()> {
-    sqlx::query(
-        "SELECT 1 FROM pools p WHERE p.id = \
+    sqlx::query!(
+        "SELECT 1 AS locked FROM pools p WHERE p.id = \
            (SELECT n.pool_id FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = $1) FOR SHARE",
+        device_id.as_str(),
     )
-    .bind(device_id)
-    .execute(&mut *conn)
+    .fetch_optional(&mut *conn)
     .await?;
     Ok(())
 }
@@ -458,36 +523,52 @@ async fn adjust_rollup(
     device_ids: &[DeviceId],
     change: Change,
 ) -> Result<()> {
-    const COUNTS: &str = "SELECT n.pool_id, d.model, a.kind, coalesce(a.profile, '') AS profile, count(*)::int AS atoms \
-           FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id \
-          WHERE a.device_id = ANY($1) GROUP BY 1, 2, 3, 4";
+    /// `$head` + the atoms of the devices `$1` per pool, model, kind and profile + `$tail`.
+    macro_rules! with_counts {
+        ($head:literal, $tail:literal, $ids:expr) => {
+            sqlx::query!(
+                $head
+                    + " SELECT n.pool_id, d.model, a.kind, coalesce(a.profile, '') AS profile, count(*)::int AS atoms
+                         FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id
+                        WHERE a.device_id = ANY($1) GROUP BY 1, 2, 3, 4 "
+                    + $tail,
+                $ids
+            )
+        };
+    }
+    let ids: Vec<&str> = device_ids.iter().map(DeviceId::as_str).collect();
     // An upsert checks its proposed row before resolving the conflict, so a removal is an UPDATE.
-    let sql = match change {
-        Change::Add => format!(
-            "INSERT INTO pool_capacity_rollup AS r (pool_id, model, kind, profile, atoms) {COUNTS} ORDER BY 1, 2, 3, 4 \
-             ON CONFLICT (pool_id, model, kind, profile) DO UPDATE \
-               SET atoms = r.atoms + EXCLUDED.atoms, version = r.version + 1"
-        ),
-        Change::Remove => format!(
-            "UPDATE pool_capacity_rollup AS r SET atoms = r.atoms - c.atoms, version = r.version + 1 \
-               FROM ({COUNTS}) c \
-              WHERE r.pool_id = c.pool_id AND r.model = c.model AND r.kind = c.kind AND r.profile = c.profile"
-        ),
+    match change {
+        Change::Add => {
+            with_counts!(
+                "INSERT INTO pool_capacity_rollup AS r (pool_id, model, kind, profile, atoms)",
+                "ORDER BY 1, 2, 3, 4 ON CONFLICT (pool_id, model, kind, profile) DO UPDATE
+                   SET atoms = r.atoms + EXCLUDED.atoms, version = r.version + 1",
+                &ids as &[&str]
+            )
+            .execute(&mut *conn)
+            .await?
+        }
+        Change::Remove => {
+            with_counts!(
+                "UPDATE pool_capacity_rollup AS r SET atoms = r.atoms - c.atoms, version = r.version + 1 FROM (",
+                ") c WHERE r.pool_id = c.pool_id AND r.model = c.model AND r.kind = c.kind AND r.profile = c.profile",
+                &ids as &[&str]
+            )
+            .execute(&mut *conn)
+            .await?
+        }
     };
-    sqlx::query(&sql)
-        .bind(device_ids)
-        .execute(&mut *conn)
-        .await?;
     // The rollup reconciler checks the pools against the atoms, in this transaction (the
     // work-queue rows come last in the lock order).
-    sqlx::query(
+    sqlx::query!(
         "SELECT compute_enqueue($2, array_agg(n.pool_id), $3) \
            FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = ANY($1)",
+        &ids as &[&str],
+        crate::work_queue::WorkKind::PoolCapacity.as_str(),
+        crate::work_queue::SHARDS,
     )
-    .bind(device_ids)
-    .bind(crate::work_queue::WorkKind::PoolCapacity)
-    .bind(crate::work_queue::SHARDS)
-    .execute(&mut *conn)
+    .fetch_one(&mut *conn)
     .await?;
     Ok(())
 }
@@ -506,32 +587,31 @@ pub async fn recompute_rollup(db: &Db, pool_id: &PoolId) -> Result<u64> {
     db.tx(TxKind::Maintenance, |conn| {
         let pool_id = pool_id.clone();
         Box::pin(async move {
-            let pool: Option<(i32,)> = sqlx::query_as("SELECT 1 FROM pools WHERE id = $1 FOR NO KEY UPDATE")
-                .bind(&pool_id)
+            let pool = sqlx::query_scalar!("SELECT 1 AS locked FROM pools WHERE id = $1 FOR NO KEY UPDATE", pool_id.as_str())
                 .fetch_optional(&mut *conn)
                 .await?;
             if pool.is_none() {
                 return Ok(0);
             }
-            let (fixed,): (i64,) = sqlx::query_as(
-                "WITH truth AS ( \
-                     SELECT d.model, a.kind, coalesce(a.profile, '') AS profile, count(*)::int AS atoms \
-                       FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id \
-                      WHERE n.pool_id = $1 AND n.retired_at IS NULL GROUP BY 1, 2, 3), \
-                   upserted AS ( \
-                     INSERT INTO pool_capacity_rollup AS r (pool_id, model, kind, profile, atoms) \
-                     SELECT $1, t.model, t.kind, t.profile, t.atoms FROM truth t ORDER BY 2, 3, 4 \
-                     ON CONFLICT (pool_id, model, kind, profile) DO UPDATE \
-                        SET atoms = EXCLUDED.atoms, version = r.version + 1 WHERE r.atoms <> EXCLUDED.atoms \
-                     RETURNING 1), \
-                   zeroed AS ( \
-                     UPDATE pool_capacity_rollup r SET atoms = 0, version = r.version + 1 \
-                      WHERE r.pool_id = $1 AND r.atoms <> 0 \
-                        AND NOT EXISTS (SELECT 1 FROM truth t WHERE t.model = r.model AND t.kind = r.kind AND t.profile = r.profile) \
-                     RETURNING 1) \
-                 SELECT (SELECT count(*) FROM upserted) + (SELECT count(*) FROM zeroed)",
+            let fixed = sqlx::query_scalar!(
+                r#"WITH truth AS (
+                     SELECT d.model, a.kind, coalesce(a.profile, '') AS profile, count(*)::int AS atoms
+                       FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id
+                      WHERE n.pool_id = $1 AND n.retired_at IS NULL GROUP BY 1, 2, 3),
+                   upserted AS (
+                     INSERT INTO pool_capacity_rollup AS r (pool_id, model, kind, profile, atoms)
+                     SELECT $1, t.model, t.kind, t.profile, t.atoms FROM truth t ORDER BY 2, 3, 4
+                     ON CONFLICT (pool_id, model, kind, profile) DO UPDATE
+                        SET atoms = EXCLUDED.atoms, version = r.version + 1 WHERE r.atoms <> EXCLUDED.atoms
+                     RETURNING 1),
+                   zeroed AS (
+                     UPDATE pool_capacity_rollup r SET atoms = 0, version = r.version + 1
+                      WHERE r.pool_id = $1 AND r.atoms <> 0
+                        AND NOT EXISTS (SELECT 1 FROM truth t WHERE t.model = r.model AND t.kind = r.kind AND t.profile = r.profile)
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM upserted) + (SELECT count(*) FROM zeroed) AS "fixed!""#,
+                pool_id.as_str(),
             )
-            .bind(&pool_id)
             .fetch_one(&mut *conn)
             .await?;
             Ok(fixed as u64)
@@ -560,23 +640,26 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             // concurrent ratio change waits for this registration (or this one for it); and
             // the node's atoms join the pool's rollup, which a recompute must not overwrite
             // meanwhile (`recompute_rollup` takes the row FOR NO KEY UPDATE).
-            let ratios: Option<(f64, f64, f64)> = sqlx::query_as(
-                "SELECT vcpu_ratio::float8, memory_ratio::float8, disk_ratio::float8 FROM pools WHERE id = $1 FOR SHARE",
+            let ratios = sqlx::query!(
+                r#"SELECT vcpu_ratio::float8 AS "vcpu!", memory_ratio::float8 AS "memory!", disk_ratio::float8 AS "disk!"
+                     FROM pools WHERE id = $1 FOR SHARE"#,
+                input.pool_id.as_str(),
             )
-            .bind(&input.pool_id)
             .fetch_optional(&mut *conn)
-            .await?;
+            .await?
+            .map(|r| (r.vcpu, r.memory, r.disk));
             let Some((vcpu_ratio, memory_ratio, disk_ratio)) = ratios else {
                 return Err(Error::NotFound { kind: "pool", id: input.pool_id.to_string() });
             };
-            let node: Node = sqlx::query_as(&format!(
-                "INSERT INTO nodes AS n (id, pool_id, hostname, labels, taints) VALUES ($1, $2, $3, $4, $5) RETURNING {NODE_COLS}"
-            ))
-            .bind(&node_id)
-            .bind(&input.pool_id)
-            .bind(&input.hostname)
-            .bind(Json(&input.labels))
-            .bind(Json(&input.taints))
+            let node = query_nodes!(
+                "INSERT INTO nodes AS n (id, pool_id, hostname, labels, taints) VALUES ($1, $2, $3, $4, $5) RETURNING",
+                "",
+                node_id.as_str(),
+                input.pool_id.as_str(),
+                input.hostname,
+                Json(&input.labels) as _,
+                Json(&input.taints) as _,
+            )
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| on_constraint(e, &[("nodes_hostname_key", &|| conflict(format!("a node named `{}` is already registered", input.hostname), None))]))?;
@@ -588,23 +671,26 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
                 let vendors: Vec<&str> = input.devices.iter().map(|d| d.vendor.as_str()).collect();
                 let models: Vec<&str> = input.devices.iter().map(|d| d.model.as_str()).collect();
                 let memory: Vec<i64> = input.devices.iter().map(|d| d.memory_mib).collect();
-                let modes: Vec<DeviceMode> = input.devices.iter().map(|d| d.layout.mode()).collect();
-                let layouts: Vec<Option<Json<StoredLayout>>> = input.devices.iter().map(|d| d.layout.stored().map(Json)).collect();
-                sqlx::query_as(&format!(
-                    "INSERT INTO devices AS d (id, node_id, uuid, vendor, model, memory_mib, mode, layout) \
-                     SELECT i, $2, u, v, m, mem, mo, l \
-                       FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::jsonb[]) \
-                         AS t(i, u, v, m, mem, mo, l) \
-                     RETURNING {DEVICE_COLS}"
-                ))
-                .bind(&device_ids)
-                .bind(&node_id)
-                .bind(&uuids)
-                .bind(&vendors)
-                .bind(&models)
-                .bind(&memory)
-                .bind(&modes)
-                .bind(&layouts)
+                let modes: Vec<&str> = input.devices.iter().map(|d| d.layout.mode().as_str()).collect();
+                let layouts: Vec<Option<serde_json::Value>> =
+                    input.devices.iter().map(|d| d.layout.stored().map(|l| json!(l))).collect();
+                let ids: Vec<&str> = device_ids.iter().map(DeviceId::as_str).collect();
+                query_devices!(
+                    "INSERT INTO devices AS d (id, node_id, uuid, vendor, model, memory_mib, mode, layout)
+                     SELECT i, $2, u, v, m, mem, mo, l
+                       FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::jsonb[])
+                         AS t(i, u, v, m, mem, mo, l)
+                     RETURNING",
+                    "",
+                    &ids as &[&str],
+                    node_id.as_str(),
+                    &uuids as &[&str],
+                    &vendors as &[&str],
+                    &models as &[&str],
+                    &memory,
+                    &modes as &[&str],
+                    &layouts as &[Option<serde_json::Value>],
+                )
                 .fetch_all(&mut *conn)
                 .await
                 .map_err(|e| on_constraint(e, &[("devices_uuid_key", &|| conflict("a GPU with one of these UUIDs is already registered", None))]))?
@@ -618,17 +704,17 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             if !atoms.is_empty() {
                 insert_atoms(conn, &atoms).await?;
             }
-            sqlx::query(
+            sqlx::query!(
                 "INSERT INTO node_resources (node_id, resource, allocatable, ratio) \
-                 VALUES ($1, 'vcpu', $2, $5), ($1, 'memory_mib', $3, $6), ($1, 'disk_gib', $4, $7)",
+                 VALUES ($1, 'vcpu', $2, $5::float8), ($1, 'memory_mib', $3, $6::float8), ($1, 'disk_gib', $4, $7::float8)",
+                node_id.as_str(),
+                input.vcpu,
+                input.memory_mib,
+                input.disk_gib,
+                vcpu_ratio,
+                memory_ratio,
+                disk_ratio,
             )
-            .bind(&node_id)
-            .bind(input.vcpu)
-            .bind(input.memory_mib)
-            .bind(input.disk_gib)
-            .bind(vcpu_ratio)
-            .bind(memory_ratio)
-            .bind(disk_ratio)
             .execute(&mut *conn)
             .await?;
             if !devices.is_empty() {
@@ -807,14 +893,15 @@ pub struct Holder {
 
 /// Bookings on a node's GPUs that end after now, grouped by allocation.
 async fn holders(conn: &mut PgConnection, node_id: &NodeId) -> Result<Vec<Holder>> {
-    Ok(sqlx::query_as(
-        "SELECT b.allocation_id, b.reason, array_agg(b.atom ORDER BY b.atom) AS atoms, \
-                max(upper(b.during)) FILTER (WHERE NOT upper_inf(b.during)) AS until \
-           FROM device_bookings b JOIN devices d ON d.id = b.device_id \
-          WHERE d.node_id = $1 AND upper(b.during) > compute_now() \
-          GROUP BY b.allocation_id, b.reason ORDER BY b.allocation_id NULLS LAST",
+    Ok(sqlx::query_as!(
+        Holder,
+        r#"SELECT b.allocation_id AS "allocation_id: _", b.reason, array_agg(b.atom ORDER BY b.atom) AS "atoms!: _",
+                max(upper(b.during)) FILTER (WHERE NOT upper_inf(b.during)) AS until
+           FROM device_bookings b JOIN devices d ON d.id = b.device_id
+          WHERE d.node_id = $1 AND upper(b.during) > compute_now()
+          GROUP BY b.allocation_id, b.reason ORDER BY b.allocation_id NULLS LAST"#,
+        node_id.as_str(),
     )
-    .bind(node_id)
     .fetch_all(&mut *conn)
     .await?)
 }
@@ -860,11 +947,9 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
             // statement of its own, so the check below reads every booking committed by
             // placements that held the row FOR SHARE.
             share_pool_of_node(conn, &id).await?;
-            let locked: Option<(i64, String)> =
-                sqlx::query_as("SELECT version, lifecycle FROM nodes WHERE id = $1 FOR UPDATE")
-                    .bind(&id)
-                    .fetch_optional(&mut *conn)
-                    .await?;
+            let locked = sqlx::query_scalar!("SELECT version FROM nodes WHERE id = $1 FOR UPDATE", id.as_str())
+                .fetch_optional(&mut *conn)
+                .await?;
             if locked.is_none() {
                 return Err(Error::NotFound { kind: "compute node", id: id.to_string() });
             }
@@ -880,7 +965,7 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
                     .collect();
                 return Err(conflict(
                     format!("compute node {id} still holds bookings: {}; drain it and wait for them to end", list.join("; ")),
-                    locked.map(|(v, _)| v),
+                    locked,
                 ));
             }
             let node = update_node_row(
@@ -893,10 +978,12 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
                 vec![],
             )
             .await?;
-            let device_ids: Vec<DeviceId> = sqlx::query_scalar("SELECT id FROM devices WHERE node_id = $1 ORDER BY id")
-                .bind(&id)
-                .fetch_all(&mut *conn)
-                .await?;
+            let device_ids = sqlx::query_scalar!(
+                r#"SELECT id AS "id: DeviceId" FROM devices WHERE node_id = $1 ORDER BY id"#,
+                id.as_str(),
+            )
+            .fetch_all(&mut *conn)
+            .await?;
             if !device_ids.is_empty() {
                 adjust_rollup(conn, &device_ids, Change::Remove).await?;
             }
@@ -1046,17 +1133,17 @@ pub async fn change_device_mode(
             share_pool_of_device(conn, &id).await?;
             // 1. The node row (lock order: nodes before devices): a spec change moves its
             //    generation; a retired node refuses.
-            let node: Option<NodeId> = sqlx::query_scalar(
+            let from: Vec<&str> = allowed_from(NodeAction::ChangeDevice).into_iter().map(NodeLifecycle::as_str).collect();
+            let node = sqlx::query_scalar!(
                 "UPDATE nodes AS n SET generation = n.generation + 1, version = n.version + 1, updated_at = compute_now() \
                    FROM devices d WHERE d.id = $1 AND n.id = d.node_id AND n.lifecycle = ANY($2) RETURNING n.id",
+                id.as_str(),
+                &from as &[&str],
             )
-            .bind(&id)
-            .bind(allowed_from(NodeAction::ChangeDevice))
             .fetch_optional(&mut *conn)
             .await?;
             if node.is_none() {
-                let exists: Option<NodeId> = sqlx::query_scalar("SELECT node_id FROM devices WHERE id = $1")
-                    .bind(&id)
+                let exists = sqlx::query_scalar!(r#"SELECT node_id AS "node_id: NodeId" FROM devices WHERE id = $1"#, id.as_str())
                     .fetch_optional(&mut *conn)
                     .await?;
                 return Err(match exists {
@@ -1065,11 +1152,12 @@ pub async fn change_device_mode(
                 });
             }
             // 2. The device row, at the expected version.
-            let device: Option<Device> = sqlx::query_as(&format!(
-                "SELECT {DEVICE_COLS} FROM devices d WHERE d.id = $1 AND d.version = $2 FOR UPDATE"
-            ))
-            .bind(&id)
-            .bind(version)
+            let device = query_devices!(
+                "SELECT",
+                "FROM devices d WHERE d.id = $1 AND d.version = $2 FOR UPDATE",
+                id.as_str(),
+                version,
+            )
             .fetch_optional(&mut *conn)
             .await?;
             let Some(device) = device else {
@@ -1083,35 +1171,35 @@ pub async fn change_device_mode(
                 device.memory_mib,
             )?;
             // 3. The current atoms, locked against placements that hold them FOR SHARE.
-            let old: Vec<(String,)> =
-                sqlx::query_as("SELECT name FROM device_atoms WHERE device_id = $1 ORDER BY name FOR UPDATE")
-                    .bind(&id)
-                    .fetch_all(&mut *conn)
-                    .await?;
-            let mut every: Vec<String> = old.into_iter().map(|(n,)| n).collect();
+            let mut every = sqlx::query_scalar!(
+                "SELECT name FROM device_atoms WHERE device_id = $1 ORDER BY name FOR UPDATE",
+                id.as_str(),
+            )
+            .fetch_all(&mut *conn)
+            .await?;
             if !every.contains(&device.uuid) {
                 every.push(device.uuid.clone());
             }
             // 4. Book every atom, the parent included, from now on. The exclusion constraint
             //    refuses any overlap, so this commits only when nothing on the GPU is booked.
-            let probes: Vec<(i64,)> = sqlx::query_as(
+            let probes = sqlx::query_scalar!(
                 "INSERT INTO device_bookings (atom, device_id, reason, during) \
                  SELECT a, $2, 'mode_change', tstzrange(compute_now(), 'infinity') FROM unnest($1::text[]) a \
                  ON CONFLICT DO NOTHING RETURNING id",
+                &every,
+                id.as_str(),
             )
-            .bind(&every)
-            .bind(&id)
             .fetch_all(&mut *conn)
             .await?;
             if probes.len() < every.len() {
-                let probe_ids: Vec<i64> = probes.iter().map(|(i,)| *i).collect();
-                let blockers: Vec<Blocker> = sqlx::query_as(
-                    "SELECT atom, allocation_id, reason, upper(during) AS until FROM device_bookings \
-                      WHERE atom = ANY($1) AND NOT (id = ANY($2)) AND during && tstzrange(compute_now(), 'infinity') \
-                      ORDER BY atom",
+                let blockers = sqlx::query_as!(
+                    Blocker,
+                    r#"SELECT atom AS "atom: _", allocation_id AS "allocation_id: _", reason, upper(during) AS until FROM device_bookings
+                      WHERE atom = ANY($1) AND NOT (id = ANY($2)) AND during && tstzrange(compute_now(), 'infinity')
+                      ORDER BY atom"#,
+                    &every,
+                    &probes,
                 )
-                .bind(&every)
-                .bind(&probe_ids)
                 .fetch_all(&mut *conn)
                 .await?;
                 let list: Vec<String> = blockers
@@ -1129,14 +1217,12 @@ pub async fn change_device_mode(
                     Some(device.version),
                 ));
             }
-            sqlx::query("DELETE FROM device_bookings WHERE id = ANY($1)")
-                .bind(probes.iter().map(|(i,)| *i).collect::<Vec<i64>>())
+            sqlx::query!("DELETE FROM device_bookings WHERE id = ANY($1)", &probes)
                 .execute(&mut *conn)
                 .await?;
             // 5. Replace the atoms and the layout.
             adjust_rollup(conn, std::slice::from_ref(&id), Change::Remove).await?;
-            sqlx::query("DELETE FROM device_atoms WHERE device_id = $1")
-                .bind(&id)
+            sqlx::query!("DELETE FROM device_atoms WHERE device_id = $1", id.as_str())
                 .execute(&mut *conn)
                 .await?;
             let atoms: Vec<(DeviceId, AtomSpec)> =
@@ -1156,14 +1242,14 @@ pub async fn change_device_mode(
                 if !held.contains(&device.uuid) {
                     held.push(device.uuid.clone());
                 }
-                sqlx::query(
+                sqlx::query!(
                     "INSERT INTO device_bookings (atom, device_id, reason, during) \
                      SELECT a, $2, 'mode_change', tstzrange(compute_now(), compute_now() + make_interval(secs => $3::float8)) \
                        FROM unnest($1::text[]) a",
+                    &held,
+                    id.as_str(),
+                    window_seconds as f64,
                 )
-                .bind(&held)
-                .bind(&id)
-                .bind(window_seconds as f64)
                 .execute(&mut *conn)
                 .await?;
             }

@@ -31,9 +31,7 @@ fn mig(profiles: &[&str], memory_mib: i64) -> Result<Layout> {
 
 /// Creates the demonstration fleet when the database has no site; returns whether it did.
 pub async fn seed_if_empty(db: &Db) -> Result<bool> {
-    let (sites,): (i64,) = sqlx::query_as("SELECT count(*) FROM sites")
-        .fetch_one(db.pool())
-        .await?;
+    let sites = super::count_sites(db).await?;
     if sites > 0 {
         return Ok(false);
     }

@@ -133,25 +133,84 @@ pub struct CapacityRow {
     pub free: i64,
 }
 
-pub(crate) const SITE_COLS: &str = "s.id, s.name, s.region, s.version, s.created_at, s.updated_at";
-pub(crate) const POOL_COLS: &str = "p.id, p.site_id, p.name, p.kind, \
+// The column lists of the fleet's rows: each `query_*!` macro is the one home of its row's
+// columns for static statements (`SELECT … FROM sites s …`, `… RETURNING …`), checked against
+// the migrations at compile time; the `*_COLS` constants are the same lists for the listings,
+// whose filters are built at run time (`Select`).
+
+/// A checked `query_as!` of [`Site`]s: `$head` + the columns of `sites s` + `$tail`.
+macro_rules! query_sites {
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            $crate::fleet::Site,
+            $head + r#" s.id AS "id: _", s.name, s.region, s.version, s.created_at, s.updated_at "# + $tail
+            $(, $arg)*
+        )
+    };
+}
+pub(crate) use query_sites;
+
+/// A checked `query_as!` of [`Pool`]s: `$head` + the columns of `pools p` + `$tail`.
+macro_rules! query_pools {
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            $crate::fleet::Pool,
+            $head
+                + r#" p.id AS "id: _", p.site_id AS "site_id: _", p.name, p.kind AS "kind: _",
+                     extract(epoch FROM p.lost_after)::float8 AS lost_after_seconds, p.vcpu_ratio::float8 AS "vcpu_ratio!",
+                     p.memory_ratio::float8 AS "memory_ratio!", p.disk_ratio::float8 AS "disk_ratio!", p.version,
+                     p.created_at, p.updated_at "#
+                + $tail
+            $(, $arg)*
+        )
+    };
+}
+pub(crate) use query_pools;
+
+/// A checked `query_as!` of [`Node`]s: `$head` + the columns of `nodes n` + `$tail`.
+macro_rules! query_nodes {
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            $crate::fleet::Node,
+            $head
+                + r#" n.id AS "id: _", n.pool_id AS "pool_id: _", n.hostname, n.labels AS "labels: _",
+                     n.taints AS "taints: _", n.cordoned, n.cordon_reason, n.reachability AS "reachability: _",
+                     n.conditions AS "conditions: _", n.generation, n.observed_generation, n.joined_at, n.retired_at,
+                     n.lifecycle AS "lifecycle: _", n.version, n.updated_at "#
+                + $tail
+            $(, $arg)*
+        )
+    };
+}
+pub(crate) use query_nodes;
+
+/// A checked `query_as!` of [`Device`]s: `$head` + the columns of `devices d` + `$tail`.
+macro_rules! query_devices {
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            $crate::fleet::Device,
+            $head
+                + r#" d.id AS "id: _", d.node_id AS "node_id: _", d.uuid, d.vendor, d.model, d.memory_mib,
+                     d.mode AS "mode: _", d.layout AS "layout: _", d.health AS "health: _", d.health_reason,
+                     d.quarantined, d.quarantine_reason, d.version, d.created_at, d.updated_at "#
+                + $tail
+            $(, $arg)*
+        )
+    };
+}
+pub(crate) use query_devices;
+
+const SITE_COLS: &str = "s.id, s.name, s.region, s.version, s.created_at, s.updated_at";
+const POOL_COLS: &str = "p.id, p.site_id, p.name, p.kind, \
      extract(epoch FROM p.lost_after)::float8 AS lost_after_seconds, p.vcpu_ratio::float8 AS vcpu_ratio, \
      p.memory_ratio::float8 AS memory_ratio, p.disk_ratio::float8 AS disk_ratio, p.version, p.created_at, p.updated_at";
-pub(crate) const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.taints, n.cordoned, n.cordon_reason, \
+const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.taints, n.cordoned, n.cordon_reason, \
      n.reachability, n.conditions, n.generation, n.observed_generation, n.joined_at, n.retired_at, n.lifecycle, \
      n.version, n.updated_at";
-pub(crate) const DEVICE_COLS: &str = "d.id, d.node_id, d.uuid, d.vendor, d.model, d.memory_mib, d.mode, d.layout, \
+const DEVICE_COLS: &str = "d.id, d.node_id, d.uuid, d.vendor, d.model, d.memory_mib, d.mode, d.layout, \
      d.health, d.health_reason, d.quarantined, d.quarantine_reason, d.version, d.created_at, d.updated_at";
-pub(crate) const ATOM_COLS: &str =
+const ATOM_COLS: &str =
     "a.name, a.device_id, a.kind, a.ordinal, a.profile, a.share_num, a.share_den";
-const RESOURCE_COLS: &str =
-    "r.node_id, r.resource, r.allocatable, r.ratio::float8 AS ratio, r.allocated";
-
-/// A node that placement may use: active and reachable (disconnected is not dead).
-const NODE_SCHEDULABLE: &str =
-    "n.lifecycle = 'active' AND n.reachability IN ('connected', 'disconnected')";
-/// A device that placement may use.
-const DEVICE_SCHEDULABLE: &str = "d.health <> 'unhealthy' AND NOT d.quarantined";
 
 /// A SELECT being built, with its WHERE conditions.
 pub(crate) struct Select<'a> {
@@ -310,50 +369,58 @@ async fn count_by<K: ParentId>(
 
 /// Sites by id.
 pub async fn get_sites(db: &Db, ids: &[SiteId]) -> Result<Vec<Site>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {SITE_COLS} FROM sites s WHERE s.id = ANY($1)"
-    ))
-    .bind(ids)
+    let ids: Vec<&str> = ids.iter().map(SiteId::as_str).collect();
+    Ok(query_sites!(
+        "SELECT",
+        "FROM sites s WHERE s.id = ANY($1)",
+        &ids as &[&str]
+    )
     .fetch_all(db.pool())
     .await?)
 }
 
 /// Pools by id.
 pub async fn get_pools(db: &Db, ids: &[PoolId]) -> Result<Vec<Pool>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {POOL_COLS} FROM pools p WHERE p.id = ANY($1)"
-    ))
-    .bind(ids)
+    let ids: Vec<&str> = ids.iter().map(PoolId::as_str).collect();
+    Ok(query_pools!(
+        "SELECT",
+        "FROM pools p WHERE p.id = ANY($1)",
+        &ids as &[&str]
+    )
     .fetch_all(db.pool())
     .await?)
 }
 
 /// The ids of a pool's nodes, retired ones included.
 pub async fn node_ids_of_pool(db: &Db, pool_id: &PoolId) -> Result<Vec<NodeId>> {
-    Ok(
-        sqlx::query_scalar("SELECT n.id FROM nodes n WHERE n.pool_id = $1")
-            .bind(pool_id)
-            .fetch_all(db.pool())
-            .await?,
+    Ok(sqlx::query_scalar!(
+        r#"SELECT n.id AS "id: NodeId" FROM nodes n WHERE n.pool_id = $1"#,
+        pool_id.as_str(),
     )
+    .fetch_all(db.pool())
+    .await?)
 }
 
 /// Nodes by id.
 pub async fn get_nodes(db: &Db, ids: &[NodeId]) -> Result<Vec<Node>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {NODE_COLS} FROM nodes n WHERE n.id = ANY($1)"
-    ))
-    .bind(ids)
+    let ids: Vec<&str> = ids.iter().map(NodeId::as_str).collect();
+    Ok(query_nodes!(
+        "SELECT",
+        "FROM nodes n WHERE n.id = ANY($1)",
+        &ids as &[&str]
+    )
     .fetch_all(db.pool())
     .await?)
 }
 
 /// Devices by id.
 pub async fn get_devices(db: &Db, ids: &[DeviceId]) -> Result<Vec<Device>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {DEVICE_COLS} FROM devices d WHERE d.id = ANY($1)"
-    ))
-    .bind(ids)
+    let ids: Vec<&str> = ids.iter().map(DeviceId::as_str).collect();
+    Ok(query_devices!(
+        "SELECT",
+        "FROM devices d WHERE d.id = ANY($1)",
+        &ids as &[&str]
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -367,10 +434,9 @@ pub async fn list_sites(db: &Db, page: &PageArgs) -> Result<Page<Site>> {
 
 /// How many sites there are.
 pub async fn count_sites(db: &Db) -> Result<i64> {
-    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM sites")
+    Ok(sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM sites"#)
         .fetch_one(db.pool())
-        .await?;
-    Ok(n)
+        .await?)
 }
 
 /// Filters of the pools connection.
@@ -455,11 +521,11 @@ fn node_select<'a>(cols: &str, f: &NodeFilter) -> Select<'a> {
         q.and().push("n.retired_at IS NULL");
     }
     if let Some(free) = f.has_free_capacity {
-        q.and().push(if free { "" } else { "NOT " }).push(format!(
-            "({NODE_SCHEDULABLE} AND EXISTS (SELECT 1 FROM devices d JOIN device_atoms a ON a.device_id = d.id \
-             WHERE d.node_id = n.id AND {DEVICE_SCHEDULABLE} AND NOT EXISTS (SELECT 1 FROM device_bookings b \
-             WHERE b.atom = a.name AND b.during @> compute_now())))"
-        ));
+        q.and().push(if free { "" } else { "NOT " }).push(
+            "(compute_node_schedulable(n.lifecycle, n.reachability) AND EXISTS (SELECT 1 FROM devices d JOIN device_atoms a ON a.device_id = d.id \
+             WHERE d.node_id = n.id AND compute_device_schedulable(d.health, d.quarantined) AND NOT EXISTS (SELECT 1 FROM device_bookings b \
+             WHERE b.atom = a.name AND b.during @> compute_now())))",
+        );
     }
     q
 }
@@ -498,10 +564,14 @@ pub async fn count_nodes_by_pools(db: &Db, pool_ids: &[PoolId]) -> Result<HashMa
 
 /// The scalar resources of each node.
 pub async fn resources_by_nodes(db: &Db, node_ids: &[NodeId]) -> Result<Vec<NodeResource>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {RESOURCE_COLS} FROM node_resources r WHERE r.node_id = ANY($1) ORDER BY r.node_id, r.resource"
-    ))
-    .bind(node_ids)
+    let ids: Vec<&str> = node_ids.iter().map(NodeId::as_str).collect();
+    Ok(sqlx::query_as!(
+        NodeResource,
+        r#"SELECT r.node_id AS "node_id: _", r.resource AS "resource: _", r.allocatable, r.ratio::float8 AS "ratio!",
+                  r.allocated
+             FROM node_resources r WHERE r.node_id = ANY($1) ORDER BY r.node_id, r.resource"#,
+        &ids as &[&str],
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -559,20 +629,26 @@ pub async fn count_devices(db: &Db, filter: &DeviceFilter) -> Result<i64> {
 
 /// The devices of each node (a small, bounded list per node).
 pub async fn devices_by_nodes(db: &Db, node_ids: &[NodeId]) -> Result<Vec<Device>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {DEVICE_COLS} FROM devices d WHERE d.node_id = ANY($1) ORDER BY d.node_id, d.id"
-    ))
-    .bind(node_ids)
+    let ids: Vec<&str> = node_ids.iter().map(NodeId::as_str).collect();
+    Ok(query_devices!(
+        "SELECT",
+        "FROM devices d WHERE d.node_id = ANY($1) ORDER BY d.node_id, d.id",
+        &ids as &[&str],
+    )
     .fetch_all(db.pool())
     .await?)
 }
 
 /// The atoms of each device, in ordinal order.
 pub async fn atoms_by_devices(db: &Db, device_ids: &[DeviceId]) -> Result<Vec<Atom>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {ATOM_COLS} FROM device_atoms a WHERE a.device_id = ANY($1) ORDER BY a.device_id, a.ordinal"
-    ))
-    .bind(device_ids)
+    let ids: Vec<&str> = device_ids.iter().map(DeviceId::as_str).collect();
+    Ok(sqlx::query_as!(
+        Atom,
+        r#"SELECT a.name AS "name: _", a.device_id AS "device_id: _", a.kind AS "kind: _", a.ordinal, a.profile,
+                  a.share_num, a.share_den
+             FROM device_atoms a WHERE a.device_id = ANY($1) ORDER BY a.device_id, a.ordinal"#,
+        &ids as &[&str],
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -609,10 +685,10 @@ fn atom_select<'a>(cols: &str, f: &AtomFilter) -> Select<'a> {
         q.and().push("a.profile = ").push_bind(profile.clone());
     }
     if let Some(free) = f.free_now {
-        q.and().push(if free { "" } else { "NOT " }).push(format!(
-            "({NODE_SCHEDULABLE} AND {DEVICE_SCHEDULABLE} AND NOT EXISTS (SELECT 1 FROM device_bookings b \
-             WHERE b.atom = a.name AND b.during @> compute_now()))"
-        ));
+        q.and().push(if free { "" } else { "NOT " }).push(
+            "(compute_node_schedulable(n.lifecycle, n.reachability) AND compute_device_schedulable(d.health, d.quarantined) AND NOT EXISTS (SELECT 1 FROM device_bookings b \
+             WHERE b.atom = a.name AND b.during @> compute_now()))",
+        );
     }
     q
 }
@@ -658,7 +734,7 @@ async fn capacity<K: ParentId>(
                                 ELSE tstzrange($2, $3, '[)') END AS range), \
          atoms AS ( \
            SELECT {scope_col} AS scope_id, d.model, a.kind, coalesce(a.profile, '') AS profile, \
-                  ({NODE_SCHEDULABLE} AND {DEVICE_SCHEDULABLE}) AS schedulable, \
+                  (compute_node_schedulable(n.lifecycle, n.reachability) AND compute_device_schedulable(d.health, d.quarantined)) AS schedulable, \
                   EXISTS (SELECT 1 FROM device_bookings b, w WHERE b.atom = a.name AND b.during && w.range) AS booked \
              FROM device_atoms a JOIN devices d ON d.id = a.device_id JOIN nodes n ON n.id = d.node_id \
              JOIN pools p ON p.id = n.pool_id \

@@ -17,7 +17,7 @@ use sqlx::types::Json;
 
 use super::model::{AllocationRequest, ReservationRequest};
 use super::state::{Action, State, allowed_from};
-use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
+use super::{Allocation, Reservation, query_allocations, query_reservations};
 use crate::condition::{Condition, ConditionStatus};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
@@ -52,19 +52,19 @@ fn tenant_of(actor: &Actor) -> Result<TenantId> {
 }
 
 async fn load(conn: &mut PgConnection, id: &ReservationId) -> Result<Reservation> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1"
-    ))
-    .bind(id)
-    .fetch_one(&mut *conn)
-    .await?)
+    Ok(
+        query_reservations!("SELECT", "FROM reservations r WHERE r.id = $1", id.as_str())
+            .fetch_one(&mut *conn)
+            .await?,
+    )
 }
 
 async fn allocations_of(conn: &mut PgConnection, id: &ReservationId) -> Result<Vec<Allocation>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
-    ))
-    .bind(id)
+    Ok(query_allocations!(
+        "SELECT",
+        "FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal",
+        id.as_str(),
+    )
     .fetch_all(&mut *conn)
     .await?)
 }
@@ -108,19 +108,6 @@ struct Candidate {
     atoms: Vec<AtomName>,
 }
 
-/// Eligibility of a node for an allocation: active, reachable, labels, hard taints tolerated.
-/// `$selector` and `$tolerations` are bound by the caller.
-fn node_eligible(selector: usize, tolerations: usize) -> String {
-    format!(
-        "n.lifecycle = 'active' AND n.reachability IN ('connected', 'disconnected') AND n.labels @> ${selector} \
-         AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(n.taints) t \
-              WHERE t->>'effect' IN ('NoSchedule', 'NoExecute') \
-                AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(${tolerations}::jsonb) o \
-                     WHERE o->>'key' = t->>'key' AND (o->>'value' IS NULL OR o->>'value' = t->>'value') \
-                       AND (o->>'effect' IS NULL OR o->>'effect' = t->>'effect')))"
-    )
-}
-
 /// Picks `count` of a node's free atoms (ordered by GPU, then ordinal). MIG instances and slots
 /// are taken from the front, filling partly used GPUs first so whole GPUs stay free; whole GPUs
 /// start at an offset derived from the allocation, so concurrent placements on the same node
@@ -159,45 +146,47 @@ async fn candidate(
 ) -> Result<Option<Candidate>> {
     // `busy` is one index scan (device_bookings_during) for the bookings that overlap the window;
     // the atoms are then filtered with a hashed lookup instead of a probe per atom.
-    let sql = format!(
-        "WITH busy AS MATERIALIZED (SELECT b.atom FROM device_bookings b WHERE b.during && tstzrange($9, $10)), \
-         cand AS ( \
-           SELECT n.id AS node_id, n.taints, array_agg(a.name ORDER BY d.id, a.ordinal) AS free_atoms \
-             FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id \
-            WHERE n.pool_id = $1 AND NOT (n.id = ANY($2)) AND {eligible} \
-              AND d.health <> 'unhealthy' AND NOT d.quarantined \
-              AND a.kind = $5 AND ($6::text IS NULL OR d.model = $6) AND ($7::text IS NULL OR a.profile = $7) \
-              AND ($8::int IS NULL OR (d.layout->>'slots')::int = $8) \
-              AND a.name NOT IN (SELECT atom FROM busy) \
-            GROUP BY n.id HAVING count(*) >= $11) \
-         SELECT c.node_id, c.free_atoms AS atoms FROM cand c \
-          WHERE NOT EXISTS (SELECT 1 FROM node_resources r \
-                  JOIN (VALUES ('vcpu', $12::bigint), ('memory_mib', $13::bigint), ('disk_gib', $14::bigint)) v(res, need) ON v.res = r.resource \
-                 WHERE r.node_id = c.node_id AND r.allocated + v.need > floor(r.allocatable * r.ratio)) \
-          ORDER BY EXISTS (SELECT 1 FROM jsonb_array_elements(c.taints) t WHERE t->>'effect' = 'PreferNoSchedule' \
-                     AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements($4::jsonb) o WHERE o->>'key' = t->>'key')), \
-                   cardinality(c.free_atoms), md5(c.node_id || $15) \
-          LIMIT 1",
-        eligible = node_eligible(3, 4)
-    );
-    Ok(sqlx::query_as(&sql)
-        .bind(pool_id)
-        .bind(excluded)
-        .bind(Json(&a.node_selector))
-        .bind(Json(&a.tolerations))
-        .bind(a.gpu_kind)
-        .bind(&a.model)
-        .bind(&a.profile)
-        .bind(a.slots_per_gpu)
-        .bind(window.0)
-        .bind(window.1)
-        .bind(i64::from(a.gpu_count))
-        .bind(a.vcpu)
-        .bind(a.memory_mib)
-        .bind(a.disk_gib)
-        .bind(allocation_id)
-        .fetch_optional(&mut *conn)
-        .await?)
+    let excluded: Vec<&str> = excluded.iter().map(NodeId::as_str).collect();
+    Ok(sqlx::query_as!(
+        Candidate,
+        r#"WITH busy AS MATERIALIZED (SELECT b.atom FROM device_bookings b WHERE b.during && tstzrange($9, $10)),
+         cand AS (
+           SELECT n.id AS node_id, n.taints, array_agg(a.name ORDER BY d.id, a.ordinal) AS free_atoms
+             FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
+            WHERE n.pool_id = $1 AND NOT (n.id = ANY($2))
+              AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> $3
+              AND compute_taints_tolerated(n.taints, $4)
+              AND compute_device_schedulable(d.health, d.quarantined)
+              AND a.kind = $5 AND ($6::text IS NULL OR d.model = $6) AND ($7::text IS NULL OR a.profile = $7)
+              AND ($8::int IS NULL OR (d.layout->>'slots')::int = $8)
+              AND a.name NOT IN (SELECT atom FROM busy)
+            GROUP BY n.id HAVING count(*) >= $11)
+         SELECT c.node_id AS "node_id!: _", c.free_atoms AS "atoms!: _" FROM cand c
+          WHERE NOT EXISTS (SELECT 1 FROM node_resources r
+                  JOIN (VALUES ('vcpu', $12::bigint), ('memory_mib', $13::bigint), ('disk_gib', $14::bigint)) v(res, need) ON v.res = r.resource
+                 WHERE r.node_id = c.node_id AND r.allocated + v.need > floor(r.allocatable * r.ratio))
+          ORDER BY EXISTS (SELECT 1 FROM jsonb_array_elements(c.taints) t WHERE t->>'effect' = 'PreferNoSchedule'
+                     AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements($4::jsonb) o WHERE o->>'key' = t->>'key')),
+                   cardinality(c.free_atoms), md5(c.node_id || $15)
+          LIMIT 1"#,
+        pool_id.as_str(),
+        &excluded as &[&str],
+        Json(&a.node_selector) as _,
+        Json(&a.tolerations) as _,
+        a.gpu_kind.as_str(),
+        a.model.as_deref(),
+        a.profile.as_deref(),
+        a.slots_per_gpu,
+        window.0,
+        window.1,
+        i64::from(a.gpu_count),
+        a.vcpu,
+        a.memory_mib,
+        a.disk_gib,
+        allocation_id.as_str(),
+    )
+    .fetch_optional(&mut *conn)
+    .await?)
 }
 
 /// What one placement attempt found.
@@ -216,58 +205,59 @@ async fn attempt(
     c: &Candidate,
     window: (DateTime<Utc>, DateTime<Utc>),
 ) -> Result<Attempt> {
-    let node: Option<(i32,)> = sqlx::query_as(&format!(
-        "SELECT 1 FROM nodes n WHERE n.id = $1 AND {} FOR SHARE",
-        node_eligible(2, 3)
-    ))
-    .bind(&c.node_id)
-    .bind(Json(&a.node_selector))
-    .bind(Json(&a.tolerations))
+    let node = sqlx::query_scalar!(
+        "SELECT 1 AS eligible FROM nodes n WHERE n.id = $1 AND compute_node_schedulable(n.lifecycle, n.reachability) \
+            AND n.labels @> $2 AND compute_taints_tolerated(n.taints, $3) FOR SHARE",
+        c.node_id.as_str(),
+        Json(&a.node_selector) as _,
+        Json(&a.tolerations) as _,
+    )
     .fetch_optional(&mut *conn)
     .await?;
     if node.is_none() {
         return Ok(Attempt::Lost("the node changed"));
     }
-    let atoms: Vec<(String,)> = sqlx::query_as(
+    let names: Vec<&str> = c.atoms.iter().map(AtomName::as_str).collect();
+    let atoms = sqlx::query_scalar!(
         "SELECT a.name FROM device_atoms a JOIN devices d ON d.id = a.device_id \
-          WHERE a.name = ANY($1) AND d.node_id = $2 AND d.health <> 'unhealthy' AND NOT d.quarantined \
+          WHERE a.name = ANY($1) AND d.node_id = $2 AND compute_device_schedulable(d.health, d.quarantined) \
           ORDER BY a.name FOR SHARE OF a, d",
+        &names as &[&str],
+        c.node_id.as_str(),
     )
-    .bind(&c.atoms)
-    .bind(&c.node_id)
     .fetch_all(&mut *conn)
     .await?;
     if atoms.len() != c.atoms.len() {
         return Ok(Attempt::Lost("a GPU changed"));
     }
-    let booked: Vec<(String,)> = sqlx::query_as(
+    let booked = sqlx::query_scalar!(
         "INSERT INTO device_bookings (atom, device_id, allocation_id, during) \
          SELECT a.name, a.device_id, $2, tstzrange($3, $4) FROM device_atoms a WHERE a.name = ANY($1) \
          ON CONFLICT DO NOTHING RETURNING atom",
+        &names as &[&str],
+        allocation_id.as_str(),
+        window.0,
+        window.1,
     )
-    .bind(&c.atoms)
-    .bind(allocation_id)
-    .bind(window.0)
-    .bind(window.1)
     .fetch_all(&mut *conn)
     .await?;
     if booked.len() != c.atoms.len() {
         return Ok(Attempt::Lost("an atom was booked meanwhile"));
     }
-    let counted: Vec<(String,)> = sqlx::query_as(
-        // The rows are locked in resource order first: an UPDATE locks in the order its plan
-        // visits rows, and two orders on one node deadlock.
+    // The rows are locked in resource order first: an UPDATE locks in the order its plan visits
+    // rows, and two orders on one node deadlock.
+    let counted = sqlx::query_scalar!(
         "WITH locked AS (SELECT node_id, resource FROM node_resources WHERE node_id = $1 ORDER BY resource FOR UPDATE) \
          UPDATE node_resources r SET allocated = r.allocated + v.need \
            FROM locked l, (VALUES ('vcpu', $2::bigint), ('memory_mib', $3::bigint), ('disk_gib', $4::bigint)) v(res, need) \
           WHERE r.node_id = l.node_id AND r.resource = l.resource AND r.resource = v.res \
             AND r.allocated + v.need <= floor(r.allocatable * r.ratio) \
           RETURNING r.resource",
+        c.node_id.as_str(),
+        a.vcpu,
+        a.memory_mib,
+        a.disk_gib,
     )
-    .bind(&c.node_id)
-    .bind(a.vcpu)
-    .bind(a.memory_mib)
-    .bind(a.disk_gib)
     .fetch_all(&mut *conn)
     .await?;
     if counted.len() != 3 {
@@ -278,13 +268,16 @@ async fn attempt(
 
 /// Writes where each allocation went.
 async fn record_placements(conn: &mut PgConnection, placed: &[Placed]) -> Result<()> {
-    sqlx::query(
+    let ids: Vec<&str> = placed.iter().map(|p| p.allocation_id.as_str()).collect();
+    let nodes: Vec<&str> = placed.iter().map(|p| p.node_id.as_str()).collect();
+    let atoms: Vec<serde_json::Value> = placed.iter().map(|p| json!(p.atoms)).collect();
+    sqlx::query!(
         "UPDATE allocations a SET node_id = p.node_id, atoms = ARRAY(SELECT jsonb_array_elements_text(p.atoms)) \
            FROM unnest($1::text[], $2::text[], $3::jsonb[]) AS p(id, node_id, atoms) WHERE a.id = p.id",
+        &ids as &[&str],
+        &nodes as &[&str],
+        &atoms,
     )
-    .bind(placed.iter().map(|p| p.allocation_id.clone()).collect::<Vec<AllocationId>>())
-    .bind(placed.iter().map(|p| p.node_id.clone()).collect::<Vec<NodeId>>())
-    .bind(placed.iter().map(|p| json!(p.atoms)).collect::<Vec<_>>())
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -299,19 +292,40 @@ async fn close_out(
     conditions: Option<Vec<Condition>>,
 ) -> Result<Reservation> {
     give_back(conn, rsv).await?;
-    let rsv: Reservation = sqlx::query_as(&format!(
-        "UPDATE reservations r SET state = $2, next_attempt_at = NULL, \
-           ended_at = CASE WHEN $2 = 'expired' THEN r.ends_at ELSE compute_now() END, \
-           conditions = coalesce($3, r.conditions), version = r.version + 1, updated_at = compute_now() \
-         WHERE r.id = $1 RETURNING {RSV_COLS}"
-    ))
-    .bind(&rsv.id)
-    .bind(to)
-    .bind(conditions.map(Json))
+    let rsv = query_reservations!(
+        "UPDATE reservations r SET state = $2, next_attempt_at = NULL,
+           ended_at = CASE WHEN $2 = 'expired' THEN r.ends_at ELSE compute_now() END,
+           conditions = coalesce($3, r.conditions), version = r.version + 1, updated_at = compute_now()
+         WHERE r.id = $1 RETURNING",
+        "",
+        rsv.id.as_str(),
+        to.as_str(),
+        conditions.map(Json) as _,
+    )
     .fetch_one(&mut *conn)
     .await?;
     emit(conn, &rsv, EventType::of_reservation(to)).await?;
     Ok(rsv)
+}
+
+/// The `Unschedulable` condition of a pending reservation, the one definition: `why` in words,
+/// since `now`.
+fn unschedulable(why: String, now: DateTime<Utc>) -> Condition {
+    Condition {
+        kind: "Unschedulable".into(),
+        status: ConditionStatus::True,
+        reason: Some("NoCapacity".into()),
+        message: Some(why),
+        since: Some(now),
+    }
+}
+
+/// The stored states `action` may start from, as text for `= ANY($n)`.
+fn states(action: Action) -> Vec<&'static str> {
+    allowed_from(action)
+        .into_iter()
+        .map(State::as_str)
+        .collect()
 }
 
 /// What placing a whole reservation came to.
@@ -525,11 +539,13 @@ async fn create_effect(
     rsv_id: &ReservationId,
     alloc_ids: &[AllocationId],
 ) -> Result<(Outcome<Reservation>, CreateStats)> {
-    let pool: Option<(DateTime<Utc>, SiteId, String)> =
-        sqlx::query_as("SELECT compute_now(), site_id, name FROM pools WHERE id = $1")
-            .bind(&req.pool_id)
-            .fetch_optional(&mut *conn)
-            .await?;
+    let pool = sqlx::query!(
+        r#"SELECT compute_now() AS "now!", site_id AS "site_id: SiteId", name FROM pools WHERE id = $1"#,
+        req.pool_id.as_str(),
+    )
+    .fetch_optional(&mut *conn)
+    .await?
+    .map(|p| (p.now, p.site_id, p.name));
     let Some((now, site_id, pool_name)) = pool else {
         return Err(Error::NotFound {
             kind: "pool",
@@ -551,46 +567,50 @@ async fn create_effect(
     let memory: i64 = req.allocations.iter().map(|a| a.memory_mib).sum();
     let charged = quota::charge(conn, tenant, &req.pool_id, &site_id, gpu, vcpu, memory).await?;
 
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at, \
                        charge_gpu, charge_vcpu, charge_memory_mib, charged) \
                      VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10)",
+        rsv_id.as_str(),
+        tenant.as_str(),
+        actor.subject,
+        req.pool_id.as_str(),
+        starts_at,
+        req.ends_at,
+        gpu as _,
+        vcpu,
+        memory,
+        Json(&charged) as _,
     )
-    .bind(rsv_id)
-    .bind(tenant)
-    .bind(&actor.subject)
-    .bind(&req.pool_id)
-    .bind(starts_at)
-    .bind(req.ends_at)
-    .bind(gpu)
-    .bind(vcpu)
-    .bind(memory)
-    .bind(Json(&charged))
     .execute(&mut *conn)
     .await?;
     let a = &req.allocations;
-    sqlx::query(
-                    "INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, model, profile, slots_per_gpu, \
-                       vcpu, memory_mib, disk_gib, node_selector, tolerations) \
-                     SELECT id, $2, ord - 1, k, c, m, p, s, v, mem, d, sel, tol \
-                       FROM unnest($1::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::int[], $8::bigint[], $9::bigint[], \
-                                   $10::bigint[], $11::jsonb[], $12::jsonb[]) WITH ORDINALITY \
-                         AS t(id, k, c, m, p, s, v, mem, d, sel, tol, ord)",
-                )
-                .bind(alloc_ids)
-                .bind(rsv_id)
-                .bind(a.iter().map(|x| x.gpu_kind).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| x.gpu_count).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| x.model.clone()).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| x.profile.clone()).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| x.slots_per_gpu).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| x.vcpu).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| x.memory_mib).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| x.disk_gib).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| Json(&x.node_selector)).collect::<Vec<_>>())
-                .bind(a.iter().map(|x| Json(&x.tolerations)).collect::<Vec<_>>())
-                .execute(&mut *conn)
-                .await?;
+    let ids: Vec<&str> = alloc_ids.iter().map(AllocationId::as_str).collect();
+    let kinds: Vec<&str> = a.iter().map(|x| x.gpu_kind.as_str()).collect();
+    let selectors: Vec<serde_json::Value> = a.iter().map(|x| json!(x.node_selector)).collect();
+    let tolerations: Vec<serde_json::Value> = a.iter().map(|x| json!(x.tolerations)).collect();
+    sqlx::query!(
+        "INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, model, profile, slots_per_gpu, \
+           vcpu, memory_mib, disk_gib, node_selector, tolerations) \
+         SELECT id, $2, ord - 1, k, c, m, p, s, v, mem, d, sel, tol \
+           FROM unnest($1::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::int[], $8::bigint[], $9::bigint[], \
+                       $10::bigint[], $11::jsonb[], $12::jsonb[]) WITH ORDINALITY \
+             AS t(id, k, c, m, p, s, v, mem, d, sel, tol, ord)",
+        &ids as &[&str],
+        rsv_id.as_str(),
+        &kinds as &[&str],
+        &a.iter().map(|x| x.gpu_count).collect::<Vec<i32>>(),
+        &a.iter().map(|x| x.model.clone()).collect::<Vec<Option<String>>>() as &[Option<String>],
+        &a.iter().map(|x| x.profile.clone()).collect::<Vec<Option<String>>>() as &[Option<String>],
+        &a.iter().map(|x| x.slots_per_gpu).collect::<Vec<Option<i32>>>() as &[Option<i32>],
+        &a.iter().map(|x| x.vcpu).collect::<Vec<i64>>(),
+        &a.iter().map(|x| x.memory_mib).collect::<Vec<i64>>(),
+        &a.iter().map(|x| x.disk_gib).collect::<Vec<i64>>(),
+        &selectors,
+        &tolerations,
+    )
+    .execute(&mut *conn)
+    .await?;
 
     let pairs: Vec<(AllocationId, AllocationRequest)> = alloc_ids
         .iter()
@@ -616,26 +636,21 @@ async fn create_effect(
         Placement::Unschedulable(_) => (State::Pending, EventType::ReservationPending),
     };
     let conditions = match &placement {
-        Placement::Unschedulable(why) => vec![Condition {
-            kind: "Unschedulable".into(),
-            status: ConditionStatus::True,
-            reason: Some("NoCapacity".into()),
-            message: Some(why.clone()),
-            since: Some(now),
-        }],
+        Placement::Unschedulable(why) => vec![unschedulable(why.clone(), now)],
         Placement::Placed(_) => Vec::new(),
     };
-    let rsv: Reservation = sqlx::query_as(&format!(
-                    "UPDATE reservations r SET state = $2, conditions = $3, \
-                       next_attempt_at = CASE WHEN $2 = 'pending' THEN compute_now() + make_interval(secs => $4::float8) END \
-                     WHERE r.id = $1 RETURNING {RSV_COLS}"
-                ))
-                .bind(rsv_id)
-                .bind(state)
-                .bind(Json(conditions))
-                .bind(RETRY_SECONDS as f64)
-                .fetch_one(&mut *conn)
-                .await?;
+    let rsv = query_reservations!(
+        "UPDATE reservations r SET state = $2, conditions = $3,
+           next_attempt_at = CASE WHEN $2 = 'pending' THEN compute_now() + make_interval(secs => $4::float8) END
+         WHERE r.id = $1 RETURNING",
+        "",
+        rsv_id.as_str(),
+        state.as_str(),
+        Json(conditions) as _,
+        RETRY_SECONDS as f64,
+    )
+    .fetch_one(&mut *conn)
+    .await?;
     emit(conn, &rsv, event).await?;
     Ok((
         Outcome {
@@ -654,10 +669,11 @@ async fn lock_for(
     version: Option<i64>,
     action: Action,
 ) -> Result<Reservation> {
-    let rsv: Option<Reservation> = sqlx::query_as(&format!(
-        "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1 FOR UPDATE"
-    ))
-    .bind(id)
+    let rsv = query_reservations!(
+        "SELECT",
+        "FROM reservations r WHERE r.id = $1 FOR UPDATE",
+        id.as_str()
+    )
     .fetch_optional(&mut *conn)
     .await?;
     let rsv = match rsv {
@@ -705,17 +721,17 @@ async fn lock_for(
 /// lock order: quota first.
 async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
     quota::refund(conn, &rsv.tenant_id, &rsv.charged).await?;
-    sqlx::query(
+    sqlx::query!(
         "WITH mine AS (SELECT id FROM allocations WHERE reservation_id = $1), \
          gone AS (DELETE FROM device_bookings b USING mine WHERE b.allocation_id = mine.id AND lower(b.during) >= compute_now() RETURNING 1) \
          UPDATE device_bookings b SET during = tstzrange(lower(b.during), compute_now()) FROM mine \
           WHERE b.allocation_id = mine.id AND lower(b.during) < compute_now() AND upper(b.during) > compute_now()",
+        rsv.id.as_str(),
     )
-    .bind(&rsv.id)
     .execute(&mut *conn)
     .await?;
-    sqlx::query(
-        // Locked in (node, resource) order first, as placement locks them.
+    // Locked in (node, resource) order first, as placement locks them.
+    sqlx::query!(
         "WITH back AS (SELECT a.node_id, v.res, sum(v.amount)::bigint AS amount FROM allocations a, \
                    LATERAL (VALUES ('vcpu', a.vcpu), ('memory_mib', a.memory_mib), ('disk_gib', a.disk_gib)) v(res, amount) \
                   WHERE a.reservation_id = $1 AND a.node_id IS NOT NULL GROUP BY a.node_id, v.res), \
@@ -723,8 +739,8 @@ async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
                      ORDER BY r.node_id, r.resource FOR UPDATE OF r) \
          UPDATE node_resources r SET allocated = r.allocated - b.amount FROM back b, locked l \
           WHERE r.node_id = l.node_id AND r.resource = l.resource AND b.node_id = l.node_id AND b.res = l.resource",
+        rsv.id.as_str(),
     )
-    .bind(&rsv.id)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -757,11 +773,13 @@ pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
     db.tx(TxKind::Maintenance, |conn| {
         let id = id.clone();
         Box::pin(async move {
-            let rsv: Option<Reservation> = sqlx::query_as(&format!(
-                "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) AND r.ends_at <= compute_now() FOR UPDATE"
-            ))
-            .bind(&id)
-            .bind(allowed_from(Action::Expire))
+            let from = states(Action::Expire);
+            let rsv = query_reservations!(
+                "SELECT",
+                "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) AND r.ends_at <= compute_now() FOR UPDATE",
+                id.as_str(),
+                &from as &[&str],
+            )
             .fetch_optional(&mut *conn)
             .await?;
             let Some(rsv) = rsv else {
@@ -780,21 +798,23 @@ pub(crate) async fn fail_lost(db: &Db, id: &ReservationId) -> Result<()> {
     db.tx(TxKind::Maintenance, |conn| {
         let id = id.clone();
         Box::pin(async move {
-            let rsv: Option<Reservation> = sqlx::query_as(&format!(
-                "SELECT {RSV_COLS} FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE"
-            ))
-            .bind(&id)
-            .bind(allowed_from(Action::Fail))
+            let from = states(Action::Fail);
+            let rsv = query_reservations!(
+                "SELECT",
+                "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE",
+                id.as_str(),
+                &from as &[&str],
+            )
             .fetch_optional(&mut *conn)
             .await?;
             let Some(rsv) = rsv else {
                 return Err(conflict(format!("reservation {id} cannot fail now")));
             };
-            let hosts: Vec<String> = sqlx::query_scalar(
+            let hosts = sqlx::query_scalar!(
                 "SELECT DISTINCT n.hostname FROM allocations a JOIN nodes n ON n.id = a.node_id \
                   WHERE a.reservation_id = $1 AND n.reachability = 'lost' ORDER BY 1",
+                id.as_str(),
             )
-            .bind(&id)
             .fetch_all(&mut *conn)
             .await?;
             if hosts.is_empty() {
@@ -814,9 +834,6 @@ pub(crate) async fn fail_lost(db: &Db, id: &ReservationId) -> Result<()> {
     .await
 }
 
-/// A pending reservation as a retry reads it: pool, pool name, window, and now.
-type PendingRow = (PoolId, String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
-
 /// Places a pending reservation again (the reconciler's retry). Returns whether it was placed;
 /// otherwise its `Unschedulable` condition says the latest reason and it is tried again later.
 pub(crate) async fn place_pending(
@@ -829,13 +846,15 @@ pub(crate) async fn place_pending(
         Box::pin(async move {
             // Lock order: the reservation row, then (no quota: a pending reservation already holds
             // its charge) the fleet rows in `place`.
-            let rsv: Option<PendingRow> = sqlx::query_as(
-                "SELECT r.pool_id, p.name, r.starts_at, r.ends_at, compute_now() FROM reservations r JOIN pools p ON p.id = r.pool_id \
-                  WHERE r.id = $1 AND r.state = 'pending' FOR UPDATE OF r",
+            let rsv = sqlx::query!(
+                r#"SELECT r.pool_id AS "pool_id: PoolId", p.name, r.starts_at, r.ends_at, compute_now() AS "now!"
+                     FROM reservations r JOIN pools p ON p.id = r.pool_id
+                    WHERE r.id = $1 AND r.state = 'pending' FOR UPDATE OF r"#,
+                id.as_str(),
             )
-            .bind(&id)
             .fetch_optional(&mut *conn)
-            .await?;
+            .await?
+            .map(|r| (r.pool_id, r.name, r.starts_at, r.ends_at, r.now));
             let Some((pool_id, pool_name, starts_at, ends_at, now)) = rsv else {
                 return Err(conflict(format!("reservation {id} is no longer pending")));
             };
@@ -848,28 +867,28 @@ pub(crate) async fn place_pending(
                     let state = if start <= now { State::Active } else { State::Scheduled };
                     // `startsAt` says when the reservation holds its devices from: placed after
                     // the start it asked for, it starts at its placement.
-                    let rsv: Reservation = sqlx::query_as(&format!(
-                        "UPDATE reservations r SET state = $2, starts_at = $3, conditions = '[]', next_attempt_at = NULL, \
-                           version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING {RSV_COLS}"
-                    ))
-                    .bind(&id)
-                    .bind(state)
-                    .bind(start)
+                    let rsv = query_reservations!(
+                        "UPDATE reservations r SET state = $2, starts_at = $3, conditions = '[]', next_attempt_at = NULL,
+                           version = r.version + 1, updated_at = compute_now() WHERE r.id = $1 RETURNING",
+                        "",
+                        id.as_str(),
+                        state.as_str(),
+                        start,
+                    )
                     .fetch_one(&mut *conn)
                     .await?;
                     emit(conn, &rsv, EventType::of_reservation(state)).await?;
                     Ok(true)
                 }
                 Placement::Unschedulable(why) => {
-                    sqlx::query(
-                        "UPDATE reservations r SET conditions = jsonb_build_array(jsonb_build_object('type', 'Unschedulable', \
-                           'status', 'True', 'reason', 'NoCapacity', 'message', $2::text, 'since', compute_now())), \
+                    sqlx::query!(
+                        "UPDATE reservations r SET conditions = $2, \
                            next_attempt_at = compute_now() + make_interval(secs => $3::float8), updated_at = compute_now() \
                          WHERE r.id = $1",
+                        id.as_str(),
+                        Json(vec![unschedulable(why, now)]) as _,
+                        RETRY_SECONDS as f64,
                     )
-                    .bind(&id)
-                    .bind(&why)
-                    .bind(RETRY_SECONDS as f64)
                     .execute(&mut *conn)
                     .await?;
                     Ok(false)
@@ -965,26 +984,27 @@ async fn extend_effect(
             ),
         ));
     }
-    let blockers: Vec<(AtomName, Option<AllocationId>, String)> = sqlx::query_as(
-                    "SELECT b.atom, b.allocation_id, b.reason FROM device_bookings b \
-                      WHERE b.atom IN (SELECT unnest(atoms) FROM allocations WHERE reservation_id = $1) \
-                        AND NOT EXISTS (SELECT 1 FROM allocations x WHERE x.reservation_id = $1 AND x.id = b.allocation_id) \
-                        AND b.during && tstzrange($2, $3) ORDER BY b.atom",
-                )
-                .bind(id)
-                .bind(rsv.ends_at)
-                .bind(ends_at)
-                .fetch_all(&mut *conn)
-                .await?;
+    let blockers = sqlx::query!(
+        r#"SELECT b.atom AS "atom: AtomName", b.allocation_id AS "allocation_id: AllocationId", b.reason FROM device_bookings b
+          WHERE b.atom IN (SELECT unnest(atoms) FROM allocations WHERE reservation_id = $1)
+            AND NOT EXISTS (SELECT 1 FROM allocations x WHERE x.reservation_id = $1 AND x.id = b.allocation_id)
+            AND b.during && tstzrange($2, $3) ORDER BY b.atom"#,
+        id.as_str(),
+        rsv.ends_at,
+        ends_at,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
     if !blockers.is_empty() {
         let list: Vec<String> = blockers
             .iter()
-            .map(|(atom, alloc, reason)| {
+            .map(|b| {
                 format!(
-                    "{atom} is booked by {}",
-                    alloc
+                    "{} is booked by {}",
+                    b.atom,
+                    b.allocation_id
                         .as_ref()
-                        .map_or_else(|| format!("a {reason} hold"), ToString::to_string)
+                        .map_or_else(|| format!("a {} hold", b.reason), ToString::to_string)
                 )
             })
             .collect();
@@ -996,27 +1016,28 @@ async fn extend_effect(
     }
     // All bookings grow in one statement; a booking that raced in is refused by the
     // exclusion constraint, and then none grows.
-    sqlx::query(
-                    "UPDATE device_bookings b SET during = tstzrange(lower(b.during), $2) \
-                      WHERE b.allocation_id IN (SELECT id FROM allocations WHERE reservation_id = $1) AND upper(b.during) = $3",
-                )
-                .bind(id)
-                .bind(ends_at)
-                .bind(rsv.ends_at)
-                .execute(&mut *conn)
+    sqlx::query!(
+        "UPDATE device_bookings b SET during = tstzrange(lower(b.during), $2) \
+          WHERE b.allocation_id IN (SELECT id FROM allocations WHERE reservation_id = $1) AND upper(b.during) = $3",
+        id.as_str(),
+        ends_at,
+        rsv.ends_at,
+    )
+    .execute(&mut *conn)
                 .await
                 .map_err(|e| match e.as_database_error().and_then(|d| d.constraint()) {
                     Some("device_bookings_no_overlap") => conflict(format!("reservation {id} cannot be extended: an atom was booked meanwhile")),
                     _ => Error::from(e),
                 })?;
-    let rsv: Reservation = sqlx::query_as(&format!(
-                    "UPDATE reservations r SET ends_at = $2, version = r.version + 1, updated_at = compute_now() \
-                     WHERE r.id = $1 RETURNING {RSV_COLS}"
-                ))
-                .bind(id)
-                .bind(ends_at)
-                .fetch_one(&mut *conn)
-                .await?;
+    let rsv = query_reservations!(
+        "UPDATE reservations r SET ends_at = $2, version = r.version + 1, updated_at = compute_now()
+         WHERE r.id = $1 RETURNING",
+        "",
+        id.as_str(),
+        ends_at,
+    )
+    .fetch_one(&mut *conn)
+    .await?;
     emit(conn, &rsv, EventType::ReservationExtended).await?;
     Ok(Outcome {
         value: rsv,

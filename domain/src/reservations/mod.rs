@@ -29,7 +29,7 @@ pub struct Reservation {
     pub tenant_id: TenantId,
     pub created_by: String,
     pub pool_id: PoolId,
-    /// As time says (`state_now!`), not necessarily as stored.
+    /// As time says (`compute_reservation_state`), not necessarily as stored.
     pub state: State,
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
@@ -66,34 +66,59 @@ pub struct Allocation {
     pub atoms: Vec<AtomName>,
 }
 
-/// A reservation's state as time says, from its stored row `r`: a scheduled reservation whose
-/// window has started is `active`, and a live one whose window has ended is `expired`, whether
-/// or not the reconciler has moved the stored state yet. Every read a client can observe (and
-/// every check of the state table on a tenant's action) uses it; the reconcilers' own guarded
-/// updates read the stored `r.state`.
-macro_rules! state_now {
-    () => {
-        "CASE WHEN r.state IN ('pending', 'scheduled', 'active') AND r.ends_at <= compute_now() THEN 'expired' \
-              WHEN r.state = 'scheduled' AND r.starts_at <= compute_now() THEN 'active' ELSE r.state END"
+/// A checked `query_as!` of [`Reservation`]s: `$head` + the columns of `reservations r` + `$tail`.
+/// The one home of a reservation's column list, for `SELECT … FROM reservations r …` and
+/// `UPDATE reservations r … RETURNING …` alike. `state` is the state as time says
+/// (`compute_reservation_state`, migration 0010); the reconcilers' guarded updates read the
+/// stored `r.state`.
+macro_rules! query_reservations {
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            $crate::reservations::Reservation,
+            $head
+                + r#" r.id AS "id: _", r.tenant_id AS "tenant_id: _", r.created_by, r.pool_id AS "pool_id: _",
+                     compute_reservation_state(r.state, r.starts_at, r.ends_at) AS "state!: _",
+                     r.starts_at, r.ends_at, r.conditions AS "conditions: _", r.charge_gpu::float8 AS "charge_gpu!",
+                     r.charge_vcpu, r.charge_memory_mib, r.charged AS "charged: _", r.next_attempt_at, r.version,
+                     r.created_at, r.updated_at, r.ended_at "#
+                + $tail
+            $(, $arg)*
+        )
     };
 }
+pub(crate) use query_reservations;
 
-pub(crate) const RSV_COLS: &str = concat!(
-    "r.id, r.tenant_id, r.created_by, r.pool_id, ",
-    state_now!(),
-    " AS state, r.starts_at, r.ends_at, \
+/// A checked `query_as!` of [`Allocation`]s: `$head` + the columns of `allocations a` + `$tail`.
+macro_rules! query_allocations {
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            $crate::reservations::Allocation,
+            $head
+                + r#" a.id AS "id: _", a.reservation_id AS "reservation_id: _", a.ordinal, a.gpu_kind AS "gpu_kind: _",
+                     a.gpu_count, a.model, a.profile, a.slots_per_gpu, a.vcpu, a.memory_mib, a.disk_gib,
+                     a.node_selector AS "node_selector: _", a.tolerations AS "tolerations: _",
+                     a.node_id AS "node_id: _", a.atoms AS "atoms: _" "#
+                + $tail
+            $(, $arg)*
+        )
+    };
+}
+pub(crate) use query_allocations;
+
+/// The reservation columns of the dynamic list query (its filters are built at run time).
+const RSV_COLS: &str = "r.id, r.tenant_id, r.created_by, r.pool_id, \
+     compute_reservation_state(r.state, r.starts_at, r.ends_at) AS state, r.starts_at, r.ends_at, \
      r.conditions, r.charge_gpu::float8 AS charge_gpu, r.charge_vcpu, r.charge_memory_mib, r.charged, r.next_attempt_at, \
-     r.version, r.created_at, r.updated_at, r.ended_at"
-);
-pub(crate) const ALLOC_COLS: &str = "a.id, a.reservation_id, a.ordinal, a.gpu_kind, a.gpu_count, a.model, a.profile, \
-     a.slots_per_gpu, a.vcpu, a.memory_mib, a.disk_gib, a.node_selector, a.tolerations, a.node_id, a.atoms";
+     r.version, r.created_at, r.updated_at, r.ended_at";
 
 /// Reservations by id.
 pub async fn get_reservations(db: &Db, ids: &[ReservationId]) -> Result<Vec<Reservation>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {RSV_COLS} FROM reservations r WHERE r.id = ANY($1)"
-    ))
-    .bind(ids)
+    let ids: Vec<&str> = ids.iter().map(ReservationId::as_str).collect();
+    Ok(query_reservations!(
+        "SELECT",
+        "FROM reservations r WHERE r.id = ANY($1)",
+        &ids as &[&str]
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -103,10 +128,12 @@ pub async fn allocations_by_reservations(
     db: &Db,
     ids: &[ReservationId],
 ) -> Result<Vec<Allocation>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = ANY($1) ORDER BY a.reservation_id, a.ordinal"
-    ))
-    .bind(ids)
+    let ids: Vec<&str> = ids.iter().map(ReservationId::as_str).collect();
+    Ok(query_allocations!(
+        "SELECT",
+        "FROM allocations a WHERE a.reservation_id = ANY($1) ORDER BY a.reservation_id, a.ordinal",
+        &ids as &[&str],
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -128,7 +155,8 @@ fn select<'a>(cols: &str, f: &ReservationFilter) -> QueryBuilder<'a, Postgres> {
         qb.push(" AND r.tenant_id = ").push_bind(t.clone());
     }
     if let Some(s) = f.state {
-        qb.push(concat!(" AND ", state_now!(), " = ")).push_bind(s);
+        qb.push(" AND compute_reservation_state(r.state, r.starts_at, r.ends_at) = ")
+            .push_bind(s);
     }
     if let Some(p) = &f.pool_id {
         qb.push(" AND r.pool_id = ").push_bind(p.clone());

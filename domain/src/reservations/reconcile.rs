@@ -7,7 +7,7 @@
 use super::commands;
 use super::model::AllocationRequest;
 use super::state::State;
-use super::{ALLOC_COLS, Allocation, RSV_COLS, Reservation};
+use super::{Allocation, query_allocations, query_reservations};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{self, EventType, ReservationPayload};
@@ -27,26 +27,30 @@ async fn activate(db: &Db, id: Option<&ReservationId>) -> Result<u64> {
     db.tx(TxKind::Maintenance, |conn| {
         let id = id.cloned();
         Box::pin(async move {
-            let moved: Vec<Reservation> = sqlx::query_as(&format!(
-                "WITH moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now() \
-                   WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() AND ($1::text IS NULL OR r.id = $1) \
-                   RETURNING {RSV_COLS}), \
-                      woken AS (SELECT compute_enqueue($2, array_agg(m.id), $3) AS n FROM moved m) \
-                 SELECT m.* FROM moved m CROSS JOIN (SELECT count(n) FROM woken) w ORDER BY m.id"
-            ))
-            .bind(id)
-            .bind(crate::work_queue::WorkKind::Reservation)
-            .bind(crate::work_queue::SHARDS)
+            // The reconciler of each moved reservation is woken in the same statement (its next
+            // wake-up is its end).
+            let moved = query_reservations!(
+                "WITH moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now()
+                   WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() AND ($1::text IS NULL OR r.id = $1)
+                   RETURNING r.*),
+                      woken AS (SELECT compute_enqueue($2, array_agg(m.id), $3) AS n FROM moved m)
+                 SELECT",
+                "FROM moved r CROSS JOIN (SELECT count(n) FROM woken) w ORDER BY r.id",
+                id.as_ref().map(ReservationId::as_str),
+                crate::work_queue::WorkKind::Reservation.as_str(),
+                crate::work_queue::SHARDS,
+            )
             .fetch_all(&mut *conn)
             .await?;
             if moved.is_empty() {
                 return Ok(0);
             }
-            let ids: Vec<ReservationId> = moved.iter().map(|r| r.id.clone()).collect();
-            let allocations: Vec<Allocation> = sqlx::query_as(&format!(
-                "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = ANY($1) ORDER BY a.reservation_id, a.ordinal"
-            ))
-            .bind(&ids)
+            let ids: Vec<&str> = moved.iter().map(|r| r.id.as_str()).collect();
+            let allocations = query_allocations!(
+                "SELECT",
+                "FROM allocations a WHERE a.reservation_id = ANY($1) ORDER BY a.reservation_id, a.ordinal",
+                &ids as &[&str],
+            )
             .fetch_all(&mut *conn)
             .await?;
             let mut data = Vec::with_capacity(moved.len());
@@ -104,10 +108,11 @@ pub async fn reconcile_one(
 ) -> Result<(Step, Option<chrono::DateTime<chrono::Utc>>)> {
     // The stored state, not the state as time says: this is the code that moves it.
     let load = || async {
-        let found: Option<Stored> = sqlx::query_as(
-            "SELECT r.state, r.starts_at, r.ends_at, r.next_attempt_at FROM reservations r WHERE r.id = $1",
+        let found = sqlx::query_as!(
+            Stored,
+            r#"SELECT r.state AS "state: _", r.starts_at, r.ends_at, r.next_attempt_at FROM reservations r WHERE r.id = $1"#,
+            id.as_str(),
         )
-        .bind(id)
         .fetch_optional(db.pool())
         .await?;
         Ok::<_, Error>(found)
@@ -149,8 +154,9 @@ pub async fn reconcile_one(
 /// Expires every pending, scheduled or active reservation whose window has ended: quota first,
 /// then scalars come back. One transaction per reservation.
 pub async fn expire_due(db: &Db) -> Result<u64> {
-    let due: Vec<ReservationId> = sqlx::query_scalar(
-        "SELECT id FROM reservations WHERE state IN ('pending', 'scheduled', 'active') AND ends_at <= compute_now() ORDER BY id LIMIT 500",
+    let due = sqlx::query_scalar!(
+        r#"SELECT id AS "id: ReservationId" FROM reservations
+            WHERE state IN ('pending', 'scheduled', 'active') AND ends_at <= compute_now() ORDER BY id LIMIT 500"#,
     )
     .fetch_all(db.pool())
     .await?;
@@ -169,10 +175,10 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
 /// Fails every scheduled or active reservation placed on a node that is `lost`; one
 /// transaction per reservation.
 pub async fn fail_lost(db: &Db) -> Result<u64> {
-    let due: Vec<ReservationId> = sqlx::query_scalar(
-        "SELECT DISTINCT r.id FROM reservations r JOIN allocations a ON a.reservation_id = r.id \
-           JOIN nodes n ON n.id = a.node_id \
-          WHERE r.state IN ('scheduled', 'active') AND n.reachability = 'lost' ORDER BY r.id LIMIT 500",
+    let due = sqlx::query_scalar!(
+        r#"SELECT DISTINCT r.id AS "id: ReservationId" FROM reservations r JOIN allocations a ON a.reservation_id = r.id
+           JOIN nodes n ON n.id = a.node_id
+          WHERE r.state IN ('scheduled', 'active') AND n.reachability = 'lost' ORDER BY r.id LIMIT 500"#,
     )
     .fetch_all(db.pool())
     .await?;
@@ -207,10 +213,11 @@ async fn requests_of(
     db: &Db,
     id: &ReservationId,
 ) -> Result<Vec<(AllocationId, AllocationRequest)>> {
-    let allocations: Vec<Allocation> = sqlx::query_as(&format!(
-        "SELECT {ALLOC_COLS} FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal"
-    ))
-    .bind(id)
+    let allocations = query_allocations!(
+        "SELECT",
+        "FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal",
+        id.as_str(),
+    )
     .fetch_all(db.pool())
     .await?;
     Ok(allocations
@@ -222,10 +229,11 @@ async fn requests_of(
 /// Tries again to place every pending reservation whose `next_attempt_at` has come; returns how
 /// many were placed. Those still without capacity get the latest reason and a new attempt time.
 pub async fn retry_pending(db: &Db) -> Result<u64> {
-    let due: Vec<Reservation> = sqlx::query_as(&format!(
-        "SELECT {RSV_COLS} FROM reservations r WHERE r.state = 'pending' AND r.next_attempt_at <= compute_now() \
-          AND r.ends_at > compute_now() ORDER BY r.next_attempt_at, r.id LIMIT 100"
-    ))
+    let due = query_reservations!(
+        "SELECT",
+        "FROM reservations r WHERE r.state = 'pending' AND r.next_attempt_at <= compute_now()
+          AND r.ends_at > compute_now() ORDER BY r.next_attempt_at, r.id LIMIT 100",
+    )
     .fetch_all(db.pool())
     .await?;
     let mut placed = 0;
