@@ -9,7 +9,7 @@ use compute_domain::fleet::model::Window;
 use compute_domain::ids::EntityId;
 use compute_domain::page::PageRequest;
 
-use crate::graph::context::gql_error;
+use crate::graph::context::{GqlResult, gql_error};
 
 /// What a taint does to placement.
 #[derive(async_graphql::Enum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -53,12 +53,12 @@ pub fn page_request(
 }
 
 /// Parses an id argument of entity type `I`; `field` names the argument in errors.
-pub fn parse_id<I: EntityId>(field: &str, id: &ID) -> async_graphql::Result<I> {
+pub fn parse_id<I: EntityId>(field: &str, id: &ID) -> GqlResult<I> {
     I::parse(field, id.as_str()).map_err(gql_error)
 }
 
 /// [`parse_id`] of an optional argument.
-pub fn opt_id<I: EntityId>(field: &str, id: Option<&ID>) -> async_graphql::Result<Option<I>> {
+pub fn opt_id<I: EntityId>(field: &str, id: Option<&ID>) -> GqlResult<Option<I>> {
     id.map(|id| parse_id(field, id)).transpose()
 }
 
@@ -77,7 +77,7 @@ pub struct WindowInput {
 }
 
 /// A window input, checked.
-pub fn window(w: Option<WindowInput>) -> async_graphql::Result<Option<Window>> {
+pub fn window(w: Option<WindowInput>) -> GqlResult<Option<Window>> {
     w.map(|w| Window::new("window", w.start, w.end).map_err(gql_error))
         .transpose()
 }

@@ -31,11 +31,56 @@ impl ReplayFlag {
     }
 }
 
+/// The error of every resolver, always coded. A domain error converts through [`gql_error`]
+/// (its stable code); an `async_graphql::Error` converts only as it is when it carries a code
+/// (one from `gql_error`, or a loader's), and otherwise becomes a logged `INTERNAL`. Nothing else
+/// converts, so a bare `?` on any other error does not compile, and no resolver can produce an
+/// uncoded error: an uncoded error in a response is async-graphql's own report of input it could
+/// not coerce (`transport::prepare`).
+#[derive(Debug, Clone)]
+pub struct GqlError(async_graphql::Error);
+
+/// The result of every resolver.
+pub type GqlResult<T> = Result<T, GqlError>;
+
+impl From<Error> for GqlError {
+    fn from(e: Error) -> Self {
+        gql_error(e)
+    }
+}
+
+impl From<async_graphql::Error> for GqlError {
+    fn from(e: async_graphql::Error) -> Self {
+        let coded = e
+            .extensions
+            .as_ref()
+            .is_some_and(|x| x.get("code").is_some());
+        if coded {
+            GqlError(e)
+        } else {
+            gql_error(Error::internal(format!(
+                "an uncoded resolver error: {}",
+                e.message
+            )))
+        }
+    }
+}
+
+impl From<GqlError> for async_graphql::Error {
+    fn from(e: GqlError) -> Self {
+        e.0
+    }
+}
+
 /// Turns a domain error into a GraphQL error with its stable `extensions.code`.
 ///
 /// An internal error is logged here, once, with a fresh error id; the client gets `INTERNAL` and
 /// the id, never the text.
-pub fn gql_error(err: Error) -> async_graphql::Error {
+pub fn gql_error(err: Error) -> GqlError {
+    GqlError(coded(err))
+}
+
+fn coded(err: Error) -> async_graphql::Error {
     let code = err.code();
     if code == ErrorCode::Internal {
         let error_id = compute_domain::ids::new_id("err");
@@ -65,7 +110,7 @@ pub fn gql_error(err: Error) -> async_graphql::Error {
 }
 
 /// The caller's identity, or `UNAUTHENTICATED`.
-pub fn viewer<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Viewer> {
+pub fn viewer<'a>(ctx: &'a Context<'_>) -> GqlResult<&'a Viewer> {
     ctx.data_opt::<Viewer>().ok_or_else(|| {
         gql_error(Error::Unauthenticated(
             "this field needs a bearer token (Authorization: Bearer <jwt>)".into(),
@@ -75,7 +120,7 @@ pub fn viewer<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Viewer> {
 
 /// The caller as the domain sees it; `FORBIDDEN` for a token with neither the operator nor the
 /// member role.
-pub fn actor(ctx: &Context<'_>) -> async_graphql::Result<Actor> {
+pub fn actor(ctx: &Context<'_>) -> GqlResult<Actor> {
     viewer(ctx)?.actor().ok_or_else(|| {
         gql_error(Error::Forbidden(
             "this needs the member or operator role".into(),
@@ -84,13 +129,13 @@ pub fn actor(ctx: &Context<'_>) -> async_graphql::Result<Actor> {
 }
 
 /// The database handle of the schema.
-pub fn db<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Db> {
+pub fn db<'a>(ctx: &'a Context<'_>) -> GqlResult<&'a Db> {
     ctx.data::<Db>()
         .map_err(|_| gql_error(Error::internal("the schema was built without a database")))
 }
 
 /// The caller must be an operator.
-pub fn require_operator(ctx: &Context<'_>) -> async_graphql::Result<()> {
+pub fn require_operator(ctx: &Context<'_>) -> GqlResult<()> {
     let v = viewer(ctx)?;
     if v.has_role(Role::Operator) {
         Ok(())

@@ -19,7 +19,7 @@ use compute_domain::outbox::{self, Cursor, Event, EventFilter};
 use futures_util::Stream;
 
 use crate::graph::common::gql_id;
-use crate::graph::{actor, db, gql_error, viewer};
+use crate::graph::{GqlError, GqlResult, actor, db, gql_error, viewer};
 use crate::tailer::{Feed, Tailer};
 
 /// Where the item a subscription yielded last sits in the outbox. A transport puts one in each
@@ -122,7 +122,7 @@ impl EventObj {
     }
 }
 
-fn tailer<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Tailer> {
+fn tailer<'a>(ctx: &'a Context<'_>) -> GqlResult<&'a Tailer> {
     ctx.data::<Tailer>().map_err(|_| {
         gql_error(compute_domain::Error::internal(
             "subscriptions need the outbox tailer, and this schema has none",
@@ -131,7 +131,7 @@ fn tailer<'a>(ctx: &'a Context<'_>) -> async_graphql::Result<&'a Tailer> {
 }
 
 /// Where a subscription starts: the transport's resume point, else `after`, else the present.
-async fn start(ctx: &Context<'_>, after: Option<String>) -> async_graphql::Result<Cursor> {
+async fn start(ctx: &Context<'_>, after: Option<String>) -> GqlResult<Cursor> {
     let given = match ctx.data_opt::<ResumeAfter>() {
         Some(r) => Some(r.0),
         None => after
@@ -174,7 +174,7 @@ where
                 let event = match feed.next().await {
                     Ok(Some(e)) => e,
                     Ok(None) => return None,
-                    Err(e) => return Some((Err(gql_error(e)), (feed, map, true))),
+                    Err(e) => return Some((Err(gql_error(e).into()), (feed, map, true))),
                 };
                 let cursor = event.cursor;
                 match map(event).await {
@@ -185,7 +185,7 @@ where
                         return Some((Ok(item), (feed, map, false)));
                     }
                     Ok(None) => continue,
-                    Err(e) => return Some((Err(gql_error(e)), (feed, map, true))),
+                    Err(e) => return Some((Err(gql_error(e).into()), (feed, map, true))),
                 }
             }
         }
@@ -203,7 +203,7 @@ impl EventsQuery {
     /// subscribe with `after:` it: no change made after the query is missed. (A change that
     /// committed just before it, while an older transaction was still running, may still be
     /// delivered after it: the stream never skips, it may only repeat what the page shows.)
-    async fn event_cursor(&self, ctx: &Context<'_>) -> async_graphql::Result<String> {
+    async fn event_cursor(&self, ctx: &Context<'_>) -> GqlResult<String> {
         viewer(ctx)?;
         Ok(outbox::head(db(ctx)?).await.map_err(gql_error)?.encode())
     }
@@ -229,7 +229,7 @@ impl SubscriptionRoot {
         #[graphql(desc = "Only events about these ids (all when null or empty).")] subjects: Option<
             Vec<String>,
         >,
-    ) -> async_graphql::Result<impl Stream<Item = async_graphql::Result<EventObj>> + use<>> {
+    ) -> Result<impl Stream<Item = async_graphql::Result<EventObj>> + use<>, GqlError> {
         let tenant_id = actor(ctx)?
             .visible_tenant()
             .map_err(|_| {
@@ -259,8 +259,9 @@ impl SubscriptionRoot {
         #[graphql(desc = "The global id of the object.")] id: ID,
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
-    ) -> async_graphql::Result<
+    ) -> Result<
         impl Stream<Item = async_graphql::Result<crate::graph::reservations::ReservationObj>> + use<>,
+        GqlError,
     > {
         let rid = ReservationId::parse("id", id.as_str()).map_err(gql_error)?;
         let db = db(ctx)?.clone();
@@ -305,8 +306,9 @@ impl SubscriptionRoot {
         #[graphql(desc = "The global id of the object.")] id: ID,
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
-    ) -> async_graphql::Result<
+    ) -> Result<
         impl Stream<Item = async_graphql::Result<crate::graph::fleet::ComputeNodeObj>> + use<>,
+        GqlError,
     > {
         crate::graph::require_operator(ctx)?;
         let nid = NodeId::parse("id", id.as_str()).map_err(gql_error)?;
@@ -351,8 +353,9 @@ impl SubscriptionRoot {
         #[graphql(desc = "The global id of the object.")] id: ID,
         #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
         after: Option<String>,
-    ) -> async_graphql::Result<
+    ) -> Result<
         impl Stream<Item = async_graphql::Result<crate::graph::fleet::PoolObj>> + use<>,
+        GqlError,
     > {
         viewer(ctx)?;
         let pid = PoolId::parse("id", id.as_str()).map_err(gql_error)?;
@@ -404,7 +407,7 @@ fn follow_object<T, W, R, Fut>(
     filter: EventFilter,
     mut wanted: W,
     reload: R,
-) -> async_graphql::Result<impl Stream<Item = async_graphql::Result<T>> + use<T, W, R, Fut>>
+) -> Result<impl Stream<Item = async_graphql::Result<T>> + use<T, W, R, Fut>, GqlError>
 where
     T: Send + 'static,
     W: FnMut(&Event) -> bool + Send + 'static,

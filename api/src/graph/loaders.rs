@@ -11,7 +11,7 @@ use compute_domain::fleet::{self, Atom, CapacityRow, Device, Node, NodeResource,
 use compute_domain::ids::{DeviceId, NodeId, PoolId, ReservationId, ScopeId, SiteId};
 use compute_domain::page::{Page, PageArgs};
 
-use crate::graph::gql_error;
+use crate::graph::{GqlResult, gql_error};
 
 /// The loader behind every key type below.
 pub struct FleetLoader {
@@ -23,7 +23,7 @@ pub type Loaders = DataLoader<FleetLoader, NoCache>;
 
 /// The request's loaders; `INTERNAL` only when the schema was built without a database (a bug
 /// of ours: `compute-api schema` builds one only to print it).
-pub fn loaders_of<'a>(ctx: &'a async_graphql::Context<'_>) -> async_graphql::Result<&'a Loaders> {
+pub fn loaders_of<'a>(ctx: &'a async_graphql::Context<'_>) -> GqlResult<&'a Loaders> {
     ctx.data::<Loaders>().map_err(|_| {
         crate::graph::gql_error(compute_domain::Error::internal(
             "the schema was built without its data loaders",

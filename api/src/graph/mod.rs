@@ -22,7 +22,9 @@ pub mod node;
 pub mod reservations;
 pub mod sinks;
 
-pub use context::{ReplayFlag, actor, db, gql_error, require_operator, viewer};
+pub use context::{
+    GqlError, GqlResult, ReplayFlag, actor, db, gql_error, require_operator, viewer,
+};
 
 /// The schema type served by the API.
 pub type ApiSchema = Schema<Query, Mutation, events::SubscriptionRoot>;
@@ -78,7 +80,7 @@ pub struct CoreQuery;
 #[Object]
 impl CoreQuery {
     /// The caller, as the API sees them: identity, tenant and roles from the bearer token.
-    async fn viewer(&self, ctx: &Context<'_>) -> async_graphql::Result<ViewerInfo> {
+    async fn viewer(&self, ctx: &Context<'_>) -> GqlResult<ViewerInfo> {
         let v = viewer(ctx)?;
         Ok(ViewerInfo {
             subject: v.subject.clone(),
@@ -89,7 +91,7 @@ impl CoreQuery {
     }
 
     /// Business time: `compute_now()`, the one clock every time comparison reads.
-    async fn server_time(&self, ctx: &Context<'_>) -> async_graphql::Result<DateTime<Utc>> {
+    async fn server_time(&self, ctx: &Context<'_>) -> GqlResult<DateTime<Utc>> {
         db(ctx)?.compute_now().await.map_err(gql_error)
     }
 }

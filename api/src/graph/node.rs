@@ -5,9 +5,9 @@ use compute_domain::Error;
 use compute_domain::ids::{DeviceId, NodeId, PoolId, ReservationId, SiteId};
 
 use crate::graph::fleet::{ComputeNodeObj, DeviceObj, PoolObj, SiteObj};
-use crate::graph::gql_error;
 use crate::graph::loaders::*;
 use crate::graph::reservations::ReservationObj;
+use crate::graph::{GqlResult, gql_error};
 
 /// Any object with a global id (Relay).
 #[derive(Interface)]
@@ -32,7 +32,7 @@ pub async fn load_node(
     ctx: &Context<'_>,
     id: &ID,
     operator: bool,
-) -> async_graphql::Result<Option<NodeInterface>> {
+) -> GqlResult<Option<NodeInterface>> {
     let loaders = loaders_of(ctx)?;
     let prefix = compute_domain::ids::prefix_of(id.as_str()).ok_or_else(|| {
         gql_error(Error::bad_input(

@@ -14,7 +14,7 @@ use crate::auth::Role;
 use crate::graph::common::{AtomKind, Condition, TaintEffect, WindowInput, conditions_of, gql_id};
 use crate::graph::fleet::{ComputeNodeObj, PoolObj};
 use crate::graph::loaders::*;
-use crate::graph::{ReplayFlag, actor, db, gql_error, viewer};
+use crate::graph::{GqlResult, ReplayFlag, actor, db, gql_error, viewer};
 
 /// Where a reservation is in its life.
 #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -105,7 +105,7 @@ impl ReservationObj {
         self.0.updated_at
     }
     /// Its pool.
-    async fn pool(&self, ctx: &Context<'_>) -> async_graphql::Result<PoolObj> {
+    async fn pool(&self, ctx: &Context<'_>) -> GqlResult<PoolObj> {
         loaders_of(ctx)?
             .load_one(self.0.pool_id.clone())
             .await?
@@ -113,7 +113,7 @@ impl ReservationObj {
             .ok_or_else(|| gql_error(Error::internal("a reservation without its pool")))
     }
     /// Its allocations, in order.
-    async fn allocations(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<AllocationObj>> {
+    async fn allocations(&self, ctx: &Context<'_>) -> GqlResult<Vec<AllocationObj>> {
         Ok(loaders_of(ctx)?
             .load_one(AllocationsOfReservation(self.0.id.clone()))
             .await?
@@ -171,10 +171,7 @@ impl AllocationObj {
         self.0.atoms.iter().map(|a| a.as_str()).collect()
     }
     /// The node it was placed on (null while pending). Operators only.
-    async fn compute_node(
-        &self,
-        ctx: &Context<'_>,
-    ) -> async_graphql::Result<Option<ComputeNodeObj>> {
+    async fn compute_node(&self, ctx: &Context<'_>) -> GqlResult<Option<ComputeNodeObj>> {
         let Some(node_id) = &self.0.node_id else {
             return Ok(None);
         };
@@ -193,7 +190,7 @@ impl AllocationObj {
 }
 
 /// Whether the caller may see `r`.
-pub fn visible(ctx: &Context<'_>, r: &rsv::Reservation) -> async_graphql::Result<bool> {
+pub fn visible(ctx: &Context<'_>, r: &rsv::Reservation) -> GqlResult<bool> {
     Ok(viewer(ctx)?
         .actor()
         .is_some_and(|a| a.may_access(&r.tenant_id)))
@@ -206,7 +203,7 @@ pub struct ReservationCount(ReservationFilter);
 #[Object]
 impl ReservationCount {
     /// How many reservations match, across all pages.
-    async fn total_count(&self, ctx: &Context<'_>) -> async_graphql::Result<i64> {
+    async fn total_count(&self, ctx: &Context<'_>) -> GqlResult<i64> {
         rsv::count_reservations(db(ctx)?, &self.0)
             .await
             .map_err(gql_error)
@@ -225,7 +222,7 @@ impl ReservationQuery {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The global id of the object.")] id: ID,
-    ) -> async_graphql::Result<ReservationObj> {
+    ) -> GqlResult<ReservationObj> {
         let rid = ReservationId::parse("id", id.as_str()).map_err(gql_error)?;
         let found = loaders_of(ctx)?.load_one(rid.clone()).await?;
         match found {
@@ -262,7 +259,7 @@ impl ReservationQuery {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Connection<String, ReservationObj, ReservationCount>> {
+    ) -> GqlResult<Connection<String, ReservationObj, ReservationCount>> {
         let actor = actor(ctx)?;
         let tenant = match actor.visible_tenant() {
             Ok(Some(own)) => Some(own.clone()),
@@ -439,7 +436,7 @@ impl ReservationMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `createReservation`.")] input: CreateReservationInput,
-    ) -> async_graphql::Result<ReservationPayload> {
+    ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
         let allocations: Vec<AllocationInput> = input
             .allocations
@@ -485,7 +482,7 @@ impl ReservationMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `extendReservation`.")] input: ExtendReservationInput,
-    ) -> async_graphql::Result<ReservationPayload> {
+    ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
         let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
         let outcome = commands::extend_reservation(
@@ -505,7 +502,7 @@ impl ReservationMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `releaseReservation`.")] input: ReservationActionInput,
-    ) -> async_graphql::Result<ReservationPayload> {
+    ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
         let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
         let r = commands::release_reservation(db(ctx)?, &actor, &id, input.version)
@@ -524,7 +521,7 @@ impl ReservationMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `cancelReservation`.")] input: ReservationActionInput,
-    ) -> async_graphql::Result<ReservationPayload> {
+    ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
         let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
         let r = commands::cancel_reservation(db(ctx)?, &actor, &id, input.version)

@@ -11,11 +11,11 @@ use compute_domain::page::{PageRequest, encode_cursor};
 use compute_domain::sinks::{self, Scope, Sink, SinkChange};
 
 use crate::auth::Role;
-use crate::graph::{db, gql_error, viewer};
+use crate::graph::{GqlResult, db, gql_error, viewer};
 
 /// Whose sinks the caller manages: a member its tenant's; an operator the fleet's (which
 /// receive every event) and, to look at, every tenant's.
-fn scope(ctx: &Context<'_>) -> async_graphql::Result<(Scope, String)> {
+fn scope(ctx: &Context<'_>) -> GqlResult<(Scope, String)> {
     let v = viewer(ctx)?;
     let tenant_id = if v.has_role(Role::Operator) {
         None
@@ -33,7 +33,7 @@ fn scope(ctx: &Context<'_>) -> async_graphql::Result<(Scope, String)> {
     Ok((Scope { tenant_id }, v.subject.clone()))
 }
 
-fn sink_id(field: &str, id: &ID) -> async_graphql::Result<SinkId> {
+fn sink_id(field: &str, id: &ID) -> GqlResult<SinkId> {
     SinkId::parse(field, id.as_str()).map_err(gql_error)
 }
 
@@ -136,7 +136,7 @@ pub struct SinkCount(Scope);
 #[Object]
 impl SinkCount {
     /// How many sinks there are, across all pages.
-    async fn total_count(&self, ctx: &Context<'_>) -> async_graphql::Result<i64> {
+    async fn total_count(&self, ctx: &Context<'_>) -> GqlResult<i64> {
         sinks::count(db(ctx)?, &self.0).await.map_err(gql_error)
     }
 }
@@ -164,7 +164,7 @@ impl SinkQuery {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Connection<String, EventSinkObj, SinkCount>> {
+    ) -> GqlResult<Connection<String, EventSinkObj, SinkCount>> {
         let (scope, _) = scope(ctx)?;
         let args = PageRequest {
             first: first.map(i64::from),
@@ -192,7 +192,7 @@ impl SinkQuery {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The sink's id.")] id: ID,
-    ) -> async_graphql::Result<EventSinkObj> {
+    ) -> GqlResult<EventSinkObj> {
         let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &id)?;
         sinks::get(db(ctx)?, &scope, &id)
@@ -270,7 +270,7 @@ impl SinkMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `createEventSink`.")] input: CreateEventSinkInput,
-    ) -> async_graphql::Result<CreateEventSinkPayload> {
+    ) -> GqlResult<CreateEventSinkPayload> {
         let (scope, by) = scope(ctx)?;
         let (sink, secret) = sinks::create(db(ctx)?, &scope, &by, &input.url, input.types)
             .await
@@ -286,7 +286,7 @@ impl SinkMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updateEventSink`.")] input: UpdateEventSinkInput,
-    ) -> async_graphql::Result<UpdateEventSinkPayload> {
+    ) -> GqlResult<UpdateEventSinkPayload> {
         let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &input.id)?;
         let sink = sinks::update(
@@ -312,7 +312,7 @@ impl SinkMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `deleteEventSink`.")] input: DeleteEventSinkInput,
-    ) -> async_graphql::Result<DeleteEventSinkPayload> {
+    ) -> GqlResult<DeleteEventSinkPayload> {
         let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &input.id)?;
         let sink = sinks::delete(db(ctx)?, &scope, &id)

@@ -16,7 +16,6 @@ use serde_json::Value;
 
 use compute_domain::ErrorCode;
 use serde_json::json;
-use tracing::error;
 
 use crate::auth::{Viewer, bearer};
 use crate::state::AppState;
@@ -162,7 +161,7 @@ fn has_code(e: &ServerError) -> bool {
         .is_some_and(|x| x.get("code").is_some())
 }
 
-/// Gives every error of `response` a code (and hides the text of uncoded resolver errors),
+/// Gives every error of `response` a code,
 /// counts them, and says whether it is a request error: no `data`, because the document did not
 /// parse or validate or the operation could not start.
 pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
@@ -173,15 +172,11 @@ pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
         if !has_code(e) {
             if request_error {
                 set_code(e, VALIDATION_FAILED);
-            } else if is_input_error(&e.message) {
-                // async-graphql could not coerce an argument or variable: the caller's input.
-                set_code(e, ErrorCode::BadUserInput.as_str());
             } else {
-                // A resolver error that did not go through `gql_error`: never show its text.
-                let error_id = compute_domain::ids::new_id("err");
-                error!(error.id = %error_id, error = %e.message, "uncoded resolver error");
-                e.message = format!("internal error (id {error_id})");
-                set_code(e, ErrorCode::Internal.as_str());
+                // Every resolver error is coded (`graph::GqlError` cannot hold an uncoded one),
+                // so an uncoded field error is async-graphql's own: an argument or variable it
+                // could not coerce to its input type. The caller's input, whatever the wording.
+                set_code(e, ErrorCode::BadUserInput.as_str());
             }
         }
         let code = e
@@ -193,14 +188,6 @@ pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
             .record_graphql_error(static_code(code.as_deref()));
     }
     request_error
-}
-
-/// Whether an uncoded error is async-graphql's report of an argument or variable it could not
-/// coerce to its input type.
-fn is_input_error(message: &str) -> bool {
-    message.starts_with("Failed to parse ")
-        || message.starts_with("Expected input type ")
-        || message.starts_with("Invalid value for argument ")
 }
 
 /// The JSON of a prepared response: `data` unless it is a request error, `errors` and

@@ -166,3 +166,62 @@ async fn get_runs_queries_refuses_mutations_and_serves_graphiql_to_browsers() {
     let res = app.http.put(app.url("/graphql")).send().await.expect("PUT");
     assert_eq!(res.status().as_u16(), 405);
 }
+
+#[tokio::test]
+async fn input_async_graphql_cannot_coerce_is_coded_as_the_callers_whatever_its_wording() {
+    // The codes do not rest on async-graphql's English. A variable of the wrong type is a request
+    // error (GraphQL over HTTP: 400, GRAPHQL_VALIDATION_FAILED, no data). A value that passes the
+    // type check but not its scalar's parser fails at its field: every resolver error is coded,
+    // so an uncoded field error can only be async-graphql's report of such input, and it is
+    // BAD_USER_INPUT with the field's path, never INTERNAL.
+    let app = compute_tests::spawn_app().await;
+    let token = app.token("ops", None, &[compute_api::auth::Role::Operator]);
+    let request_errors = [
+        (
+            "a mistyped variable",
+            "query($n: Int) { sites(first: $n) { totalCount } }",
+            serde_json::json!({ "n": "ten" }),
+        ),
+        (
+            "an enum value that does not exist",
+            "query($k: PoolKind) { pools(kind: $k) { totalCount } }",
+            serde_json::json!({ "k": "SPACESHIP" }),
+        ),
+    ];
+    for (case, query, variables) in request_errors {
+        let (status, body) = app.graphql(query, variables, Some(&token)).await;
+        assert_eq!(status, 400, "{case}: {body}");
+        assert_eq!(
+            body["errors"][0]["extensions"]["code"], "GRAPHQL_VALIDATION_FAILED",
+            "{case}: {body}"
+        );
+        assert!(body.get("data").is_none(), "{case}: {body}");
+    }
+    let field_errors = [
+        (
+            "a number too large for Int",
+            "query($n: Int) { sites(first: $n) { totalCount } }",
+            serde_json::json!({ "n": 1u64 << 40 }),
+            "sites",
+        ),
+        (
+            "a time that is not a time",
+            "query($w: WindowInput) { reservations(window: $w) { totalCount } }",
+            serde_json::json!({ "w": { "start": "yesterday", "end": "2030-01-01T00:00:00Z" } }),
+            "reservations",
+        ),
+    ];
+    for (case, query, variables, field) in field_errors {
+        let (status, body) = app.graphql(query, variables, Some(&token)).await;
+        assert_eq!(status, 200, "{case}: a field error: {body}");
+        assert_eq!(
+            body["errors"][0]["extensions"]["code"], "BAD_USER_INPUT",
+            "{case}: {body}"
+        );
+        assert_eq!(
+            body["errors"][0]["path"],
+            serde_json::json!([field]),
+            "{case}: {body}"
+        );
+    }
+}

@@ -17,7 +17,7 @@ use crate::auth::Role;
 use crate::graph::common::*;
 use crate::graph::loaders::*;
 use crate::graph::node::{NodeInterface, load_node};
-use crate::graph::{actor, db, gql_error, require_operator, viewer};
+use crate::graph::{GqlResult, actor, db, gql_error, require_operator, viewer};
 
 pub mod mutations;
 
@@ -119,7 +119,7 @@ enum CountOf {
 #[Object]
 impl TotalCount {
     /// How many items the connection has across all pages.
-    async fn total_count(&self, ctx: &Context<'_>) -> async_graphql::Result<i64> {
+    async fn total_count(&self, ctx: &Context<'_>) -> GqlResult<i64> {
         let db = db(ctx)?;
         let loaders = loaders_of(ctx)?;
         let n = match &self.0 {
@@ -168,7 +168,7 @@ where
 }
 
 /// The caller must be authenticated (any role); members see the inventory's public face.
-fn require_viewer(ctx: &Context<'_>) -> async_graphql::Result<bool> {
+fn require_viewer(ctx: &Context<'_>) -> GqlResult<bool> {
     Ok(viewer(ctx)?.has_role(Role::Operator))
 }
 
@@ -194,7 +194,7 @@ async fn capacity(
     ctx: &Context<'_>,
     scope: ScopeId,
     w: Option<WindowInput>,
-) -> async_graphql::Result<Vec<Capacity>> {
+) -> GqlResult<Vec<Capacity>> {
     let rows = loaders_of(ctx)?
         .load_one(CapacityOf(scope, window(w)?))
         .await?
@@ -259,7 +259,7 @@ impl SiteObj {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Conn<PoolObj>> {
+    ) -> GqlResult<Conn<PoolObj>> {
         let args = page_request(first, after, last, before)
             .resolve()
             .map_err(gql_error)?;
@@ -285,7 +285,7 @@ impl SiteObj {
         ctx: &Context<'_>,
         #[graphql(desc = "The window to count bookings over; the present instant when unset.")]
         window: Option<WindowInput>,
-    ) -> async_graphql::Result<Vec<Capacity>> {
+    ) -> GqlResult<Vec<Capacity>> {
         capacity(ctx, ScopeId::Site(self.0.id.clone()), window).await
     }
 }
@@ -344,7 +344,7 @@ impl PoolObj {
         self.0.updated_at
     }
     /// The site it belongs to.
-    async fn site(&self, ctx: &Context<'_>) -> async_graphql::Result<SiteObj> {
+    async fn site(&self, ctx: &Context<'_>) -> GqlResult<SiteObj> {
         loaders_of(ctx)?
             .load_one(self.0.site_id.clone())
             .await?
@@ -367,7 +367,7 @@ impl PoolObj {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Conn<ComputeNodeObj>> {
+    ) -> GqlResult<Conn<ComputeNodeObj>> {
         require_operator(ctx)?;
         let args = page_request(first, after, last, before)
             .resolve()
@@ -388,7 +388,7 @@ impl PoolObj {
         ctx: &Context<'_>,
         #[graphql(desc = "The window to count bookings over; the present instant when unset.")]
         window: Option<WindowInput>,
-    ) -> async_graphql::Result<Vec<Capacity>> {
+    ) -> GqlResult<Vec<Capacity>> {
         capacity(ctx, ScopeId::Pool(self.0.id.clone()), window).await
     }
 }
@@ -457,7 +457,7 @@ pub struct NodeSubtree {
 async fn prefetch_nodes(
     ctx: &Context<'_>,
     nodes: &[fleet::Node],
-) -> async_graphql::Result<Option<Arc<NodeSubtree>>> {
+) -> GqlResult<Option<Arc<NodeSubtree>>> {
     let look = ctx.look_ahead();
     let selections = [look.field("edges").field("node"), look.field("nodes")];
     let wants = |path: &[&str]| {
@@ -527,7 +527,7 @@ async fn node_connection(
     ctx: &Context<'_>,
     page: Page<fleet::Node>,
     count: CountOf,
-) -> async_graphql::Result<Conn<ComputeNodeObj>> {
+) -> GqlResult<Conn<ComputeNodeObj>> {
     let subtree = prefetch_nodes(ctx, &page.items).await?;
     Ok(connection(
         page,
@@ -619,7 +619,7 @@ impl ComputeNodeObj {
         self.0.updated_at
     }
     /// Its pool.
-    async fn pool(&self, ctx: &Context<'_>) -> async_graphql::Result<PoolObj> {
+    async fn pool(&self, ctx: &Context<'_>) -> GqlResult<PoolObj> {
         loaders_of(ctx)?
             .load_one(self.0.pool_id.clone())
             .await?
@@ -627,7 +627,7 @@ impl ComputeNodeObj {
             .ok_or_else(|| gql_error(Error::internal("a node without its pool")))
     }
     /// vCPU, memory and disk.
-    async fn resources(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<NodeResource>> {
+    async fn resources(&self, ctx: &Context<'_>) -> GqlResult<Vec<NodeResource>> {
         let prefetched = self.1.as_ref().and_then(|t| t.resources.as_ref());
         let rows = match prefetched {
             Some(r) => r.get(&self.0.id).cloned().unwrap_or_default(),
@@ -651,7 +651,7 @@ impl ComputeNodeObj {
             .collect()
     }
     /// Its GPUs.
-    async fn devices(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<DeviceObj>> {
+    async fn devices(&self, ctx: &Context<'_>) -> GqlResult<Vec<DeviceObj>> {
         if let Some(tree) = &self.1
             && let Some(devices) = tree.devices.get(&self.0.id)
         {
@@ -749,7 +749,7 @@ impl DeviceObj {
         self.0.updated_at
     }
     /// The node it is in.
-    async fn compute_node(&self, ctx: &Context<'_>) -> async_graphql::Result<ComputeNodeObj> {
+    async fn compute_node(&self, ctx: &Context<'_>) -> GqlResult<ComputeNodeObj> {
         loaders_of(ctx)?
             .load_one(self.0.node_id.clone())
             .await?
@@ -758,7 +758,7 @@ impl DeviceObj {
     }
     /// Its bookable atoms, by the atom rule: the GPU itself in exclusive mode, else only its MIG
     /// instances or slots.
-    async fn atoms(&self, ctx: &Context<'_>) -> async_graphql::Result<Vec<AtomObj>> {
+    async fn atoms(&self, ctx: &Context<'_>) -> GqlResult<Vec<AtomObj>> {
         if let Some(atoms) = &self.1 {
             return Ok(atoms.iter().cloned().map(AtomObj).collect());
         }
@@ -807,7 +807,7 @@ impl AtomObj {
         self.0.share_den
     }
     /// Its GPU.
-    async fn device(&self, ctx: &Context<'_>) -> async_graphql::Result<DeviceObj> {
+    async fn device(&self, ctx: &Context<'_>) -> GqlResult<DeviceObj> {
         loaders_of(ctx)?
             .load_one(self.0.device_id.clone())
             .await?
@@ -884,7 +884,7 @@ impl FleetQuery {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The global id of the object.")] id: ID,
-    ) -> async_graphql::Result<Option<NodeInterface>> {
+    ) -> GqlResult<Option<NodeInterface>> {
         let operator = require_viewer(ctx)?;
         let found = load_node(ctx, &id, operator).await?;
         match found {
@@ -902,7 +902,7 @@ impl FleetQuery {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "Global ids, at most 100; the answer keeps their order.")] ids: Vec<ID>,
-    ) -> async_graphql::Result<Vec<Option<NodeInterface>>> {
+    ) -> GqlResult<Vec<Option<NodeInterface>>> {
         let operator = require_viewer(ctx)?;
         if ids.len() > 100 {
             return Err(gql_error(Error::bad_input(
@@ -934,7 +934,7 @@ impl FleetQuery {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Conn<SiteObj>> {
+    ) -> GqlResult<Conn<SiteObj>> {
         require_viewer(ctx)?;
         let args = page_request(first, after, last, before)
             .resolve()
@@ -964,7 +964,7 @@ impl FleetQuery {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Conn<PoolObj>> {
+    ) -> GqlResult<Conn<PoolObj>> {
         require_viewer(ctx)?;
         let filter = PoolFilter {
             site_id: opt_id::<SiteId>("siteId", site_id.as_ref())?,
@@ -1011,7 +1011,7 @@ impl FleetQuery {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Conn<ComputeNodeObj>> {
+    ) -> GqlResult<Conn<ComputeNodeObj>> {
         require_operator(ctx)?;
         let filter = NodeFilter {
             site_id: opt_id::<SiteId>("siteId", site_id.as_ref())?,
@@ -1053,7 +1053,7 @@ impl FleetQuery {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Conn<DeviceObj>> {
+    ) -> GqlResult<Conn<DeviceObj>> {
         require_operator(ctx)?;
         let filter = DeviceFilter {
             site_id: opt_id::<SiteId>("siteId", site_id.as_ref())?,
@@ -1103,7 +1103,7 @@ impl FleetQuery {
         #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
             String,
         >,
-    ) -> async_graphql::Result<Conn<AtomObj>> {
+    ) -> GqlResult<Conn<AtomObj>> {
         require_operator(ctx)?;
         let filter = AtomFilter {
             pool_id: opt_id::<PoolId>("poolId", pool_id.as_ref())?,
@@ -1133,7 +1133,7 @@ impl FleetQuery {
         ctx: &Context<'_>,
         #[graphql(desc = "The tenant whose quotas to list; members may name only their own.")]
         tenant_id: Option<String>,
-    ) -> async_graphql::Result<Vec<Quota>> {
+    ) -> GqlResult<Vec<Quota>> {
         let actor = actor(ctx)?;
         let tenant = match tenant_id {
             Some(t) => TenantId::parse("tenantId", &t).map_err(gql_error)?,

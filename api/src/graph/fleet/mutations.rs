@@ -13,13 +13,13 @@ use compute_domain::{Error, quota};
 
 use crate::graph::common::*;
 use crate::graph::fleet::*;
-use crate::graph::{actor, db, gql_error, require_operator};
+use crate::graph::{GqlResult, actor, db, gql_error, require_operator};
 
-fn bad<T>(e: Error) -> async_graphql::Result<T> {
+fn bad<T>(e: Error) -> GqlResult<T> {
     Err(gql_error(e))
 }
 
-fn name(field: &str, s: &str) -> async_graphql::Result<String> {
+fn name(field: &str, s: &str) -> GqlResult<String> {
     m::parse_name(field, s).map_err(gql_error)
 }
 
@@ -74,7 +74,7 @@ pub struct OvercommitInput {
     pub disk: Option<f64>,
 }
 
-fn ratio(field: &str, r: Option<f64>) -> async_graphql::Result<Option<f64>> {
+fn ratio(field: &str, r: Option<f64>) -> GqlResult<Option<f64>> {
     r.map(|r| m::parse_ratio(field, r).map_err(gql_error))
         .transpose()
 }
@@ -372,7 +372,7 @@ pub struct SetQuotaPayload {
     pub quotas: Vec<Quota>,
 }
 
-fn labels(field: &str, input: &[LabelInput]) -> async_graphql::Result<m::Labels> {
+fn labels(field: &str, input: &[LabelInput]) -> GqlResult<m::Labels> {
     let pairs: Vec<(String, String)> = input
         .iter()
         .map(|l| (l.key.clone(), l.value.clone()))
@@ -380,11 +380,11 @@ fn labels(field: &str, input: &[LabelInput]) -> async_graphql::Result<m::Labels>
     m::parse_labels(field, &pairs).map_err(gql_error)
 }
 
-fn taint(field: &str, t: &TaintInput) -> async_graphql::Result<m::Taint> {
+fn taint(field: &str, t: &TaintInput) -> GqlResult<m::Taint> {
     m::Taint::new(field, &t.key, &t.value, t.effect.into()).map_err(gql_error)
 }
 
-fn optional_reason(field: &str, r: Option<String>) -> async_graphql::Result<Option<String>> {
+fn optional_reason(field: &str, r: Option<String>) -> GqlResult<Option<String>> {
     match r {
         Some(r) if r.chars().count() > 500 => {
             bad(Error::bad_input(field, "at most 500 characters"))
@@ -405,7 +405,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `createSite`.")] input: CreateSiteInput,
-    ) -> async_graphql::Result<CreateSitePayload> {
+    ) -> GqlResult<CreateSitePayload> {
         require_operator(ctx)?;
         let new = NewSite {
             name: name("name", &input.name)?,
@@ -432,7 +432,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updateSite`.")] input: UpdateSiteInput,
-    ) -> async_graphql::Result<UpdateSitePayload> {
+    ) -> GqlResult<UpdateSitePayload> {
         require_operator(ctx)?;
         let id = parse_id::<SiteId>("id", &input.id)?;
         let new_name = input.name.as_deref().map(|n| name("name", n)).transpose()?;
@@ -454,7 +454,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `createPool`.")] input: CreatePoolInput,
-    ) -> async_graphql::Result<CreatePoolPayload> {
+    ) -> GqlResult<CreatePoolPayload> {
         require_operator(ctx)?;
         let oc = input.overcommit.unwrap_or_default();
         let new = NewPool {
@@ -483,7 +483,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updatePool`.")] input: UpdatePoolInput,
-    ) -> async_graphql::Result<UpdatePoolPayload> {
+    ) -> GqlResult<UpdatePoolPayload> {
         require_operator(ctx)?;
         let id = parse_id::<PoolId>("id", &input.id)?;
         if input.clear_lost_after && input.lost_after_seconds.is_some() {
@@ -523,7 +523,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `registerNode`.")] input: RegisterNodeInput,
-    ) -> async_graphql::Result<ComputeNodePayload> {
+    ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let mut devices = Vec::with_capacity(input.devices.len());
         if input.devices.len() > 64 {
@@ -569,7 +569,7 @@ impl FleetMutation {
                 .taints
                 .iter()
                 .map(|t| taint("taints", t))
-                .collect::<async_graphql::Result<_>>()?,
+                .collect::<GqlResult<_>>()?,
             vcpu: m::parse_count("resources.vcpu", input.resources.vcpu, 1, 4096)
                 .map_err(gql_error)?,
             memory_mib: m::parse_count(
@@ -594,7 +594,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updateNode`.")] input: UpdateNodeInput,
-    ) -> async_graphql::Result<ComputeNodePayload> {
+    ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let node = cmd::update_node(
@@ -615,7 +615,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `cordonNode`.")] input: CordonNodeInput,
-    ) -> async_graphql::Result<ComputeNodePayload> {
+    ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let reason = optional_reason("reason", input.reason)?;
@@ -632,7 +632,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `uncordonNode`.")] input: NodeActionInput,
-    ) -> async_graphql::Result<ComputeNodePayload> {
+    ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let node = cmd::set_cordoned(db(ctx)?, &id, input.version, false, None)
@@ -648,7 +648,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `taintNode`.")] input: TaintNodeInput,
-    ) -> async_graphql::Result<ComputeNodePayload> {
+    ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let t = taint("taint", &input.taint)?;
@@ -665,7 +665,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `untaintNode`.")] input: UntaintNodeInput,
-    ) -> async_graphql::Result<ComputeNodePayload> {
+    ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let key = m::parse_key("key", &input.key).map_err(gql_error)?;
@@ -688,7 +688,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `drainNode`.")] input: NodeActionInput,
-    ) -> async_graphql::Result<DrainNodePayload> {
+    ) -> GqlResult<DrainNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let (node, remaining) = cmd::drain_node(db(ctx)?, &id, input.version)
@@ -713,7 +713,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `retireNode`.")] input: NodeActionInput,
-    ) -> async_graphql::Result<ComputeNodePayload> {
+    ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let node = cmd::retire_node(db(ctx)?, &id, input.version)
@@ -729,7 +729,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `setDeviceHealth`.")] input: SetDeviceHealthInput,
-    ) -> async_graphql::Result<DevicePayload> {
+    ) -> GqlResult<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
         let reason = optional_reason("reason", input.reason)?;
@@ -747,7 +747,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `quarantineDevice`.")] input: QuarantineDeviceInput,
-    ) -> async_graphql::Result<DevicePayload> {
+    ) -> GqlResult<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
         let Some(reason) = optional_reason("reason", Some(input.reason))? else {
@@ -766,7 +766,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `unquarantineDevice`.")] input: UnquarantineDeviceInput,
-    ) -> async_graphql::Result<DevicePayload> {
+    ) -> GqlResult<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
         let device = cmd::set_quarantine(db(ctx)?, &id, input.version, None)
@@ -783,7 +783,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `changeDeviceMode`.")] input: ChangeDeviceModeInput,
-    ) -> async_graphql::Result<DevicePayload> {
+    ) -> GqlResult<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
         let layout = input.layout.unwrap_or_default();
@@ -811,7 +811,7 @@ impl FleetMutation {
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `setQuota`.")] input: SetQuotaInput,
-    ) -> async_graphql::Result<SetQuotaPayload> {
+    ) -> GqlResult<SetQuotaPayload> {
         require_operator(ctx)?;
         let limits = quota::QuotaLimits {
             gpus: input.gpus,

@@ -1,0 +1,408 @@
+//! Compute nodes: registration with their GPUs and atoms, and the operator actions of the node
+//! state table (update, cordon, taint, drain, retire).
+
+use super::*;
+
+/// A GPU to register with its node.
+#[derive(Debug, Clone)]
+pub struct NewDevice {
+    pub uuid: String,
+    pub vendor: String,
+    pub model: String,
+    pub memory_mib: i64,
+    pub layout: Layout,
+}
+
+/// Input of `register_node`.
+#[derive(Debug, Clone)]
+pub struct NewNode {
+    pub pool_id: PoolId,
+    pub hostname: String,
+    pub labels: Labels,
+    pub taints: Vec<Taint>,
+    pub vcpu: i64,
+    pub memory_mib: i64,
+    pub disk_gib: i64,
+    pub devices: Vec<NewDevice>,
+}
+
+/// What a registration created.
+#[derive(Debug, Clone)]
+pub struct Registered {
+    pub node: Node,
+    pub devices: Vec<Device>,
+}
+
+/// Registers a node with its resources and GPUs, and their atoms.
+pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
+    let mut seen = std::collections::HashSet::new();
+    for d in &input.devices {
+        if !seen.insert(d.uuid.as_str()) {
+            return Err(Error::bad_input(
+                "devices",
+                format!("GPU {} is listed twice", d.uuid),
+            ));
+        }
+    }
+    let node_id = NodeId::generate();
+    let device_ids: Vec<DeviceId> = input.devices.iter().map(|_| DeviceId::generate()).collect();
+    db.tx(TxKind::Write, |conn| {
+        let (input, node_id, device_ids) = (input.clone(), node_id.clone(), device_ids.clone());
+        Box::pin(async move {
+            // The pool's row FOR SHARE: its ratios are copied into the node's resources, so a
+            // concurrent ratio change waits for this registration (or this one for it); and
+            // the node's atoms join the pool's rollup, which a recompute must not overwrite
+            // meanwhile (`recompute_rollup` takes the row FOR NO KEY UPDATE).
+            let ratios = sqlx::query!(
+                r#"SELECT vcpu_ratio::float8 AS "vcpu!", memory_ratio::float8 AS "memory!", disk_ratio::float8 AS "disk!"
+                     FROM pools WHERE id = $1 FOR SHARE"#,
+                input.pool_id.as_str(),
+            )
+            .fetch_optional(&mut *conn)
+            .await?
+            .map(|r| (r.vcpu, r.memory, r.disk));
+            let Some((vcpu_ratio, memory_ratio, disk_ratio)) = ratios else {
+                return Err(Error::NotFound { kind: "pool", id: input.pool_id.to_string() });
+            };
+            let node = query_nodes!(
+                "INSERT INTO nodes AS n (id, pool_id, hostname, labels, taints) VALUES ($1, $2, $3, $4, $5) RETURNING",
+                "",
+                node_id.as_str(),
+                input.pool_id.as_str(),
+                input.hostname,
+                Json(&input.labels) as _,
+                Json(&input.taints) as _,
+            )
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| on_constraint(e, &[("nodes_hostname_key", &|| conflict(format!("a node named `{}` is already registered", input.hostname), None))]))?;
+
+            let devices: Vec<Device> = if input.devices.is_empty() {
+                Vec::new()
+            } else {
+                let uuids: Vec<&str> = input.devices.iter().map(|d| d.uuid.as_str()).collect();
+                let vendors: Vec<&str> = input.devices.iter().map(|d| d.vendor.as_str()).collect();
+                let models: Vec<&str> = input.devices.iter().map(|d| d.model.as_str()).collect();
+                let memory: Vec<i64> = input.devices.iter().map(|d| d.memory_mib).collect();
+                let modes: Vec<&str> = input.devices.iter().map(|d| d.layout.mode().as_str()).collect();
+                let layouts: Vec<Option<serde_json::Value>> =
+                    input.devices.iter().map(|d| d.layout.stored().map(|l| json!(l))).collect();
+                let ids: Vec<&str> = device_ids.iter().map(DeviceId::as_str).collect();
+                query_devices!(
+                    "INSERT INTO devices AS d (id, node_id, uuid, vendor, model, memory_mib, mode, layout)
+                     SELECT i, $2, u, v, m, mem, mo, l
+                       FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::jsonb[])
+                         AS t(i, u, v, m, mem, mo, l)
+                     RETURNING",
+                    "",
+                    &ids as &[&str],
+                    node_id.as_str(),
+                    &uuids as &[&str],
+                    &vendors as &[&str],
+                    &models as &[&str],
+                    &memory,
+                    &modes as &[&str],
+                    &layouts as &[Option<serde_json::Value>],
+                )
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(|e| on_constraint(e, &[("devices_uuid_key", &|| conflict("a GPU with one of these UUIDs is already registered", None))]))?
+            };
+            let atoms: Vec<(DeviceId, AtomSpec)> = input
+                .devices
+                .iter()
+                .zip(&device_ids)
+                .flat_map(|(d, id)| d.layout.atoms(&d.uuid).into_iter().map(move |a| (id.clone(), a)))
+                .collect();
+            if !atoms.is_empty() {
+                insert_atoms(conn, &atoms).await?;
+            }
+            sqlx::query!(
+                "INSERT INTO node_resources (node_id, resource, allocatable, ratio) \
+                 VALUES ($1, 'vcpu', $2, $5::float8), ($1, 'memory_mib', $3, $6::float8), ($1, 'disk_gib', $4, $7::float8)",
+                node_id.as_str(),
+                input.vcpu,
+                input.memory_mib,
+                input.disk_gib,
+                vcpu_ratio,
+                memory_ratio,
+                disk_ratio,
+            )
+            .execute(&mut *conn)
+            .await?;
+            if !devices.is_empty() {
+                adjust_rollup(conn, &device_ids, Change::Add).await?;
+            }
+            emit(conn, EventType::NodeRegistered, &node.id, &NodePayload { devices: Some(devices.iter().map(DeviceView::from).collect()), ..NodePayload::of(&node) }).await?;
+            Ok(Registered { node, devices })
+        })
+    })
+    .await
+}
+
+/// A guarded update of one node: `set` is the SET list; `extra` more WHERE conditions.
+async fn update_node_row(
+    conn: &mut PgConnection,
+    id: &NodeId,
+    version: Option<i64>,
+    action: NodeAction,
+    set: &str,
+    extra: &str,
+    binds: Vec<Value>,
+) -> Result<Node> {
+    let sql = format!(
+        "UPDATE nodes AS n SET {set}, version = n.version + 1, updated_at = compute_now() \
+         WHERE n.id = $1 AND ($2::bigint IS NULL OR n.version = $2) AND n.lifecycle = ANY($3) {extra} \
+         RETURNING {NODE_COLS}"
+    );
+    let mut q = sqlx::query_as::<_, Node>(&sql)
+        .bind(id)
+        .bind(version)
+        .bind(allowed_from(action));
+    for b in binds {
+        q = q.bind(b);
+    }
+    match q.fetch_optional(&mut *conn).await? {
+        Some(node) => Ok(node),
+        None => Err(explain_node_miss(conn, id.as_str(), version, action).await),
+    }
+}
+
+/// Changes a node's labels (a spec change: the generation moves).
+pub async fn update_node(db: &Db, id: &NodeId, version: i64, labels: Labels) -> Result<Node> {
+    db.tx(TxKind::Write, |conn| {
+        let (id, labels) = (id.clone(), labels.clone());
+        Box::pin(async move {
+            let node = update_node_row(
+                conn,
+                &id,
+                Some(version),
+                NodeAction::Update,
+                "labels = $4, generation = n.generation + 1",
+                "",
+                vec![json!(labels)],
+            )
+            .await?;
+            emit(
+                conn,
+                EventType::NodeUpdated,
+                &node.id,
+                &NodePayload::of(&node),
+            )
+            .await?;
+            Ok(node)
+        })
+    })
+    .await
+}
+
+/// Cordons (`true`) or uncordons (`false`) a node.
+pub async fn set_cordoned(
+    db: &Db,
+    id: &NodeId,
+    version: Option<i64>,
+    cordoned: bool,
+    reason: Option<String>,
+) -> Result<Node> {
+    db.tx(TxKind::Write, |conn| {
+        let (id, reason) = (id.clone(), reason.clone());
+        Box::pin(async move {
+            let (action, event) = if cordoned {
+                (NodeAction::Cordon, EventType::NodeCordoned)
+            } else {
+                (NodeAction::Uncordon, EventType::NodeUncordoned)
+            };
+            let node = update_node_row(
+                conn,
+                &id,
+                version,
+                action,
+                "cordoned = ($4::jsonb)::text::boolean, cordon_reason = $5 #>> '{}'",
+                "",
+                vec![json!(cordoned), json!(if cordoned { reason } else { None })],
+            )
+            .await?;
+            emit(conn, event, &node.id, &NodePayload::of(&node)).await?;
+            Ok(node)
+        })
+    })
+    .await
+}
+
+/// Adds a taint, replacing one with the same key and effect.
+pub async fn taint_node(db: &Db, id: &NodeId, version: Option<i64>, taint: Taint) -> Result<Node> {
+    db.tx(TxKind::Write, |conn| {
+        let (id, taint) = (id.clone(), taint.clone());
+        Box::pin(async move {
+            let node = update_node_row(
+                conn,
+                &id,
+                version,
+                NodeAction::Taint,
+                "taints = (SELECT coalesce(jsonb_agg(t), '[]'::jsonb) FROM jsonb_array_elements(n.taints) t \
+                    WHERE NOT (t->>'key' = $4->>'key' AND t->>'effect' = $4->>'effect')) || jsonb_build_array($4), \
+                 generation = n.generation + 1",
+                "",
+                vec![json!(taint)],
+            )
+            .await?;
+            emit(conn, EventType::NodeTainted, &node.id, &NodePayload::of(&node)).await?;
+            Ok(node)
+        })
+    })
+    .await
+}
+
+/// Removes the taints with `key` (and `effect`, when given). `NOT_FOUND` when there is none.
+pub async fn untaint_node(
+    db: &Db,
+    id: &NodeId,
+    version: Option<i64>,
+    key: &str,
+    effect: Option<TaintEffect>,
+) -> Result<Node> {
+    db.tx(TxKind::Write, |conn| {
+        let (id, key) = (id.clone(), key.to_owned());
+        Box::pin(async move {
+            let pattern = json!({ "key": key, "effect": effect.map(|e| e.as_str()) });
+            let matches = "(t->>'key' = $4->>'key' AND ($4->>'effect' IS NULL OR t->>'effect' = $4->>'effect'))";
+            let result = update_node_row(
+                conn,
+                &id,
+                version,
+                NodeAction::Untaint,
+                &format!(
+                    "taints = (SELECT coalesce(jsonb_agg(t), '[]'::jsonb) FROM jsonb_array_elements(n.taints) t WHERE NOT {matches}), \
+                     generation = n.generation + 1"
+                ),
+                &format!("AND EXISTS (SELECT 1 FROM jsonb_array_elements(n.taints) t WHERE {matches})"),
+                vec![pattern],
+            )
+            .await;
+            let node = match result {
+                Ok(node) => node,
+                // The node is there and may change, so what is missing is the taint.
+                Err(Error::Conflict { message, .. }) if message.ends_with("cannot change now") => {
+                    return Err(Error::NotFound { kind: "taint", id: format!("{key} on {id}") });
+                }
+                Err(e) => return Err(e),
+            };
+            emit(conn, EventType::NodeUntainted, &node.id, &NodePayload::of(&node)).await?;
+            Ok(node)
+        })
+    })
+    .await
+}
+
+/// A booking that still holds atoms of a node.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Holder {
+    /// The allocation, or `None` for a maintenance hold (a mode change).
+    pub allocation_id: Option<AllocationId>,
+    pub reason: String,
+    pub atoms: Vec<AtomName>,
+    pub until: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Bookings on a node's GPUs that end after now, grouped by allocation.
+async fn holders(conn: &mut PgConnection, node_id: &NodeId) -> Result<Vec<Holder>> {
+    Ok(sqlx::query_as!(
+        Holder,
+        r#"SELECT b.allocation_id AS "allocation_id: _", b.reason, array_agg(b.atom ORDER BY b.atom) AS "atoms!: _",
+                max(upper(b.during)) FILTER (WHERE NOT upper_inf(b.during)) AS until
+           FROM device_bookings b JOIN devices d ON d.id = b.device_id
+          WHERE d.node_id = $1 AND upper(b.during) > compute_now()
+          GROUP BY b.allocation_id, b.reason ORDER BY b.allocation_id NULLS LAST"#,
+        node_id.as_str(),
+    )
+    .fetch_all(&mut *conn)
+    .await?)
+}
+
+/// Cordons a node and reports what still holds its GPUs.
+pub async fn drain_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<(Node, Vec<Holder>)> {
+    db.tx(TxKind::Write, |conn| {
+        let id = id.clone();
+        Box::pin(async move {
+            let node = update_node_row(
+                conn,
+                &id,
+                version,
+                NodeAction::Drain,
+                "cordoned = true, cordon_reason = coalesce(n.cordon_reason, 'draining')",
+                "",
+                vec![],
+            )
+            .await?;
+            let remaining = holders(conn, &id).await?;
+            emit(
+                conn,
+                EventType::NodeDrained,
+                &node.id,
+                &NodePayload {
+                    remaining: Some(remaining.iter().map(HolderView::from).collect()),
+                    ..NodePayload::of(&node)
+                },
+            )
+            .await?;
+            Ok((node, remaining))
+        })
+    })
+    .await
+}
+
+/// Retires a node for good. Refused while any booking on its GPUs ends after now.
+pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<Node> {
+    db.tx(TxKind::Write, |conn| {
+        let id = id.clone();
+        Box::pin(async move {
+            // The pool first (lock order; its atoms leave the rollup), then the node's row, in a
+            // statement of its own, so the check below reads every booking committed by
+            // placements that held the row FOR SHARE.
+            share_pool_of_node(conn, &id).await?;
+            let locked = sqlx::query_scalar!("SELECT version FROM nodes WHERE id = $1 FOR UPDATE", id.as_str())
+                .fetch_optional(&mut *conn)
+                .await?;
+            if locked.is_none() {
+                return Err(Error::NotFound { kind: "compute node", id: id.to_string() });
+            }
+            let remaining = holders(conn, &id).await?;
+            if !remaining.is_empty() {
+                let list: Vec<String> = remaining
+                    .iter()
+                    .map(|h| {
+                        let atoms: Vec<&str> = h.atoms.iter().map(AtomName::as_str).collect();
+                        let by = h.allocation_id.as_ref().map_or("mode change", AllocationId::as_str);
+                        format!("{by} ({})", atoms.join(", "))
+                    })
+                    .collect();
+                return Err(conflict(
+                    format!("compute node {id} still holds bookings: {}; drain it and wait for them to end", list.join("; ")),
+                    locked,
+                ));
+            }
+            let node = update_node_row(
+                conn,
+                &id,
+                version,
+                NodeAction::Retire,
+                "retired_at = compute_now(), cordoned = true, cordon_reason = coalesce(n.cordon_reason, 'retired')",
+                "",
+                vec![],
+            )
+            .await?;
+            let device_ids = sqlx::query_scalar!(
+                r#"SELECT id AS "id: DeviceId" FROM devices WHERE node_id = $1 ORDER BY id"#,
+                id.as_str(),
+            )
+            .fetch_all(&mut *conn)
+            .await?;
+            if !device_ids.is_empty() {
+                adjust_rollup(conn, &device_ids, Change::Remove).await?;
+            }
+            emit(conn, EventType::NodeRetired, &node.id, &NodePayload::of(&node)).await?;
+            Ok(node)
+        })
+    })
+    .await
+}
