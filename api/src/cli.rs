@@ -315,7 +315,16 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     )?;
     let listener = bind(args.listen).await?;
     let addr = listener.local_addr().map_err(Error::internal)?;
-    let server = Server::new(database.db.clone(), verifier).await?;
+    // One registry for the process: the API's metrics, the workers' and the transactions'.
+    let registry = compute_domain::metrics::Registry::default();
+    database.db.register_metrics(&registry);
+    let server = Server::with_registry(
+        database.db.clone(),
+        verifier,
+        crate::tailer::StreamConfig::default(),
+        registry.clone(),
+    )
+    .await?;
     let pg = database.embedded.as_ref();
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
@@ -344,8 +353,8 @@ pub async fn dev(args: DevArgs) -> Result<()> {
             owner: format!("dev:{}", std::process::id()),
             resync_every: std::time::Duration::from_secs(5),
             queue_idle: std::time::Duration::from_millis(200),
+            metrics: Some(registry),
         },
-        None,
         async move {
             let _ = workers_stopped.await;
         },

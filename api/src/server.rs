@@ -7,6 +7,7 @@ use axum::Router;
 use axum::routing::get;
 use compute_domain::clock::Clock;
 use compute_domain::db::Db;
+use compute_domain::metrics::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tracing::info;
@@ -56,16 +57,31 @@ impl Server {
         verifier: Verifier,
         stream: StreamConfig,
     ) -> compute_domain::Result<Server> {
+        let registry = Registry::default();
+        db.register_metrics(&registry);
+        Server::with_registry(db, verifier, stream, registry).await
+    }
+
+    /// [`Server::with_config`] declaring its metrics in `registry`, the process's one registry
+    /// (`dev` shares it with the workers it runs).
+    pub async fn with_registry(
+        db: Db,
+        verifier: Verifier,
+        stream: StreamConfig,
+        registry: Registry,
+    ) -> compute_domain::Result<Server> {
         let clock = Clock::anchored(&db).await?;
         let (shutdown_tx, shutdown) = watch::channel(false);
         let tailer = Tailer::new(db.clone(), stream);
+        let metrics = Metrics::new(&registry, &db, &clock, &tailer);
         let app = AppState::new(Inner {
             schema: graph::build(Some((db.clone(), tailer.clone()))),
             tailer,
             db,
             clock,
             verifier,
-            metrics: Metrics::default(),
+            metrics,
+            registry,
             shutdown,
         });
         Ok(Server { app, shutdown_tx })

@@ -24,6 +24,8 @@ pub struct Inner {
     pub schema: ApiSchema,
     pub verifier: Verifier,
     pub metrics: Metrics,
+    /// The process's one metrics registry, which `/metrics` encodes.
+    pub registry: compute_domain::metrics::Registry,
     /// The process's one outbox reader, which feeds every subscription.
     pub tailer: Tailer,
     /// Turns `true` when the server begins to shut down.

@@ -14,6 +14,7 @@ pub mod fleet;
 pub mod idempotency;
 pub mod ids;
 pub mod leases;
+pub mod metrics;
 pub mod outbox;
 pub mod page;
 pub mod quota;

@@ -56,6 +56,7 @@ pub struct QuotaLimits {
 }
 
 /// Sets limits for `tenant` on a pool (`pool_…`) or a site (`site_…`).
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, scope = %scope))]
 pub async fn set_quota(
     db: &Db,
     actor: &Actor,
@@ -95,7 +96,7 @@ pub async fn set_quota(
         ));
     }
     let subject = actor.subject.clone();
-    db.tx(TxKind::Write, move |conn| {
+    db.tx("set_quota", TxKind::Write, move |conn| {
         let (tenant, scope, rows, subject) = (tenant.clone(), scope.clone(), rows.clone(), subject.clone());
         Box::pin(async move {
             // Lock order: quota_usage first, then the scope's row (FOR KEY SHARE: it must exist

@@ -192,6 +192,7 @@ fn visible(scope: &Scope, sink: &Sink) -> bool {
 
 /// Creates a sink for `scope` that starts at the present; returns it and its signing secret
 /// (which is never shown again).
+#[tracing::instrument(level = "debug", skip_all, fields(url))]
 pub async fn create(
     db: &Db,
     scope: &Scope,
@@ -204,7 +205,7 @@ pub async fn create(
     let secret = new_secret()?;
     let id = SinkId::generate();
     let sink = db
-        .tx(TxKind::Write, |conn| {
+        .tx("create_event_sink", TxKind::Write, |conn| {
             let (id, url, types, secret) = (id.clone(), url.to_owned(), types.clone(), secret.clone());
             let (tenant, by) = (scope.tenant_id.clone(), created_by.to_owned());
             Box::pin(async move {
@@ -259,6 +260,7 @@ pub struct SinkChange {
 }
 
 /// Changes a sink. Re-activating a sink clears its failures, so it is tried at once.
+#[tracing::instrument(level = "debug", skip_all, fields(sink = %id))]
 pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> Result<Sink> {
     if let Some(url) = &change.url {
         check_url(url)?;
@@ -266,7 +268,7 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
     if let Some(types) = &change.types {
         check_types(types)?;
     }
-    db.tx(TxKind::Write, |conn| {
+    db.tx("update_event_sink", TxKind::Write, |conn| {
         let (id, change, scope) = (id.clone(), change.clone(), scope.clone());
         Box::pin(async move {
             let done = sqlx::query!(
@@ -323,8 +325,9 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
 }
 
 /// Deletes a sink and its position.
+#[tracing::instrument(level = "debug", skip_all, fields(sink = %id))]
 pub async fn delete(db: &Db, scope: &Scope, id: &SinkId) -> Result<Sink> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("delete_event_sink", TxKind::Write, |conn| {
         let (id, scope) = (id.clone(), scope.clone());
         Box::pin(async move {
             let sink = get_in(conn, &id)

@@ -128,23 +128,22 @@ pub async fn main() -> ExitCode {
             }
         }
     }
-    let (stats_tx, stats_rx) = tokio::sync::oneshot::channel();
+    let registry = compute_domain::metrics::Registry::default();
+    db.register_metrics(&registry);
     let options = Options {
         kinds,
         role: args.role,
         owner: owner(),
         resync_every: Duration::from_secs_f64(args.resync_seconds.max(1.0)),
         queue_idle: Duration::from_millis(200),
+        metrics: Some(registry.clone()),
     };
     tracing::info!(listen = %args.listen, "worker /healthz and /metrics");
-    let work = tokio::spawn(crate::run(db, options, Some(stats_tx), stop_signal()));
-    if let Ok(stats) = stats_rx.await {
-        let server = axum::serve(listener, crate::http::router(stats));
-        tokio::spawn(async move {
-            let _ = server.await;
-        });
-    }
-    let _ = work.await;
+    let server = axum::serve(listener, crate::http::router(registry));
+    tokio::spawn(async move {
+        let _ = server.await;
+    });
+    crate::run(db, options, stop_signal()).await;
     ExitCode::SUCCESS
 }
 

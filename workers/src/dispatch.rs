@@ -272,6 +272,7 @@ async fn deliver_sink(
 }
 
 /// Delivers one batch; `Ok(Ok(n))` with the number delivered.
+#[tracing::instrument(level = "debug", skip_all, fields(sink = %id, lease = %lease.fence().name, epoch = lease.fence().epoch))]
 async fn deliver_batch(
     db: &Db,
     http: &reqwest::Client,
@@ -315,19 +316,24 @@ async fn deliver_batch(
     stats
         .delivered
         .fetch_add(delivered as u64, Ordering::Relaxed);
-    db.fenced_tx(lease.fence(), TxKind::Maintenance, |conn| {
-        let (failure, id) = (failure.clone(), id.clone());
-        Box::pin(async move {
-            if let Some(cursor) = last {
-                sinks::save_progress(conn, &id, cursor, delivered).await?;
-            }
-            if let Some(why) = &failure {
-                let wait = sinks::record_failure(conn, &id, why).await?;
-                debug!(sink = %id, wait, "sink backs off");
-            }
-            Ok(())
-        })
-    })
+    db.fenced_tx(
+        "save_webhook_progress",
+        lease.fence(),
+        TxKind::Maintenance,
+        |conn| {
+            let (failure, id) = (failure.clone(), id.clone());
+            Box::pin(async move {
+                if let Some(cursor) = last {
+                    sinks::save_progress(conn, &id, cursor, delivered).await?;
+                }
+                if let Some(why) = &failure {
+                    let wait = sinks::record_failure(conn, &id, why).await?;
+                    debug!(sink = %id, wait, "sink backs off");
+                }
+                Ok(())
+            })
+        },
+    )
     .await?;
     if let Some(why) = failure {
         stats.failed.fetch_add(1, Ordering::Relaxed);

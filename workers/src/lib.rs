@@ -217,6 +217,8 @@ pub struct Options {
     pub resync_every: Duration,
     /// How long the queue loop idles when nothing is due.
     pub queue_idle: Duration,
+    /// Where the worker's metrics are declared (the process's one registry), if anywhere.
+    pub metrics: Option<compute_domain::metrics::Registry>,
 }
 
 /// The counters of one worker process, for its `/metrics`.
@@ -226,13 +228,54 @@ pub struct Stats {
     pub dispatch: std::sync::Arc<dispatch::DispatchStats>,
 }
 
+impl Stats {
+    /// Declares the worker's metrics in `registry`, read from its counters at each scrape.
+    pub fn register(&self, registry: &compute_domain::metrics::Registry) {
+        use compute_domain::metrics::Sampled;
+        use std::sync::atomic::Ordering::Relaxed;
+        let q = self.queue.clone();
+        registry.sample(
+            "compute_work_items",
+            "Work-queue items run, by outcome.",
+            Sampled::Counter,
+            Some("outcome"),
+            move || {
+                vec![
+                    ("done", q.succeeded.load(Relaxed) as f64),
+                    ("rescheduled", q.rescheduled.load(Relaxed) as f64),
+                    ("failed", q.failed.load(Relaxed) as f64),
+                ]
+            },
+        );
+        let q = self.queue.clone();
+        registry.sample(
+            "compute_lease_losses",
+            "Shard leases this process lost while holding them.",
+            Sampled::Counter,
+            None,
+            move || vec![("", q.lease_losses.load(Relaxed) as f64)],
+        );
+        let d = self.dispatch.clone();
+        registry.sample(
+            "compute_webhook_deliveries",
+            "Webhook POSTs answered 2xx.",
+            Sampled::Counter,
+            None,
+            move || vec![("", d.delivered.load(Relaxed) as f64)],
+        );
+        let d = self.dispatch.clone();
+        registry.sample(
+            "compute_webhook_failures",
+            "Webhook POSTs that failed (the sink then backs off).",
+            Sampled::Counter,
+            None,
+            move || vec![("", d.failed.load(Relaxed) as f64)],
+        );
+    }
+}
+
 /// Runs the roles of `options` until `stop` resolves, then lets every lease go.
-pub async fn run(
-    db: Db,
-    options: Options,
-    stats_out: Option<tokio::sync::oneshot::Sender<Stats>>,
-    stop: impl Future<Output = ()> + Send + 'static,
-) {
+pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send + 'static) {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -241,11 +284,12 @@ pub async fn run(
     let outbox = matches!(options.role, Role::Outbox | Role::All);
     let queue = queue::QueueWorker::new(db.clone(), options.owner.clone(), &options.kinds);
     let dispatcher = dispatch::Dispatcher::new(db.clone(), options.owner.clone());
-    if let Some(tx) = stats_out {
-        let _ = tx.send(Stats {
+    if let Some(registry) = &options.metrics {
+        Stats {
             queue: queue.stats(),
             dispatch: dispatcher.stats(),
-        });
+        }
+        .register(registry);
     }
     let mut tasks = Vec::new();
     if reconcile {

@@ -69,6 +69,7 @@ pub fn presence_lease(family: &str, owner: &str) -> String {
 }
 
 /// Runs the reconciler of `kind` for `key`; returns when the key is due again, if ever.
+#[tracing::instrument(level = "debug", skip(db), fields(kind = %kind))]
 pub async fn run_item(
     db: &Db,
     kind: WorkKind,
@@ -278,6 +279,7 @@ impl QueueWorker {
 }
 
 /// Claims, runs and finishes one batch of one shard under its lease.
+#[tracing::instrument(level = "debug", skip_all, fields(kind = %kind, shard, lease = %lease.fence().name, epoch = lease.fence().epoch))]
 async fn run_shard(
     db: &Db,
     lease: &HeldLease,
@@ -287,7 +289,7 @@ async fn run_shard(
     stats: &QueueStats,
 ) -> Result<usize> {
     let items: Vec<Item> = db
-        .fenced_tx(lease.fence(), TxKind::Maintenance, |conn| {
+        .fenced_tx("claim_work", lease.fence(), TxKind::Maintenance, |conn| {
             Box::pin(async move { work_queue::claim(conn, kind, &[shard], batch, claim_for).await })
         })
         .await?;
@@ -312,7 +314,7 @@ async fn run_shard(
         .zip(outcomes.iter().cloned())
         .collect();
     done.sort_by(|a, b| a.0.key.cmp(&b.0.key));
-    db.fenced_tx(lease.fence(), TxKind::Maintenance, |conn| {
+    db.fenced_tx("finish_work", lease.fence(), TxKind::Maintenance, |conn| {
         let done = done.clone();
         Box::pin(async move {
             for (item, outcome) in done.iter().map(|(i, o)| (i, o.clone())) {

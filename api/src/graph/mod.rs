@@ -56,6 +56,7 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
         events::SubscriptionRoot,
     )
     .register_output_type::<node::NodeInterface>()
+    .extension(async_graphql::extensions::Tracing)
     .limit_depth(32)
     .limit_complexity(100_000);
     if let Some((db, tailer)) = services {

@@ -105,18 +105,14 @@ pub async fn readyz(State(app): State<AppState>) -> Response {
         .into_response()
 }
 
-/// `/metrics` in the Prometheus text format.
+/// `/metrics`: the process's registry in the OpenMetrics text format.
 pub async fn metrics(State(app): State<AppState>) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            compute_domain::metrics::CONTENT_TYPE,
         )],
-        app.metrics.render(
-            app.db.pool_stats(),
-            app.clock.last_reading().skew_ms,
-            app.tailer.stats(),
-        ),
+        app.registry.encode(),
     )
         .into_response()
 }

@@ -25,6 +25,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use compute_domain::ErrorCode;
 use serde_json::json;
+use tracing::Instrument;
 
 use crate::auth::Viewer;
 use crate::state::AppState;
@@ -269,12 +270,13 @@ async fn execute(
         }
         Ok(_) => {}
     }
+    let span = super::request_span("http", &request, viewer.as_ref());
     if let Some(viewer) = viewer {
         request = request.data(viewer);
     }
     let replay = crate::graph::ReplayFlag::default();
     request = request.data(replay.clone());
-    let mut response = app.schema.execute(request).await;
+    let mut response = app.schema.execute(request).instrument(span).await;
     if replay.is_set() {
         response.extensions.insert(
             "idempotentReplay".into(),

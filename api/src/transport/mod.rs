@@ -149,6 +149,22 @@ pub fn operation_type(
     })
 }
 
+/// The span of one GraphQL request on `transport`: a request id, the operation's name and the
+/// caller. Every log line of the request (an `INTERNAL` error's included) carries it.
+pub fn request_span(
+    transport: &'static str,
+    request: &async_graphql::Request,
+    viewer: Option<&crate::auth::Viewer>,
+) -> tracing::Span {
+    tracing::info_span!(
+        "graphql",
+        request.id = %compute_domain::ids::new_id("req"),
+        transport,
+        operation = request.operation_name.as_deref().unwrap_or(""),
+        subject = viewer.map_or("", |v| v.subject.as_str()),
+    )
+}
+
 /// Sets `extensions.code` of an error.
 pub fn set_code(e: &mut ServerError, code: &str) {
     let ext = e.extensions.get_or_insert_with(Default::default);

@@ -25,6 +25,7 @@ use compute_domain::outbox::Cursor;
 use futures_util::StreamExt;
 use serde_json::json;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::auth::Viewer;
 use crate::graph::events::{ResumeAfter, Streaming};
@@ -119,8 +120,20 @@ async fn respond(
 }
 
 /// Runs the operation, turning its results into events, until it ends, the client goes away,
-/// the token expires or the server shuts down.
+/// the token expires or the server shuts down; in the request's span.
 async fn run(
+    app: AppState,
+    request: async_graphql::Request,
+    viewer: Option<Viewer>,
+    tx: mpsc::Sender<SseEvent>,
+) {
+    let span = super::request_span("sse", &request, viewer.as_ref());
+    stream_events(app, request, viewer, tx)
+        .instrument(span)
+        .await;
+}
+
+async fn stream_events(
     app: AppState,
     request: async_graphql::Request,
     viewer: Option<Viewer>,

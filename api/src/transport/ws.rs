@@ -37,7 +37,7 @@ use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
-use tracing::debug;
+use tracing::{Instrument, debug};
 
 use crate::auth::{Viewer, bearer};
 use crate::graph::events::Streaming;
@@ -422,8 +422,21 @@ fn op_id(message: &Value) -> Result<String, End> {
     }
 }
 
-/// Runs one operation and hands its messages to the connection.
+/// Runs one operation and hands its messages to the connection, in the operation's span.
 async fn run_operation(
+    app: AppState,
+    id: String,
+    request: async_graphql::Request,
+    viewer: Option<Viewer>,
+    out: mpsc::Sender<(String, Out)>,
+) {
+    let span = super::request_span("websocket", &request, viewer.as_ref());
+    operation(app, id, request, viewer, out)
+        .instrument(span)
+        .await;
+}
+
+async fn operation(
     app: AppState,
     id: String,
     request: async_graphql::Request,

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgConnection, PgPool};
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use crate::error::{Error, Result};
 
@@ -37,6 +37,15 @@ pub enum TxKind {
 }
 
 impl TxKind {
+    /// The kind's label in spans and metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            TxKind::Read => "read",
+            TxKind::Write => "write",
+            TxKind::Maintenance => "maintenance",
+        }
+    }
+
     /// `lock_timeout` of the kind.
     pub fn lock_timeout(self) -> Duration {
         match self {
@@ -98,6 +107,7 @@ impl Default for PoolSettings {
 #[derive(Debug, Clone)]
 pub struct Db {
     pool: PgPool,
+    metrics: crate::metrics::TxMetrics,
 }
 
 impl Db {
@@ -119,12 +129,20 @@ impl Db {
             .acquire_timeout(settings.acquire_timeout)
             .connect_with(options)
             .await?;
-        Ok(Db { pool })
+        Ok(Db::from_pool(pool))
     }
 
     /// Wraps an existing pool.
     pub fn from_pool(pool: PgPool) -> Db {
-        Db { pool }
+        Db {
+            pool,
+            metrics: crate::metrics::TxMetrics::default(),
+        }
+    }
+
+    /// Registers the transaction metrics (latency and errors by transaction name) in `registry`.
+    pub fn register_metrics(&self, registry: &crate::metrics::Registry) {
+        self.metrics.register(registry);
     }
 
     /// The underlying pool, for metrics and for tests.
@@ -184,16 +202,58 @@ impl Db {
     /// [`MAX_ATTEMPTS`] times in all; past that the caller gets [`Error::Contention`]
     /// (`LOCK_TIMEOUT`). A lock wait past the kind's `lock_timeout` is [`Error::LockTimeout`] at
     /// once: waiting again would only wait again.
-    pub async fn tx<T, F>(&self, kind: TxKind, body: F) -> Result<T>
+    ///
+    /// `name` names the transaction in its span, its log lines and its metrics
+    /// (`compute_db_transaction_seconds`, `compute_db_transaction_errors`): the command it
+    /// serves, such as `create_reservation`.
+    pub async fn tx<T, F>(&self, name: &'static str, kind: TxKind, body: F) -> Result<T>
     where
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
-        self.run(kind, None, body).await
+        self.run(name, kind, None, body).await
     }
 
     async fn run<T, F>(
         &self,
+        name: &'static str,
+        kind: TxKind,
+        fence: Option<&crate::leases::Fence>,
+        body: F,
+    ) -> Result<T>
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
+    {
+        let span = tracing::debug_span!("tx", tx.name = name, tx.kind = kind.label());
+        let started = std::time::Instant::now();
+        let result = self
+            .run_in_span(name, kind, fence, body)
+            .instrument(span)
+            .await;
+        let labels = crate::metrics::TxLabels {
+            transaction: name,
+            kind: kind.label(),
+        };
+        self.metrics
+            .seconds
+            .get_or_create(&labels)
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(e) = &result {
+            self.metrics
+                .errors
+                .get_or_create(&crate::metrics::TxErrorLabels {
+                    transaction: name,
+                    code: e.code().as_str(),
+                })
+                .inc();
+        }
+        result
+    }
+
+    async fn run_in_span<T, F>(
+        &self,
+        name: &'static str,
         kind: TxKind,
         fence: Option<&crate::leases::Fence>,
         mut body: F,
@@ -206,11 +266,21 @@ impl Db {
         loop {
             match self.try_tx(kind, fence, &mut body).await {
                 Err(Error::Contention { sqlstate, .. }) if attempt < MAX_ATTEMPTS => {
-                    debug!(tx.kind = ?kind, tx.attempt = attempt, sqlstate, "transaction retried");
+                    debug!(
+                        tx.name = name,
+                        tx.attempt = attempt,
+                        sqlstate,
+                        "transaction retried"
+                    );
                     attempt += 1;
                 }
                 Err(Error::Contention { sqlstate, .. }) => {
-                    warn!(tx.kind = ?kind, tx.attempts = attempt, sqlstate, "transaction gave up after repeated contention");
+                    warn!(
+                        tx.name = name,
+                        tx.attempts = attempt,
+                        sqlstate,
+                        "transaction gave up after repeated contention"
+                    );
                     return Err(Error::Contention {
                         sqlstate,
                         attempts: attempt,
@@ -226,6 +296,7 @@ impl Db {
     /// written; a takeover waits for this transaction to end.
     pub async fn fenced_tx<T, F>(
         &self,
+        name: &'static str,
         fence: &crate::leases::Fence,
         kind: TxKind,
         body: F,
@@ -234,7 +305,7 @@ impl Db {
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
-        self.run(kind, Some(fence), body).await
+        self.run(name, kind, Some(fence), body).await
     }
 
     async fn try_tx<T, F>(

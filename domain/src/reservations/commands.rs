@@ -134,6 +134,7 @@ pub struct CreateStats {
 
 /// Creates a reservation: charges quota, places every allocation or none, and records the
 /// response under the idempotency key, all in one transaction.
+#[tracing::instrument(level = "debug", skip_all, fields(pool = %req.pool_id, subject = %actor.subject))]
 pub async fn create_reservation(
     db: &Db,
     actor: &Actor,
@@ -149,7 +150,7 @@ pub async fn create_reservation(
         .iter()
         .map(|_| AllocationId::generate())
         .collect();
-    db.tx(TxKind::Write, |conn| {
+    db.tx("create_reservation", TxKind::Write, |conn| {
         let (actor, key, fingerprint, req, rsv_id, alloc_ids, tenant) = (
             actor.clone(),
             key.clone(),
@@ -423,7 +424,11 @@ async fn finish(
         Action::Release => State::Released,
         _ => State::Cancelled,
     };
-    db.tx(TxKind::Write, |conn| {
+    let name = match action {
+        Action::Release => "release_reservation",
+        _ => "cancel_reservation",
+    };
+    db.tx(name, TxKind::Write, |conn| {
         let (actor, id) = (actor.clone(), id.clone());
         Box::pin(async move {
             let rsv = lock_for(conn, &actor, &id, version, action).await?;
@@ -435,8 +440,9 @@ async fn finish(
 
 /// Expires a reservation whose window has ended (the reconciler's step): quota first, then scalars
 /// come back; its bookings already end at its end.
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
-    db.tx(TxKind::Maintenance, |conn| {
+    db.tx("expire_reservation", TxKind::Maintenance, |conn| {
         let id = id.clone();
         Box::pin(async move {
             let from = states(Action::Expire);
@@ -460,54 +466,60 @@ pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
 
 /// Fails a scheduled or active reservation one of whose nodes is lost (the reconciler's step):
 /// its bookings end now, quota first, then scalars come back.
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub(crate) async fn fail_lost(db: &Db, id: &ReservationId) -> Result<()> {
-    db.tx(TxKind::Maintenance, |conn| {
-        let id = id.clone();
-        Box::pin(async move {
-            let from = states(Action::Fail);
-            let rsv = query_reservations!(
-                "SELECT",
-                "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE",
-                id.as_str(),
-                &from as &[&str],
-            )
-            .fetch_optional(&mut *conn)
-            .await?;
-            let Some(rsv) = rsv else {
-                return Err(conflict(format!("reservation {id} cannot fail now")));
-            };
-            let hosts = sqlx::query_scalar!(
+    db.tx(
+        "fail_reservation_on_lost_node",
+        TxKind::Maintenance,
+        |conn| {
+            let id = id.clone();
+            Box::pin(async move {
+                let from = states(Action::Fail);
+                let rsv = query_reservations!(
+                    "SELECT",
+                    "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE",
+                    id.as_str(),
+                    &from as &[&str],
+                )
+                .fetch_optional(&mut *conn)
+                .await?;
+                let Some(rsv) = rsv else {
+                    return Err(conflict(format!("reservation {id} cannot fail now")));
+                };
+                let hosts = sqlx::query_scalar!(
                 "SELECT DISTINCT n.hostname FROM allocations a JOIN nodes n ON n.id = a.node_id \
                   WHERE a.reservation_id = $1 AND n.reachability = 'lost' ORDER BY 1",
                 id.as_str(),
             )
             .fetch_all(&mut *conn)
             .await?;
-            if hosts.is_empty() {
-                return Err(conflict(format!("reservation {id} has no lost node")));
-            }
-            let condition = vec![Condition {
-                kind: "NodeLost".into(),
-                status: ConditionStatus::True,
-                reason: Some("NodeLost".into()),
-                message: Some(format!("its node {} was lost", hosts.join(", "))),
-                since: None,
-            }];
-            close_out(conn, &rsv, State::Failed, Some(condition)).await?;
-            Ok(())
-        })
-    })
+                if hosts.is_empty() {
+                    return Err(conflict(format!("reservation {id} has no lost node")));
+                }
+                let condition = vec![Condition {
+                    kind: "NodeLost".into(),
+                    status: ConditionStatus::True,
+                    reason: Some("NodeLost".into()),
+                    message: Some(format!("its node {} was lost", hosts.join(", "))),
+                    since: None,
+                }];
+                close_out(conn, &rsv, State::Failed, Some(condition)).await?;
+                Ok(())
+            })
+        },
+    )
     .await
 }
 
 /// Places a pending reservation again (the reconciler's retry). Returns whether it was placed;
 /// otherwise its `Unschedulable` condition says the latest reason and it is tried again later.
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub(crate) async fn place_pending(
     db: &Db,
     id: &ReservationId,
     allocations: Vec<(AllocationId, AllocationRequest)>,
 ) -> Result<bool> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("place_pending", TxKind::Write, |conn| {
         let (id, allocations) = (id.clone(), allocations.clone());
         Box::pin(async move {
             // Lock order: the reservation row, then (no quota: a pending reservation already holds
@@ -567,6 +579,7 @@ pub(crate) async fn place_pending(
 
 /// Ends a scheduled or active reservation now: bookings end at `compute_now()`, quota and scalars
 /// come back.
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub async fn release_reservation(
     db: &Db,
     actor: &Actor,
@@ -577,6 +590,7 @@ pub async fn release_reservation(
 }
 
 /// Withdraws a pending or not yet started reservation.
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub async fn cancel_reservation(
     db: &Db,
     actor: &Actor,
@@ -587,6 +601,7 @@ pub async fn cancel_reservation(
 }
 
 /// Moves the end of a scheduled or active reservation later: every booking grows, or none.
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub async fn extend_reservation(
     db: &Db,
     actor: &Actor,
@@ -596,7 +611,7 @@ pub async fn extend_reservation(
 ) -> Result<Outcome<Reservation>> {
     let key = idempotency::parse_key("idempotencyKey", key)?;
     let fingerprint = json!({ "reservationId": id, "endsAt": ends_at });
-    db.tx(TxKind::Write, |conn| {
+    db.tx("extend_reservation", TxKind::Write, |conn| {
         let (actor, id, key, fingerprint) =
             (actor.clone(), id.clone(), key.clone(), fingerprint.clone());
         Box::pin(async move {

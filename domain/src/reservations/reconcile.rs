@@ -24,7 +24,7 @@ pub async fn activate_due(db: &Db) -> Result<u64> {
 /// their reconciler (their next wake-up is their end), and their `reservation.active` events are
 /// written in one statement, with the payload every other path writes.
 async fn activate(db: &Db, id: Option<&ReservationId>) -> Result<u64> {
-    db.tx(TxKind::Maintenance, |conn| {
+    db.tx("activate_reservations", TxKind::Maintenance, |conn| {
         let id = id.cloned();
         Box::pin(async move {
             // The reconciler of each moved reservation is woken in the same statement (its next
@@ -102,6 +102,7 @@ struct Stored {
 /// now (place a pending one whose retry time has come, start a scheduled one whose window has
 /// begun, expire one whose window has ended), and returns when it is due again (`None` when it
 /// is terminal). Level-triggered: running it again, or early, does nothing wrong.
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub async fn reconcile_one(
     db: &Db,
     id: &ReservationId,

@@ -97,7 +97,7 @@ async fn queue_run(binary: &std::path::Path, items: usize, processes: usize) {
         tasks.push(tokio::spawn(async move {
             for chunk in (0..per).collect::<Vec<_>>().chunks(100) {
                 let keys: Vec<String> = chunk.iter().map(|i| format!("k{c}-{i}")).collect();
-                db.tx(TxKind::Write, |conn| {
+                db.tx("queue_run", TxKind::Write, |conn| {
                     let keys = keys.clone();
                     Box::pin(async move {
                         for k in &keys {

@@ -69,17 +69,30 @@ async fn readyz_is_unavailable_when_a_migration_is_missing() {
 /// `name{labels} value`.
 fn parse_prometheus(text: &str) -> Vec<(String, String, f64)> {
     let mut samples = Vec::new();
+    // OpenMetrics: the exposition ends with `# EOF`, and nothing follows it.
+    assert!(text.ends_with("# EOF\n"), "no # EOF at the end");
     for line in text.lines() {
-        if line.is_empty() {
+        if line.is_empty() || line == "# EOF" {
             continue;
         }
         if let Some(rest) = line.strip_prefix("# ") {
             let kind = rest.split_whitespace().next().unwrap_or("");
-            assert!(kind == "HELP" || kind == "TYPE", "bad comment line: {line}");
+            assert!(
+                ["HELP", "TYPE", "UNIT"].contains(&kind),
+                "bad comment line: {line}"
+            );
             if kind == "TYPE" {
                 let t = rest.split_whitespace().nth(2).unwrap_or("");
                 assert!(
-                    ["counter", "gauge", "histogram", "summary", "untyped"].contains(&t),
+                    [
+                        "counter",
+                        "gauge",
+                        "histogram",
+                        "summary",
+                        "unknown",
+                        "info"
+                    ]
+                    .contains(&t),
                     "{line}"
                 );
             }
@@ -122,19 +135,24 @@ fn parse_prometheus(text: &str) -> Vec<(String, String, f64)> {
 }
 
 #[tokio::test]
-async fn metrics_parse_as_prometheus_text_and_count_requests() {
+async fn metrics_parse_as_openmetrics_text_and_count_requests() {
     let app = spawn_app().await;
     for _ in 0..3 {
         app.graphql("{ __typename }", json!({}), None).await;
     }
     app.graphql("{ nope }", json!({}), None).await;
+    // One named transaction that commits, and one that fails (a duplicate name).
+    let op = app.token("ops", None, &[compute_api::auth::Role::Operator]);
+    let create = "mutation { createSite(input: { name: \"ams\" }) { site { id } } }";
+    app.graphql(create, json!({}), Some(&op)).await;
+    app.graphql(create, json!({}), Some(&op)).await;
     let res = app.http.get(app.url("/metrics")).send().await.expect("GET");
     assert_eq!(res.status().as_u16(), 200);
     assert!(
         res.headers()["content-type"]
             .to_str()
             .unwrap_or("")
-            .starts_with("text/plain; version=0.0.4")
+            .starts_with("application/openmetrics-text; version=1.0.0")
     );
     let samples = parse_prometheus(&res.text().await.expect("text"));
     let value = |name: &str, labels: &str| {
@@ -148,7 +166,8 @@ async fn metrics_parse_as_prometheus_text_and_count_requests() {
             "http_requests_total",
             r#"route="/graphql",method="POST",status="200""#
         ),
-        Some(3.0)
+        Some(5.0),
+        "three queries and two mutations (a field error is still 200)"
     );
     assert_eq!(
         value(
@@ -159,7 +178,7 @@ async fn metrics_parse_as_prometheus_text_and_count_requests() {
     );
     assert_eq!(
         value("http_request_duration_seconds_count", r#"route="/graphql""#),
-        Some(4.0)
+        Some(6.0)
     );
     assert_eq!(
         value(
@@ -167,6 +186,22 @@ async fn metrics_parse_as_prometheus_text_and_count_requests() {
             r#"code="GRAPHQL_VALIDATION_FAILED""#
         ),
         Some(1.0)
+    );
+    assert_eq!(
+        value(
+            "compute_db_transaction_seconds_count",
+            r#"transaction="create_site",kind="write""#
+        ),
+        Some(2.0),
+        "every named transaction is timed"
+    );
+    assert_eq!(
+        value(
+            "compute_db_transaction_errors_total",
+            r#"transaction="create_site",code="CONFLICT""#
+        ),
+        Some(1.0),
+        "and its failures counted by code"
     );
     assert_eq!(value("db_pool_max_connections", ""), Some(8.0));
     assert!(value("db_pool_connections", r#"state="idle""#).is_some());

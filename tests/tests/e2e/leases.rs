@@ -60,16 +60,21 @@ async fn a_lease_is_held_renewed_lost_and_taken_over_with_a_new_epoch() {
         .await
         .expect("table");
     let write = |fence: leases::Fence| async move {
-        db.fenced_tx(&fence, TxKind::Maintenance, |conn| {
-            let by = fence.owner.clone();
-            Box::pin(async move {
-                sqlx::query("INSERT INTO effects VALUES ($1)")
-                    .bind(by)
-                    .execute(conn)
-                    .await?;
-                Ok(())
-            })
-        })
+        db.fenced_tx(
+            "a_lease_is_held_renewed_lost_and_taken_over_with_a_new_epoch",
+            &fence,
+            TxKind::Maintenance,
+            |conn| {
+                let by = fence.owner.clone();
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO effects VALUES ($1)")
+                        .bind(by)
+                        .execute(conn)
+                        .await?;
+                    Ok(())
+                })
+            },
+        )
         .await
     };
     let err = write(a.clone()).await.expect_err("fenced out");
@@ -145,18 +150,22 @@ async fn the_work_queue_never_loses_a_wake_up() {
     t.use_sim_clock("2031-01-01T00:00:00Z").await;
     let db = &t.db;
     let enqueue = |key: &'static str| async move {
-        db.tx(TxKind::Write, |conn| {
-            Box::pin(async move {
-                work_queue::enqueue(
-                    conn,
-                    work_queue::WorkKind::Reservation,
-                    key,
-                    4,
-                    Duration::ZERO,
-                )
-                .await
-            })
-        })
+        db.tx(
+            "the_work_queue_never_loses_a_wake_up",
+            TxKind::Write,
+            |conn| {
+                Box::pin(async move {
+                    work_queue::enqueue(
+                        conn,
+                        work_queue::WorkKind::Reservation,
+                        key,
+                        4,
+                        Duration::ZERO,
+                    )
+                    .await
+                })
+            },
+        )
         .await
         .expect("enqueue")
     };
@@ -174,18 +183,22 @@ async fn the_work_queue_never_loses_a_wake_up() {
 
     let all_shards = [0, 1, 2, 3];
     let claim = || async {
-        db.tx(TxKind::Maintenance, |conn| {
-            Box::pin(async move {
-                work_queue::claim(
-                    conn,
-                    work_queue::WorkKind::Reservation,
-                    &all_shards,
-                    10,
-                    Duration::from_secs(60),
-                )
-                .await
-            })
-        })
+        db.tx(
+            "the_work_queue_never_loses_a_wake_up",
+            TxKind::Maintenance,
+            |conn| {
+                Box::pin(async move {
+                    work_queue::claim(
+                        conn,
+                        work_queue::WorkKind::Reservation,
+                        &all_shards,
+                        10,
+                        Duration::from_secs(60),
+                    )
+                    .await
+                })
+            },
+        )
         .await
         .expect("claim")
     };
@@ -197,19 +210,27 @@ async fn the_work_queue_never_loses_a_wake_up() {
     );
     enqueue("rsv_1").await; // dirtied again while it runs
     let done = db
-        .tx(TxKind::Maintenance, |conn| {
-            let item = items[0].clone();
-            Box::pin(async move { work_queue::complete(conn, &item).await })
-        })
+        .tx(
+            "the_work_queue_never_loses_a_wake_up",
+            TxKind::Maintenance,
+            |conn| {
+                let item = items[0].clone();
+                Box::pin(async move { work_queue::complete(conn, &item).await })
+            },
+        )
         .await
         .expect("complete");
     assert!(!done, "a key enqueued during the run survives");
     let items = claim().await;
     assert_eq!(items[0].generation, 3, "and runs again");
-    db.tx(TxKind::Maintenance, |conn| {
-        let item = items[0].clone();
-        Box::pin(async move { work_queue::fail(conn, &item, "node daemon unreachable").await })
-    })
+    db.tx(
+        "the_work_queue_never_loses_a_wake_up",
+        TxKind::Maintenance,
+        |conn| {
+            let item = items[0].clone();
+            Box::pin(async move { work_queue::fail(conn, &item, "node daemon unreachable").await })
+        },
+    )
     .await
     .expect("fail");
     assert!(claim().await.is_empty(), "backing off");
@@ -222,10 +243,14 @@ async fn the_work_queue_never_loses_a_wake_up() {
         .expect("row");
     assert_eq!(error, "node daemon unreachable", "kept for operators");
     assert!(
-        db.tx(TxKind::Maintenance, |conn| {
-            let item = items[0].clone();
-            Box::pin(async move { work_queue::complete(conn, &item).await })
-        })
+        db.tx(
+            "the_work_queue_never_loses_a_wake_up",
+            TxKind::Maintenance,
+            |conn| {
+                let item = items[0].clone();
+                Box::pin(async move { work_queue::complete(conn, &item).await })
+            }
+        )
         .await
         .expect("complete")
     );

@@ -19,24 +19,28 @@ async fn an_event_exists_exactly_when_its_transaction_commits() {
 
     let failed: Result<String, Error> = db
         .db
-        .tx(TxKind::Write, |conn| {
-            Box::pin(async move {
-                outbox::emit(
-                    conn,
-                    NewEvent {
-                        event_type: compute_domain::events::EventType::SiteCreated,
-                        tenant_id: None,
-                        subject: "site_x",
-                        data: json!({ "id": "site_x" }),
-                    },
-                )
-                .await?;
-                Err(Error::bad_input(
-                    "name",
-                    "refused after the event was written",
-                ))
-            })
-        })
+        .tx(
+            "an_event_exists_exactly_when_its_transaction_commits",
+            TxKind::Write,
+            |conn| {
+                Box::pin(async move {
+                    outbox::emit(
+                        conn,
+                        NewEvent {
+                            event_type: compute_domain::events::EventType::SiteCreated,
+                            tenant_id: None,
+                            subject: "site_x",
+                            data: json!({ "id": "site_x" }),
+                        },
+                    )
+                    .await?;
+                    Err(Error::bad_input(
+                        "name",
+                        "refused after the event was written",
+                    ))
+                })
+            },
+        )
         .await;
     assert_eq!(
         failed.expect_err("rolled back").code(),
@@ -46,20 +50,24 @@ async fn an_event_exists_exactly_when_its_transaction_commits() {
 
     let id = db
         .db
-        .tx(TxKind::Write, |conn| {
-            Box::pin(async move {
-                outbox::emit(
-                    conn,
-                    NewEvent {
-                        event_type: compute_domain::events::EventType::ReservationScheduled,
-                        tenant_id: Some(&compute_tests::tenant("acme")),
-                        subject: "rsv_1",
-                        data: json!({ "id": "rsv_1", "state": "SCHEDULED" }),
-                    },
-                )
-                .await
-            })
-        })
+        .tx(
+            "an_event_exists_exactly_when_its_transaction_commits",
+            TxKind::Write,
+            |conn| {
+                Box::pin(async move {
+                    outbox::emit(
+                        conn,
+                        NewEvent {
+                            event_type: compute_domain::events::EventType::ReservationScheduled,
+                            tenant_id: Some(&compute_tests::tenant("acme")),
+                            subject: "rsv_1",
+                            data: json!({ "id": "rsv_1", "state": "SCHEDULED" }),
+                        },
+                    )
+                    .await
+                })
+            },
+        )
         .await
         .expect("commit");
     assert!(

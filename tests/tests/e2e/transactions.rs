@@ -17,7 +17,7 @@ async fn every_kind_states_its_isolation_and_timeouts_without_leaking_them() {
         .expect("pool");
     let db = Db::from_pool(pool);
     let settings = db
-        .tx(TxKind::Read, |conn| {
+        .tx("every_kind_states_its_isolation_and_timeouts_without_leaking_them", TxKind::Read, |conn| {
             Box::pin(async move {
                 let row: (String, String, String, String) = sqlx::query_as(
                     "SELECT current_setting('transaction_isolation'), current_setting('lock_timeout'), \
@@ -46,14 +46,18 @@ async fn every_kind_states_its_isolation_and_timeouts_without_leaking_them() {
     assert_eq!(lock_timeout, "0", "SET LOCAL ends with the transaction");
 
     let err = db
-        .tx(TxKind::Read, |conn| {
-            Box::pin(async move {
-                sqlx::query("CREATE TABLE nope (x int)")
-                    .execute(conn)
-                    .await?;
-                Ok(())
-            })
-        })
+        .tx(
+            "every_kind_states_its_isolation_and_timeouts_without_leaking_them",
+            TxKind::Read,
+            |conn| {
+                Box::pin(async move {
+                    sqlx::query("CREATE TABLE nope (x int)")
+                        .execute(conn)
+                        .await?;
+                    Ok(())
+                })
+            },
+        )
         .await
         .expect_err("a read transaction cannot write");
     assert_eq!(err.sqlstate().as_deref(), Some("25006"));
@@ -77,15 +81,19 @@ async fn a_lock_wait_past_the_timeout_is_lock_timeout() {
     let attempts = Arc::new(AtomicU32::new(0));
     let counter = attempts.clone();
     let err =
-        t.db.tx(TxKind::Write, move |conn| {
-            counter.fetch_add(1, Ordering::SeqCst);
-            Box::pin(async move {
-                sqlx::query("UPDATE things SET v = v + 1 WHERE id = 1")
-                    .execute(conn)
-                    .await?;
-                Ok(())
-            })
-        })
+        t.db.tx(
+            "a_lock_wait_past_the_timeout_is_lock_timeout",
+            TxKind::Write,
+            move |conn| {
+                counter.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async move {
+                    sqlx::query("UPDATE things SET v = v + 1 WHERE id = 1")
+                        .execute(conn)
+                        .await?;
+                    Ok(())
+                })
+            },
+        )
         .await
         .expect_err("the row is held");
     assert!(matches!(err, Error::LockTimeout), "{err:?}");
@@ -117,7 +125,7 @@ async fn flaky(db: &Db, sqlstate: &'static str, fail_times: u32) -> (Result<(), 
     let attempts = Arc::new(AtomicU32::new(0));
     let counter = attempts.clone();
     let result = db
-        .tx(TxKind::Write, move |conn| {
+        .tx("flaky", TxKind::Write, move |conn| {
             let attempt = counter.fetch_add(1, Ordering::SeqCst) + 1;
             Box::pin(async move {
                 sqlx::query("INSERT INTO attempts (n) VALUES ($1)")

@@ -60,14 +60,19 @@ async fn a_lost_lease_stops_its_work_at_once() {
     assert!(a.is_lost());
     // And a fenced write by A now fails: the fence is what guarantees it.
     let write = db
-        .fenced_tx(a.fence(), compute_domain::db::TxKind::Write, |conn| {
-            Box::pin(async move {
-                sqlx::query("SELECT compute_emit('test.zombie', NULL, 'x', '{}')")
-                    .execute(&mut *conn)
-                    .await?;
-                Ok(())
-            })
-        })
+        .fenced_tx(
+            "a_lost_lease_stops_its_work_at_once",
+            a.fence(),
+            compute_domain::db::TxKind::Write,
+            |conn| {
+                Box::pin(async move {
+                    sqlx::query("SELECT compute_emit('test.zombie', NULL, 'x', '{}')")
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+            },
+        )
         .await;
     assert!(
         matches!(write, Err(compute_domain::Error::LeaseLost(_))),
@@ -853,18 +858,22 @@ async fn a_worker_serves_its_metrics_and_health() {
     let app = spawn_app().await;
     let db = app.db.db.clone();
     for key in ["a", "b", "c"] {
-        db.tx(compute_domain::db::TxKind::Write, |conn| {
-            Box::pin(async move {
-                compute_domain::work_queue::enqueue(
-                    conn,
-                    compute_domain::work_queue::WorkKind::Noop,
-                    key,
-                    SHARDS,
-                    Duration::ZERO,
-                )
-                .await
-            })
-        })
+        db.tx(
+            "a_worker_serves_its_metrics_and_health",
+            compute_domain::db::TxKind::Write,
+            |conn| {
+                Box::pin(async move {
+                    compute_domain::work_queue::enqueue(
+                        conn,
+                        compute_domain::work_queue::WorkKind::Noop,
+                        key,
+                        SHARDS,
+                        Duration::ZERO,
+                    )
+                    .await
+                })
+            },
+        )
         .await
         .expect("enqueue");
     }
@@ -882,8 +891,10 @@ async fn a_worker_serves_its_metrics_and_health() {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
+    let registry = compute_domain::metrics::Registry::default();
+    stats.register(&registry);
     tokio::spawn(async move {
-        let _ = axum::serve(listener, compute_workers::http::router(stats)).await;
+        let _ = axum::serve(listener, compute_workers::http::router(registry)).await;
     });
     let health = app
         .http
@@ -907,11 +918,11 @@ async fn a_worker_serves_its_metrics_and_health() {
         "{text}"
     );
     assert_eq!(
-        text.matches("# TYPE compute_work_items_total counter")
-            .count(),
+        text.matches("# TYPE compute_work_items counter").count(),
         1,
-        "one TYPE line per metric: {text}"
+        "one TYPE line per metric (OpenMetrics names the family without _total): {text}"
     );
+    assert!(text.ends_with("# EOF\n"), "{text}");
 }
 
 fn pool_id(id: &str) -> compute_domain::ids::PoolId {

@@ -54,6 +54,7 @@ async fn update_device_row(
 }
 
 /// Sets a GPU's health.
+#[tracing::instrument(level = "debug", skip_all, fields(device = %id))]
 pub async fn set_device_health(
     db: &Db,
     id: &DeviceId,
@@ -61,7 +62,7 @@ pub async fn set_device_health(
     health: crate::fleet::model::Health,
     reason: Option<String>,
 ) -> Result<Device> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("set_device_health", TxKind::Write, |conn| {
         let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
             let device = update_device_row(
@@ -88,13 +89,14 @@ pub async fn set_device_health(
 }
 
 /// Quarantines (`Some(reason)`) or releases (`None`) a GPU.
+#[tracing::instrument(level = "debug", skip_all, fields(device = %id))]
 pub async fn set_quarantine(
     db: &Db,
     id: &DeviceId,
     version: Option<i64>,
     reason: Option<String>,
 ) -> Result<Device> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("set_quarantine", TxKind::Write, |conn| {
         let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
             let quarantined = reason.is_some();
@@ -150,6 +152,7 @@ pub const MAX_CHANGE_WINDOW_SECONDS: i64 = 86_400;
 /// on; commits only when nothing on the GPU is booked, and otherwise fails with `CONFLICT` naming
 /// what blocks it. The new atoms (and the parent) are then held for `window_seconds`, while the
 /// node applies the change.
+#[tracing::instrument(level = "debug", skip_all, fields(device = %id))]
 pub async fn change_device_mode(
     db: &Db,
     id: &DeviceId,
@@ -163,7 +166,7 @@ pub async fn change_device_mode(
             format!("`changeWindowSeconds` must be between 0 and {MAX_CHANGE_WINDOW_SECONDS}"),
         ));
     }
-    db.tx(TxKind::Write, |conn| {
+    db.tx("change_device_mode", TxKind::Write, |conn| {
         let (id, layout) = (id.clone(), layout.clone());
         Box::pin(async move {
             // 0. The pool's row FOR SHARE: the GPU's atoms change in its rollup.

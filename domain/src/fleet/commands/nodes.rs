@@ -34,6 +34,7 @@ pub struct Registered {
 }
 
 /// Registers a node with its resources and GPUs, and their atoms.
+#[tracing::instrument(level = "debug", skip_all, fields(pool = %input.pool_id, hostname = %input.hostname))]
 pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
     let mut seen = std::collections::HashSet::new();
     for d in &input.devices {
@@ -46,7 +47,7 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
     }
     let node_id = NodeId::generate();
     let device_ids: Vec<DeviceId> = input.devices.iter().map(|_| DeviceId::generate()).collect();
-    db.tx(TxKind::Write, |conn| {
+    db.tx("register_node", TxKind::Write, |conn| {
         let (input, node_id, device_ids) = (input.clone(), node_id.clone(), device_ids.clone());
         Box::pin(async move {
             // The pool's row FOR SHARE: its ratios are copied into the node's resources, so a
@@ -169,8 +170,9 @@ async fn update_node_row(
 }
 
 /// Changes a node's labels (a spec change: the generation moves).
+#[tracing::instrument(level = "debug", skip_all, fields(node = %id))]
 pub async fn update_node(db: &Db, id: &NodeId, version: i64, labels: Labels) -> Result<Node> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("update_node", TxKind::Write, |conn| {
         let (id, labels) = (id.clone(), labels.clone());
         Box::pin(async move {
             let node = update_node_row(
@@ -197,6 +199,7 @@ pub async fn update_node(db: &Db, id: &NodeId, version: i64, labels: Labels) -> 
 }
 
 /// Cordons (`true`) or uncordons (`false`) a node.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %id, cordoned))]
 pub async fn set_cordoned(
     db: &Db,
     id: &NodeId,
@@ -204,7 +207,7 @@ pub async fn set_cordoned(
     cordoned: bool,
     reason: Option<String>,
 ) -> Result<Node> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("set_cordoned", TxKind::Write, |conn| {
         let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
             let (action, event) = if cordoned {
@@ -230,8 +233,9 @@ pub async fn set_cordoned(
 }
 
 /// Adds a taint, replacing one with the same key and effect.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %id))]
 pub async fn taint_node(db: &Db, id: &NodeId, version: Option<i64>, taint: Taint) -> Result<Node> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("taint_node", TxKind::Write, |conn| {
         let (id, taint) = (id.clone(), taint.clone());
         Box::pin(async move {
             let node = update_node_row(
@@ -254,6 +258,7 @@ pub async fn taint_node(db: &Db, id: &NodeId, version: Option<i64>, taint: Taint
 }
 
 /// Removes the taints with `key` (and `effect`, when given). `NOT_FOUND` when there is none.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %id))]
 pub async fn untaint_node(
     db: &Db,
     id: &NodeId,
@@ -261,7 +266,7 @@ pub async fn untaint_node(
     key: &str,
     effect: Option<TaintEffect>,
 ) -> Result<Node> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("untaint_node", TxKind::Write, |conn| {
         let (id, key) = (id.clone(), key.to_owned());
         Box::pin(async move {
             let pattern = json!({ "key": key, "effect": effect.map(|e| e.as_str()) });
@@ -320,8 +325,9 @@ async fn holders(conn: &mut PgConnection, node_id: &NodeId) -> Result<Vec<Holder
 }
 
 /// Cordons a node and reports what still holds its GPUs.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %id))]
 pub async fn drain_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<(Node, Vec<Holder>)> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("drain_node", TxKind::Write, |conn| {
         let id = id.clone();
         Box::pin(async move {
             let node = update_node_row(
@@ -352,8 +358,9 @@ pub async fn drain_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<(N
 }
 
 /// Retires a node for good. Refused while any booking on its GPUs ends after now.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %id))]
 pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<Node> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("retire_node", TxKind::Write, |conn| {
         let id = id.clone();
         Box::pin(async move {
             // The pool first (lock order; its atoms leave the rollup), then the node's row, in a

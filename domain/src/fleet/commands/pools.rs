@@ -29,6 +29,7 @@ fn check_lost_after(kind: PoolKind, lost_after: Option<i64>) -> Result<()> {
 }
 
 /// Creates a pool in a site; with an idempotency key, a retry returns the same pool.
+#[tracing::instrument(level = "debug", skip_all, fields(site = %input.site_id, name = %input.name))]
 pub async fn create_pool(
     db: &Db,
     actor: &Actor,
@@ -41,7 +42,7 @@ pub async fn create_pool(
         .transpose()?;
     let id = PoolId::generate();
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
-    db.tx(TxKind::Write, |conn| {
+    db.tx("create_pool", TxKind::Write, |conn| {
         let (id, input, request, key, actor) =
             (id.clone(), input.clone(), request.clone(), idempotency_key.clone(), actor.clone());
         Box::pin(async move {
@@ -107,8 +108,9 @@ pub struct PoolChanges {
 
 /// Changes a pool. New overcommit ratios apply to its nodes' resources in the same transaction;
 /// a ratio that would leave a node over-allocated is refused.
+#[tracing::instrument(level = "debug", skip_all, fields(pool = %id))]
 pub async fn update_pool(db: &Db, id: &PoolId, version: i64, changes: PoolChanges) -> Result<Pool> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("update_pool", TxKind::Write, |conn| {
         let (id, changes) = (id.clone(), changes.clone());
         Box::pin(async move {
             let pool = query_pools!(

@@ -106,8 +106,9 @@ pub(super) async fn adjust_rollup(
 /// it overwrites are of the same moment. (Without it, a count read before a concurrent
 /// registration committed would overwrite that registration's increment: a lost update.)
 /// Reservations only take the pool `FOR KEY SHARE` and are not held up.
+#[tracing::instrument(level = "debug", skip_all, fields(pool = %pool_id))]
 pub async fn recompute_rollup(db: &Db, pool_id: &PoolId) -> Result<u64> {
-    db.tx(TxKind::Maintenance, |conn| {
+    db.tx("recompute_rollup", TxKind::Maintenance, |conn| {
         let pool_id = pool_id.clone();
         Box::pin(async move {
             let pool = sqlx::query_scalar!("SELECT 1 AS locked FROM pools WHERE id = $1 FOR NO KEY UPDATE", pool_id.as_str())

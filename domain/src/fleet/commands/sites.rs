@@ -10,6 +10,7 @@ pub struct NewSite {
 }
 
 /// Creates a site; with an idempotency key, a retry returns the same site.
+#[tracing::instrument(level = "debug", skip_all, fields(name = %input.name))]
 pub async fn create_site(
     db: &Db,
     actor: &Actor,
@@ -21,7 +22,7 @@ pub async fn create_site(
         .transpose()?;
     let id = SiteId::generate();
     let request = serde_json::to_value(&input).map_err(Error::internal)?;
-    db.tx(TxKind::Write, |conn| {
+    db.tx("create_site", TxKind::Write, |conn| {
         let (id, input, request, key, actor) = (
             id.clone(),
             input.clone(),
@@ -96,6 +97,7 @@ pub async fn create_site(
 }
 
 /// Changes a site's name or region.
+#[tracing::instrument(level = "debug", skip_all, fields(site = %id))]
 pub async fn update_site(
     db: &Db,
     id: &SiteId,
@@ -103,7 +105,7 @@ pub async fn update_site(
     name: Option<String>,
     region: Option<String>,
 ) -> Result<Site> {
-    db.tx(TxKind::Write, |conn| {
+    db.tx("update_site", TxKind::Write, |conn| {
         let (id, name, region) = (id.clone(), name.clone(), region.clone());
         Box::pin(async move {
             let site = query_sites!(
