@@ -12,7 +12,8 @@ use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres};
 use tracing::info;
 
 use crate::auth::{self, KeySource, Role, Secret, Verifier};
-use crate::server::{Server, shutdown_signal};
+use crate::server::Server;
+use compute_workers::cli::stop_signal as shutdown_signal;
 
 /// The database the embedded server keeps the system's data in.
 pub const EMBEDDED_DATABASE: &str = "compute";

@@ -147,8 +147,9 @@ pub async fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// SIGINT or SIGTERM: the worker then releases its leases, so another takes over at once
-/// instead of after the leases' TTL.
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM, and logs which: the one stop signal of both
+/// binaries (`compute-api` uses it too). The worker then releases its leases, so another takes
+/// over at once instead of after the leases' TTL; the API stops accepting and drains.
 pub async fn stop_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -159,7 +160,7 @@ pub async fn stop_signal() {
         }
     };
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
+        _ = tokio::signal::ctrl_c() => tracing::info!("received SIGINT"),
+        () = term => tracing::info!("received SIGTERM"),
     }
 }

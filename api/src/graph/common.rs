@@ -37,6 +37,29 @@ pub enum AtomKind {
     Slot,
 }
 
+/// A page as a Relay connection with `extra` fields (its `totalCount`): the one place the
+/// pagination glue lives. `key` is the row's keyset key, which becomes its edge's cursor.
+pub fn connection<R, T, E>(
+    page: compute_domain::page::Page<R>,
+    extra: E,
+    key: impl Fn(&R) -> &str,
+    wrap: impl Fn(R) -> T,
+) -> async_graphql::connection::Connection<String, T, E>
+where
+    T: async_graphql::OutputType,
+    E: async_graphql::ObjectType,
+{
+    let mut c = async_graphql::connection::Connection::with_additional_fields(
+        page.has_previous,
+        page.has_next,
+        extra,
+    );
+    c.edges.extend(page.items.into_iter().map(|r| {
+        async_graphql::connection::Edge::new(compute_domain::page::encode_cursor(key(&r)), wrap(r))
+    }));
+    c
+}
+
 /// Page arguments of a Relay connection.
 pub fn page_request(
     first: Option<i32>,

@@ -56,6 +56,11 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
         events::SubscriptionRoot,
     )
     .register_output_type::<node::NodeInterface>()
+    .override_output_type_description::<chrono::DateTime<chrono::Utc>>(
+        "A point in time: an RFC 3339 string in UTC, such as `2026-12-01T08:00:00Z`. Inputs may carry \
+         any offset; outputs are in UTC. Every time the API compares against is `compute_now()` \
+         (see `serverTime`).",
+    )
     .extension(async_graphql::extensions::Tracing)
     .limit_depth(32)
     .limit_complexity(100_000);

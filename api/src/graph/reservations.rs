@@ -1,17 +1,19 @@
 //! Reservations in the graph: queries, objects and the tenant's mutations.
 
-use async_graphql::connection::{Connection, Edge};
+use async_graphql::connection::Connection;
 use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
 use compute_domain::fleet::model::Window;
 use compute_domain::ids::{PoolId, ReservationId, TenantId};
-use compute_domain::page::{PageRequest, encode_cursor};
+use compute_domain::page::PageRequest;
 use compute_domain::reservations::model::{AllocationInput, parse_request};
 use compute_domain::reservations::{self as rsv, ReservationFilter, commands};
 
 use crate::auth::Role;
-use crate::graph::common::{AtomKind, Condition, TaintEffect, WindowInput, conditions_of, gql_id};
+use crate::graph::common::{
+    AtomKind, Condition, TaintEffect, WindowInput, conditions_of, connection, gql_id,
+};
 use crate::graph::fleet::{ComputeNodeObj, PoolObj};
 use crate::graph::loaders::*;
 use crate::graph::{GqlResult, ReplayFlag, actor, db, gql_error, viewer};
@@ -296,17 +298,12 @@ impl ReservationQuery {
         let page = rsv::list_reservations(db(ctx)?, &filter, &args)
             .await
             .map_err(gql_error)?;
-        let mut c = Connection::with_additional_fields(
-            page.has_previous,
-            page.has_next,
+        Ok(connection(
+            page,
             ReservationCount(filter),
-        );
-        c.edges.extend(
-            page.items
-                .into_iter()
-                .map(|r| Edge::new(encode_cursor(r.id.as_str()), ReservationObj(r))),
-        );
-        Ok(c)
+            |r| r.id.as_str(),
+            ReservationObj,
+        ))
     }
 }
 
@@ -332,6 +329,7 @@ pub struct SelectorInput {
 
 /// One allocation: GPUs of one kind with vCPU, memory and disk, on one node.
 #[derive(InputObject)]
+#[graphql(name = "AllocationInput")]
 pub struct AllocationInputGql {
     /// Whole GPUs (default), MIG instances or slots.
     pub gpu_kind: Option<AtomKind>,

@@ -1,13 +1,13 @@
 //! Webhook sinks in the graph: a tenant's (or, for operators, the fleet's) event sinks, their
 //! delivery state, and the mutations that manage them.
 
-use crate::graph::common::gql_id;
-use async_graphql::connection::{Connection, Edge};
+use crate::graph::common::{connection, gql_id};
+use async_graphql::connection::Connection;
 use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
 use compute_domain::ids::{SinkId, TenantId};
-use compute_domain::page::{PageRequest, encode_cursor};
+use compute_domain::page::PageRequest;
 use compute_domain::sinks::{self, Scope, Sink, SinkChange};
 
 use crate::auth::Role;
@@ -177,14 +177,12 @@ impl SinkQuery {
         let page = sinks::list(db(ctx)?, &scope, &args)
             .await
             .map_err(gql_error)?;
-        let mut c =
-            Connection::with_additional_fields(page.has_previous, page.has_next, SinkCount(scope));
-        c.edges.extend(
-            page.items
-                .into_iter()
-                .map(|s| Edge::new(encode_cursor(s.id.as_str()), EventSinkObj(s))),
-        );
-        Ok(c)
+        Ok(connection(
+            page,
+            SinkCount(scope),
+            |s| s.id.as_str(),
+            EventSinkObj,
+        ))
     }
 
     /// One event sink (another tenant's is `NOT_FOUND`).

@@ -4,14 +4,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use async_graphql::connection::{Connection, Edge};
+use async_graphql::connection::Connection;
 use async_graphql::{ComplexObject, Context, Enum, ID, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
 use compute_domain::fleet::model::{self as m};
 use compute_domain::fleet::{self, AtomFilter, DeviceFilter, NodeFilter, PoolFilter};
 use compute_domain::ids::{DeviceId, NodeId, PoolId, ScopeId, SiteId, TenantId};
-use compute_domain::page::{Page, encode_cursor};
+use compute_domain::page::Page;
 
 use crate::auth::Role;
 use crate::graph::common::*;
@@ -157,14 +157,7 @@ fn connection<R, T>(
 where
     T: async_graphql::OutputType,
 {
-    let mut c =
-        Connection::with_additional_fields(page.has_previous, page.has_next, TotalCount(count));
-    c.edges.extend(
-        page.items
-            .into_iter()
-            .map(|r| Edge::new(encode_cursor(key(&r)), wrap(r))),
-    );
-    c
+    crate::graph::common::connection(page, TotalCount(count), key, wrap)
 }
 
 /// The caller must be authenticated (any role); members see the inventory's public face.
