@@ -119,6 +119,35 @@ pub enum Error {
         message: String,
         current_version: Option<i64>,
     },
+    /// A guarded update found a newer version of the row than the caller read.
+    #[error("{kind} {id} has version {current}, not {expected}: it changed since you read it")]
+    StaleVersion {
+        kind: &'static str,
+        id: String,
+        expected: i64,
+        current: i64,
+    },
+    /// The state table does not allow `action` from `state`; `hint` says what would.
+    #[error(
+        "{kind} {id} is {state}: {action} is not allowed from that state{}",
+        hint.as_deref().map(|h| format!("; {h}")).unwrap_or_default()
+    )]
+    IllegalTransition {
+        kind: &'static str,
+        id: String,
+        state: &'static str,
+        action: &'static str,
+        current_version: Option<i64>,
+        hint: Option<Box<str>>,
+    },
+    /// A guarded update's other conditions did not hold on a row that exists at the version
+    /// given (the caller explains what is missing).
+    #[error("{kind} {id} cannot change now")]
+    PreconditionFailed {
+        kind: &'static str,
+        id: String,
+        current_version: i64,
+    },
     #[error("{0}")]
     QuotaExceeded(String),
     #[error("{0}")]
@@ -166,7 +195,10 @@ impl Error {
             Error::Forbidden(_) => ErrorCode::Forbidden,
             Error::NotFound { .. } => ErrorCode::NotFound,
             Error::BadUserInput { .. } => ErrorCode::BadUserInput,
-            Error::Conflict { .. } => ErrorCode::Conflict,
+            Error::Conflict { .. }
+            | Error::StaleVersion { .. }
+            | Error::IllegalTransition { .. }
+            | Error::PreconditionFailed { .. } => ErrorCode::Conflict,
             Error::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
             Error::Unschedulable(_) => ErrorCode::Unschedulable,
             Error::IdempotencyKeyReused(_) => ErrorCode::IdempotencyKeyReused,
@@ -176,6 +208,23 @@ impl Error {
             Error::CursorExpired(_) => ErrorCode::CursorExpired,
             Error::RateLimited(_) => ErrorCode::RateLimited,
             Error::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// The version the row has now, for a `CONFLICT` (`extensions.currentVersion`).
+    pub fn current_version(&self) -> Option<i64> {
+        match self {
+            Error::Conflict {
+                current_version, ..
+            }
+            | Error::IllegalTransition {
+                current_version, ..
+            } => *current_version,
+            Error::StaleVersion { current, .. } => Some(*current),
+            Error::PreconditionFailed {
+                current_version, ..
+            } => Some(*current_version),
+            _ => None,
         }
     }
 
@@ -282,6 +331,48 @@ mod tests {
             );
         }
         assert_eq!(seen.len(), 13);
+    }
+
+    #[test]
+    fn structured_conflicts_word_their_message_once_and_carry_the_version() {
+        let cases = [
+            (
+                Error::StaleVersion {
+                    kind: "pool",
+                    id: "pool_1".into(),
+                    expected: 3,
+                    current: 4,
+                },
+                "pool pool_1 has version 4, not 3: it changed since you read it",
+                Some(4),
+            ),
+            (
+                Error::IllegalTransition {
+                    kind: "reservation",
+                    id: "rsv_1".into(),
+                    state: "active",
+                    action: "Cancel",
+                    current_version: Some(2),
+                    hint: Some("release it to end it now".into()),
+                },
+                "reservation rsv_1 is active: Cancel is not allowed from that state; release it to end it now",
+                Some(2),
+            ),
+            (
+                Error::PreconditionFailed {
+                    kind: "compute node",
+                    id: "node_1".into(),
+                    current_version: 7,
+                },
+                "compute node node_1 cannot change now",
+                Some(7),
+            ),
+        ];
+        for (err, message, version) in cases {
+            assert_eq!(err.code(), ErrorCode::Conflict, "{err}");
+            assert_eq!(err.to_string(), message);
+            assert_eq!(err.current_version(), version, "{err}");
+        }
     }
 
     #[test]

@@ -100,11 +100,11 @@ fn coded(err: Error) -> async_graphql::Error {
             Error::BadUserInput {
                 field: Some(field), ..
             } => e.set("field", field.clone()),
-            Error::Conflict {
-                current_version: Some(v),
-                ..
-            } => e.set("currentVersion", *v),
-            _ => {}
+            _ => {
+                if let Some(v) = err.current_version() {
+                    e.set("currentVersion", v);
+                }
+            }
         }
     })
 }

@@ -30,6 +30,22 @@ pub enum NodeAction {
     ChangeDevice,
 }
 
+impl NodeAction {
+    /// The action's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeAction::Update => "Update",
+            NodeAction::Cordon => "Cordon",
+            NodeAction::Uncordon => "Uncordon",
+            NodeAction::Taint => "Taint",
+            NodeAction::Untaint => "Untaint",
+            NodeAction::Drain => "Drain",
+            NodeAction::Retire => "Retire",
+            NodeAction::ChangeDevice => "ChangeDevice",
+        }
+    }
+}
+
 use NodeLifecycle::{Active, Cordoned, Retired};
 
 /// The legal transitions: (action, states it may start from, state it leads to; `None` keeps

@@ -355,30 +355,31 @@ async fn lock_for(
     if let Some(v) = version
         && v != rsv.version
     {
-        return Err(Error::Conflict {
-            message: format!("reservation {id} has version {}, not {v}", rsv.version),
-            current_version: Some(rsv.version),
+        return Err(Error::StaleVersion {
+            kind: "reservation",
+            id: id.to_string(),
+            expected: v,
+            current: rsv.version,
         });
     }
     // `rsv.state` is the state as time says: a reservation whose window has started is active
     // (it can be released, no longer cancelled), one whose window has ended is expired.
     if !allowed_from(action).contains(&rsv.state) {
-        let message = match (action, rsv.state) {
-            (Action::Cancel, State::Active) => format!(
-                "reservation {id} started at {}: it is active and can no longer be cancelled; release it to end it now",
+        let hint = match (action, rsv.state) {
+            (Action::Cancel, State::Active) => Some(format!(
+                "it started at {} and can no longer be cancelled; release it to end it now",
                 rsv.starts_at.to_rfc3339()
-            ),
-            (_, State::Expired) => format!(
-                "reservation {id} ended at {}: it is expired",
-                rsv.ends_at.to_rfc3339()
-            ),
-            (_, state) => {
-                format!("reservation {id} is {state}: {action:?} is not allowed from that state")
-            }
+            )),
+            (_, State::Expired) => Some(format!("it ended at {}", rsv.ends_at.to_rfc3339())),
+            _ => None,
         };
-        return Err(Error::Conflict {
-            message,
+        return Err(Error::IllegalTransition {
+            kind: "reservation",
+            id: id.to_string(),
+            state: rsv.state.as_str(),
+            action: action.name(),
             current_version: Some(rsv.version),
+            hint: hint.map(String::into_boxed_str),
         });
     }
     Ok(rsv)

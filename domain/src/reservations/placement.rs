@@ -83,7 +83,7 @@ async fn candidate(
               AND compute_device_schedulable(d.health, d.quarantined)
               AND a.kind = $5 AND ($6::text IS NULL OR d.model = $6) AND ($7::text IS NULL OR a.profile = $7)
               AND ($8::int IS NULL OR (d.layout->>'slots')::int = $8)
-              AND a.name NOT IN (SELECT atom FROM busy)
+              AND a.created_at <= $9 AND a.name NOT IN (SELECT atom FROM busy)
             GROUP BY n.id HAVING count(*) >= $11)
          SELECT c.node_id AS "node_id!: _", c.free_atoms AS "atoms!: _" FROM cand c
           WHERE NOT EXISTS (SELECT 1 FROM node_resources r
@@ -142,12 +142,16 @@ async fn attempt(
         return Ok(Attempt::Lost("the node changed"));
     }
     let names: Vec<&str> = c.atoms.iter().map(AtomName::as_str).collect();
+    // An atom made after the window's start (by a mode change that committed while this
+    // transaction ran) is not bookable from that start: a lost race.
     let atoms = sqlx::query_scalar!(
         "SELECT a.name FROM device_atoms a JOIN devices d ON d.id = a.device_id \
           WHERE a.name = ANY($1) AND d.node_id = $2 AND compute_device_schedulable(d.health, d.quarantined) \
+            AND a.created_at <= $3 \
           ORDER BY a.name FOR SHARE OF a, d",
         &names as &[&str],
         c.node_id.as_str(),
+        window.0,
     )
     .fetch_all(&mut *conn)
     .await?;

@@ -126,14 +126,16 @@ pub async fn reconcile_one(
     let mut step = Step::Nothing;
     if live && rsv.ends_at <= now {
         match commands::expire(db, id).await {
-            Ok(()) | Err(Error::Conflict { .. }) => step = Step::Expired,
+            Ok(()) => step = Step::Expired,
+            Err(e) if e.code() == crate::ErrorCode::Conflict => step = Step::Expired,
             Err(e) => return Err(e),
         }
     } else if rsv.state == State::Pending && rsv.next_attempt_at.is_none_or(|t| t <= now) {
         let requests = requests_of(db, id).await?;
         step = match commands::place_pending(db, id, requests).await {
             Ok(true) => Step::Placed,
-            Ok(false) | Err(Error::Conflict { .. }) => Step::StillPending,
+            Ok(false) => Step::StillPending,
+            Err(e) if e.code() == crate::ErrorCode::Conflict => Step::StillPending,
             Err(e) => return Err(e),
         };
     } else if rsv.state == State::Scheduled && rsv.starts_at <= now {
@@ -166,7 +168,7 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
         match commands::expire(db, &id).await {
             Ok(()) => moved += 1,
             // Someone else moved it first (released, or another worker): nothing to do.
-            Err(Error::Conflict { .. }) => {}
+            Err(e) if e.code() == crate::ErrorCode::Conflict => {}
             Err(e) => return Err(e),
         }
     }
@@ -187,7 +189,7 @@ pub async fn fail_lost(db: &Db) -> Result<u64> {
     for id in due {
         match commands::fail_lost(db, &id).await {
             Ok(()) => moved += 1,
-            Err(Error::Conflict { .. }) => {}
+            Err(e) if e.code() == crate::ErrorCode::Conflict => {}
             Err(e) => return Err(e),
         }
     }
@@ -242,7 +244,8 @@ pub async fn retry_pending(db: &Db) -> Result<u64> {
         let requests = requests_of(db, &rsv.id).await?;
         match commands::place_pending(db, &rsv.id, requests).await {
             Ok(true) => placed += 1,
-            Ok(_) | Err(Error::Conflict { .. }) => {}
+            Ok(_) => {}
+            Err(e) if e.code() == crate::ErrorCode::Conflict => {}
             Err(e) => return Err(e),
         }
     }

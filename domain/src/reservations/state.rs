@@ -51,6 +51,21 @@ pub enum Action {
     Fail,
 }
 
+impl Action {
+    /// The action's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Place => "Place",
+            Action::Start => "Start",
+            Action::Extend => "Extend",
+            Action::Release => "Release",
+            Action::Cancel => "Cancel",
+            Action::Expire => "Expire",
+            Action::Fail => "Fail",
+        }
+    }
+}
+
 use State::*;
 
 /// The legal transitions: (action, from, to).

@@ -1186,3 +1186,71 @@ async fn states_follow_time_before_the_reconciler_moves_them() {
         assert_eq!(from, "01:31:11", "and so are its bookings'");
     }
 }
+
+#[tokio::test]
+async fn an_atom_is_never_booked_from_before_it_existed() {
+    // A GPU's last whole-GPU booking ends at its release; a mode change then makes slot atoms.
+    // A reservation that starts before the mode change (a start within the grace of the past,
+    // or a transaction whose `compute_now()` is older than the change) must not book the new
+    // atoms from that start: the slot's booking would overlap the parent's (the atom rule).
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = pool(&app).await;
+    let member = app.member("acme");
+    let op = app.operator();
+    let whole = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "whole",
+                json!([{ "gpuCount": 2, "model": "H100" }]),
+            ),
+        )
+        .await;
+    let whole = &whole["createReservation"]["reservation"];
+    assert_eq!(whole["state"], "ACTIVE", "{whole}");
+    app.db.advance_clock(30).await;
+    app.ok(&member, RELEASE, json!({ "i": { "id": whole["id"] } }))
+        .await;
+    let (dev, version): (String, i64) =
+        sqlx::query_as("SELECT id, version FROM devices WHERE uuid = 'GPU-A0'")
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("device");
+    app.ok(
+        &op,
+        "mutation($i: ChangeDeviceModeInput!) { changeDeviceMode(input: $i) { device { mode } } }",
+        json!({ "i": { "id": dev, "version": version, "mode": "TIME_SLICE", "layout": { "slots": 4 }, "changeWindowSeconds": 0 } }),
+    )
+    .await;
+    // Twenty seconds before the mode change, within the grace for starts in the past.
+    let before = json!({ "i": { "poolId": p.pool, "startsAt": "2031-01-01T00:00:10Z", "endsAt": "2031-01-01T01:00:00Z",
+        "allocations": [{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1, "model": "H100" }], "idempotencyKey": "before" } });
+    let d = app.ok(&member, CREATE, before).await;
+    let r = &d["createReservation"]["reservation"];
+    assert_eq!(
+        r["state"], "PENDING",
+        "the new slots did not exist from 00:00:10: {r}"
+    );
+    let (overlaps,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM device_bookings p JOIN devices d ON p.atom = d.uuid \
+           JOIN device_bookings c ON c.device_id = d.id AND c.atom LIKE d.uuid || '/%' AND c.during && p.during",
+    )
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("overlaps");
+    assert_eq!(
+        overlaps, 0,
+        "a GPU and one of its slots booked at the same instant"
+    );
+    // From the change on, the slots are there to take.
+    let after = json!({ "i": { "poolId": p.pool, "endsAt": "2031-01-01T01:00:00Z",
+        "allocations": [{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1, "model": "H100" }], "idempotencyKey": "after" } });
+    let d = app.ok(&member, CREATE, after).await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["allocations"][0]["atoms"],
+        json!(["GPU-A0/s0"])
+    );
+}

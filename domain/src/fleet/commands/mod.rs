@@ -80,14 +80,19 @@ async fn explain_miss(
             kind,
             id: id.to_owned(),
         },
-        Ok(Some(current)) if expected_version.is_some_and(|v| v != current) => conflict(
-            format!(
-                "{kind} {id} has version {current}, not {}: it changed since you read it",
-                expected_version.unwrap_or_default()
-            ),
-            Some(current),
-        ),
-        Ok(Some(current)) => conflict(format!("{kind} {id} cannot change now"), Some(current)),
+        Ok(Some(current)) => match expected_version {
+            Some(expected) if expected != current => Error::StaleVersion {
+                kind,
+                id: id.to_owned(),
+                expected,
+                current,
+            },
+            _ => Error::PreconditionFailed {
+                kind,
+                id: id.to_owned(),
+                current_version: current,
+            },
+        },
     }
 }
 
@@ -106,10 +111,16 @@ async fn explain_node_miss(
     .await
     .map(|r| r.map(|r| (r.version, r.lifecycle)));
     match found {
-        Ok(Some((current, lifecycle))) if !allowed_from(action).contains(&lifecycle) => conflict(
-            format!("compute node {id} is {lifecycle}: {action:?} is not allowed from that state"),
-            Some(current),
-        ),
+        Ok(Some((current, lifecycle))) if !allowed_from(action).contains(&lifecycle) => {
+            Error::IllegalTransition {
+                kind: "compute node",
+                id: id.to_owned(),
+                state: lifecycle.as_str(),
+                action: action.name(),
+                current_version: Some(current),
+                hint: None,
+            }
+        }
         _ => explain_miss(conn, "nodes", "compute node", id, expected_version).await,
     }
 }

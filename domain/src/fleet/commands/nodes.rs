@@ -287,7 +287,7 @@ pub async fn untaint_node(
             let node = match result {
                 Ok(node) => node,
                 // The node is there and may change, so what is missing is the taint.
-                Err(Error::Conflict { message, .. }) if message.ends_with("cannot change now") => {
+                Err(Error::PreconditionFailed { .. }) => {
                     return Err(Error::NotFound { kind: "taint", id: format!("{key} on {id}") });
                 }
                 Err(e) => return Err(e),
