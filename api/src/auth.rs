@@ -91,6 +91,9 @@ pub struct Viewer {
     pub roles: Vec<Role>,
     /// When the token expires (seconds since the epoch).
     pub expires_at: i64,
+    /// How long the token stays valid after verification, by the verifier's clock and leeway:
+    /// an open connection ends after this.
+    pub valid_for: std::time::Duration,
 }
 
 impl Viewer {
@@ -115,12 +118,19 @@ impl Viewer {
         })
     }
 
-    /// How long the token stays valid from now, by the same rule (and leeway) as
-    /// verification: an open connection ends after this.
+    /// How long the token stays valid from its verification (the same rule and leeway as
+    /// verification): an open connection ends after this.
     pub fn valid_for(&self) -> std::time::Duration {
-        let left = self.expires_at + LEEWAY_SECONDS as i64 - chrono::Utc::now().timestamp();
-        std::time::Duration::from_secs(left.max(0) as u64)
+        self.valid_for
     }
+}
+
+/// The verifier's clock: seconds since the epoch. The wall clock in production; tests inject
+/// their own, so token expiry is tested by moving time, not by waiting.
+pub type JwtClock = std::sync::Arc<dyn Fn() -> i64 + Send + Sync>;
+
+fn wall_clock() -> JwtClock {
+    std::sync::Arc::new(|| chrono::Utc::now().timestamp())
 }
 
 /// Where the verification keys come from.
@@ -143,6 +153,7 @@ pub struct Verifier {
     algorithm: Algorithm,
     keys: Vec<(Option<String>, DecodingKey)>,
     validation: Validation,
+    clock: JwtClock,
 }
 
 impl fmt::Debug for Verifier {
@@ -221,13 +232,21 @@ impl Verifier {
         validation.set_issuer(&[issuer]);
         validation.set_audience(&[audience]);
         validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
-        validation.validate_nbf = true;
-        validation.leeway = LEEWAY_SECONDS;
+        // `exp` and `nbf` are checked against the verifier's clock, below.
+        validation.validate_exp = false;
+        validation.validate_nbf = false;
         Ok(Verifier {
             algorithm,
             keys,
             validation,
+            clock: wall_clock(),
         })
+    }
+
+    /// This verifier with `clock` in place of the wall clock (tests).
+    pub fn with_clock(mut self, clock: JwtClock) -> Verifier {
+        self.clock = clock;
+        self
     }
 
     /// The pinned algorithm.
@@ -272,6 +291,15 @@ impl Verifier {
             unauthenticated(why)
         })?;
         let claims = data.claims;
+        let now = (self.clock)();
+        let leeway = LEEWAY_SECONDS as i64;
+        if claims.exp + leeway < now {
+            return Err(unauthenticated("the bearer token has expired"));
+        }
+        if claims.nbf.is_some_and(|nbf| nbf - leeway > now) {
+            return Err(unauthenticated("the bearer token is not valid yet (nbf)"));
+        }
+        let valid_for = std::time::Duration::from_secs((claims.exp + leeway - now).max(0) as u64);
         let tenant = claims
             .tenant
             .as_deref()
@@ -287,6 +315,7 @@ impl Verifier {
             tenant,
             roles: claims.roles.iter().filter_map(|r| Role::parse(r)).collect(),
             expires_at: claims.exp,
+            valid_for,
         })
     }
 }

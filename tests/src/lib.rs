@@ -364,8 +364,30 @@ pub struct TestApp {
     /// The database; shared with any other API process started on it ([`spawn_app_sharing`]).
     pub db: Arc<TestDb>,
     pub http: reqwest::Client,
+    /// Seconds the token verifier's clock runs ahead of the wall clock ([`TestApp::move_jwt_clock`]).
+    jwt_offset: Arc<std::sync::atomic::AtomicI64>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+/// The one wait of the tests: polls `check` until it yields a value, every 5 ms, and panics
+/// naming `what` after `within`. A test waits for a state it observes, never for a guessed time.
+pub async fn eventually<T, F, Fut>(what: &str, within: std::time::Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {within:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
 }
 
 /// Starts the API on `127.0.0.1:0` over a fresh database.
@@ -408,12 +430,17 @@ pub async fn spawn_app_sharing(other: &TestApp) -> TestApp {
 
 async fn start_app(db: Arc<TestDb>, stream: compute_api::tailer::StreamConfig) -> TestApp {
     init_logging();
+    let jwt_offset = Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let offset = jwt_offset.clone();
     let verifier = Verifier::new(
         KeySource::Hs256(Secret::new(TEST_SECRET)),
         TEST_ISSUER,
         TEST_AUDIENCE,
     )
-    .expect("verifier");
+    .expect("verifier")
+    .with_clock(Arc::new(move || {
+        chrono::Utc::now().timestamp() + offset.load(std::sync::atomic::Ordering::SeqCst)
+    }));
     let server = Server::with_config(db.db.clone(), verifier, stream)
         .await
         .expect("server state");
@@ -429,6 +456,7 @@ async fn start_app(db: Arc<TestDb>, stream: compute_api::tailer::StreamConfig) -
         addr,
         db,
         http: reqwest::Client::new(),
+        jwt_offset,
         stop: Some(stop),
         server: Some(handle),
     }
@@ -438,6 +466,13 @@ impl TestApp {
     /// `http://127.0.0.1:<port><path>`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// Moves the token verifier's clock `seconds` ahead: token expiry is tested by moving time,
+    /// not by waiting.
+    pub fn move_jwt_clock(&self, seconds: i64) {
+        self.jwt_offset
+            .fetch_add(seconds, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// A token with `roles` for `tenant`, valid for an hour.
@@ -489,19 +524,21 @@ impl TestApp {
     /// Waits until `n` backends of this test's database wait on a lock (a row, a key, a
     /// transaction), so a test can order concurrent requests without sleeping on a guess.
     pub async fn until_lock_waiters(&self, n: i64) {
-        for _ in 0..2_000 {
-            let (waiting,): (i64,) = sqlx::query_as(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(self.db.db.pool())
-            .await
-            .expect("pg_stat_activity");
-            if waiting >= n {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
-        panic!("{n} lock waiters never appeared");
+        let pool = self.db.db.pool();
+        eventually(
+            &format!("{n} transactions waiting on a lock"),
+            std::time::Duration::from_secs(10),
+            || async move {
+                let (waiting,): (i64,) = sqlx::query_as(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .fetch_one(pool)
+                .await
+                .expect("pg_stat_activity");
+                (waiting >= n).then_some(())
+            },
+        )
+        .await;
     }
 
     /// An operator's token (tenant `ops`).

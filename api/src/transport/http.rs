@@ -313,28 +313,31 @@ mod tests {
 
     #[test]
     fn negotiation_follows_the_specification() {
-        assert_eq!(negotiate(None), Some(MediaType::Json));
-        assert_eq!(
-            negotiate(Some(&hv("application/json"))),
-            Some(MediaType::Json)
-        );
-        assert_eq!(
-            negotiate(Some(&hv(
-                "application/graphql-response+json, application/json;q=0.9"
-            ))),
-            Some(MediaType::GraphqlResponseJson)
-        );
-        assert_eq!(
-            negotiate(Some(&hv(
-                "application/graphql-response+json;q=0.5, application/json"
-            ))),
-            Some(MediaType::Json)
-        );
-        assert_eq!(
-            negotiate(Some(&hv("*/*"))),
-            Some(MediaType::GraphqlResponseJson)
-        );
-        assert_eq!(negotiate(Some(&hv("text/html"))), None);
-        assert_eq!(negotiate(Some(&hv("application/json;q=0"))), None);
+        use MediaType::{GraphqlResponseJson as Gql, Json};
+        let table: [(Option<&str>, Option<MediaType>); 10] = [
+            (None, Some(Json)),
+            (Some(""), Some(Json)),
+            (Some("application/json"), Some(Json)),
+            (Some("application/graphql-response+json"), Some(Gql)),
+            (
+                Some("application/graphql-response+json, application/json;q=0.9"),
+                Some(Gql),
+            ),
+            (
+                Some("application/graphql-response+json;q=0.5, application/json"),
+                Some(Json),
+            ),
+            (
+                Some("application/json, application/graphql-response+json"),
+                Some(Gql),
+            ),
+            (Some("*/*"), Some(Gql)),
+            (Some("text/html"), None),
+            (Some("application/json;q=0"), None),
+        ];
+        for (accept, expected) in table {
+            let header = accept.map(hv);
+            assert_eq!(negotiate(header.as_ref()), expected, "Accept: {accept:?}");
+        }
     }
 }

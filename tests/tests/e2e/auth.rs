@@ -214,3 +214,20 @@ async fn an_operator_and_a_member_of_the_same_subject_never_share_idempotency_ke
         "{again}"
     );
 }
+
+#[tokio::test]
+async fn a_token_expires_when_the_verifiers_clock_passes_its_exp_and_leeway() {
+    let app = spawn_app().await;
+    let token = app.token("alice", Some("acme"), &[Role::Member]);
+    // An hour and the 5 s leeway later, the token is at its last second: still accepted.
+    app.move_jwt_clock(3600 + 5);
+    let (status, body) = app.graphql(VIEWER, json!({}), Some(&token)).await;
+    assert_eq!(status, 200, "{body}");
+    // One second more, and it has expired.
+    app.move_jwt_clock(1);
+    let (status, body) = app.graphql(VIEWER, json!({}), Some(&token)).await;
+    assert_eq!(status, 401, "{body}");
+    assert_eq!(first_code(&body), Some("UNAUTHENTICATED"));
+    let message = body["errors"][0]["message"].as_str().unwrap_or("");
+    assert!(message.contains("expired"), "{message}");
+}

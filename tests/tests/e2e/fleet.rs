@@ -1297,23 +1297,8 @@ async fn a_cordon_waits_for_a_placement_holding_the_node() {
                 .expect("json")
         })
     };
-    // Wait until the cordon is blocked on the row lock (observed, not slept on).
-    let mut waiting = false;
-    for _ in 0..200 {
-        let (n,): (i64,) = sqlx::query_as(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(app.db.db.pool())
-        .await
-        .expect("activity");
-        if n > 0 {
-            waiting = true;
-            break;
-        }
-        tokio::task::yield_now().await;
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    assert!(waiting, "the cordon waits for the placement's row lock");
+    // The cordon is blocked on the row lock (observed, not slept on).
+    app.until_lock_waiters(1).await;
     let (cordoned,): (bool,) = sqlx::query_as("SELECT cordoned FROM nodes WHERE id = $1")
         .bind(&f.node)
         .fetch_one(&mut placement)

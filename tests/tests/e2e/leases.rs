@@ -117,21 +117,21 @@ async fn a_takeover_waits_for_the_old_holders_fenced_transaction() {
     t.advance_clock(20).await;
     let db = t.db.clone();
     let takeover = tokio::spawn(async move { leases::acquire(&db, "singleton:x", "b", TTL).await });
-    let mut waiting = false;
-    for _ in 0..200 {
-        let (n,): (i64,) = sqlx::query_as(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(t.db.pool())
-        .await
-        .expect("activity");
-        if n > 0 {
-            waiting = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(waiting, "the takeover waits on the zombie's FOR SHARE");
+    let pool = t.db.pool();
+    compute_tests::eventually(
+        "the takeover waits on the zombie's FOR SHARE",
+        Duration::from_secs(5),
+        || async move {
+            let (n,): (i64,) = sqlx::query_as(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(pool)
+            .await
+            .expect("activity");
+            (n > 0).then_some(())
+        },
+    )
+    .await;
     sqlx::query("COMMIT")
         .execute(&mut zombie)
         .await

@@ -39,16 +39,17 @@ async fn a_late_commit_with_a_lower_seq_is_neither_skipped_nor_overtaken() {
         .expect("commit a");
     // xmin is cluster-wide: other tests' transactions on this server may hold the rows back a
     // little longer. The reader only ever delays; poll until both are visible.
-    let mut seen = Vec::new();
-    for _ in 0..1000 {
-        seen = outbox::read_after(&t.db, start, &all, 100)
-            .await
-            .expect("read");
-        if seen.len() >= 2 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let seen = compute_tests::eventually(
+        "both events visible to the reader",
+        std::time::Duration::from_secs(20),
+        || async {
+            let seen = outbox::read_after(&t.db, start, &all, 100)
+                .await
+                .expect("read");
+            (seen.len() >= 2).then_some(seen)
+        },
+    )
+    .await;
     let types: Vec<&str> = seen.iter().map(|e| e.event_type.as_str()).collect();
     assert_eq!(
         types,

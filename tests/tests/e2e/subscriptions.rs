@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use compute_api::auth::Role;
 use compute_api::tailer::StreamConfig;
-use compute_tests::{TestApp, claims, mint, spawn_app, spawn_app_sharing, spawn_app_with, test_db};
+use compute_tests::{TestApp, spawn_app, spawn_app_sharing, spawn_app_with, test_db};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
@@ -204,11 +204,11 @@ async fn every_close_code_of_graphql_transport_ws() {
     assert_eq!(code, 4400);
     assert!(reason.contains("`start`"), "{reason}");
 
-    // 4403 again when the token expires while the connection is open. The token is 3 s past
-    // `exp`, inside the 5 s leeway, so it is accepted and the connection closes about 2 s later.
-    let mut c = claims("late", Some("acme"), &[Role::Member], 0);
-    c.exp = chrono::Utc::now().timestamp() - 3;
-    let late = mint(c);
+    // 4403 again when the token expires while the connection is open. The verifier's clock
+    // moves to the token's last second (its hour plus the 5 s leeway): it is accepted, and has
+    // no time left, so the connection closes at once (no waiting on the wall clock).
+    let late = app.token("late", Some("acme"), &[Role::Member]);
+    app.move_jwt_clock(3600 + 5);
     let mut ws = subscribe(&app, &late, "s", EVENTS, json!({})).await;
     assert_eq!(
         close_of(&mut ws).await,
@@ -462,25 +462,19 @@ async fn a_slow_subscriber_falls_back_to_the_database_and_catches_up() {
 
 /// Waits until the server has `n` subscriptions running (each has joined the tailer).
 async fn open_subscriptions(app: &TestApp, n: usize) {
-    tokio::time::timeout(WAIT, async {
-        loop {
-            let m = app
-                .http
-                .get(app.url("/metrics"))
-                .send()
-                .await
-                .expect("metrics")
-                .text()
-                .await
-                .expect("body");
-            if metric(&m, "compute_subscriptions_open") >= n as f64 {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+    compute_tests::eventually(&format!("{n} subscriptions running"), WAIT, || async {
+        let m = app
+            .http
+            .get(app.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("body");
+        (metric(&m, "compute_subscriptions_open") >= n as f64).then_some(())
     })
-    .await
-    .expect("the subscriptions start");
+    .await;
 }
 
 fn metric(text: &str, name: &str) -> f64 {
@@ -749,12 +743,12 @@ async fn sse_streams_and_resumes_with_last_event_id() {
     let (status, _) = SseStream::open(&app, "nope", body, None).await;
     assert_eq!(status, 401);
     // A token that expires while the stream is open ends it: UNAUTHENTICATED, then complete.
-    // (3 s past `exp` is inside the verifier's 5 s leeway, so it ends about 2 s later.)
-    let mut c = claims("late", Some("acme"), &[Role::Member], 0);
-    c.exp = chrono::Utc::now().timestamp() - 3;
+    // (The verifier's clock is moved to the token's last second, so it ends at once.)
+    let late_token = app.token("late", Some("acme"), &[Role::Member]);
+    app.move_jwt_clock(3600 + 5);
     let (status, mut late) = SseStream::open(
         &app,
-        &mint(c),
+        &late_token,
         json!({ "query": EVENTS, "variables": { "types": ["test.tick"] } }),
         None,
     )
@@ -826,25 +820,7 @@ async fn shutdown_completes_subscriptions_then_closes() {
     let member = app.member("acme");
     let mut ws = subscribe(&app, &member, "e", EVENTS, json!({})).await;
     // The subscription is running once the server counts it.
-    tokio::time::timeout(WAIT, async {
-        loop {
-            let m = app
-                .http
-                .get(app.url("/metrics"))
-                .send()
-                .await
-                .expect("metrics")
-                .text()
-                .await
-                .expect("body");
-            if metric(&m, "compute_subscriptions_open") >= 1.0 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .expect("the subscription opens");
+    open_subscriptions(&app, 1).await;
     let closing = tokio::spawn(async move {
         let complete = next_msg(&mut ws).await;
         (complete, close_of(&mut ws).await)

@@ -577,17 +577,11 @@ async fn a_webhook_sink_survives_a_sigkilled_worker() {
     // Its lease runs out (15 s of business time); a second worker takes the sink over.
     app.db.advance_clock(16).await;
     let _second = worker_process(&app);
-    tokio::time::timeout(WAIT, async {
-        loop {
-            let got: HashSet<String> = receiver.got.lock().expect("got").iter().cloned().collect();
-            if got.len() >= committed.len() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    compute_tests::eventually("the second worker delivers the rest", WAIT, || async {
+        let got: HashSet<String> = receiver.got.lock().expect("got").iter().cloned().collect();
+        (got.len() >= committed.len()).then_some(())
     })
-    .await
-    .expect("the second worker delivers the rest");
+    .await;
     let got = receiver.got.lock().expect("got").clone();
     let unique: HashSet<String> = got.iter().cloned().collect();
     assert_eq!(
