@@ -8,6 +8,7 @@ use super::commands::{self, NewDevice, NewNode, NewPool, NewSite};
 use super::model::{DeviceMode, Labels, Layout, PoolKind, Taint, TaintEffect};
 use crate::db::Db;
 use crate::error::Result;
+use crate::fleet::model::GpuUuid;
 use crate::idempotency::Actor;
 use crate::quota::{self, QuotaLimits};
 
@@ -15,7 +16,7 @@ fn gpus(model: &str, memory_mib: i64, layouts: Vec<Layout>) -> Vec<NewDevice> {
     layouts
         .into_iter()
         .map(|layout| NewDevice {
-            uuid: format!("GPU-{}", uuid::Uuid::now_v7()),
+            uuid: GpuUuid::random(),
             vendor: "nvidia".into(),
             model: model.into(),
             memory_mib,

@@ -146,6 +146,88 @@ impl std::fmt::Display for Taint {
     }
 }
 
+/// Why an operator did something (a cordon, a health change, a quarantine): trimmed, 1 to 500
+/// printable characters. Parsed at the door, so a command holds only a valid reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reason(String);
+
+impl Reason {
+    /// Parses a required reason.
+    pub fn parse(field: &str, s: &str) -> Result<Reason> {
+        let r = s.trim();
+        if r.is_empty() {
+            return Err(Error::bad_input(field, format!("`{field}` must say why")));
+        }
+        if r.chars().count() > 500 || r.chars().any(char::is_control) {
+            return Err(Error::bad_input(
+                field,
+                format!("`{field}` is at most 500 printable characters"),
+            ));
+        }
+        Ok(Reason(r.to_owned()))
+    }
+
+    /// Parses an optional reason; an empty one is none.
+    pub fn parse_optional(field: &str, s: Option<&str>) -> Result<Option<Reason>> {
+        match s.map(str::trim) {
+            None | Some("") => Ok(None),
+            Some(r) => Reason::parse(field, r).map(Some),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A GPU's hardware id (`GPU-…` for NVIDIA): 4 to 80 letters, digits and `-`, starting with a
+/// letter or digit. It names the GPU's whole-GPU atom.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GpuUuid(String);
+
+impl GpuUuid {
+    /// A new, random one in NVIDIA's shape (the demonstration fleet's GPUs).
+    pub fn random() -> GpuUuid {
+        GpuUuid(format!("GPU-{}", uuid::Uuid::now_v7()))
+    }
+
+    pub fn parse(field: &str, s: &str) -> Result<GpuUuid> {
+        let ok = (4..=80).contains(&s.len())
+            && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+        if ok {
+            Ok(GpuUuid(s.to_owned()))
+        } else {
+            Err(Error::bad_input(field, format!("`{s}` is not a GPU UUID")))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for GpuUuid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How long a node of a provider or VPS pool may be unreachable before it counts as lost: a
+/// positive number of seconds.
+pub fn parse_lost_after(field: &str, seconds: i64) -> Result<i64> {
+    if seconds <= 0 {
+        return Err(Error::bad_input(
+            field,
+            format!("`{field}` must be positive"),
+        ));
+    }
+    Ok(seconds)
+}
+
+/// The most GPUs one node registers with.
+pub const MAX_GPUS_PER_NODE: usize = 64;
+
 /// A host name: lowercase letters, digits, `.` and `-`, at most 253 characters.
 pub fn parse_hostname(field: &str, s: &str) -> Result<String> {
     let ok = !s.is_empty()

@@ -76,7 +76,11 @@ async fn main() {
                 disk_gib: 10_000,
                 devices: (0..8)
                     .map(|g| NewDevice {
-                        uuid: format!("GPU-b{n}-{g}"),
+                        uuid: compute_domain::fleet::model::GpuUuid::parse(
+                            "uuid",
+                            &format!("GPU-b{n}-{g}"),
+                        )
+                        .expect("a GPU uuid"),
                         vendor: "nvidia".into(),
                         model: "H100".into(),
                         memory_mib: 81_559,

@@ -16,7 +16,7 @@ use compute_domain::fleet::commands::{
     self as fleet, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
 };
 use compute_domain::fleet::model::{
-    DeviceMode, Health, Labels, Layout, PoolKind, Taint, TaintEffect,
+    DeviceMode, Health, Labels, Layout, PoolKind, Reason, Taint, TaintEffect,
 };
 use compute_domain::ids::ScopeId;
 use compute_domain::quota::{self, QuotaLimits};
@@ -170,7 +170,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
     )
     .expect("layout");
     let device = |uuid: &str, layout: Layout| NewDevice {
-        uuid: uuid.into(),
+        uuid: compute_domain::fleet::model::GpuUuid::parse("uuid", uuid).expect("a GPU uuid"),
         vendor: "nvidia".into(),
         model: "H100".into(),
         memory_mib: 81_920,
@@ -209,10 +209,15 @@ async fn every_event_payload_keeps_its_documented_shape() {
     )
     .await
     .expect("update node");
-    let node = fleet::set_cordoned(db, &node.id, None, true, Some("maintenance".into()))
-        .await
-        .expect("cordon");
-    let node = fleet::set_cordoned(db, &node.id, None, false, None)
+    let node = fleet::cordon_node(
+        db,
+        &node.id,
+        None,
+        Reason::parse_optional("reason", Some("maintenance")).expect("reason"),
+    )
+    .await
+    .expect("cordon");
+    let node = fleet::uncordon_node(db, &node.id, None)
         .await
         .expect("uncordon");
     let taint =
@@ -223,13 +228,24 @@ async fn every_event_payload_keeps_its_documented_shape() {
     fleet::untaint_node(db, &node.id, None, "dedicated", None)
         .await
         .expect("untaint");
-    let gpu = fleet::set_device_health(db, &gpu.id, None, Health::Degraded, Some("ecc".into()))
-        .await
-        .expect("health");
-    let gpu = fleet::set_quarantine(db, &gpu.id, None, Some("burn-in".into()))
-        .await
-        .expect("quarantine");
-    let gpu = fleet::set_quarantine(db, &gpu.id, None, None)
+    let gpu = fleet::set_device_health(
+        db,
+        &gpu.id,
+        None,
+        Health::Degraded,
+        Reason::parse_optional("reason", Some("ecc")).expect("reason"),
+    )
+    .await
+    .expect("health");
+    let gpu = fleet::quarantine_device(
+        db,
+        &gpu.id,
+        None,
+        Reason::parse("reason", "burn-in").expect("reason"),
+    )
+    .await
+    .expect("quarantine");
+    let gpu = fleet::release_quarantine(db, &gpu.id, None)
         .await
         .expect("unquarantine");
     let _ = fleet::set_device_health(db, &gpu.id, None, Health::Healthy, None)

@@ -90,7 +90,11 @@ async fn fleet_of(app: &TestApp, nodes: usize) {
                     disk_gib: 1000,
                     devices: (0..8)
                         .map(|g| NewDevice {
-                            uuid: format!("GPU-p{p}-n{n}-g{g}"),
+                            uuid: compute_domain::fleet::model::GpuUuid::parse(
+                                "uuid",
+                                &format!("GPU-p{p}-n{n}-g{g}"),
+                            )
+                            .expect("a GPU uuid"),
                             vendor: "nvidia".into(),
                             model: "H100".into(),
                             memory_mib: 81_559,

@@ -105,7 +105,11 @@ async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
                     _ => ("L4", 23_034, Layout::TimeSlice(4)),
                 };
                 NewDevice {
-                    uuid: format!("GPU-t{n}-{g}"),
+                    uuid: compute_domain::fleet::model::GpuUuid::parse(
+                        "uuid",
+                        &format!("GPU-t{n}-{g}"),
+                    )
+                    .expect("a GPU uuid"),
                     vendor: "nvidia".into(),
                     model: model.into(),
                     memory_mib: memory,

@@ -384,13 +384,8 @@ fn taint(field: &str, t: &TaintInput) -> GqlResult<m::Taint> {
     m::Taint::new(field, &t.key, &t.value, t.effect.into()).map_err(gql_error)
 }
 
-fn optional_reason(field: &str, r: Option<String>) -> GqlResult<Option<String>> {
-    match r {
-        Some(r) if r.chars().count() > 500 => {
-            bad(Error::bad_input(field, "at most 500 characters"))
-        }
-        other => Ok(other.filter(|r| !r.trim().is_empty())),
-    }
+fn optional_reason(field: &str, r: Option<String>) -> GqlResult<Option<m::Reason>> {
+    Ok(m::Reason::parse_optional(field, r.as_deref())?)
 }
 
 /// The fleet's mutations; all need the operator role.
@@ -492,19 +487,17 @@ impl FleetMutation {
                 "give `lostAfterSeconds` or `clearLostAfter`, not both",
             ));
         }
-        if input.lost_after_seconds.is_some_and(|s| s <= 0) {
-            return bad(Error::bad_input(
-                "lostAfterSeconds",
-                "`lostAfterSeconds` must be positive",
-            ));
-        }
+        let lost_after = input
+            .lost_after_seconds
+            .map(|s| m::parse_lost_after("lostAfterSeconds", s))
+            .transpose()?;
         let oc = input.overcommit.unwrap_or_default();
         let changes = PoolChanges {
             name: input.name.as_deref().map(|n| name("name", n)).transpose()?,
             lost_after_seconds: if input.clear_lost_after {
                 Some(None)
             } else {
-                input.lost_after_seconds.map(Some)
+                lost_after.map(Some)
             },
             vcpu_ratio: ratio("overcommit.vcpu", oc.vcpu)?,
             memory_ratio: ratio("overcommit.memory", oc.memory)?,
@@ -526,8 +519,11 @@ impl FleetMutation {
     ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let mut devices = Vec::with_capacity(input.devices.len());
-        if input.devices.len() > 64 {
-            return bad(Error::bad_input("devices", "at most 64 GPUs per node"));
+        if input.devices.len() > m::MAX_GPUS_PER_NODE {
+            return bad(Error::bad_input(
+                "devices",
+                format!("at most {} GPUs per node", m::MAX_GPUS_PER_NODE),
+            ));
         }
         for (i, d) in input.devices.iter().enumerate() {
             let field = format!("devices[{i}]");
@@ -535,19 +531,7 @@ impl FleetMutation {
                 .map_err(gql_error)?;
             let layout = d.layout.as_ref();
             devices.push(NewDevice {
-                uuid: if d.uuid.len() >= 4
-                    && d.uuid.len() <= 80
-                    && d.uuid
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '-')
-                {
-                    d.uuid.clone()
-                } else {
-                    return bad(Error::bad_input(
-                        format!("{field}.uuid"),
-                        format!("`{}` is not a GPU UUID", d.uuid),
-                    ));
-                },
+                uuid: m::GpuUuid::parse(&format!("{field}.uuid"), &d.uuid)?,
                 vendor: name(&format!("{field}.vendor"), &d.vendor)?,
                 model: name(&format!("{field}.model"), &d.model)?,
                 memory_mib: memory,
@@ -619,7 +603,7 @@ impl FleetMutation {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let reason = optional_reason("reason", input.reason)?;
-        let node = cmd::set_cordoned(db(ctx)?, &id, input.version, true, reason)
+        let node = cmd::cordon_node(db(ctx)?, &id, input.version, reason)
             .await
             .map_err(gql_error)?;
         Ok(ComputeNodePayload {
@@ -635,7 +619,7 @@ impl FleetMutation {
     ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
-        let node = cmd::set_cordoned(db(ctx)?, &id, input.version, false, None)
+        let node = cmd::uncordon_node(db(ctx)?, &id, input.version)
             .await
             .map_err(gql_error)?;
         Ok(ComputeNodePayload {
@@ -750,10 +734,8 @@ impl FleetMutation {
     ) -> GqlResult<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
-        let Some(reason) = optional_reason("reason", Some(input.reason))? else {
-            return bad(Error::bad_input("reason", "say why the GPU is quarantined"));
-        };
-        let device = cmd::set_quarantine(db(ctx)?, &id, input.version, Some(reason))
+        let reason = m::Reason::parse("reason", &input.reason)?;
+        let device = cmd::quarantine_device(db(ctx)?, &id, input.version, reason)
             .await
             .map_err(gql_error)?;
         Ok(DevicePayload {
@@ -769,7 +751,7 @@ impl FleetMutation {
     ) -> GqlResult<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
-        let device = cmd::set_quarantine(db(ctx)?, &id, input.version, None)
+        let device = cmd::release_quarantine(db(ctx)?, &id, input.version)
             .await
             .map_err(gql_error)?;
         Ok(DevicePayload {

@@ -1,6 +1,7 @@
 //! GPUs: the atom rule's atoms, health, quarantine and mode changes.
 
 use super::*;
+use crate::fleet::model::Reason;
 
 /// Inserts atoms for devices, in one statement.
 pub(super) async fn insert_atoms(
@@ -60,8 +61,9 @@ pub async fn set_device_health(
     id: &DeviceId,
     version: Option<i64>,
     health: crate::fleet::model::Health,
-    reason: Option<String>,
+    reason: Option<Reason>,
 ) -> Result<Device> {
+    let reason = reason.map(|r| r.as_str().to_owned());
     db.tx("set_device_health", TxKind::Write, |conn| {
         let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
@@ -88,15 +90,38 @@ pub async fn set_device_health(
     .await
 }
 
-/// Quarantines (`Some(reason)`) or releases (`None`) a GPU.
+/// Quarantines a GPU: placement skips it until it is released.
 #[tracing::instrument(level = "debug", skip_all, fields(device = %id))]
-pub async fn set_quarantine(
+pub async fn quarantine_device(
     db: &Db,
+    id: &DeviceId,
+    version: Option<i64>,
+    reason: Reason,
+) -> Result<Device> {
+    quarantine_row(
+        db,
+        "quarantine_device",
+        id,
+        version,
+        Some(reason.as_str().to_owned()),
+    )
+    .await
+}
+
+/// Releases a GPU from quarantine.
+#[tracing::instrument(level = "debug", skip_all, fields(device = %id))]
+pub async fn release_quarantine(db: &Db, id: &DeviceId, version: Option<i64>) -> Result<Device> {
+    quarantine_row(db, "release_quarantine", id, version, None).await
+}
+
+async fn quarantine_row(
+    db: &Db,
+    name: &'static str,
     id: &DeviceId,
     version: Option<i64>,
     reason: Option<String>,
 ) -> Result<Device> {
-    db.tx("set_quarantine", TxKind::Write, |conn| {
+    db.tx(name, TxKind::Write, |conn| {
         let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
             let quarantined = reason.is_some();

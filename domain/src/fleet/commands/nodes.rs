@@ -2,11 +2,12 @@
 //! state table (update, cordon, taint, drain, retire).
 
 use super::*;
+use crate::fleet::model::{GpuUuid, Reason};
 
 /// A GPU to register with its node.
 #[derive(Debug, Clone)]
 pub struct NewDevice {
-    pub uuid: String,
+    pub uuid: GpuUuid,
     pub vendor: String,
     pub model: String,
     pub memory_mib: i64,
@@ -36,6 +37,15 @@ pub struct Registered {
 /// Registers a node with its resources and GPUs, and their atoms.
 #[tracing::instrument(level = "debug", skip_all, fields(pool = %input.pool_id, hostname = %input.hostname))]
 pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
+    if input.devices.len() > crate::fleet::model::MAX_GPUS_PER_NODE {
+        return Err(Error::bad_input(
+            "devices",
+            format!(
+                "at most {} GPUs per node",
+                crate::fleet::model::MAX_GPUS_PER_NODE
+            ),
+        ));
+    }
     let mut seen = std::collections::HashSet::new();
     for d in &input.devices {
         if !seen.insert(d.uuid.as_str()) {
@@ -113,7 +123,7 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
                 .devices
                 .iter()
                 .zip(&device_ids)
-                .flat_map(|(d, id)| d.layout.atoms(&d.uuid).into_iter().map(move |a| (id.clone(), a)))
+                .flat_map(|(d, id)| d.layout.atoms(d.uuid.as_str()).into_iter().map(move |a| (id.clone(), a)))
                 .collect();
             if !atoms.is_empty() {
                 insert_atoms(conn, &atoms).await?;
@@ -198,23 +208,58 @@ pub async fn update_node(db: &Db, id: &NodeId, version: i64, labels: Labels) -> 
     .await
 }
 
-/// Cordons (`true`) or uncordons (`false`) a node.
-#[tracing::instrument(level = "debug", skip_all, fields(node = %id, cordoned))]
-pub async fn set_cordoned(
+/// Cordons a node: it keeps its work and takes no new work.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %id))]
+pub async fn cordon_node(
     db: &Db,
     id: &NodeId,
     version: Option<i64>,
+    reason: Option<Reason>,
+) -> Result<Node> {
+    let reason = reason.map(|r| r.as_str().to_owned());
+    cordon_row(
+        db,
+        "cordon_node",
+        id,
+        version,
+        NodeAction::Cordon,
+        EventType::NodeCordoned,
+        true,
+        reason,
+    )
+    .await
+}
+
+/// Uncordons a node: it takes new work again.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %id))]
+pub async fn uncordon_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<Node> {
+    cordon_row(
+        db,
+        "uncordon_node",
+        id,
+        version,
+        NodeAction::Uncordon,
+        EventType::NodeUncordoned,
+        false,
+        None,
+    )
+    .await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn cordon_row(
+    db: &Db,
+    name: &'static str,
+    id: &NodeId,
+    version: Option<i64>,
+    action: NodeAction,
+    event: EventType,
     cordoned: bool,
     reason: Option<String>,
 ) -> Result<Node> {
-    db.tx("set_cordoned", TxKind::Write, |conn| {
+    db.tx(name, TxKind::Write, |conn| {
         let (id, reason) = (id.clone(), reason.clone());
         Box::pin(async move {
-            let (action, event) = if cordoned {
-                (NodeAction::Cordon, EventType::NodeCordoned)
-            } else {
-                (NodeAction::Uncordon, EventType::NodeUncordoned)
-            };
             let node = update_node_row(
                 conn,
                 &id,
@@ -222,7 +267,7 @@ pub async fn set_cordoned(
                 action,
                 "cordoned = ($4::jsonb)::text::boolean, cordon_reason = $5 #>> '{}'",
                 "",
-                vec![json!(cordoned), json!(if cordoned { reason } else { None })],
+                vec![json!(cordoned), json!(reason)],
             )
             .await?;
             emit(conn, event, &node.id, &NodePayload::of(&node)).await?;
