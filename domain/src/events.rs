@@ -294,7 +294,7 @@ impl NodePayload {
 pub struct HolderView {
     /// `null` for a maintenance hold (a mode change).
     pub allocation_id: Option<AllocationId>,
-    pub reason: String,
+    pub reason: crate::fleet::model::BookingReason,
     pub atoms: Vec<AtomName>,
     pub until: Option<DateTime<Utc>>,
 }
@@ -303,7 +303,7 @@ impl From<&Holder> for HolderView {
     fn from(h: &Holder) -> Self {
         HolderView {
             allocation_id: h.allocation_id.clone(),
-            reason: h.reason.clone(),
+            reason: h.reason,
             atoms: h.atoms.clone(),
             until: h.until,
         }

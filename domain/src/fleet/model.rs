@@ -37,6 +37,10 @@ text_enum!(
     /// A scalar resource of a node.
     Resource { Vcpu = "vcpu", MemoryMib = "memory_mib", DiskGib = "disk_gib" }
 );
+text_enum!(
+    /// Why a booking holds an atom (`device_bookings.reason`).
+    BookingReason { Allocation = "allocation", ModeChange = "mode_change" }
+);
 
 /// A name: trimmed, 1 to 100 characters, no control characters.
 pub fn parse_name(field: &str, value: &str) -> Result<String> {

@@ -23,6 +23,7 @@ use crate::condition::{Condition, ConditionStatus};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{self, EventType, ReservationPayload};
+use crate::fleet::model::BookingReason;
 use crate::idempotency::{self, Actor, Claim, Outcome};
 use crate::ids::{AllocationId, AtomName, PoolId, ReservationId, SiteId, TenantId};
 use crate::outbox::{self, NewEvent};
@@ -667,7 +668,7 @@ async fn extend_effect(
         ));
     }
     let blockers = sqlx::query!(
-        r#"SELECT b.atom AS "atom: AtomName", b.allocation_id AS "allocation_id: AllocationId", b.reason FROM device_bookings b
+        r#"SELECT b.atom AS "atom: AtomName", b.allocation_id AS "allocation_id: AllocationId", b.reason AS "reason: BookingReason" FROM device_bookings b
           WHERE b.atom IN (SELECT unnest(atoms) FROM allocations WHERE reservation_id = $1)
             AND NOT EXISTS (SELECT 1 FROM allocations x WHERE x.reservation_id = $1 AND x.id = b.allocation_id)
             AND b.during && tstzrange($2, $3) ORDER BY b.atom"#,

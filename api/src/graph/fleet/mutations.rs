@@ -684,7 +684,7 @@ impl FleetMutation {
                 .into_iter()
                 .map(|h| BookingHolder {
                     allocation_id: h.allocation_id.as_ref().map(gql_id),
-                    reason: h.reason,
+                    reason: h.reason.as_str().to_owned(),
                     atoms: h.atoms.iter().map(|a| a.as_str().to_owned()).collect(),
                     until: h.until,
                 })

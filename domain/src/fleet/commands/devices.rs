@@ -166,7 +166,7 @@ pub struct LayoutRequest {
 struct Blocker {
     atom: AtomName,
     allocation_id: Option<AllocationId>,
-    reason: String,
+    reason: crate::fleet::model::BookingReason,
     until: Option<chrono::DateTime<chrono::Utc>>,
 }
 
@@ -259,7 +259,7 @@ pub async fn change_device_mode(
             if probes.len() < every.len() {
                 let blockers = sqlx::query_as!(
                     Blocker,
-                    r#"SELECT atom AS "atom: _", allocation_id AS "allocation_id: _", reason, upper(during) AS until FROM device_bookings
+                    r#"SELECT atom AS "atom: _", allocation_id AS "allocation_id: _", reason AS "reason: _", upper(during) AS until FROM device_bookings
                       WHERE atom = ANY($1) AND NOT (id = ANY($2)) AND during && tstzrange(compute_now(), 'infinity')
                       ORDER BY atom"#,
                     &every,

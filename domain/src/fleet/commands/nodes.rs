@@ -349,7 +349,7 @@ pub async fn untaint_node(
 pub struct Holder {
     /// The allocation, or `None` for a maintenance hold (a mode change).
     pub allocation_id: Option<AllocationId>,
-    pub reason: String,
+    pub reason: crate::fleet::model::BookingReason,
     pub atoms: Vec<AtomName>,
     pub until: Option<chrono::DateTime<chrono::Utc>>,
 }
@@ -358,7 +358,7 @@ pub struct Holder {
 async fn holders(conn: &mut PgConnection, node_id: &NodeId) -> Result<Vec<Holder>> {
     Ok(sqlx::query_as!(
         Holder,
-        r#"SELECT b.allocation_id AS "allocation_id: _", b.reason, array_agg(b.atom ORDER BY b.atom) AS "atoms!: _",
+        r#"SELECT b.allocation_id AS "allocation_id: _", b.reason AS "reason: _", array_agg(b.atom ORDER BY b.atom) AS "atoms!: _",
                 max(upper(b.during)) FILTER (WHERE NOT upper_inf(b.during)) AS until
            FROM device_bookings b JOIN devices d ON d.id = b.device_id
           WHERE d.node_id = $1 AND upper(b.during) > compute_now()
