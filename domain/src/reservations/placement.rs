@@ -69,7 +69,9 @@ async fn candidate(
     excluded: &[NodeId],
 ) -> Result<Option<Candidate>> {
     // `busy` is one index scan (device_bookings_during) for the bookings that overlap the window;
-    // the atoms are then filtered with a hashed lookup instead of a probe per atom.
+    // the atoms are then filtered with a hashed lookup instead of a probe per atom. A node without
+    // taints skips `compute_taints_tolerated`, which PostgreSQL cannot inline (it has a
+    // sub-select) and would call once per node.
     let excluded: Vec<&str> = excluded.iter().map(NodeId::as_str).collect();
     Ok(sqlx::query_as!(
         Candidate,
@@ -79,7 +81,7 @@ async fn candidate(
              FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
             WHERE n.pool_id = $1 AND NOT (n.id = ANY($2))
               AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> $3
-              AND compute_taints_tolerated(n.taints, $4)
+              AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, $4))
               AND compute_device_schedulable(d.health, d.quarantined)
               AND a.kind = $5 AND ($6::text IS NULL OR d.model = $6) AND ($7::text IS NULL OR a.profile = $7)
               AND ($8::int IS NULL OR (d.layout->>'slots')::int = $8)
@@ -131,7 +133,7 @@ async fn attempt(
 ) -> Result<Attempt> {
     let node = sqlx::query_scalar!(
         "SELECT 1 AS eligible FROM nodes n WHERE n.id = $1 AND compute_node_schedulable(n.lifecycle, n.reachability) \
-            AND n.labels @> $2 AND compute_taints_tolerated(n.taints, $3) FOR SHARE",
+            AND n.labels @> $2 AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, $3)) FOR SHARE",
         c.node_id.as_str(),
         Json(&a.node_selector) as _,
         Json(&a.tolerations) as _,
