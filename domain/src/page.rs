@@ -117,6 +117,10 @@ pub fn decode_cursor(field: &str, cursor: &str) -> Result<String> {
         .map(|i| u8::from_str_radix(cursor.get(i..i + 2).ok_or_else(bad)?, 16).map_err(|_| bad()))
         .collect::<Result<Vec<u8>>>()?;
     let text = String::from_utf8(bytes).map_err(|_| bad())?;
+    // A key never holds a control character (ids do not), and PostgreSQL refuses NUL in text.
+    if text.chars().any(char::is_control) {
+        return Err(bad());
+    }
     text.strip_prefix(CURSOR_PREFIX)
         .map(str::to_owned)
         .ok_or_else(bad)

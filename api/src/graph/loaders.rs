@@ -1,6 +1,8 @@
 //! Data loaders: every parent-to-child edge of the graph is loaded in one statement per level,
-//! whatever the number of parents. One loader serves the whole process without a cache (it only
-//! batches), so a long-lived WebSocket never sees stale rows.
+//! whatever the number of parents. Each request (each subscription) has loaders of its own
+//! (`graph::with_loaders`): a batch never mixes two requests' keys, so one request's input can
+//! neither fail nor change another's statement. They only batch, without a cache, so a
+//! long-lived subscription never sees stale rows.
 
 use std::collections::HashMap;
 
@@ -18,15 +20,15 @@ pub struct FleetLoader {
     db: Db,
 }
 
-/// The process's loader.
+/// A request's loaders.
 pub type Loaders = DataLoader<FleetLoader, NoCache>;
 
-/// The request's loaders; `INTERNAL` only when the schema was built without a database (a bug
-/// of ours: `compute-api schema` builds one only to print it).
+/// The request's loaders; `INTERNAL` only when a transport ran a request without them (a bug
+/// of ours: every transport calls `graph::with_loaders`).
 pub fn loaders_of<'a>(ctx: &'a async_graphql::Context<'_>) -> GqlResult<&'a Loaders> {
     ctx.data::<Loaders>().map_err(|_| {
         crate::graph::gql_error(compute_domain::Error::internal(
-            "the schema was built without its data loaders",
+            "the request was run without its data loaders",
         ))
     })
 }

@@ -47,6 +47,12 @@ pub struct Mutation(
     sinks::SinkMutation,
 );
 
+/// Gives `request` data loaders of its own over `db`: batches never cross requests, so one
+/// request's keys (a bad cursor, an odd window) can never fail or change another's statement.
+pub fn with_loaders(request: async_graphql::Request, db: &Db) -> async_graphql::Request {
+    request.data(loaders::loaders(db.clone()))
+}
+
 /// Builds the schema with the shared services every resolver reads. Without a database (for
 /// printing the SDL) no resolver can run.
 pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
@@ -65,10 +71,9 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
     .limit_depth(32)
     .limit_complexity(100_000);
     if let Some((db, tailer)) = services {
-        builder = builder
-            .data(loaders::loaders(db.clone()))
-            .data(db)
-            .data(tailer);
+        // The data loaders are not here: each request gets its own (`with_loaders`), so a batch
+        // never mixes two requests' keys and no input of one request can fail another's.
+        builder = builder.data(db).data(tailer);
     }
     builder.finish()
 }

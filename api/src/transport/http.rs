@@ -275,7 +275,7 @@ async fn execute(
         request = request.data(viewer);
     }
     let replay = crate::graph::ReplayFlag::default();
-    request = request.data(replay.clone());
+    request = crate::graph::with_loaders(request.data(replay.clone()), &app.db);
     let mut response = app.schema.execute(request).instrument(span).await;
     if replay.is_set() {
         response.extensions.insert(

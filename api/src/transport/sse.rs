@@ -143,6 +143,7 @@ async fn stream_events(
         std::time::Duration::from_secs(100 * 365 * 24 * 3600),
         Viewer::valid_for,
     );
+    let request = crate::graph::with_loaders(request, &app.db);
     let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = app.schema.execute_stream(request);
     let expiry = tokio::time::sleep(expires);

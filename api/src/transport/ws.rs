@@ -443,6 +443,7 @@ async fn operation(
     viewer: Option<Viewer>,
     out: mpsc::Sender<(String, Out)>,
 ) {
+    let request = crate::graph::with_loaders(request, &app.db);
     let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = app.schema.execute_stream(request);
     let mut first = true;

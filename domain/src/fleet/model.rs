@@ -272,6 +272,20 @@ pub fn parse_count(field: &str, n: i64, min: i64, max: i64) -> Result<i64> {
     Ok(n)
 }
 
+/// A time PostgreSQL can hold and this system can reason about: between the years 1970 and
+/// 9999. `field` names it in the error. Every time a client sends passes through here.
+pub fn parse_time(field: &str, t: DateTime<Utc>) -> Result<DateTime<Utc>> {
+    use chrono::Datelike;
+    if (1970..=9999).contains(&t.year()) {
+        Ok(t)
+    } else {
+        Err(Error::bad_input(
+            field,
+            format!("`{field}` must be between the years 1970 and 9999"),
+        ))
+    }
+}
+
 /// A time window, start before end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Window {
@@ -281,6 +295,8 @@ pub struct Window {
 
 impl Window {
     pub fn new(field: &str, start: DateTime<Utc>, end: DateTime<Utc>) -> Result<Window> {
+        let start = parse_time(&format!("{field}.start"), start)?;
+        let end = parse_time(&format!("{field}.end"), end)?;
         if start >= end {
             return Err(Error::bad_input(
                 field,

@@ -612,6 +612,7 @@ pub async fn extend_reservation(
     key: &str,
 ) -> Result<Outcome<Reservation>> {
     let key = idempotency::parse_key("idempotencyKey", key)?;
+    let ends_at = crate::fleet::model::parse_time("endsAt", ends_at)?;
     let fingerprint = json!({ "reservationId": id, "endsAt": ends_at });
     db.tx("extend_reservation", TxKind::Write, |conn| {
         let (actor, id, key, fingerprint) =

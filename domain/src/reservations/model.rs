@@ -230,6 +230,10 @@ pub fn parse_request(
     allocations: &[AllocationInput],
 ) -> Result<ReservationRequest> {
     let pool_id = PoolId::parse("poolId", pool_id)?;
+    let starts_at = starts_at
+        .map(|t| m::parse_time("startsAt", t))
+        .transpose()?;
+    let ends_at = m::parse_time("endsAt", ends_at)?;
     if allocations.is_empty() || allocations.len() > MAX_ALLOCATIONS {
         return Err(Error::bad_input(
             "allocations",

@@ -225,3 +225,76 @@ async fn input_async_graphql_cannot_coerce_is_coded_as_the_callers_whatever_its_
         );
     }
 }
+
+#[tokio::test]
+async fn one_callers_bad_input_never_changes_another_callers_results() {
+    // Each request has loaders of its own, and bad keys are refused before SQL: while one caller
+    // floods the API with cursors holding NUL bytes and windows outside PostgreSQL's range, a
+    // concurrent victim's nested, batched reads all succeed, and the attacker gets
+    // BAD_USER_INPUT, never INTERNAL.
+    use compute_api::auth::Role;
+    let app = compute_tests::spawn_app().await;
+    let op = app.token("ops", None, &[Role::Operator]);
+    for name in ["s1", "s2", "s3"] {
+        let site = app
+            .ok(
+                &op,
+                crate::fleet::CREATE_SITE,
+                serde_json::json!({ "i": { "name": name } }),
+            )
+            .await["createSite"]["site"]["id"]
+            .clone();
+        app.ok(
+            &op,
+            crate::fleet::CREATE_POOL,
+            serde_json::json!({ "i": { "siteId": site, "name": "p", "kind": "BARE_METAL" } }),
+        )
+        .await;
+    }
+    let nul_cursor = compute_domain::page::encode_cursor("pool_\u{0}");
+    let attacker = app.token("mallory", Some("evil"), &[Role::Member]);
+    let victim = app.token("alice", Some("acme"), &[Role::Member]);
+    let bad = [
+        (
+            "query($c: String) { sites(first: 10) { edges { node { pools(first: 5, after: $c) { totalCount } } } } }",
+            serde_json::json!({ "c": nul_cursor }),
+        ),
+        (
+            "query($w: WindowInput) { sites(first: 10) { edges { node { capacity(window: $w) { total } } } } }",
+            serde_json::json!({ "w": { "start": "-200000-01-01T00:00:00Z", "end": "2030-01-01T00:00:00Z" } }),
+        ),
+    ];
+    let good = "{ sites(first: 10) { edges { node { id pools(first: 5) { totalCount edges { node { id } } } capacity { total } } } } }";
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let (query, variables) = bad[i % bad.len()].clone();
+        let a = app.graphql_in_background(&attacker, query, variables);
+        let v = app.graphql_in_background(&victim, good, serde_json::json!({}));
+        tasks.push((a, v));
+    }
+    for (a, v) in tasks {
+        let attacked = a.await.expect("join");
+        let seen = v.await.expect("join");
+        assert!(
+            seen.get("errors").is_none(),
+            "the victim saw an error: {seen}"
+        );
+        assert_eq!(
+            seen["data"]["sites"]["edges"].as_array().map(Vec::len),
+            Some(3),
+            "{seen}"
+        );
+        let codes: Vec<&str> = attacked["errors"]
+            .as_array()
+            .map(|e| {
+                e.iter()
+                    .filter_map(|e| e["extensions"]["code"].as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(
+            !codes.is_empty() && codes.iter().all(|c| *c == "BAD_USER_INPUT"),
+            "the attacker's input is refused as such: {attacked}"
+        );
+    }
+}
