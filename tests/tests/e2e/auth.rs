@@ -231,3 +231,26 @@ async fn a_token_expires_when_the_verifiers_clock_passes_its_exp_and_leeway() {
     let message = body["errors"][0]["message"].as_str().unwrap_or("");
     assert!(message.contains("expired"), "{message}");
 }
+
+#[tokio::test]
+async fn a_tenant_without_a_role_reads_nothing_of_its_tenant() {
+    // Each operation requires its role: a token that names a tenant but carries neither the
+    // member nor the operator role (a node daemon's, say) reads no reservations, quotas or
+    // events of that tenant.
+    let app = spawn_app().await;
+    for roles in [&[][..], &[Role::Node][..]] {
+        let token = app.token("someone", Some("acme"), roles);
+        for query in [
+            "{ reservations(first: 5) { totalCount } }",
+            "{ quotas { max } }",
+            "{ eventSinks(first: 5) { totalCount } }",
+        ] {
+            let (_, body) = app.graphql(query, json!({}), Some(&token)).await;
+            assert_eq!(
+                first_code(&body),
+                Some("FORBIDDEN"),
+                "{roles:?} {query}: {body}"
+            );
+        }
+    }
+}
