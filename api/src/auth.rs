@@ -154,7 +154,12 @@ pub struct Verifier {
     keys: Vec<(Option<String>, DecodingKey)>,
     validation: Validation,
     clock: JwtClock,
+    max_lifetime: std::time::Duration,
 }
+
+/// The longest a token may still be valid when it is presented, unless `serve` is told
+/// otherwise (`--max-token-lifetime-seconds`): a leaked token is worth a day at most.
+pub const DEFAULT_MAX_TOKEN_LIFETIME: std::time::Duration = std::time::Duration::from_secs(86_400);
 
 impl fmt::Debug for Verifier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -240,7 +245,14 @@ impl Verifier {
             keys,
             validation,
             clock: wall_clock(),
+            max_lifetime: DEFAULT_MAX_TOKEN_LIFETIME,
         })
+    }
+
+    /// This verifier refusing tokens still valid for longer than `max` when presented.
+    pub fn with_max_lifetime(mut self, max: std::time::Duration) -> Verifier {
+        self.max_lifetime = max;
+        self
     }
 
     /// This verifier with `clock` in place of the wall clock (tests).
@@ -299,6 +311,13 @@ impl Verifier {
         if claims.nbf.is_some_and(|nbf| nbf - leeway > now) {
             return Err(unauthenticated("the bearer token is not valid yet (nbf)"));
         }
+        let max = self.max_lifetime.as_secs() as i64;
+        if claims.exp.saturating_sub(now) > max {
+            return Err(unauthenticated(&format!(
+                "the bearer token is valid for longer than this server accepts (at most {max} s \
+                 from now)"
+            )));
+        }
         let valid_for = std::time::Duration::from_secs((claims.exp + leeway - now).max(0) as u64);
         let tenant = claims
             .tenant
@@ -310,6 +329,15 @@ impl Verifier {
                     "the bearer token's tenant claim is not a tenant id (1 to 63 of letters, digits, `_`, `.`, `-`)",
                 )
             })?;
+        // The subject is recorded in rows (`set_by`, `created_by`): checked here like the tenant.
+        if claims.sub.is_empty()
+            || claims.sub.chars().count() > 255
+            || claims.sub.chars().any(char::is_control)
+        {
+            return Err(unauthenticated(
+                "the bearer token's sub claim must be 1 to 255 printable characters",
+            ));
+        }
         Ok(Viewer {
             subject: claims.sub,
             tenant,

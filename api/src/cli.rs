@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use compute_domain::db::{Db, PoolSettings};
@@ -12,6 +12,7 @@ use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres};
 use tracing::info;
 
 use crate::auth::{self, KeySource, Role, Secret, Verifier};
+use crate::limits::Limits;
 use crate::server::Server;
 use compute_workers::cli::stop_signal as shutdown_signal;
 
@@ -32,7 +33,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the API (production): on DATABASE_URL, or on the embedded database without it.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the whole system in one process on the embedded database, with a development token.
     Dev(DevArgs),
     /// Apply pending migrations and exit.
@@ -119,6 +120,83 @@ pub struct ServeArgs {
     pub database: DatabaseArgs,
     #[command(flatten)]
     pub jwt: JwtArgs,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+/// The published limits (`docs/security.md`); each flag's default is `Limits::default()`'s.
+#[derive(Debug, Args)]
+pub struct LimitArgs {
+    /// The largest cost of one request by an authenticated caller.
+    #[arg(long, env = "COMPUTE_MAX_COST", default_value_t = Limits::default().max_cost)]
+    pub max_cost: u64,
+    /// The largest cost of one request without a token.
+    #[arg(long, env = "COMPUTE_ANONYMOUS_MAX_COST", default_value_t = Limits::default().anonymous_max_cost)]
+    pub anonymous_max_cost: u64,
+    /// Points each authenticated identity may spend per minute.
+    #[arg(long, env = "COMPUTE_BUDGET_PER_MINUTE", default_value_t = Limits::default().budget_per_minute)]
+    pub budget_per_minute: u64,
+    /// Points each anonymous peer address may spend per minute.
+    #[arg(long, env = "COMPUTE_ANONYMOUS_BUDGET_PER_MINUTE", default_value_t = Limits::default().anonymous_budget_per_minute)]
+    pub anonymous_budget_per_minute: u64,
+    /// The largest GraphQL document, in bytes.
+    #[arg(long, env = "COMPUTE_MAX_DOCUMENT_BYTES", default_value_t = Limits::default().max_document_bytes)]
+    pub max_document_bytes: usize,
+    /// Aliased fields in one document (fragments expanded).
+    #[arg(long, env = "COMPUTE_MAX_ALIASES", default_value_t = Limits::default().max_aliases)]
+    pub max_aliases: usize,
+    /// Root fields of one operation.
+    #[arg(long, env = "COMPUTE_MAX_ROOT_FIELDS", default_value_t = Limits::default().max_root_fields)]
+    pub max_root_fields: usize,
+    /// Directives in one document (fragments expanded).
+    #[arg(long, env = "COMPUTE_MAX_DIRECTIVES", default_value_t = Limits::default().max_directives)]
+    pub max_directives: usize,
+    /// Field selections in one document (fragments expanded).
+    #[arg(long, env = "COMPUTE_MAX_SELECTIONS", default_value_t = Limits::default().max_selections)]
+    pub max_selections: usize,
+    /// Errors in one response.
+    #[arg(long, env = "COMPUTE_MAX_ERRORS", default_value_t = Limits::default().max_errors)]
+    pub max_errors: usize,
+    /// Seconds one query or mutation may run.
+    #[arg(long, env = "COMPUTE_REQUEST_TIMEOUT_SECONDS", default_value_t = Limits::default().request_timeout.as_secs())]
+    pub request_timeout_seconds: u64,
+    /// Seconds a client has to send a request's headers (also the keep-alive idle timeout).
+    #[arg(long, env = "COMPUTE_HEADER_TIMEOUT_SECONDS", default_value_t = Limits::default().header_timeout.as_secs())]
+    pub header_timeout_seconds: u64,
+    /// Connections held open at once.
+    #[arg(long, env = "COMPUTE_MAX_CONNECTIONS", default_value_t = Limits::default().max_connections)]
+    pub max_connections: usize,
+    /// The largest WebSocket message or frame, in bytes.
+    #[arg(long, env = "COMPUTE_MAX_WS_MESSAGE_BYTES", default_value_t = Limits::default().max_ws_message)]
+    pub max_ws_message_bytes: usize,
+    /// WebSocket connections and SSE streams one identity may hold open.
+    #[arg(long, env = "COMPUTE_MAX_STREAMS_PER_IDENTITY", default_value_t = Limits::default().max_streams_per_identity)]
+    pub max_streams_per_identity: usize,
+    /// The longest a bearer token may still be valid when presented, in seconds.
+    #[arg(long, env = "COMPUTE_MAX_TOKEN_LIFETIME_SECONDS", default_value_t = auth::DEFAULT_MAX_TOKEN_LIFETIME.as_secs())]
+    pub max_token_lifetime_seconds: u64,
+}
+
+impl LimitArgs {
+    fn limits(&self) -> Limits {
+        Limits {
+            max_cost: self.max_cost,
+            anonymous_max_cost: self.anonymous_max_cost,
+            budget_per_minute: self.budget_per_minute,
+            anonymous_budget_per_minute: self.anonymous_budget_per_minute,
+            max_document_bytes: self.max_document_bytes,
+            max_aliases: self.max_aliases,
+            max_root_fields: self.max_root_fields,
+            max_directives: self.max_directives,
+            max_selections: self.max_selections,
+            max_errors: self.max_errors,
+            request_timeout: Duration::from_secs(self.request_timeout_seconds),
+            header_timeout: Duration::from_secs(self.header_timeout_seconds),
+            max_connections: self.max_connections,
+            max_ws_message: self.max_ws_message_bytes,
+            max_streams_per_identity: self.max_streams_per_identity,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -271,7 +349,8 @@ async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
 /// `compute-api serve`.
 pub async fn serve(args: ServeArgs) -> Result<()> {
     init_logging(args.database.log_format);
-    let verifier = verifier_from(&args.jwt)?;
+    let verifier = verifier_from(&args.jwt)?
+        .with_max_lifetime(Duration::from_secs(args.limits.max_token_lifetime_seconds));
     let database = open_database(
         args.database.database_url.as_ref(),
         &args.database.data_dir,
@@ -281,11 +360,19 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     database.db.migrate().await?;
     let listener = bind(args.listen).await?;
     info!(listen = %args.listen, "serving GraphQL at /graphql");
-    Server::new(database.db.clone(), verifier)
-        .await?
-        .run(listener, shutdown_signal())
-        .await
-        .map_err(Error::internal)?;
+    let registry = compute_domain::metrics::Registry::default();
+    database.db.register_metrics(&registry);
+    Server::with_limits(
+        database.db.clone(),
+        verifier,
+        crate::tailer::StreamConfig::default(),
+        args.limits.limits(),
+        registry,
+    )
+    .await?
+    .run(listener, shutdown_signal())
+    .await
+    .map_err(Error::internal)?;
     drop(database);
     Ok(())
 }
@@ -305,6 +392,8 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     )
     .map_err(Error::internal)?;
     let ttl = 30 * 86_400;
+    // The development token printed below lives 30 days; `dev` accepts it.
+    let verifier = verifier.with_max_lifetime(Duration::from_secs(31 * 86_400));
     let token = auth::mint_hs256(
         &secret,
         &auth::dev_claims(

@@ -6,12 +6,13 @@
 //!
 //! Rooms, each importing only the rooms before it (checked by the `api_rooms_form_no_cycle`
 //! static test; `ARCHITECTURE.md` states the rules):
-//! `auth`, `tailer`, `metrics` (leaves) → `graph` → `state` → `transport`, `ops` → `server` →
+//! `auth`, `limits`, `tailer`, `metrics` (leaves) → `graph` → `state` → `transport`, `ops` → `server` →
 //! `cli`.
 
 pub mod auth;
 pub mod cli;
 pub mod graph;
+pub mod limits;
 pub mod metrics;
 pub mod ops;
 pub mod server;

@@ -8,7 +8,7 @@ use compute_api::cli::{self, Cli, Command};
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => cli::serve(args).await,
+        Command::Serve(args) => cli::serve(*args).await,
         Command::Dev(args) => cli::dev(args).await,
         Command::Migrate(args) => cli::migrate(args).await,
         Command::Schema => {

@@ -29,6 +29,11 @@ struct RouteLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CodeLabels {
     code: &'static str,
 }
@@ -42,6 +47,7 @@ pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     latency: Family<RouteLabels, Histogram, fn() -> Histogram>,
     graphql_errors: Family<CodeLabels, Counter>,
+    refusals: Family<ReasonLabels, Counter>,
 }
 
 impl Metrics {
@@ -52,7 +58,15 @@ impl Metrics {
             requests: Family::default(),
             latency: Family::new_with_constructor(latency_histogram),
             graphql_errors: Family::default(),
+            refusals: Family::default(),
         };
+        registry.register(
+            "api_refusals",
+            "Requests and connections refused at a published limit, by reason (cost, rate_limited, \
+             aliases, root_fields, directives, selections, errors, nul_character, timeout, \
+             streams, token_lifetime, connections).",
+            metrics.refusals.clone(),
+        );
         registry.register(
             "http_requests",
             "HTTP requests by route, method and status.",
@@ -164,5 +178,10 @@ impl Metrics {
         self.graphql_errors
             .get_or_create(&CodeLabels { code })
             .inc();
+    }
+
+    /// Counts one refusal at a published limit by its reason.
+    pub fn record_refusal(&self, reason: &'static str) {
+        self.refusals.get_or_create(&ReasonLabels { reason }).inc();
     }
 }

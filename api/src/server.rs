@@ -8,12 +8,21 @@ use axum::routing::get;
 use compute_domain::clock::Clock;
 use compute_domain::db::Db;
 use compute_domain::metrics::Registry;
+use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tracing::info;
+
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+use tracing::{debug, info, warn};
+
+use crate::graph::door::Peer;
 
 use crate::auth::Verifier;
 use crate::graph;
+use crate::limits::Limits;
 use crate::metrics::Metrics;
 use crate::state::{AppState, Inner};
 use crate::tailer::{StreamConfig, Tailer};
@@ -37,6 +46,90 @@ pub fn router(app: AppState) -> Router {
             crate::ops::track,
         ))
         .with_state(app)
+}
+
+/// Accepts connections until `stop` resolves, at most [`Limits::max_connections`] at once, each
+/// served by hyper's HTTP/1 with a header read timeout ([`Limits::header_timeout`], which also
+/// closes idle keep-alive connections) and its peer address in the request ([`Peer`]). Then it
+/// stops accepting, raises `shutdown_tx` (WebSockets close with 1001), lets each connection
+/// finish its request in flight, and returns when all have.
+async fn serve(
+    listener: TcpListener,
+    app: AppState,
+    stop: impl Future<Output = ()> + Send + 'static,
+    shutdown_tx: watch::Sender<bool>,
+) -> std::io::Result<()> {
+    let limits = app.limits.clone();
+    let router = router(app.clone());
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    // Each connection holds a clone of `open`; `closed()` resolves when every one is gone.
+    let (open_tx, open) = watch::channel(());
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            () = &mut stop => break,
+        };
+        if slots.available_permits() == 0 {
+            app.metrics.record_refusal("connections");
+            warn!(
+                max = limits.max_connections,
+                "the connection limit is reached: new connections wait"
+            );
+        }
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, do not spin.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut stop => break,
+        };
+        let router = router.clone();
+        let mut shutdown = app.shutdown.clone();
+        let open = open.clone();
+        let header_timeout = limits.header_timeout;
+        tokio::spawn(async move {
+            let _permit = permit;
+            let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+                req.extensions_mut().insert(Peer(peer.ip()));
+                router.clone().oneshot(req.map(axum::body::Body::new))
+            });
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let conn = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        debug!(error = %e, %peer, "connection ended");
+                    }
+                }
+                () = async { drop(shutdown.wait_for(|s| *s).await) } => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+            drop(open);
+        });
+    }
+    info!("shutting down: no new connections, finishing requests in flight");
+    drop(listener);
+    let _ = shutdown_tx.send(true);
+    drop(open);
+    open_tx.closed().await;
+    Ok(())
 }
 
 /// A server ready to run: its state and the switch that starts its shutdown.
@@ -70,12 +163,29 @@ impl Server {
         stream: StreamConfig,
         registry: Registry,
     ) -> compute_domain::Result<Server> {
+        Server::with_limits(db, verifier, stream, Limits::default(), registry).await
+    }
+
+    /// [`Server::with_registry`] enforcing `limits` (`docs/security.md`).
+    pub async fn with_limits(
+        db: Db,
+        verifier: Verifier,
+        stream: StreamConfig,
+        limits: Limits,
+        registry: Registry,
+    ) -> compute_domain::Result<Server> {
         let clock = Clock::anchored(&db).await?;
         let (shutdown_tx, shutdown) = watch::channel(false);
         let tailer = Tailer::new(db.clone(), stream);
         let metrics = Metrics::new(&registry, &db, &clock, &tailer);
+        let door = graph::door::Door::new(limits.clone(), {
+            let metrics = metrics.clone();
+            std::sync::Arc::new(move |reason| metrics.record_refusal(reason))
+        });
         let app = AppState::new(Inner {
-            schema: graph::build(Some((db.clone(), tailer.clone()))),
+            schema: graph::build(Some((db.clone(), tailer.clone())), door),
+            limits,
+            streams: crate::limits::Streams::default(),
             tailer,
             db,
             clock,
@@ -116,13 +226,7 @@ impl Server {
                 let _ = rx.wait_for(|s| *s).await;
             }
         }));
-        let result = axum::serve(listener, router(app))
-            .with_graceful_shutdown(async move {
-                stop.await;
-                info!("shutting down: no new connections, finishing requests in flight");
-                let _ = shutdown_tx.send(true);
-            })
-            .await;
+        let result = serve(listener, app.clone(), stop, shutdown_tx).await;
         sampler.abort();
         tailer.abort();
         result

@@ -22,6 +22,10 @@ pub struct Inner {
     pub db: Db,
     pub clock: Clock,
     pub schema: ApiSchema,
+    /// The published limits the transports and the schema's door enforce.
+    pub limits: crate::limits::Limits,
+    /// The streams each identity holds open.
+    pub streams: crate::limits::Streams,
     pub verifier: Verifier,
     pub metrics: Metrics,
     /// The process's one metrics registry, which `/metrics` encodes.

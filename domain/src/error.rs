@@ -232,7 +232,7 @@ impl Error {
     pub fn bad_input(field: impl Into<String>, message: impl Into<String>) -> Self {
         Error::BadUserInput {
             field: Some(field.into()),
-            message: message.into(),
+            message: bounded(&message.into()),
         }
     }
 
@@ -315,9 +315,70 @@ impl From<sqlx::migrate::MigrateError> for Error {
     }
 }
 
+/// The longest quoted input a message shows, in characters.
+const MAX_QUOTED: usize = 64;
+/// The longest message, in characters.
+const MAX_MESSAGE: usize = 400;
+
+/// A message fit to send back: each `quoted` piece of input is cut to [`MAX_QUOTED`] characters
+/// (then `…`), control characters are shown escaped, and the whole is at most [`MAX_MESSAGE`]
+/// characters. Every `BAD_USER_INPUT` message passes here ([`Error::bad_input`]), so no error
+/// echoes unbounded or unprintable input, whichever parser wrote it.
+pub fn bounded(message: &str) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_MESSAGE + 8));
+    let mut quoted = false;
+    let mut run = 0usize;
+    for c in message.chars() {
+        if out.chars().count() >= MAX_MESSAGE {
+            out.push('…');
+            break;
+        }
+        if c == '`' {
+            quoted = !quoted;
+            run = 0;
+            out.push(c);
+            continue;
+        }
+        if quoted {
+            run += 1;
+            if run == MAX_QUOTED + 1 {
+                out.push('…');
+            }
+            if run > MAX_QUOTED {
+                continue;
+            }
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_never_echoes_unbounded_or_unprintable_input() {
+        let long = "x".repeat(1_000_000);
+        let e = Error::bad_input("id", format!("`{long}` is not an id of this API"));
+        let Error::BadUserInput { message, .. } = e else {
+            panic!("bad input")
+        };
+        assert_eq!(
+            message,
+            format!("`{}…` is not an id of this API", "x".repeat(MAX_QUOTED))
+        );
+        let e = Error::bad_input("name", "`a\u{0}b\nc` is odd");
+        let Error::BadUserInput { message, .. } = e else {
+            panic!("bad input")
+        };
+        assert_eq!(message, "`a\\u{0}b\\nc` is odd");
+        assert!(bounded(&"y ".repeat(10_000)).chars().count() <= MAX_MESSAGE + 1);
+    }
 
     #[test]
     fn codes_are_unique_screaming_snake() {

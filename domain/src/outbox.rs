@@ -137,7 +137,38 @@ pub struct EventFilter {
     pub subjects: Vec<String>,
 }
 
+/// The most types or subjects one filter may name.
+pub const MAX_FILTER_ITEMS: usize = 100;
+
 impl EventFilter {
+    /// A filter from a client's `types` and `subjects`, checked at the door: at most
+    /// [`MAX_FILTER_ITEMS`] of each, types dotted lowercase names, subjects ids of this API.
+    pub fn parse(
+        tenant_id: Option<TenantId>,
+        types: Vec<String>,
+        subjects: Vec<String>,
+    ) -> Result<EventFilter> {
+        crate::sinks::check_types(&types)?;
+        if subjects.len() > MAX_FILTER_ITEMS {
+            return Err(crate::Error::bad_input(
+                "subjects",
+                format!("at most {MAX_FILTER_ITEMS} subjects"),
+            ));
+        }
+        if let Some(bad) = subjects.iter().find(|s| crate::ids::prefix_of(s).is_none()) {
+            let shown: String = bad.chars().take(80).collect();
+            return Err(crate::Error::bad_input(
+                "subjects",
+                format!("`{shown}` is not an id of this API"),
+            ));
+        }
+        Ok(EventFilter {
+            tenant_id,
+            types,
+            subjects,
+        })
+    }
+
     /// Whether `event` passes the filter: the same test [`read_after`] makes in SQL.
     pub fn matches(&self, event: &Event) -> bool {
         self.tenant_id

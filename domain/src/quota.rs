@@ -47,6 +47,9 @@ pub struct Quota {
     pub updated_at: DateTime<Utc>,
 }
 
+/// The largest vCPU or memory limit (the column holds 12 digits before the point).
+pub const MAX_SCALAR_LIMIT: i64 = 100_000_000_000;
+
 /// Limits to set; `None` leaves a resource as it is.
 #[derive(Debug, Clone, Default)]
 pub struct QuotaLimits {
@@ -75,16 +78,19 @@ pub async fn set_quota(
         rows.push((QuotaResource::Gpu, g));
     }
     if let Some(v) = limits.vcpu {
-        if v < 0 {
-            return Err(Error::bad_input("vcpu", "`vcpu` must not be negative"));
+        if !(0..=MAX_SCALAR_LIMIT).contains(&v) {
+            return Err(Error::bad_input(
+                "vcpu",
+                format!("`vcpu` must be between 0 and {MAX_SCALAR_LIMIT}"),
+            ));
         }
         rows.push((QuotaResource::Vcpu, v as f64));
     }
     if let Some(m) = limits.memory_mib {
-        if m < 0 {
+        if !(0..=MAX_SCALAR_LIMIT).contains(&m) {
             return Err(Error::bad_input(
                 "memoryMib",
-                "`memoryMib` must not be negative",
+                format!("`memoryMib` must be between 0 and {MAX_SCALAR_LIMIT}"),
             ));
         }
         rows.push((QuotaResource::MemoryMib, m as f64));

@@ -121,16 +121,25 @@ fn check_url(url: &str) -> Result<()> {
         .or_else(|| url.strip_prefix("http://"))
         .ok_or_else(|| Error::bad_input("url", "the url must start with http:// or https://"))?;
     let host = rest.split(['/', '?', '#']).next().unwrap_or("");
-    if host.is_empty() || host.contains(char::is_whitespace) || url.len() > 2000 {
+    if host.is_empty()
+        || host.contains(char::is_whitespace)
+        || url.chars().any(char::is_control)
+        || url.len() > 2000
+    {
+        // The URL is not echoed: it may be long, and is the caller's own.
         return Err(Error::bad_input(
             "url",
-            format!("`{url}` is not a URL this server can POST to"),
+            "`url` is not a URL this server can POST to (http or https, a host, at most 2000 characters)",
         ));
     }
     Ok(())
 }
 
-fn check_types(types: &[String]) -> Result<()> {
+/// Checks event-type names: at most 100, each dotted lowercase (`reservation.active`).
+pub(crate) fn check_types(types: &[String]) -> Result<()> {
+    if types.len() > crate::outbox::MAX_FILTER_ITEMS {
+        return Err(Error::bad_input("types", "at most 100 types"));
+    }
     for t in types {
         let ok = t.split('.').count() >= 2
             && t.split('.').all(|p| {

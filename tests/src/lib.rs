@@ -416,7 +416,17 @@ pub async fn spawn_app_on(db: TestDb) -> TestApp {
 
 /// Starts the API on `127.0.0.1:0` over `db`, with the streaming settings `stream`.
 pub async fn spawn_app_with(db: TestDb, stream: compute_api::tailer::StreamConfig) -> TestApp {
-    start_app(Arc::new(db), stream).await
+    start_app(Arc::new(db), stream, compute_api::limits::Limits::default()).await
+}
+
+/// Starts the API on a fresh database with the published limits `limits`.
+pub async fn spawn_app_with_limits(limits: compute_api::limits::Limits) -> TestApp {
+    start_app(
+        Arc::new(test_db().await),
+        compute_api::tailer::StreamConfig::default(),
+        limits,
+    )
+    .await
 }
 
 /// A second API process (as far as the database can tell) on the database of `other`.
@@ -424,11 +434,16 @@ pub async fn spawn_app_sharing(other: &TestApp) -> TestApp {
     start_app(
         other.db.clone(),
         compute_api::tailer::StreamConfig::default(),
+        compute_api::limits::Limits::default(),
     )
     .await
 }
 
-async fn start_app(db: Arc<TestDb>, stream: compute_api::tailer::StreamConfig) -> TestApp {
+async fn start_app(
+    db: Arc<TestDb>,
+    stream: compute_api::tailer::StreamConfig,
+    limits: compute_api::limits::Limits,
+) -> TestApp {
     init_logging();
     let jwt_offset = Arc::new(std::sync::atomic::AtomicI64::new(0));
     let offset = jwt_offset.clone();
@@ -441,7 +456,9 @@ async fn start_app(db: Arc<TestDb>, stream: compute_api::tailer::StreamConfig) -
     .with_clock(Arc::new(move || {
         chrono::Utc::now().timestamp() + offset.load(std::sync::atomic::Ordering::SeqCst)
     }));
-    let server = Server::with_config(db.db.clone(), verifier, stream)
+    let registry = compute_domain::metrics::Registry::default();
+    db.db.register_metrics(&registry);
+    let server = Server::with_limits(db.db.clone(), verifier, stream, limits, registry)
         .await
         .expect("server state");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -239,11 +239,11 @@ impl SubscriptionRoot {
             })?
             .cloned();
         let cursor = start(ctx, after).await?;
-        let filter = EventFilter {
+        let filter = EventFilter::parse(
             tenant_id,
-            types: types.unwrap_or_default(),
-            subjects: subjects.unwrap_or_default(),
-        };
+            types.unwrap_or_default(),
+            subjects.unwrap_or_default(),
+        )?;
         let feed = tailer(ctx)?.feed(cursor, filter);
         Ok(follow(
             feed,

@@ -15,6 +15,7 @@ use crate::auth::Role;
 
 pub mod common;
 pub mod context;
+pub mod door;
 pub mod events;
 pub mod fleet;
 pub mod loaders;
@@ -55,7 +56,7 @@ pub fn with_loaders(request: async_graphql::Request, db: &Db) -> async_graphql::
 
 /// Builds the schema with the shared services every resolver reads. Without a database (for
 /// printing the SDL) no resolver can run.
-pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
+pub fn build(services: Option<(Db, crate::tailer::Tailer)>, door: door::Door) -> ApiSchema {
     let mut builder = Schema::build(
         Query::default(),
         Mutation::default(),
@@ -68,8 +69,10 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
          (see `serverTime`).",
     )
     .extension(async_graphql::extensions::Tracing)
-    .limit_depth(32)
-    .limit_complexity(100_000);
+    // The door bounds documents before validation and prices them after it (its own cost
+    // limit replaces async-graphql's uncoded one).
+    .extension(door)
+    .limit_depth(32);
     if let Some((db, tailer)) = services {
         // The data loaders are not here: each request gets its own (`with_loaders`), so a batch
         // never mixes two requests' keys and no input of one request can fail another's.
@@ -80,7 +83,7 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
 
 /// The SDL of the schema, as `compute-api schema` prints it and `schema.graphql` holds it.
 pub fn sdl() -> String {
-    build(None).sdl()
+    build(None, door::Door::default()).sdl()
 }
 
 /// The core queries: who is calling, and what time it is.

@@ -19,7 +19,6 @@
 
 use async_graphql::http::GraphiQLSource;
 use async_graphql::parser::types::OperationType;
-use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
@@ -30,8 +29,8 @@ use tracing::Instrument;
 use crate::auth::Viewer;
 use crate::state::AppState;
 use crate::transport::{
-    BAD_REQUEST, GetParams, PARSE_FAILED, authenticate, operation_type, prepare, request_from_body,
-    response_json, set_code,
+    BAD_REQUEST, GetParams, PARSE_FAILED, authenticate, has_json_body, operation_type, peer_of,
+    prepare, read_body, request_from_body, response_json, set_code,
 };
 
 /// The two response media types of the specification.
@@ -124,25 +123,28 @@ fn unauthorized(media: MediaType, message: &str) -> Response {
 }
 
 /// `POST /graphql`.
-pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn post(State(app): State<AppState>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let peer = peer_of(&parts.extensions);
+    let headers = parts.headers;
+    let body = match read_body(body).await {
+        Ok(b) => b,
+        Err(message) => {
+            return error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                MediaType::Json,
+                BAD_REQUEST,
+                &message,
+            );
+        }
+    };
     if crate::transport::sse::wants_event_stream(&headers) {
-        return crate::transport::sse::post(State(app), headers, body).await;
+        return crate::transport::sse::respond_to_post(app, peer, &headers, &body).await;
     }
     let Some(media) = negotiate(headers.get(header::ACCEPT)) else {
         return not_acceptable();
     };
-    let json_body = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|ct| {
-            ct.split(';')
-                .next()
-                .unwrap_or("")
-                .trim()
-                .eq_ignore_ascii_case("application/json")
-        })
-        .unwrap_or(false);
-    if !json_body {
+    if !has_json_body(&headers) {
         return error_response(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             media,
@@ -160,7 +162,7 @@ pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) 
         Ok(v) => v,
         Err(why) => return unauthorized(media, &why),
     };
-    execute(&app, media, viewer, request, false).await
+    execute(&app, media, viewer, peer, request, false).await
 }
 
 /// `GET /graphql`: GraphiQL for browsers, the WebSocket upgrade, or a query in the query string.
@@ -207,7 +209,8 @@ pub async fn get(State(app): State<AppState>, req: Request) -> Response {
         Ok(v) => v,
         Err(why) => return unauthorized(media, &why),
     };
-    execute(&app, media, viewer, request, true).await
+    let peer = peer_of(&parts.extensions);
+    execute(&app, media, viewer, peer, request, true).await
 }
 
 fn not_acceptable() -> Response {
@@ -223,18 +226,23 @@ async fn execute(
     app: &AppState,
     media: MediaType,
     viewer: Option<Viewer>,
+    peer: Option<crate::graph::door::Peer>,
     mut request: async_graphql::Request,
     is_get: bool,
 ) -> Response {
-    match operation_type(&mut request) {
-        Err(e) => {
-            app.metrics.record_graphql_error(PARSE_FAILED);
+    match operation_type(app, &mut request) {
+        Err(mut e) => {
+            // A document over the size limit comes coded; anything else did not parse.
+            if crate::transport::code_of(&e).is_none() {
+                set_code(&mut e, PARSE_FAILED);
+            }
+            let code = crate::transport::code_of(&e).unwrap_or_default();
+            app.metrics
+                .record_graphql_error(crate::transport::static_code(Some(&code)));
             let status = match media {
                 MediaType::GraphqlResponseJson => StatusCode::BAD_REQUEST,
                 MediaType::Json => StatusCode::OK,
             };
-            let mut e = e;
-            set_code(&mut e, PARSE_FAILED);
             let body = json!({ "errors": [e] });
             return (
                 status,
@@ -274,6 +282,9 @@ async fn execute(
     if let Some(viewer) = viewer {
         request = request.data(viewer);
     }
+    if let Some(peer) = peer {
+        request = request.data(peer);
+    }
     let replay = crate::graph::ReplayFlag::default();
     request = crate::graph::with_loaders(request.data(replay.clone()), &app.db);
     let mut response = app.schema.execute(request).instrument(span).await;
@@ -286,12 +297,31 @@ async fn execute(
     render(app, media, response)
 }
 
+/// The status of a request error: `429` when the caller's budget is spent, `504` when the
+/// request ran past its deadline, `400` otherwise (the document or the request was wrong).
+fn request_error_status(response: &async_graphql::Response) -> StatusCode {
+    let code = |e: &async_graphql::ServerError| {
+        e.extensions
+            .as_ref()
+            .and_then(|x| x.get("code"))
+            .and_then(|v| match v {
+                async_graphql::Value::String(s) => Some(s.clone()),
+                _ => None,
+            })
+    };
+    match response.errors.first().and_then(code).as_deref() {
+        Some("RATE_LIMITED") => StatusCode::TOO_MANY_REQUESTS,
+        Some(crate::graph::door::TIMEOUT) => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::BAD_REQUEST,
+    }
+}
+
 /// Serializes a response per the specification, giving every error a code.
 fn render(app: &AppState, media: MediaType, mut response: async_graphql::Response) -> Response {
     let request_error = prepare(app, &mut response);
     let body = response_json(&response, request_error);
     let status = if request_error && media == MediaType::GraphqlResponseJson {
-        StatusCode::BAD_REQUEST
+        request_error_status(&response)
     } else {
         StatusCode::OK
     };

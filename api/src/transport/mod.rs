@@ -44,6 +44,37 @@ pub fn authenticate(app: &AppState, headers: &HeaderMap) -> Result<Option<Viewer
         .map_err(|e| e.to_string())
 }
 
+/// Whether the request's body is declared JSON (`Content-Type: application/json`, any
+/// parameters): the only body a GraphQL POST takes, on every transport.
+pub fn has_json_body(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|ct| {
+            ct.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .eq_ignore_ascii_case("application/json")
+        })
+        .unwrap_or(false)
+}
+
+/// The largest request body any transport reads.
+pub const MAX_BODY: usize = 2 * 1024 * 1024;
+
+/// Reads a request body of at most [`MAX_BODY`] bytes, or says why not.
+pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, String> {
+    axum::body::to_bytes(body, MAX_BODY)
+        .await
+        .map_err(|_| format!("the body is larger than {} MiB", MAX_BODY / (1024 * 1024)))
+}
+
+/// The peer address the server put in the request, if it did.
+pub fn peer_of(extensions: &axum::http::Extensions) -> Option<crate::graph::door::Peer> {
+    extensions.get::<crate::graph::door::Peer>().copied()
+}
+
 /// The JSON body of a POST request.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -133,10 +164,16 @@ pub fn build_request(
     Ok(request)
 }
 
-/// The type of the operation the request selects, when the document parses and names one.
+/// The type of the operation the request selects, when the document parses and names one. A
+/// document longer than the published limit is refused before anything parses it.
 pub fn operation_type(
+    app: &AppState,
     request: &mut async_graphql::Request,
 ) -> Result<Option<OperationType>, ServerError> {
+    if let Some(e) = crate::graph::door::oversized(&app.limits, &request.query) {
+        app.metrics.record_refusal("document_bytes");
+        return Err(e);
+    }
     let name = request.operation_name.clone();
     let doc = request.parsed_query()?;
     Ok(match &doc.operations {
@@ -172,9 +209,15 @@ pub fn set_code(e: &mut ServerError, code: &str) {
 }
 
 fn has_code(e: &ServerError) -> bool {
-    e.extensions
-        .as_ref()
-        .is_some_and(|x| x.get("code").is_some())
+    code_of(e).is_some()
+}
+
+/// The `extensions.code` of an error, if it has one.
+pub fn code_of(e: &ServerError) -> Option<String> {
+    match e.extensions.as_ref()?.get("code")? {
+        async_graphql::Value::String(s) => Some(s.clone()),
+        _ => None,
+    }
 }
 
 /// Gives every error of `response` a code,
@@ -223,12 +266,18 @@ pub fn response_json(response: &async_graphql::Response, request_error: bool) ->
 }
 
 /// Maps a code seen in a response back to its static name, for the metrics label.
-fn static_code(code: Option<&str>) -> &'static str {
+pub fn static_code(code: Option<&str>) -> &'static str {
     let code = code.map(|c| c.trim_matches('"'));
     ErrorCode::ALL
         .iter()
         .map(|c| c.as_str())
-        .chain([PARSE_FAILED, VALIDATION_FAILED, BAD_REQUEST])
+        .chain([
+            PARSE_FAILED,
+            VALIDATION_FAILED,
+            BAD_REQUEST,
+            crate::graph::door::LIMIT_EXCEEDED,
+            crate::graph::door::TIMEOUT,
+        ])
         .find(|c| Some(*c) == code)
         .unwrap_or("OTHER")
 }

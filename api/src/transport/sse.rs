@@ -28,7 +28,9 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use crate::auth::Viewer;
+use crate::graph::door::{Peer, identity_key};
 use crate::graph::events::{ResumeAfter, Streaming};
+use crate::limits::StreamGuard;
 use crate::state::AppState;
 use crate::transport::{BAD_REQUEST, PARSE_FAILED, operation_type, prepare, response_json};
 
@@ -41,16 +43,39 @@ pub fn wants_event_stream(headers: &HeaderMap) -> bool {
 }
 
 /// `POST /graphql/stream`, and `POST /graphql` with `Accept: text/event-stream`.
-pub async fn post(State(app): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let request = crate::transport::request_from_body(&body);
-    respond(app, &headers, request, false).await
+pub async fn post(State(app): State<AppState>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let peer = crate::transport::peer_of(&parts.extensions);
+    match crate::transport::read_body(body).await {
+        Ok(body) => respond_to_post(app, peer, &parts.headers, &body).await,
+        Err(message) => failed(StatusCode::PAYLOAD_TOO_LARGE, BAD_REQUEST, &message),
+    }
+}
+
+/// A POST whose body has been read: only a JSON body is a GraphQL request.
+pub async fn respond_to_post(
+    app: AppState,
+    peer: Option<Peer>,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Response {
+    if !crate::transport::has_json_body(headers) {
+        return failed(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            BAD_REQUEST,
+            "a POST takes a JSON body: Content-Type: application/json",
+        );
+    }
+    let request = crate::transport::request_from_body(body);
+    respond(app, peer, headers, request, false).await
 }
 
 /// `GET /graphql/stream`, and `GET /graphql` with `Accept: text/event-stream`.
 pub async fn get(State(app): State<AppState>, req: Request) -> Response {
     let (parts, _) = req.into_parts();
+    let peer = crate::transport::peer_of(&parts.extensions);
     let request = crate::transport::GetParams::from_uri(&parts.uri).and_then(|p| p.into_request());
-    respond(app, &parts.headers, request, true).await
+    respond(app, peer, &parts.headers, request, true).await
 }
 
 /// An event stream of one `next` with `errors`, then `complete`.
@@ -65,6 +90,7 @@ fn failed(status: StatusCode, code: &str, message: &str) -> Response {
 
 async fn respond(
     app: AppState,
+    peer: Option<Peer>,
     headers: &HeaderMap,
     request: Result<async_graphql::Request, String>,
     is_get: bool,
@@ -83,8 +109,15 @@ async fn respond(
         Ok(r) => r,
         Err(message) => return failed(StatusCode::OK, BAD_REQUEST, &message),
     };
-    match operation_type(&mut request) {
-        Err(e) => return failed(StatusCode::OK, PARSE_FAILED, &e.message),
+    match operation_type(&app, &mut request) {
+        Err(e) => {
+            let code = crate::transport::code_of(&e);
+            return failed(
+                StatusCode::OK,
+                code.as_deref().unwrap_or(PARSE_FAILED),
+                &e.message,
+            );
+        }
         Ok(Some(OperationType::Mutation)) if is_get => {
             return failed(
                 StatusCode::OK,
@@ -110,9 +143,21 @@ async fn respond(
             }
         }
     }
+    let max = app.limits.max_streams_per_identity;
+    let Some(place) = app.streams.open(identity_key(viewer.as_ref(), peer), max) else {
+        app.metrics.record_refusal("streams");
+        return failed(
+            StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::RateLimited.as_str(),
+            &format!("too many streams: at most {max} per identity"),
+        );
+    };
+    if let Some(peer) = peer {
+        request = request.data(peer);
+    }
     let keep_alive = app.tailer.config().keep_alive;
     let (tx, mut rx) = mpsc::channel::<SseEvent>(16);
-    tokio::spawn(run(app, request, viewer, tx));
+    tokio::spawn(run(app, request, viewer, tx, place));
     let events = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok::<_, Infallible>);
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(keep_alive))
@@ -126,11 +171,13 @@ async fn run(
     request: async_graphql::Request,
     viewer: Option<Viewer>,
     tx: mpsc::Sender<SseEvent>,
+    place: StreamGuard,
 ) {
     let span = super::request_span("sse", &request, viewer.as_ref());
     stream_events(app, request, viewer, tx)
         .instrument(span)
         .await;
+    drop(place);
 }
 
 async fn stream_events(

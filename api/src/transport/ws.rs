@@ -105,9 +105,13 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
     // tungstenite's defaults (128 KiB read and write buffers per connection) would cost
     // ~150 KiB for every idle subscriber; GraphQL messages are small, and the buffers grow when
     // one is not.
+    let max = app.limits.max_ws_message;
     ws.protocols([protocol.name()])
         .read_buffer_size(4 * 1024)
         .write_buffer_size(0)
+        // tungstenite's default would take a 64 MiB message from anyone who connects.
+        .max_message_size(max)
+        .max_frame_size(max)
         .on_upgrade(move |socket| serve(app, socket, protocol, header_viewer))
 }
 
@@ -138,6 +142,8 @@ struct Conn {
     ops: HashMap<String, tokio::task::AbortHandle>,
     out_tx: mpsc::Sender<(String, Out)>,
     expiry: Pin<Box<Sleep>>,
+    /// The connection's place among its identity's streams, from the acknowledgement on.
+    stream: Option<crate::limits::StreamGuard>,
 }
 
 /// A far deadline, for timers that are off.
@@ -171,6 +177,7 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
         viewer,
         init_received: false,
         acked: false,
+        stream: None,
         ops: HashMap::new(),
         out_tx,
     };
@@ -333,6 +340,14 @@ impl Conn {
                 .transpose()?,
             Some(_) => return Err(invalid("the `connection_init` payload is not an object")),
         };
+        if token.is_none() && self.viewer.is_none() {
+            // A connection without a token could only hold a socket open: nothing to subscribe
+            // to needs no token.
+            self.app.metrics.record_refusal("anonymous_stream");
+            return Err(self
+                .forbid("a bearer token is required (in the payload or the upgrade request)")
+                .await);
+        }
         if let Some(token) = token {
             let token = bearer(token).unwrap_or(token);
             match self.app.verifier.verify(token) {
@@ -340,14 +355,24 @@ impl Conn {
                     self.expiry.as_mut().reset(expiry_of(Some(&viewer)));
                     self.viewer = Some(viewer);
                 }
-                Err(e) => {
-                    if self.protocol == Protocol::Legacy {
-                        let _ = self
-                            .send(json!({ "type": "connection_error", "payload": { "message": e.to_string() } }))
-                            .await;
-                    }
-                    return Err(End::Close(4403, format!("Forbidden: {e}")));
+                Err(e) => return Err(self.forbid(&e.to_string()).await),
+            }
+        }
+        let key = crate::graph::door::identity_key(self.viewer.as_ref(), None);
+        let max = self.app.limits.max_streams_per_identity;
+        match self.app.streams.open(key, max) {
+            Some(guard) => self.stream = Some(guard),
+            None => {
+                self.app.metrics.record_refusal("streams");
+                if self.protocol == Protocol::Legacy {
+                    let _ = self
+                        .send(json!({ "type": "connection_error", "payload": { "message": "too many streams" } }))
+                        .await;
                 }
+                return Err(End::Close(
+                    4429,
+                    format!("Too many streams: at most {max} per identity"),
+                ));
             }
         }
         self.acked = true;
@@ -360,6 +385,17 @@ impl Conn {
                 .map_err(|_| End::Gone)?;
         }
         Ok(())
+    }
+
+    /// Refuses the connection's credentials: `4403`, after `connection_error` on the legacy
+    /// protocol.
+    async fn forbid(&mut self, why: &str) -> End {
+        if self.protocol == Protocol::Legacy {
+            let _ = self
+                .send(json!({ "type": "connection_error", "payload": { "message": why } }))
+                .await;
+        }
+        End::Close(4403, fit_reason(&format!("Forbidden: {why}")))
     }
 
     async fn subscribe(&mut self, message: &Value) -> Result<(), End> {

@@ -183,6 +183,13 @@ async fn input_async_graphql_cannot_coerce_is_coded_as_the_callers_whatever_its_
             serde_json::json!({ "n": "ten" }),
         ),
         (
+            // The cost of a connection is computed from its page size before it runs, so a
+            // page size that is not an Int is refused with the request.
+            "a page size too large for Int",
+            "query($n: Int) { sites(first: $n) { totalCount } }",
+            serde_json::json!({ "n": 1u64 << 40 }),
+        ),
+        (
             "an enum value that does not exist",
             "query($k: PoolKind) { pools(kind: $k) { totalCount } }",
             serde_json::json!({ "k": "SPACESHIP" }),
@@ -200,9 +207,9 @@ async fn input_async_graphql_cannot_coerce_is_coded_as_the_callers_whatever_its_
     let field_errors = [
         (
             "a number too large for Int",
-            "query($n: Int) { sites(first: $n) { totalCount } }",
+            "mutation($n: Int) { setQuota(input: { tenantId: \"acme\", scopeId: \"pool_00000000000000000000000000000000\", vcpu: $n }) { quotas { max } } }",
             serde_json::json!({ "n": 1u64 << 40 }),
-            "sites",
+            "setQuota",
         ),
         (
             "a time that is not a time",

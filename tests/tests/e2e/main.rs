@@ -7,6 +7,7 @@ mod event_contract;
 mod fleet;
 mod graphql_http;
 mod health;
+mod hostile;
 mod leases;
 mod outbox;
 mod outbox_reader;

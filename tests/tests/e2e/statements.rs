@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
 use compute_domain::fleet::model::{Labels, Layout, PoolKind};
 use compute_domain::idempotency::Actor;
-use compute_tests::{TestApp, spawn_app};
+use compute_tests::TestApp;
 use serde_json::json;
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
@@ -137,9 +137,16 @@ async fn statements_for_tree(app: &TestApp) -> (usize, usize) {
 
 #[tokio::test]
 async fn a_tree_query_issues_the_same_statements_for_2_and_100_nodes() {
-    let small = spawn_app().await;
+    // The tree asks for up to 10 × 100 × 100 nodes: far over the default cost limit, which is
+    // an operator's setting; this test measures statements, so it raises it.
+    let limits = || compute_api::limits::Limits {
+        max_cost: u64::MAX,
+        budget_per_minute: u64::MAX / 2,
+        ..Default::default()
+    };
+    let small = compute_tests::spawn_app_with_limits(limits()).await;
     fleet_of(&small, 2).await;
-    let large = spawn_app().await;
+    let large = compute_tests::spawn_app_with_limits(limits()).await;
     fleet_of(&large, 100).await;
 
     let (small_statements, small_gpus) = statements_for_tree(&small).await;

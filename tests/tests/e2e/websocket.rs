@@ -72,8 +72,11 @@ async fn graphql_transport_ws_authenticates_in_connection_init() {
 async fn shutdown_closes_websockets_with_going_away() {
     let app = spawn_app().await;
     let mut ws = connect(&app, "graphql-transport-ws").await;
+    let token = app.member("acme");
     ws.send(Message::Text(
-        json!({ "type": "connection_init" }).to_string().into(),
+        json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } })
+            .to_string()
+            .into(),
     ))
     .await
     .expect("send");

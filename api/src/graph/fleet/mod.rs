@@ -237,6 +237,7 @@ impl SiteObj {
         self.0.updated_at
     }
     /// The site's pools.
+    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn pools(
         &self,
         ctx: &Context<'_>,
@@ -345,6 +346,7 @@ impl PoolObj {
             .ok_or_else(|| gql_error(Error::internal("a pool without its site")))
     }
     /// The pool's compute nodes, retired ones included (operators only).
+    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn compute_nodes(
         &self,
         ctx: &Context<'_>,
@@ -644,6 +646,9 @@ impl ComputeNodeObj {
             .collect()
     }
     /// Its GPUs.
+    #[graphql(
+        complexity = "crate::graph::door::list_cost(crate::graph::door::OPERATOR_LIST, child_complexity)"
+    )]
     async fn devices(&self, ctx: &Context<'_>) -> GqlResult<Vec<DeviceObj>> {
         if let Some(tree) = &self.1
             && let Some(devices) = tree.devices.get(&self.0.id)
@@ -751,6 +756,9 @@ impl DeviceObj {
     }
     /// Its bookable atoms, by the atom rule: the GPU itself in exclusive mode, else only its MIG
     /// instances or slots.
+    #[graphql(
+        complexity = "crate::graph::door::list_cost(crate::graph::door::OPERATOR_LIST, child_complexity)"
+    )]
     async fn atoms(&self, ctx: &Context<'_>) -> GqlResult<Vec<AtomObj>> {
         if let Some(atoms) = &self.1 {
             return Ok(atoms.iter().cloned().map(AtomObj).collect());
@@ -891,6 +899,7 @@ impl FleetQuery {
 
     /// Many objects by their global ids, in order; `null` for each id that does not exist or is
     /// not visible to the caller.
+    #[graphql(complexity = "crate::graph::door::list_cost(ids.len().min(100), child_complexity)")]
     async fn nodes(
         &self,
         ctx: &Context<'_>,
@@ -912,6 +921,7 @@ impl FleetQuery {
     }
 
     /// All sites.
+    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn sites(
         &self,
         ctx: &Context<'_>,
@@ -940,6 +950,7 @@ impl FleetQuery {
 
     /// Pools, optionally of one site or kind.
     #[allow(clippy::too_many_arguments)]
+    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn pools(
         &self,
         ctx: &Context<'_>,
@@ -979,6 +990,7 @@ impl FleetQuery {
 
     /// Compute nodes (operators only). Retired nodes are left out unless `includeRetired`.
     #[allow(clippy::too_many_arguments)]
+    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn compute_nodes(
         &self,
         ctx: &Context<'_>,
@@ -1025,6 +1037,7 @@ impl FleetQuery {
 
     /// GPUs (operators only).
     #[allow(clippy::too_many_arguments)]
+    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn devices(
         &self,
         ctx: &Context<'_>,
@@ -1052,7 +1065,10 @@ impl FleetQuery {
             site_id: opt_id::<SiteId>("siteId", site_id.as_ref())?,
             pool_id: opt_id::<PoolId>("poolId", pool_id.as_ref())?,
             node_id: opt_id::<NodeId>("computeNodeId", compute_node_id.as_ref())?,
-            model,
+            model: model
+                .as_deref()
+                .map(|m| m::parse_name("model", m))
+                .transpose()?,
             mode: mode.map(Into::into),
             health: health.map(Into::into),
         };
@@ -1072,6 +1088,7 @@ impl FleetQuery {
 
     /// Bookable atoms (operators only).
     #[allow(clippy::too_many_arguments)]
+    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn atoms(
         &self,
         ctx: &Context<'_>,
@@ -1101,9 +1118,15 @@ impl FleetQuery {
         let filter = AtomFilter {
             pool_id: opt_id::<PoolId>("poolId", pool_id.as_ref())?,
             device_id: opt_id::<DeviceId>("deviceId", device_id.as_ref())?,
-            model,
+            model: model
+                .as_deref()
+                .map(|m| m::parse_name("model", m))
+                .transpose()?,
             kind: kind.map(Into::into),
-            profile,
+            profile: profile
+                .as_deref()
+                .map(|p| m::parse_name("profile", p))
+                .transpose()?,
             free_now: free,
         };
         let args = page_request(first, after, last, before)

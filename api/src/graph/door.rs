@@ -1,0 +1,697 @@
+//! The door of the GraphQL entry: every request, on every transport, passes here before
+//! async-graphql validates it, and its response passes here on the way out.
+//!
+//! - **Document bounds**, checked on the parsed document before validation walks it: root
+//!   fields, aliases, directives and field selections, counted with fragments expanded (each
+//!   fragment's size is computed once, so a document of nested spreads is measured in linear
+//!   time and refused before anything expands it).
+//! - **No NUL in any string**: PostgreSQL cannot store U+0000, so a string holding one is the
+//!   caller's error wherever it appears (an argument, a default, a variable), never a failed
+//!   statement.
+//! - **Cost**: async-graphql's complexity with a connection costing its page size times its
+//!   children ([`page_cost`]) and bounded lists their bound times their children
+//!   ([`list_cost`]); a request costs at most [`Limits::max_cost`] (anonymous callers far less),
+//!   and each identity spends from a budget refilled per minute. The response's
+//!   `extensions.cost` says what the request cost and what is left.
+//! - **Errors** per response are capped; **time** per query or mutation is bounded (the
+//!   execution is dropped, and with it its transaction, which rolls back).
+//!
+//! Every refusal has a stable code (`LIMIT_EXCEEDED`, `RATE_LIMITED`, `BAD_USER_INPUT`,
+//! `TIMEOUT`) and is counted by reason.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use async_graphql::extensions::{
+    Extension, ExtensionContext, ExtensionFactory, NextExecute, NextPrepareRequest, NextRequest,
+    NextValidation,
+};
+use async_graphql::parser::types::{
+    Directive, ExecutableDocument, FragmentDefinition, Selection, SelectionSet,
+};
+use async_graphql::{Name, Positioned, Response, ServerError, ServerResult, ValidationResult};
+use compute_domain::ErrorCode;
+use compute_domain::page::{DEFAULT_PAGE, MAX_PAGE};
+
+use crate::auth::Viewer;
+use crate::limits::Limits;
+
+/// `extensions.code` of a request over a published limit (document bounds, cost).
+pub const LIMIT_EXCEEDED: &str = "LIMIT_EXCEEDED";
+/// `extensions.code` of a query or mutation stopped at its deadline.
+pub const TIMEOUT: &str = "TIMEOUT";
+
+/// The peer address of the connection a request came on, when the transport knows it: the
+/// budget key of anonymous callers.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub IpAddr);
+
+/// Who a caller is for budgets and stream caps: the token's subject, or for a caller without
+/// a token its peer address.
+pub fn identity_key(viewer: Option<&Viewer>, peer: Option<Peer>) -> String {
+    match (viewer, peer) {
+        (Some(v), _) => format!("sub:{}", v.subject),
+        (None, Some(Peer(ip))) => format!("anon:{ip}"),
+        (None, None) => "anon".to_owned(),
+    }
+}
+
+/// The cost of a connection field: its page size (`first` or `last`, [`DEFAULT_PAGE`] when
+/// neither is given, never more than [`MAX_PAGE`]) times what each item selects, plus one.
+pub fn page_cost(first: Option<i32>, last: Option<i32>, child_complexity: usize) -> usize {
+    let n = first
+        .or(last)
+        .map_or(DEFAULT_PAGE, i64::from)
+        .clamp(1, MAX_PAGE);
+    list_cost(n as usize, child_complexity)
+}
+
+/// What a list whose length operators set (a node's devices, a device's atoms) is priced at:
+/// its usual length, not its bound (64). Callers cannot make such lists longer, and pricing them
+/// at 64 × 64 per node would refuse a console's page of ten nodes; the request deadline bounds
+/// the rest. Lists a caller sets the length of are priced at their bound.
+pub const OPERATOR_LIST: usize = 8;
+
+/// The cost of a list of at most `n` objects: `n` times what each selects, plus one.
+pub fn list_cost(n: usize, child_complexity: usize) -> usize {
+    n.max(1).saturating_mul(child_complexity).saturating_add(1)
+}
+
+/// Reports a refusal by reason (the metrics' `api_refusals` counter).
+pub type OnRefusal = Arc<dyn Fn(&'static str) + Send + Sync>;
+
+/// The door: one per schema, shared by every request.
+#[derive(Clone)]
+pub struct Door {
+    limits: Arc<Limits>,
+    budgets: Arc<Budgets>,
+    on_refusal: OnRefusal,
+}
+
+impl Door {
+    /// A door enforcing `limits`, reporting each refusal's reason to `on_refusal`.
+    pub fn new(limits: Limits, on_refusal: OnRefusal) -> Door {
+        Door {
+            limits: Arc::new(limits),
+            budgets: Arc::new(Budgets::default()),
+            on_refusal,
+        }
+    }
+
+    /// The limits it enforces.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    fn refuse(&self, reason: &'static str, message: String, extra: &[(&str, u64)]) -> ServerError {
+        (self.on_refusal)(reason);
+        refusal(reason, message, extra)
+    }
+}
+
+/// The coded error of a refusal at a published limit: `extensions.code` by reason,
+/// `extensions.limit` the reason, and the figures in `extra`.
+pub fn refusal(reason: &'static str, message: String, extra: &[(&str, u64)]) -> ServerError {
+    let mut e = ServerError::new(message, None);
+    let ext = e.extensions.get_or_insert_with(Default::default);
+    let code = match reason {
+        "rate_limited" => ErrorCode::RateLimited.as_str(),
+        "nul_character" => ErrorCode::BadUserInput.as_str(),
+        "timeout" => TIMEOUT,
+        _ => LIMIT_EXCEEDED,
+    };
+    ext.set("code", code);
+    ext.set("limit", reason);
+    for (k, v) in extra {
+        ext.set(*k, *v);
+    }
+    e
+}
+
+/// The refusal of a document longer than `limits` allow, before anything parses it.
+pub fn oversized(limits: &Limits, query: &str) -> Option<ServerError> {
+    let max = limits.max_document_bytes;
+    (query.len() > max).then(|| {
+        refusal(
+            "document_bytes",
+            format!(
+                "the document is {} bytes; at most {max} are parsed",
+                query.len()
+            ),
+            &[("max", max as u64)],
+        )
+    })
+}
+
+impl Default for Door {
+    fn default() -> Self {
+        Door::new(Limits::default(), Arc::new(|_| {}))
+    }
+}
+
+impl ExtensionFactory for Door {
+    fn create(&self) -> Arc<dyn Extension> {
+        Arc::new(DoorExtension {
+            door: self.clone(),
+            charged: Mutex::new(None),
+        })
+    }
+}
+
+/// What one request was charged: its cost, its limit and the budget left.
+#[derive(Debug, Clone, Copy)]
+struct Charge {
+    cost: u64,
+    limit: u64,
+    remaining: u64,
+}
+
+struct DoorExtension {
+    door: Door,
+    charged: Mutex<Option<Charge>>,
+}
+
+#[async_graphql::async_trait::async_trait]
+impl Extension for DoorExtension {
+    async fn request(&self, ctx: &ExtensionContext<'_>, next: NextRequest<'_>) -> Response {
+        let mut response = next.run(ctx).await;
+        let max = self.door.limits.max_errors;
+        if response.errors.len() > max {
+            let dropped = response.errors.len() - max;
+            response.errors.truncate(max);
+            response.errors.push(self.door.refuse(
+                "errors",
+                format!("{dropped} more errors were left out (at most {max} per response)"),
+                &[("max", max as u64)],
+            ));
+        }
+        if let Some(c) = *self.charged.lock().unwrap_or_else(|p| p.into_inner()) {
+            let mut cost = async_graphql::indexmap::IndexMap::new();
+            cost.insert(Name::new("requested"), async_graphql::Value::from(c.cost));
+            cost.insert(Name::new("limit"), async_graphql::Value::from(c.limit));
+            cost.insert(
+                Name::new("remaining"),
+                async_graphql::Value::from(c.remaining),
+            );
+            response
+                .extensions
+                .insert("cost".into(), async_graphql::Value::Object(cost));
+        }
+        response
+    }
+
+    async fn prepare_request(
+        &self,
+        ctx: &ExtensionContext<'_>,
+        mut request: async_graphql::Request,
+        next: NextPrepareRequest<'_>,
+    ) -> ServerResult<async_graphql::Request> {
+        if variables_hold_nul(&request.variables) {
+            return Err(self.door.refuse(
+                "nul_character",
+                "a variable holds the NUL character (U+0000), which no string may contain".into(),
+                &[],
+            ));
+        }
+        if let Some(e) = oversized(&self.door.limits, &request.query) {
+            (self.door.on_refusal)("document_bytes");
+            return Err(e);
+        }
+        // Parsed here, once, so the bounds are checked before async-graphql's own walks (depth,
+        // directives, validation) expand any fragment; the parsed document is handed on.
+        let doc = request.parsed_query()?;
+        self.check_document(doc)?;
+        next.run(ctx, request).await
+    }
+
+    async fn validation(
+        &self,
+        ctx: &ExtensionContext<'_>,
+        next: NextValidation<'_>,
+    ) -> Result<ValidationResult, Vec<ServerError>> {
+        let result = next.run(ctx).await?;
+        let cost = result.complexity as u64;
+        let viewer = ctx.data_opt::<Viewer>();
+        let limits = &self.door.limits;
+        let key = identity_key(viewer, ctx.data_opt::<Peer>().copied());
+        let (limit, budget) = match viewer {
+            Some(_) => (limits.max_cost, limits.budget_per_minute),
+            None => (
+                limits.anonymous_max_cost,
+                limits.anonymous_budget_per_minute,
+            ),
+        };
+        if cost > limit {
+            let who = if viewer.is_some() {
+                ""
+            } else {
+                " without a token"
+            };
+            return Err(vec![self.door.refuse(
+                "cost",
+                format!(
+                    "this request costs {cost} points; a request{who} may cost at most {limit} \
+                     (a connection costs its `first` or `last` times what each item selects)"
+                ),
+                &[("cost", cost), ("max", limit)],
+            )]);
+        }
+        match self.door.budgets.charge(&key, cost, budget, Instant::now()) {
+            Ok(remaining) => {
+                *self.charged.lock().unwrap_or_else(|p| p.into_inner()) = Some(Charge {
+                    cost,
+                    limit,
+                    remaining,
+                });
+                Ok(result)
+            }
+            Err((remaining, retry_after)) => Err(vec![self.door.refuse(
+                "rate_limited",
+                format!(
+                    "this request costs {cost} points and {remaining} of this caller's {budget} \
+                     per minute are left: retry in {retry_after} s"
+                ),
+                &[
+                    ("cost", cost),
+                    ("remaining", remaining),
+                    ("retryAfterSeconds", retry_after),
+                ],
+            )]),
+        }
+    }
+
+    async fn execute(
+        &self,
+        ctx: &ExtensionContext<'_>,
+        operation_name: Option<&str>,
+        next: NextExecute<'_>,
+    ) -> Response {
+        let timeout = self.door.limits.request_timeout;
+        match tokio::time::timeout(timeout, next.run(ctx, operation_name)).await {
+            Ok(response) => response,
+            // Dropping the execution drops its resolvers and their transactions: each rolls back.
+            Err(_) => Response::from_errors(vec![self.door.refuse(
+                "timeout",
+                format!(
+                    "the request ran longer than {timeout:?} and was stopped; nothing it began \
+                     was kept"
+                ),
+                &[("maxMilliseconds", timeout.as_millis() as u64)],
+            )]),
+        }
+    }
+}
+
+impl DoorExtension {
+    fn check_document(&self, doc: &ExecutableDocument) -> ServerResult<()> {
+        let limits = &self.door.limits;
+        let mut sizes = Sizes::new(doc);
+        let mut total = Size::default();
+        for (_, op) in doc.operations.iter() {
+            let root = sizes.of_set(&op.node.selection_set);
+            let root_fields = sizes.root_fields(&op.node.selection_set);
+            if root_fields > limits.max_root_fields as u64 {
+                return Err(self.door.refuse(
+                    "root_fields",
+                    format!(
+                        "the operation selects {root_fields} root fields; at most {} are allowed",
+                        limits.max_root_fields
+                    ),
+                    &[("max", limits.max_root_fields as u64)],
+                ));
+            }
+            total = total.plus(root).plus(Size {
+                directives: directives_in(&op.node.directives),
+                ..Size::default()
+            });
+            if op
+                .node
+                .variable_definitions
+                .iter()
+                .filter_map(|d| d.node.default_value.as_ref())
+                .any(|v| const_holds_nul(&v.node))
+            {
+                return Err(self.door.refuse(
+                    "nul_character",
+                    "a default value holds the NUL character (U+0000), which no string may contain"
+                        .into(),
+                    &[],
+                ));
+            }
+        }
+        if sizes.nul {
+            return Err(self.door.refuse(
+                "nul_character",
+                "an argument holds the NUL character (U+0000), which no string may contain".into(),
+                &[],
+            ));
+        }
+        // The most specific bound first: 10,000 aliases are reported as aliases.
+        let checks = [
+            ("aliases", total.aliases, limits.max_aliases),
+            ("directives", total.directives, limits.max_directives),
+            ("selections", total.fields, limits.max_selections),
+        ];
+        for (what, n, max) in checks {
+            if n > max as u64 {
+                return Err(self.door.refuse(
+                    what,
+                    format!(
+                        "the document has {} {what} once its fragments are expanded; at most \
+                         {max} are allowed",
+                        if n == u64::MAX {
+                            "too many".to_owned()
+                        } else {
+                            n.to_string()
+                        }
+                    ),
+                    &[("max", max as u64)],
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a selection set amounts to once its fragments are expanded.
+#[derive(Debug, Clone, Copy, Default)]
+struct Size {
+    fields: u64,
+    aliases: u64,
+    directives: u64,
+}
+
+impl Size {
+    fn plus(self, o: Size) -> Size {
+        Size {
+            fields: self.fields.saturating_add(o.fields),
+            aliases: self.aliases.saturating_add(o.aliases),
+            directives: self.directives.saturating_add(o.directives),
+        }
+    }
+}
+
+/// Sizes of selection sets, each fragment's computed once (a spread of a fragment being
+/// computed is a cycle, which validation reports; it counts as nothing here).
+struct Sizes<'a> {
+    fragments: &'a HashMap<Name, Positioned<FragmentDefinition>>,
+    done: HashMap<&'a str, Size>,
+    roots_done: HashMap<&'a str, u64>,
+    open: Vec<&'a str>,
+    nul: bool,
+}
+
+impl<'a> Sizes<'a> {
+    fn new(doc: &'a ExecutableDocument) -> Sizes<'a> {
+        Sizes {
+            fragments: &doc.fragments,
+            done: HashMap::new(),
+            roots_done: HashMap::new(),
+            open: Vec::new(),
+            nul: false,
+        }
+    }
+
+    fn of_fragment(&mut self, name: &'a str) -> Size {
+        if let Some(s) = self.done.get(name) {
+            return *s;
+        }
+        if self.open.contains(&name) {
+            return Size::default();
+        }
+        let Some(fragment) = self.fragments.get(name) else {
+            return Size::default();
+        };
+        self.open.push(name);
+        let size = self.of_set(&fragment.node.selection_set).plus(Size {
+            directives: directives_in(&fragment.node.directives),
+            ..Size::default()
+        });
+        if directives_hold_nul(&fragment.node.directives) {
+            self.nul = true;
+        }
+        self.open.pop();
+        self.done.insert(name, size);
+        size
+    }
+
+    fn of_set(&mut self, set: &'a Positioned<SelectionSet>) -> Size {
+        let mut size = Size::default();
+        for item in &set.node.items {
+            let s = match &item.node {
+                Selection::Field(f) => {
+                    let f = &f.node;
+                    if f.arguments.iter().any(|(_, v)| value_holds_nul(&v.node))
+                        || directives_hold_nul(&f.directives)
+                    {
+                        self.nul = true;
+                    }
+                    Size {
+                        fields: 1,
+                        aliases: u64::from(f.alias.is_some()),
+                        directives: directives_in(&f.directives),
+                    }
+                    .plus(self.of_set(&f.selection_set))
+                }
+                Selection::FragmentSpread(s) => self
+                    .of_fragment(s.node.fragment_name.node.as_str())
+                    .plus(Size {
+                        directives: directives_in(&s.node.directives),
+                        ..Size::default()
+                    }),
+                Selection::InlineFragment(i) => self.of_set(&i.node.selection_set).plus(Size {
+                    directives: directives_in(&i.node.directives),
+                    ..Size::default()
+                }),
+            };
+            size = size.plus(s);
+        }
+        size
+    }
+
+    /// Fields directly at the root, fragments expanded (not their children); each fragment's
+    /// count is computed once, like its size.
+    fn root_fields(&mut self, set: &'a Positioned<SelectionSet>) -> u64 {
+        let mut n = 0u64;
+        for item in &set.node.items {
+            n = n.saturating_add(match &item.node {
+                Selection::Field(_) => 1,
+                Selection::InlineFragment(i) => self.root_fields(&i.node.selection_set),
+                Selection::FragmentSpread(s) => {
+                    let name = s.node.fragment_name.node.as_str();
+                    if let Some(k) = self.roots_done.get(name) {
+                        *k
+                    } else if self.open.contains(&name) {
+                        0 // a cycle: validation reports it
+                    } else if let Some(f) = self.fragments.get(name) {
+                        self.open.push(name);
+                        let k = self.root_fields(&f.node.selection_set);
+                        self.open.pop();
+                        self.roots_done.insert(name, k);
+                        k
+                    } else {
+                        0
+                    }
+                }
+            });
+        }
+        n
+    }
+}
+
+fn directives_in(d: &[Positioned<Directive>]) -> u64 {
+    d.len() as u64
+}
+
+fn directives_hold_nul(d: &[Positioned<Directive>]) -> bool {
+    d.iter().any(|d| {
+        d.node
+            .arguments
+            .iter()
+            .any(|(_, v)| value_holds_nul(&v.node))
+    })
+}
+
+fn value_holds_nul(v: &async_graphql_value::Value) -> bool {
+    use async_graphql_value::Value;
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::List(items) => items.iter().any(value_holds_nul),
+        Value::Object(fields) => fields
+            .iter()
+            .any(|(k, v)| k.contains('\0') || value_holds_nul(v)),
+        _ => false,
+    }
+}
+
+fn const_holds_nul(v: &async_graphql::Value) -> bool {
+    use async_graphql::Value;
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::List(items) => items.iter().any(const_holds_nul),
+        Value::Object(fields) => fields
+            .iter()
+            .any(|(k, v)| k.contains('\0') || const_holds_nul(v)),
+        _ => false,
+    }
+}
+
+fn variables_hold_nul(vars: &async_graphql::Variables) -> bool {
+    vars.iter()
+        .any(|(k, v)| k.contains('\0') || const_holds_nul(v))
+}
+
+/// Each identity's budget: a bucket of points refilled continuously at its per-minute rate.
+#[derive(Default)]
+struct Budgets {
+    buckets: Mutex<HashMap<String, Bucket>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    points: f64,
+    at: Instant,
+}
+
+/// Buckets kept before full ones are forgotten (a full bucket is the same as none).
+const MAX_BUCKETS: usize = 10_000;
+
+impl Budgets {
+    /// Takes `cost` from `key`'s bucket of `per_minute`: the points left, or (the points left,
+    /// seconds until `cost` is available) when there are not enough.
+    fn charge(
+        &self,
+        key: &str,
+        cost: u64,
+        per_minute: u64,
+        now: Instant,
+    ) -> Result<u64, (u64, u64)> {
+        let capacity = per_minute as f64;
+        let rate = capacity / 60.0;
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if buckets.len() >= MAX_BUCKETS && !buckets.contains_key(key) {
+            buckets
+                .retain(|_, b| b.points + now.duration_since(b.at).as_secs_f64() * rate < capacity);
+        }
+        let bucket = buckets.entry(key.to_owned()).or_insert(Bucket {
+            points: capacity,
+            at: now,
+        });
+        let refilled =
+            (bucket.points + now.duration_since(bucket.at).as_secs_f64() * rate).min(capacity);
+        let cost = cost as f64;
+        if refilled >= cost {
+            *bucket = Bucket {
+                points: refilled - cost,
+                at: now,
+            };
+            Ok(bucket.points as u64)
+        } else {
+            *bucket = Bucket {
+                points: refilled,
+                at: now,
+            };
+            let wait = if rate > 0.0 {
+                ((cost - refilled) / rate).ceil() as u64
+            } else {
+                u64::MAX
+            };
+            Err((refilled as u64, wait.max(1)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_costs_its_page_times_its_items() {
+        assert_eq!(page_cost(Some(10), None, 3), 31);
+        assert_eq!(page_cost(None, Some(5), 2), 11);
+        assert_eq!(page_cost(None, None, 1), DEFAULT_PAGE as usize + 1);
+        assert_eq!(page_cost(Some(1_000_000), None, 1), MAX_PAGE as usize + 1);
+        assert_eq!(
+            page_cost(Some(0), None, 4),
+            5,
+            "an empty page still costs its query"
+        );
+    }
+
+    #[test]
+    fn a_budget_refills_per_minute_and_refuses_what_it_cannot_pay() {
+        let b = Budgets::default();
+        let t0 = Instant::now();
+        assert_eq!(b.charge("a", 40, 100, t0), Ok(60));
+        assert_eq!(b.charge("a", 40, 100, t0), Ok(20));
+        // 20 left, 40 asked: 20 more points take 12 s at 100 per minute.
+        assert_eq!(b.charge("a", 40, 100, t0), Err((20, 12)));
+        assert_eq!(b.charge("b", 40, 100, t0), Ok(60), "another identity's own");
+        let later = t0 + std::time::Duration::from_secs(12);
+        assert_eq!(b.charge("a", 40, 100, later), Ok(0));
+    }
+
+    fn door_size(query: &str) -> Result<(), String> {
+        let ext = DoorExtension {
+            door: Door::default(),
+            charged: Mutex::new(None),
+        };
+        let doc = async_graphql::parser::parse_query(query).expect("parses");
+        ext.check_document(&doc)
+            .map_err(|e| format!("{:?}", e.extensions.and_then(|x| x.get("limit").cloned())))
+    }
+
+    #[test]
+    fn nested_fragment_spreads_are_measured_without_expanding_them() {
+        // Each fragment spreads the one below it twice: 2^40 fields once expanded.
+        let mut q = String::from("query { ...F0 }\n");
+        for i in 0..40 {
+            q.push_str(&format!(
+                "fragment F{i} on Query {{ ...F{n} ...F{n} }}\n",
+                n = i + 1
+            ));
+        }
+        q.push_str("fragment F40 on Query { viewer { subject } }\n");
+        let started = Instant::now();
+        let verdict = door_size(&q);
+        assert!(
+            started.elapsed().as_millis() < 1_000,
+            "linear, not exponential"
+        );
+        assert!(verdict.is_err(), "{verdict:?}");
+    }
+
+    #[test]
+    fn aliases_root_fields_and_directives_are_bounded() {
+        let aliases: String = (0..300).map(|i| format!("a{i}: serverTime ")).collect();
+        assert_eq!(
+            door_size(&format!("{{ viewer {{ subject }} {aliases} }}"))
+                .err()
+                .as_deref(),
+            Some("Some(String(\"root_fields\"))")
+        );
+        let nested: String = (0..300).map(|i| format!("a{i}: subject ")).collect();
+        assert_eq!(
+            door_size(&format!("{{ viewer {{ {nested} }} }}"))
+                .err()
+                .as_deref(),
+            Some("Some(String(\"aliases\"))")
+        );
+        let directives = "@include(if: true) ".repeat(150);
+        assert_eq!(
+            door_size(&format!("{{ serverTime {directives} }}"))
+                .err()
+                .as_deref(),
+            Some("Some(String(\"directives\"))")
+        );
+        assert_eq!(door_size("{ viewer { subject } serverTime }"), Ok(()));
+        assert_eq!(
+            door_size("{ sites(after: \"a\\u0000b\") { totalCount } }")
+                .err()
+                .as_deref(),
+            Some("Some(String(\"nul_character\"))")
+        );
+    }
+}

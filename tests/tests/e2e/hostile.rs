@@ -1,0 +1,712 @@
+//! Hostile input, tried as an attacker would: generated values in every argument of every root
+//! field, documents built to explode, budgets run dry, slow and oversized connections. Each
+//! class is refused with a coded error; `INTERNAL` appears in no response here.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use compute_api::auth::Role;
+use compute_api::limits::Limits;
+use compute_tests::{spawn_app, spawn_app_with_limits};
+use serde_json::{Value, json};
+
+const INTROSPECT: &str = r#"
+query {
+  __schema {
+    queryType { name }
+    mutationType { name }
+    types {
+      name kind
+      fields { name args { name type { ...T } } type { ...T } }
+      inputFields { name type { ...T } }
+      enumValues { name }
+    }
+  }
+}
+fragment T on __Type { kind name ofType { kind name ofType { kind name ofType { kind name } } } }
+"#;
+
+/// A GraphQL type reference from introspection.
+#[derive(Debug, Clone)]
+enum Ty {
+    NonNull(Box<Ty>),
+    List(Box<Ty>),
+    Named(String, String),
+}
+
+impl Ty {
+    fn from(v: &Value) -> Ty {
+        match v["kind"].as_str() {
+            Some("NON_NULL") => Ty::NonNull(Box::new(Ty::from(&v["ofType"]))),
+            Some("LIST") => Ty::List(Box::new(Ty::from(&v["ofType"]))),
+            Some(kind) => Ty::Named(
+                kind.to_owned(),
+                v["name"].as_str().unwrap_or_default().to_owned(),
+            ),
+            None => panic!("a type reference without a kind: {v}"),
+        }
+    }
+
+    fn sdl(&self) -> String {
+        match self {
+            Ty::NonNull(t) => format!("{}!", t.sdl()),
+            Ty::List(t) => format!("[{}]", t.sdl()),
+            Ty::Named(_, n) => n.clone(),
+        }
+    }
+
+    fn named(&self) -> (&str, &str) {
+        match self {
+            Ty::NonNull(t) | Ty::List(t) => t.named(),
+            Ty::Named(k, n) => (k, n),
+        }
+    }
+}
+
+struct Schema {
+    types: HashMap<String, Value>,
+}
+
+impl Schema {
+    /// A plausible value of `ty`: every required input field filled, optional ones left out.
+    fn sample(&self, ty: &Ty) -> Value {
+        match ty {
+            Ty::NonNull(t) => self.sample(t),
+            Ty::List(t) => json!([self.sample(t)]),
+            Ty::Named(kind, name) => match (kind.as_str(), name.as_str()) {
+                ("SCALAR", "Int") => json!(1),
+                ("SCALAR", "Float") => json!(1.5),
+                ("SCALAR", "Boolean") => json!(false),
+                ("SCALAR", "DateTime") => json!("2030-01-01T00:00:00Z"),
+                ("SCALAR", "ID") => json!(format!("pool_{}", "0".repeat(32))),
+                ("SCALAR", _) => json!("x1"),
+                ("ENUM", _) => self.types[name]["enumValues"][0]["name"].clone(),
+                ("INPUT_OBJECT", _) => {
+                    let mut o = serde_json::Map::new();
+                    for f in self.types[name]["inputFields"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                    {
+                        let t = Ty::from(&f["type"]);
+                        if matches!(t, Ty::NonNull(_)) {
+                            o.insert(
+                                f["name"].as_str().expect("a name").to_owned(),
+                                self.sample(&t),
+                            );
+                        }
+                    }
+                    Value::Object(o)
+                }
+                _ => Value::Null,
+            },
+        }
+    }
+
+    /// Every scalar leaf below `ty` (through input objects, two levels down), as a path of
+    /// input field names and the leaf's scalar name.
+    fn leaves(&self, ty: &Ty, path: Vec<String>, out: &mut Vec<(Vec<String>, String)>) {
+        let (kind, name) = ty.named();
+        match kind {
+            "SCALAR" => out.push((path, name.to_owned())),
+            "INPUT_OBJECT" if path.len() < 3 => {
+                for f in self.types[name]["inputFields"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                {
+                    let mut p = path.clone();
+                    p.push(f["name"].as_str().expect("a name").to_owned());
+                    self.leaves(&Ty::from(&f["type"]), p, out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// `{ __typename }` for a composite result, nothing for a leaf.
+    fn selection(&self, ty: &Ty) -> &'static str {
+        match ty.named().0 {
+            "OBJECT" | "INTERFACE" | "UNION" => "{ __typename }",
+            _ => "",
+        }
+    }
+}
+
+/// Values an attacker would try for each scalar.
+fn hostile(scalar: &str) -> Vec<Value> {
+    let text = vec![
+        json!("a\u{0}b"),
+        json!("x".repeat(100_000)),
+        json!("\u{202e}\u{7}\r\n"),
+        json!(""),
+    ];
+    match scalar {
+        "Int" => vec![json!(i32::MAX), json!(i32::MIN), json!(-1)],
+        "Float" => vec![json!(1e308), json!(-1e308), json!(9_007_199_254_740_991i64)],
+        "Boolean" => vec![],
+        "DateTime" => vec![
+            json!("-262143-01-01T00:00:00Z"),
+            json!("+275760-09-13T00:00:00Z"),
+            json!("9999-12-31T23:59:59Z"),
+            json!("0000-01-01T00:00:00Z"),
+        ],
+        _ => text,
+    }
+}
+
+fn set(root: &mut Value, path: &[String], v: Value) {
+    match path.split_first() {
+        None => *root = v,
+        Some((head, rest)) => {
+            if !root.is_object() {
+                *root = json!({});
+            }
+            let child = root
+                .as_object_mut()
+                .expect("an object")
+                .entry(head.clone())
+                .or_insert(Value::Null);
+            set(child, rest, v);
+        }
+    }
+}
+
+fn codes(body: &Value) -> Vec<String> {
+    body["errors"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            e["extensions"]["code"]
+                .as_str()
+                .unwrap_or("<none>")
+                .to_owned()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn hostile_values_in_every_argument_get_coded_errors_never_internal() {
+    // Generated from the schema itself: for every root query and mutation field and every
+    // scalar it takes (directly or inside its input objects), each value an attacker would
+    // send: NUL bytes, 100 kB strings, control characters, empty strings, the ends of Int,
+    // huge floats, dates outside PostgreSQL's range. Every answer is data or a coded error of
+    // the caller's; none is INTERNAL, none is uncoded.
+    let app = spawn_app().await;
+    let token = app.token("mallory", Some("evil"), &[Role::Operator, Role::Member]);
+    let (_, intro) = app.graphql(INTROSPECT, json!({}), Some(&token)).await;
+    let schema = &intro["data"]["__schema"];
+    let types: HashMap<String, Value> = schema["types"]
+        .as_array()
+        .expect("types")
+        .iter()
+        .map(|t| (t["name"].as_str().expect("a name").to_owned(), t.clone()))
+        .collect();
+    let s = Schema { types };
+    let mut tried = 0;
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (op, root) in [
+        (
+            "query",
+            schema["queryType"]["name"].as_str().expect("a name"),
+        ),
+        (
+            "mutation",
+            schema["mutationType"]["name"].as_str().expect("a name"),
+        ),
+    ] {
+        for field in s.types[root]["fields"].as_array().expect("fields") {
+            let name = field["name"].as_str().expect("a name");
+            let args: Vec<(String, Ty)> = field["args"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|a| {
+                    (
+                        a["name"].as_str().expect("a name").to_owned(),
+                        Ty::from(&a["type"]),
+                    )
+                })
+                .collect();
+            if args.is_empty() {
+                continue;
+            }
+            let decl: Vec<String> = args
+                .iter()
+                .map(|(n, t)| format!("${n}: {}", t.sdl()))
+                .collect();
+            let pass: Vec<String> = args.iter().map(|(n, _)| format!("{n}: ${n}")).collect();
+            let doc = format!(
+                "{op}({}) {{ {name}({}) {} }}",
+                decl.join(", "),
+                pass.join(", "),
+                s.selection(&Ty::from(&field["type"]))
+            );
+            let base: serde_json::Map<String, Value> = args
+                .iter()
+                .filter(|(_, t)| matches!(t, Ty::NonNull(_)))
+                .map(|(n, t)| (n.clone(), s.sample(t)))
+                .collect();
+            for (arg, ty) in &args {
+                let mut leaves = Vec::new();
+                s.leaves(ty, vec![], &mut leaves);
+                for (path, scalar) in leaves {
+                    for bad in hostile(&scalar) {
+                        let mut vars = Value::Object(base.clone());
+                        let mut full = vec![arg.clone()];
+                        full.extend(path.iter().cloned());
+                        // A list argument gets the value as its one item.
+                        let bad = if matches!(ty, Ty::List(_))
+                            || matches!(ty, Ty::NonNull(t) if matches!(**t, Ty::List(_)))
+                        {
+                            if path.is_empty() {
+                                json!([bad])
+                            } else {
+                                let mut item = s.sample(ty)[0].clone();
+                                set(&mut item, &path, bad);
+                                full.truncate(1);
+                                json!([item])
+                            }
+                        } else {
+                            bad
+                        };
+                        set(&mut vars, &full, bad);
+                        let (status, body) = app.graphql(&doc, vars.clone(), Some(&token)).await;
+                        tried += 1;
+                        let cs = codes(&body);
+                        assert!(
+                            status == 200 || status == 400,
+                            "{doc} {vars}: status {status}"
+                        );
+                        assert!(
+                            !cs.iter().any(|c| c == "INTERNAL" || c == "<none>"),
+                            "{doc}\nwith {}: {body}",
+                            vars.to_string().chars().take(300).collect::<String>()
+                        );
+                        for c in cs {
+                            *seen.entry(c).or_default() += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        tried > 300,
+        "the generator reached the schema: {tried} requests"
+    );
+    assert!(
+        seen.get("BAD_USER_INPUT").copied().unwrap_or(0) > 100,
+        "most hostile values are refused as the caller's input: {seen:?}"
+    );
+    eprintln!("{tried} hostile requests; codes seen: {seen:?}");
+}
+
+/// The peak resident memory of this process (the server runs in it), in KiB.
+fn peak_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM")
+}
+
+#[tokio::test]
+async fn documents_built_to_explode_are_refused_before_they_cost_anything() {
+    let app = spawn_app().await;
+    let token = app.operator();
+    let before = peak_rss_kib();
+    // 1. Nested fragment spreads: 2^40 fields once expanded, in under 2 kB.
+    let mut bomb = String::from("query { viewer { ...F0 } }\n");
+    for i in 0..40 {
+        bomb.push_str(&format!(
+            "fragment F{i} on ViewerInfo {{ ...F{n} ...F{n} }}\n",
+            n = i + 1
+        ));
+    }
+    bomb.push_str("fragment F40 on ViewerInfo { subject }\n");
+    // 2. 5,000 aliases of a connection's totalCount (10,000 would be refused by size).
+    let aliases: String = (0..5_000).map(|i| format!("a{i}: totalCount ")).collect();
+    let aliased = format!("{{ sites(first: 1) {{ {aliases} }} }}");
+    // 3. Duplicate directives: 150 of them, and 100,000 (which no parser sees: 1.9 MB).
+    let directives = format!("{{ serverTime {} }}", "@include(if: true) ".repeat(150));
+    let huge = format!("{{ serverTime {} }}", "@include(if: true) ".repeat(100_000));
+    // 4. pools → site → pools, six deep: millions of objects by the page sizes.
+    let deep = "{ pools(first: 100) { edges { node { site { pools(first: 100) { edges { node { site { pools(first: 100) { edges { node { id } } } } } } } } } } } }";
+    // 5. A thousand root fields.
+    let roots: String = (0..1_000).map(|i| format!("r{i}: serverTime ")).collect();
+    let roots = format!("{{ {roots} }}");
+    let cases = [
+        ("fragment bomb", bomb.as_str(), "selections"),
+        ("aliases", aliased.as_str(), "aliases"),
+        ("directives", directives.as_str(), "directives"),
+        ("100,000 directives", huge.as_str(), "document_bytes"),
+        ("nested connections", deep, "cost"),
+        ("root fields", roots.as_str(), "root_fields"),
+    ];
+    for (case, doc, limit) in cases {
+        let started = std::time::Instant::now();
+        let (status, body) = app.graphql(doc, json!({}), Some(&token)).await;
+        let took = started.elapsed();
+        assert_eq!(status, 400, "{case}: a request error: {body}");
+        assert_eq!(
+            body["errors"][0]["extensions"]["code"], "LIMIT_EXCEEDED",
+            "{case}: {body}"
+        );
+        assert_eq!(body["errors"][0]["extensions"]["limit"], limit, "{case}");
+        assert!(body.get("data").is_none(), "{case}: nothing ran");
+        assert!(
+            body["errors"].as_array().map_or(0, Vec::len) == 1,
+            "{case}: one error, not one per offence"
+        );
+        eprintln!("{case}: refused in {took:?}");
+    }
+    let grown = peak_rss_kib().saturating_sub(before);
+    eprintln!("peak memory grew by {} MiB", grown / 1024);
+    assert!(
+        grown < 256 * 1024,
+        "refusing them took {} MiB at peak",
+        grown / 1024
+    );
+    let metrics = app
+        .http
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("text");
+    for reason in [
+        "selections",
+        "aliases",
+        "directives",
+        "document_bytes",
+        "cost",
+        "root_fields",
+    ] {
+        assert!(
+            metrics.contains(&format!("api_refusals_total{{reason=\"{reason}\"}} 1")),
+            "/metrics counts the {reason} refusal"
+        );
+    }
+}
+
+#[tokio::test]
+async fn each_request_reports_its_cost_and_an_identity_spends_a_budget() {
+    let app = spawn_app_with_limits(Limits {
+        budget_per_minute: 120,
+        ..Limits::default()
+    })
+    .await;
+    let alice = app.member("acme");
+    // 50 sites by default, one field each: 1 + 50 × 1.
+    let q = "{ sites { totalCount } }";
+    let (_, body) = app.graphql(q, json!({}), Some(&alice)).await;
+    assert_eq!(
+        body["extensions"]["cost"],
+        json!({ "requested": 51, "limit": 25_000, "remaining": 69 }),
+        "{body}"
+    );
+    let (_, body) = app
+        .graphql(
+            "{ sites(first: 10) { totalCount } }",
+            json!({}),
+            Some(&alice),
+        )
+        .await;
+    assert_eq!(
+        body["extensions"]["cost"]["requested"], 11,
+        "first: 10 costs 11"
+    );
+    assert_eq!(body["extensions"]["cost"]["remaining"], 58);
+    let (_, body) = app.graphql(q, json!({}), Some(&alice)).await;
+    assert_eq!(body["extensions"]["cost"]["remaining"], 7, "{body}");
+    let (status, body) = app.graphql(q, json!({}), Some(&alice)).await;
+    assert_eq!(status, 429, "{body}");
+    let e = &body["errors"][0]["extensions"];
+    assert_eq!(e["code"], "RATE_LIMITED", "{body}");
+    assert_eq!(e["cost"], 51);
+    assert_eq!(e["remaining"], 7);
+    assert!(
+        e["retryAfterSeconds"].as_u64().is_some_and(|s| s >= 1),
+        "{body}"
+    );
+    // Another identity has a budget of its own; README's first query costs what README says.
+    let bob = app.token("bob@acme", Some("acme"), &[Role::Member]);
+    let (_, body) = app.graphql(q, json!({}), Some(&bob)).await;
+    assert!(body.get("errors").is_none(), "{body}");
+    let readme = "{ sites(first: 5) { edges { node { name pools(first: 5) { edges { node { name kind \
+        capacity { model kind profile total free } \
+        computeNodes(first: 10) { edges { node { hostname devices { model mode atoms { name } } } } } } } } } } } }";
+    let carol = app.token("carol@ops", None, &[Role::Operator]);
+    let (status, body) = app.graphql(readme, json!({}), Some(&carol)).await;
+    assert_eq!(status, 429, "over a budget of 120: {body}");
+    assert_eq!(body["errors"][0]["extensions"]["cost"], 23_296, "{body}");
+}
+
+#[tokio::test]
+async fn anonymous_callers_get_introspection_and_nothing_expensive() {
+    let app = spawn_app().await;
+    let (status, body) = app.graphql(INTROSPECT, json!({}), None).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["data"]["__schema"]["types"]
+            .as_array()
+            .is_some_and(|t| t.len() > 20)
+    );
+    let cost = body["extensions"]["cost"]["requested"]
+        .as_u64()
+        .expect("a cost");
+    eprintln!("the introspection query costs {cost}");
+    assert!(cost < 1_000, "{cost}");
+    let (status, body) = app
+        .graphql(
+            "{ sites(first: 100) { edges { node { pools(first: 100) { totalCount } } } } }",
+            json!({}),
+            None,
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["errors"][0]["extensions"]["code"], "LIMIT_EXCEEDED");
+    assert_eq!(body["errors"][0]["extensions"]["max"], 1_000);
+}
+
+#[tokio::test]
+async fn a_request_past_its_deadline_stops_and_keeps_nothing() {
+    // The site row is locked by someone else; a createPool on it waits for the lock longer than
+    // the request may run. The request ends with TIMEOUT, and once the lock is released no pool
+    // appears: the transaction was dropped with the request.
+    let app = spawn_app_with_limits(Limits {
+        request_timeout: Duration::from_millis(700),
+        ..Limits::default()
+    })
+    .await;
+    let op = app.operator();
+    let site = app
+        .ok(
+            &op,
+            crate::fleet::CREATE_SITE,
+            json!({ "i": { "name": "slow" } }),
+        )
+        .await["createSite"]["site"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let mut holder = app.db.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM sites WHERE id = $1 FOR UPDATE")
+        .bind(&site)
+        .execute(&mut *holder)
+        .await
+        .expect("lock the site");
+    let (status, body) = app
+        .graphql(
+            crate::fleet::CREATE_POOL,
+            json!({ "i": { "siteId": site, "name": "p", "kind": "BARE_METAL" } }),
+            Some(&op),
+        )
+        .await;
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(body["errors"][0]["extensions"]["code"], "TIMEOUT", "{body}");
+    holder.rollback().await.expect("release");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        app.count("pools").await,
+        0,
+        "nothing of the request was kept"
+    );
+    assert_eq!(app.count("outbox").await, 1, "only the site's event");
+}
+
+#[tokio::test]
+async fn the_event_filter_is_bounded_and_checked() {
+    let app = spawn_app().await;
+    let token = app.member("acme");
+    let many: Vec<String> = (0..101).map(|i| format!("rsv_{i:032x}")).collect();
+    for (case, variables, expect) in [
+        (
+            "101 subjects",
+            json!({ "s": many, "t": [] }),
+            "at most 100 subjects",
+        ),
+        (
+            "a subject that is no id",
+            json!({ "s": ["x".repeat(10_000)], "t": [] }),
+            "is not an id of this API",
+        ),
+        (
+            "a type that is no event type",
+            json!({ "s": [], "t": ["Not A Type"] }),
+            "",
+        ),
+    ] {
+        let res = app
+            .http
+            .post(app.url("/graphql/stream"))
+            .header("Accept", "text/event-stream")
+            .bearer_auth(&token)
+            .json(&json!({
+                "query": "subscription($s: [String!], $t: [String!]) { events(subjects: $s, types: $t) { id } }",
+                "variables": variables,
+            }))
+            .send()
+            .await
+            .expect("POST");
+        let text = res.text().await.expect("events");
+        assert!(text.contains("BAD_USER_INPUT"), "{case}: {text}");
+        assert!(text.contains(expect), "{case}: {text}");
+        assert!(
+            text.len() < 2_000,
+            "{case}: the error does not echo the input"
+        );
+    }
+}
+
+/// Reads from `stream` until the peer closes it; `true` if it did within `within`.
+async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(within, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => continue,
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test]
+async fn connections_and_streams_are_bounded() {
+    use tokio::io::AsyncWriteExt;
+    let app = spawn_app_with_limits(Limits {
+        header_timeout: Duration::from_millis(500),
+        max_streams_per_identity: 2,
+        max_ws_message: 64 * 1024,
+        ..Limits::default()
+    })
+    .await;
+    // A slowloris client that never finishes its headers is cut off.
+    let mut slow = tokio::net::TcpStream::connect(app.addr)
+        .await
+        .expect("connect");
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    assert!(
+        closed_within(&mut slow, Duration::from_secs(10)).await,
+        "a connection that never finishes its headers is closed"
+    );
+    // An SSE POST must be JSON.
+    let res = app
+        .http
+        .post(app.url("/graphql/stream"))
+        .header("Accept", "text/event-stream")
+        .header("Content-Type", "text/plain")
+        .body(r#"{"query":"{ serverTime }"}"#)
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(res.status().as_u16(), 415);
+    // An identity holds at most two streams.
+    let token = app.member("acme");
+    let open = || {
+        app.http
+            .post(app.url("/graphql/stream"))
+            .header("Accept", "text/event-stream")
+            .bearer_auth(&token)
+            .json(&json!({ "query": "subscription { events { id } }" }))
+            .send()
+    };
+    let a = open().await.expect("first");
+    let b = open().await.expect("second");
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    let c = open().await.expect("third");
+    assert_eq!(c.status().as_u16(), 429);
+    assert!(c.text().await.expect("body").contains("RATE_LIMITED"));
+    drop(a);
+    compute_tests::eventually(
+        "a closed stream frees its place",
+        Duration::from_secs(10),
+        || async { open().await.ok().filter(|r| r.status().as_u16() == 200) },
+    )
+    .await;
+    drop(b);
+    // A WebSocket without a token is refused at connection_init; a huge message is refused.
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let ws = || async {
+        let mut req = format!("ws://{}/graphql", app.addr)
+            .into_client_request()
+            .expect("request");
+        req.headers_mut().insert(
+            "Sec-WebSocket-Protocol",
+            "graphql-transport-ws".parse().expect("header"),
+        );
+        tokio_tungstenite::connect_async(req)
+            .await
+            .expect("upgrade")
+            .0
+    };
+    let close_of = |mut s: tokio_tungstenite::WebSocketStream<_>| async move {
+        loop {
+            match s.next().await {
+                Some(Ok(Message::Close(f))) => return f.map(|f| u16::from(f.code)),
+                Some(Ok(_)) => continue,
+                _ => return None,
+            }
+        }
+    };
+    let mut anon = ws().await;
+    anon.send(Message::Text(
+        json!({ "type": "connection_init" }).to_string().into(),
+    ))
+    .await
+    .expect("send");
+    assert_eq!(close_of(anon).await, Some(4403));
+    let mut big = ws().await;
+    let _ = big
+        .send(Message::Text("x".repeat(1024 * 1024).into()))
+        .await;
+    let code = close_of(big).await;
+    assert!(
+        code.is_none() || code == Some(1009),
+        "a 1 MiB message closes the connection (1009 or a reset): {code:?}"
+    );
+}
+
+#[tokio::test]
+async fn tokens_valid_for_years_and_odd_subjects_are_refused() {
+    let app = spawn_app().await;
+    let long = compute_tests::mint(compute_tests::claims(
+        "alice",
+        Some("acme"),
+        &[Role::Member],
+        10 * 365 * 86_400,
+    ));
+    let (status, body) = app
+        .graphql("{ viewer { subject } }", json!({}), Some(&long))
+        .await;
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        body["errors"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("longer than this server accepts")),
+        "{body}"
+    );
+    let odd = compute_tests::mint(compute_tests::claims(
+        "al\u{0}ice",
+        Some("acme"),
+        &[Role::Member],
+        600,
+    ));
+    let (status, _) = app
+        .graphql("{ viewer { subject } }", json!({}), Some(&odd))
+        .await;
+    assert_eq!(status, 401);
+}
