@@ -444,6 +444,8 @@ pub async fn dev(args: DevArgs) -> Result<()> {
             resync_every: std::time::Duration::from_secs(5),
             queue_idle: std::time::Duration::from_millis(200),
             metrics: Some(registry),
+            // `dev` is for trying the system on one machine, receivers included.
+            webhooks_allow_private: true,
         },
         async move {
             let _ = workers_stopped.await;

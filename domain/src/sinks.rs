@@ -121,6 +121,13 @@ fn check_url(url: &str) -> Result<()> {
         .or_else(|| url.strip_prefix("http://"))
         .ok_or_else(|| Error::bad_input("url", "the url must start with http:// or https://"))?;
     let host = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if host.contains('@') {
+        return Err(Error::bad_input(
+            "url",
+            "`url` must not carry credentials (user:password@): the receiver verifies the \
+             signature instead",
+        ));
+    }
     if host.is_empty()
         || host.contains(char::is_whitespace)
         || url.chars().any(char::is_control)

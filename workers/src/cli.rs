@@ -39,6 +39,11 @@ pub struct Args {
     /// Log format: pretty or json.
     #[arg(long, env = "COMPUTE_LOG_FORMAT", default_value = "pretty")]
     pub log_format: String,
+    /// Let webhooks reach private, loopback and link-local addresses (on-premises receivers).
+    /// Without it, a sink whose host is or resolves to such an address fails with
+    /// `refused: the target is not a public address`.
+    #[arg(long, env = "COMPUTE_WEBHOOKS_ALLOW_PRIVATE")]
+    pub webhooks_allow_private: bool,
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {
@@ -137,6 +142,7 @@ pub async fn main() -> ExitCode {
         resync_every: Duration::from_secs_f64(args.resync_seconds.max(1.0)),
         queue_idle: Duration::from_millis(200),
         metrics: Some(registry.clone()),
+        webhooks_allow_private: args.webhooks_allow_private,
     };
     tracing::info!(listen = %args.listen, "worker /healthz and /metrics");
     let server = axum::serve(listener, crate::http::router(registry));

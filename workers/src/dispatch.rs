@@ -79,7 +79,7 @@ struct SinkTask {
 pub struct Dispatcher {
     db: Db,
     owner: String,
-    http: reqwest::Client,
+    http: Webhooks,
     tasks: HashMap<SinkId, SinkTask>,
     presence: Option<HeldLease>,
     stats: Arc<DispatchStats>,
@@ -87,24 +87,55 @@ pub struct Dispatcher {
     pub idle: Duration,
 }
 
+/// The webhook client and the egress policy it was built with.
+#[derive(Clone)]
+struct Webhooks {
+    client: reqwest::Client,
+    /// Whether sinks may target private, loopback and link-local addresses.
+    allow_private: bool,
+}
+
+/// The webhook client: the egress policy's resolver, no redirects, no proxy from the
+/// environment ([`crate::egress`]).
+fn client(allow_private: bool) -> Webhooks {
+    let client = reqwest::Client::builder()
+        .timeout(REQUEST_TIMEOUT)
+        .user_agent(concat!(
+            "better-compute-webhooks/",
+            env!("CARGO_PKG_VERSION")
+        ))
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .dns_resolver(std::sync::Arc::new(crate::egress::GuardedResolver {
+            allow_private,
+        }))
+        .build()
+        .unwrap_or_else(|e| panic!("the webhook client's fixed configuration builds: {e}"));
+    Webhooks {
+        client,
+        allow_private,
+    }
+}
+
 impl Dispatcher {
+    /// A dispatcher that posts only to public addresses.
     pub fn new(db: Db, owner: impl Into<String>) -> Self {
         Dispatcher {
             db,
             owner: owner.into(),
-            http: reqwest::Client::builder()
-                .timeout(REQUEST_TIMEOUT)
-                .user_agent(concat!(
-                    "better-compute-webhooks/",
-                    env!("CARGO_PKG_VERSION")
-                ))
-                .build()
-                .unwrap_or_default(),
+            http: client(false),
             tasks: HashMap::new(),
             presence: None,
             stats: Arc::default(),
             idle: Duration::from_millis(250),
         }
+    }
+
+    /// This dispatcher, allowed (or not) to post to private, loopback and link-local addresses
+    /// (`--webhooks-allow-private`: on-premises receivers, and `dev`).
+    pub fn allowing_private_targets(mut self, allow: bool) -> Self {
+        self.http = client(allow);
+        self
     }
 
     /// The counters.
@@ -219,7 +250,7 @@ enum Stop {
 /// Delivers one sink while its lease holds.
 async fn deliver_sink(
     db: Db,
-    http: reqwest::Client,
+    http: Webhooks,
     lease: HeldLease,
     id: SinkId,
     stats: Arc<DispatchStats>,
@@ -275,7 +306,7 @@ async fn deliver_sink(
 #[tracing::instrument(level = "debug", skip_all, fields(sink = %id, lease = %lease.fence().name, epoch = lease.fence().epoch))]
 async fn deliver_batch(
     db: &Db,
-    http: &reqwest::Client,
+    http: &Webhooks,
     lease: &HeldLease,
     id: &SinkId,
     stats: &DispatchStats,
@@ -343,16 +374,16 @@ async fn deliver_batch(
     Ok(Ok(delivered as usize))
 }
 
-async fn post(
-    http: &reqwest::Client,
-    url: &str,
-    secret: &str,
-    event: &Event,
-) -> Result<(), String> {
+async fn post(http: &Webhooks, url: &str, secret: &str, event: &Event) -> Result<(), String> {
+    let target = reqwest::Url::parse(url).map_err(|_| crate::egress::UNREACHABLE.to_owned())?;
+    if let Some(why) = crate::egress::refusal(&target, http.allow_private) {
+        return Err(why.to_owned());
+    }
     let body = body_of(event);
     let timestamp = chrono::Utc::now().timestamp();
     let response = http
-        .post(url)
+        .client
+        .post(target)
         .header("Content-Type", "application/json")
         .header("Compute-Event-Id", event.id.as_str())
         .header("Compute-Event-Type", &event.event_type)
@@ -361,11 +392,15 @@ async fn post(
         .body(body)
         .send()
         .await
-        .map_err(|e| format!("POST {url}: {e}"))?;
+        .map_err(|e| {
+            debug!(error = %e, "a webhook request failed");
+            crate::egress::category(&e).to_owned()
+        })?;
     let status = response.status();
     if status.is_success() {
         Ok(())
     } else {
-        Err(format!("POST {url}: HTTP {status}"))
+        // A redirect is not followed: it is the receiver's answer, like any other status.
+        Err(format!("HTTP {}", status.as_u16()))
     }
 }

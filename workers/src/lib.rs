@@ -22,6 +22,7 @@
 
 pub mod cli;
 pub mod dispatch;
+pub mod egress;
 pub mod http;
 pub mod lease;
 pub mod queue;
@@ -131,20 +132,26 @@ impl Reconciler {
         if !self.keep_lease().await? {
             return Ok(Pass::default());
         }
+        // Every transaction of the pass checks the lease first (`Db::fenced`): a reconciler
+        // whose lease was taken mid-pass writes nothing more.
+        let Some(fence) = self.fence.clone() else {
+            return Ok(Pass::default());
+        };
+        let db = self.db.fenced(&fence);
         if self
             .last_rollup_resync
             .is_none_or(|t| t.elapsed() >= ROLLUP_RESYNC_EVERY)
         {
-            let pools = compute_domain::work_queue::enqueue_all_pools(&self.db).await?;
+            let pools = compute_domain::work_queue::enqueue_all_pools(&db).await?;
             self.last_rollup_resync = Some(tokio::time::Instant::now());
             tracing::debug!(pools, "every pool enqueued for its rollup check");
         }
         Ok(Pass {
             held: true,
-            expired: reconcile::expire_due(&self.db).await?,
-            failed: reconcile::fail_lost(&self.db).await?,
-            placed: reconcile::retry_pending(&self.db).await?,
-            started: reconcile::activate_due(&self.db).await?,
+            expired: reconcile::expire_due(&db).await?,
+            failed: reconcile::fail_lost(&db).await?,
+            placed: reconcile::retry_pending(&db).await?,
+            started: reconcile::activate_due(&db).await?,
         })
     }
 
@@ -219,6 +226,8 @@ pub struct Options {
     pub queue_idle: Duration,
     /// Where the worker's metrics are declared (the process's one registry), if anywhere.
     pub metrics: Option<compute_domain::metrics::Registry>,
+    /// Whether webhooks may target private, loopback and link-local addresses ([`egress`]).
+    pub webhooks_allow_private: bool,
 }
 
 /// The counters of one worker process, for its `/metrics`.
@@ -283,7 +292,8 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
     let reconcile = matches!(options.role, Role::Reconcile | Role::All);
     let outbox = matches!(options.role, Role::Outbox | Role::All);
     let queue = queue::QueueWorker::new(db.clone(), options.owner.clone(), &options.kinds);
-    let dispatcher = dispatch::Dispatcher::new(db.clone(), options.owner.clone());
+    let dispatcher = dispatch::Dispatcher::new(db.clone(), options.owner.clone())
+        .allowing_private_targets(options.webhooks_allow_private);
     if let Some(registry) = &options.metrics {
         Stats {
             queue: queue.stats(),

@@ -35,6 +35,8 @@ fn worker(binary: &std::path::Path, url: &str, role: &str, kinds: &str) -> tokio
             kinds,
             "--listen",
             &format!("127.0.0.1:{port}"),
+            // The receiver is on this machine.
+            "--webhooks-allow-private",
         ])
         .env("DATABASE_URL", url)
         .env("RUST_LOG", "warn")

@@ -503,7 +503,13 @@ fn worker_process(app: &TestApp) -> tokio::process::Child {
         .expect("addr")
         .port();
     tokio::process::Command::new(env!("CARGO_BIN_EXE_test-worker"))
-        .args(["--role", "outbox", "--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "--role",
+            "outbox",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--webhooks-allow-private",
+        ])
         .env("DATABASE_URL", &app.db.url)
         .env("RUST_LOG", "warn")
         .kill_on_drop(true)
@@ -685,14 +691,16 @@ async fn a_failing_sink_backs_off_without_holding_up_the_others() {
     .execute(app.db.db.pool())
     .await
     .expect("emit");
-    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-d");
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-d")
+        .allowing_private_targets(true);
     dispatcher.idle = Duration::from_millis(20);
     dispatcher.rebalance().await.expect("rebalance");
     let (failures, state, error) = failures_reach(&app, &mut dispatcher, &bad, 1).await;
     assert_eq!((failures, state.as_str()), (1, "healthy"));
-    assert!(
-        error.expect("an error").contains("POST"),
-        "the error says what failed"
+    assert_eq!(
+        error.as_deref(),
+        Some("unreachable"),
+        "a coarse category: nothing of which ports are open"
     );
     // Meanwhile the healthy sink got everything.
     tokio::time::timeout(WAIT, async {
@@ -727,6 +735,108 @@ async fn a_failing_sink_backs_off_without_holding_up_the_others() {
     .await
     .expect("backoff");
     assert_eq!(wait, 8.0);
+}
+
+/// A receiver that answers every request with a redirect to `location`.
+async fn start_redirector(location: String) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let location = location.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 8192];
+                let _ = s.read(&mut buf).await;
+                let answer = format!(
+                    "HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    format!("http://{addr}/hook")
+}
+
+#[tokio::test]
+async fn webhooks_reach_only_public_addresses_and_follow_no_redirect() {
+    // A tenant's sink URL must not reach into the operator's network: by default, a loopback
+    // receiver, a name that resolves to loopback and the metadata address are all refused,
+    // and nothing is posted. With private targets allowed (on-premises receivers), a redirect
+    // is still not followed: it is a failed delivery, and its target gets nothing.
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (inside, url) = start_receiver(Duration::ZERO).await;
+    let acme = app.member("acme");
+    let mut ids = Vec::new();
+    for target in [
+        url.clone(),
+        url.replace("127.0.0.1", "localhost"),
+        "http://169.254.169.254/latest/meta-data/".to_owned(),
+        "http://2130706433/hook".to_owned(),
+    ] {
+        ids.push(
+            app.ok(&acme, CREATE_SINK, json!({ "i": { "url": target } }))
+                .await["createEventSink"]["eventSink"]["id"]
+                .as_str()
+                .expect("id")
+                .to_owned(),
+        );
+    }
+    let (code, _) = app
+        .fails(
+            &acme,
+            CREATE_SINK,
+            json!({ "i": { "url": "https://user:pw@example.com/hook" } }),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "credentials in a URL are refused");
+    sqlx::query("SELECT compute_emit('test.tick', 'acme', 'e1', '{}')")
+        .execute(app.db.db.pool())
+        .await
+        .expect("emit");
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-s");
+    dispatcher.idle = Duration::from_millis(20);
+    for id in &ids {
+        let (failures, _, error) = failures_reach(&app, &mut dispatcher, id, 1).await;
+        assert_eq!(failures, 1);
+        assert_eq!(
+            error.as_deref(),
+            Some(compute_workers::egress::REFUSED),
+            "sink {id}"
+        );
+    }
+    assert!(
+        inside.got.lock().expect("got").is_empty(),
+        "nothing reached the inside"
+    );
+
+    // Private targets allowed: a redirect to the receiver is not followed.
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (target, target_url) = start_receiver(Duration::ZERO).await;
+    let redirector = start_redirector(target_url).await;
+    let sink = app
+        .ok(&acme, CREATE_SINK, json!({ "i": { "url": redirector } }))
+        .await["createEventSink"]["eventSink"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    sqlx::query("SELECT compute_emit('test.tick', 'acme', 'e1', '{}')")
+        .execute(app.db.db.pool())
+        .await
+        .expect("emit");
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-r")
+        .allowing_private_targets(true);
+    dispatcher.idle = Duration::from_millis(20);
+    let (_, _, error) = failures_reach(&app, &mut dispatcher, &sink, 1).await;
+    assert_eq!(error.as_deref(), Some("HTTP 302"));
+    assert!(
+        target.got.lock().expect("got").is_empty(),
+        "the redirect was not followed"
+    );
 }
 
 #[tokio::test]
@@ -821,8 +931,10 @@ async fn sinks_spread_over_dispatchers_when_one_joins() {
             .await;
     }
     let db = app.db.db.clone();
-    let mut one = compute_workers::dispatch::Dispatcher::new(db.clone(), "dispatcher-1");
-    let mut two = compute_workers::dispatch::Dispatcher::new(db.clone(), "dispatcher-2");
+    let mut one = compute_workers::dispatch::Dispatcher::new(db.clone(), "dispatcher-1")
+        .allowing_private_targets(true);
+    let mut two = compute_workers::dispatch::Dispatcher::new(db.clone(), "dispatcher-2")
+        .allowing_private_targets(true);
     one.rebalance().await.expect("one");
     assert_eq!(one.sinks_held(), 4, "alone, it delivers every sink");
     two.rebalance().await.expect("two joins");
