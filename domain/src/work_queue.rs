@@ -93,13 +93,24 @@ pub async fn claim(
 /// Enqueues every pool for the capacity-rollup reconciler (the resync: a lost queue row only
 /// costs time). Returns how many pools.
 pub async fn enqueue_all_pools(db: &crate::db::Db) -> Result<u64> {
-    let n = sqlx::query_scalar!(
-        r#"SELECT compute_enqueue($1, array_agg(p.id), $2) AS "n!" FROM pools p"#,
-        WorkKind::PoolCapacity as _,
-        SHARDS,
-    )
-    .fetch_one(db.pool())
-    .await?;
+    // A transaction (not a bare statement), so a fenced handle checks its lease first.
+    let n = db
+        .tx(
+            "enqueue_all_pools",
+            crate::db::TxKind::Maintenance,
+            |conn| {
+                Box::pin(async move {
+                    Ok(sqlx::query_scalar!(
+                        r#"SELECT compute_enqueue($1, array_agg(p.id), $2) AS "n!" FROM pools p"#,
+                        WorkKind::PoolCapacity as _,
+                        SHARDS,
+                    )
+                    .fetch_one(&mut *conn)
+                    .await?)
+                })
+            },
+        )
+        .await?;
     Ok(u64::try_from(n).unwrap_or(0))
 }
 

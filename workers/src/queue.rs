@@ -297,8 +297,11 @@ async fn run_shard(
         return Ok(0);
     }
     let mut outcomes = Vec::with_capacity(items.len());
+    // Every transaction of the items checks the lease first: a shard lost mid-item writes
+    // nothing more, even before `bound` notices.
+    let fenced = db.fenced(lease.fence());
     for item in &items {
-        match lease.bound(run_item(db, kind, &item.key)).await {
+        match lease.bound(run_item(&fenced, kind, &item.key)).await {
             Bound::Done(r) => outcomes.push(r.map_err(|e| e.to_string())),
             Bound::LeaseLost => {
                 stats.lease_losses.fetch_add(1, Ordering::Relaxed);

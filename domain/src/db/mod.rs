@@ -108,6 +108,8 @@ impl Default for PoolSettings {
 pub struct Db {
     pool: PgPool,
     metrics: crate::metrics::TxMetrics,
+    /// When set, every transaction of this handle checks the lease first ([`Db::fenced`]).
+    fence: Option<crate::leases::Fence>,
 }
 
 impl Db {
@@ -137,6 +139,7 @@ impl Db {
         Db {
             pool,
             metrics: crate::metrics::TxMetrics::default(),
+            fence: None,
         }
     }
 
@@ -211,7 +214,19 @@ impl Db {
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
-        self.run(name, kind, None, body).await
+        self.run(name, kind, self.fence.as_ref(), body).await
+    }
+
+    /// This handle with every transaction fenced by `fence`: the first statement of each checks
+    /// the lease (`FOR SHARE`, [`crate::leases::check`]) and fails with `LeaseLost` when another
+    /// holder took it, so a worker that lost its lease mid-pass writes nothing more. Workers hand
+    /// it to every domain step they run under a lease (the reconciler's passes, the work
+    /// queue's items).
+    pub fn fenced(&self, fence: &crate::leases::Fence) -> Db {
+        Db {
+            fence: Some(fence.clone()),
+            ..self.clone()
+        }
     }
 
     async fn run<T, F>(

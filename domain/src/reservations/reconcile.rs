@@ -154,6 +154,12 @@ pub async fn reconcile_one(
     Ok((step, next))
 }
 
+/// Whether a step's error only says the reservation moved on without it (a conflict), as
+/// opposed to this worker having lost its lease, which ends the pass.
+fn moved_by_someone_else(e: &Error) -> bool {
+    e.code() == crate::ErrorCode::Conflict && !matches!(e, Error::LeaseLost(_))
+}
+
 /// Expires every pending, scheduled or active reservation whose window has ended: quota first,
 /// then scalars come back. One transaction per reservation.
 pub async fn expire_due(db: &Db) -> Result<u64> {
@@ -168,7 +174,7 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
         match commands::expire(db, &id).await {
             Ok(()) => moved += 1,
             // Someone else moved it first (released, or another worker): nothing to do.
-            Err(e) if e.code() == crate::ErrorCode::Conflict => {}
+            Err(e) if moved_by_someone_else(&e) => {}
             Err(e) => return Err(e),
         }
     }
@@ -189,7 +195,7 @@ pub async fn fail_lost(db: &Db) -> Result<u64> {
     for id in due {
         match commands::fail_lost(db, &id).await {
             Ok(()) => moved += 1,
-            Err(e) if e.code() == crate::ErrorCode::Conflict => {}
+            Err(e) if moved_by_someone_else(&e) => {}
             Err(e) => return Err(e),
         }
     }
@@ -245,7 +251,7 @@ pub async fn retry_pending(db: &Db) -> Result<u64> {
         match commands::place_pending(db, &rsv.id, requests).await {
             Ok(true) => placed += 1,
             Ok(_) => {}
-            Err(e) if e.code() == crate::ErrorCode::Conflict => {}
+            Err(e) if moved_by_someone_else(&e) => {}
             Err(e) => return Err(e),
         }
     }

@@ -922,6 +922,64 @@ async fn the_reconciler_works_where_it_holds_the_lease() {
     );
 }
 
+/// Issue 12: the reconciler's writes are fenced like the work queue's. A reconciler that lost
+/// its lease between its check and its writes (a pause, a slow pass) writes nothing: each of its
+/// transactions checks the lease first and fails with `LEASE_LOST`; the new holder does the work.
+#[tokio::test]
+async fn a_reconciler_whose_lease_was_taken_writes_nothing() {
+    use compute_domain::leases;
+    use compute_domain::reservations::reconcile;
+    let (app, p, member) = setup().await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "r", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    let id = d["createReservation"]["reservation"]["id"].clone();
+    let db = &app.db.db;
+    let old = leases::acquire(db, "singleton:test-reconciler", "worker-a", leases::TTL)
+        .await
+        .expect("acquire")
+        .expect("free");
+    app.db.advance_clock(3 * 3600).await; // the reservation is due, and a's lease has expired
+    let new = leases::acquire(db, "singleton:test-reconciler", "worker-b", leases::TTL)
+        .await
+        .expect("acquire")
+        .expect("expired");
+    assert_eq!(new.epoch, old.epoch + 1);
+    for (step, result) in [
+        ("expire", reconcile::expire_due(&db.fenced(&old)).await),
+        ("activate", reconcile::activate_due(&db.fenced(&old)).await),
+    ] {
+        let e = result.expect_err("a stale fence writes nothing");
+        assert!(
+            matches!(e, compute_domain::Error::LeaseLost(_)),
+            "{step}: {e}"
+        );
+    }
+    // The row itself (the API derives EXPIRED from the time alone, whatever the row says).
+    let stored = || async {
+        let (state,): (String,) =
+            sqlx::query_as("SELECT state::text FROM reservations WHERE id = $1")
+                .bind(id.as_str())
+                .fetch_one(db.pool())
+                .await
+                .expect("row");
+        state
+    };
+    assert_eq!(stored().await, "active", "the stale holder changed nothing");
+    assert_eq!(
+        reconcile::expire_due(&db.fenced(&new))
+            .await
+            .expect("expire"),
+        1,
+        "the holder does the work"
+    );
+    assert_eq!(stored().await, "expired");
+}
+
 /// Issue 10 A: repeats of one key sent together, while an operator raises the quota between
 /// the first request's refusal and its repeats' turn, all get the first's answer. The order is
 /// forced with row locks: the first waits on the quota rows held by this test, the quota change
