@@ -490,3 +490,32 @@ pub fn token(args: TokenArgs) -> Result<String> {
         ),
     )
 }
+
+/// The `compute-api` command line: parses the arguments, runs the command, and reports an
+/// error on stderr with a failing exit code. (`main.rs` is only this; the tests package builds
+/// it too, as `test-api`, to start and kill real API processes.)
+pub async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve(*args).await,
+        Command::Dev(args) => dev(args).await,
+        Command::Migrate(args) => migrate(args).await,
+        Command::Schema => {
+            let _ = write!(std::io::stdout().lock(), "{}", crate::graph::sdl());
+            Ok(())
+        }
+        Command::Token(args) => token(args).map(|t| {
+            let _ = writeln!(std::io::stdout().lock(), "{t}");
+        }),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            let detail = std::error::Error::source(&e)
+                .map(|s| format!(": {s}"))
+                .unwrap_or_default();
+            let _ = writeln!(std::io::stderr().lock(), "error: {e}{detail}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

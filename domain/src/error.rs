@@ -32,6 +32,9 @@ pub enum ErrorCode {
     IdempotencyInProgress,
     /// A concurrent change holds the rows this one needs: retry.
     LockTimeout,
+    /// The database could not be reached or went away mid-request: retry (with the same
+    /// idempotency key for a mutation).
+    Unavailable,
     /// An event cursor older than the retention window.
     CursorExpired,
     /// Too many requests.
@@ -42,7 +45,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order `docs/errors.md` lists them.
-    pub const ALL: [ErrorCode; 13] = [
+    pub const ALL: [ErrorCode; 14] = [
         ErrorCode::Unauthenticated,
         ErrorCode::Forbidden,
         ErrorCode::NotFound,
@@ -53,6 +56,7 @@ impl ErrorCode {
         ErrorCode::IdempotencyKeyReused,
         ErrorCode::IdempotencyInProgress,
         ErrorCode::LockTimeout,
+        ErrorCode::Unavailable,
         ErrorCode::CursorExpired,
         ErrorCode::RateLimited,
         ErrorCode::Internal,
@@ -71,6 +75,7 @@ impl ErrorCode {
             ErrorCode::IdempotencyKeyReused => "IDEMPOTENCY_KEY_REUSED",
             ErrorCode::IdempotencyInProgress => "IDEMPOTENCY_IN_PROGRESS",
             ErrorCode::LockTimeout => "LOCK_TIMEOUT",
+            ErrorCode::Unavailable => "UNAVAILABLE",
             ErrorCode::CursorExpired => "CURSOR_EXPIRED",
             ErrorCode::RateLimited => "RATE_LIMITED",
             ErrorCode::Internal => "INTERNAL",
@@ -83,6 +88,7 @@ impl ErrorCode {
             self,
             ErrorCode::IdempotencyInProgress
                 | ErrorCode::LockTimeout
+                | ErrorCode::Unavailable
                 | ErrorCode::RateLimited
                 | ErrorCode::Unschedulable
                 | ErrorCode::Internal
@@ -171,6 +177,11 @@ pub enum Error {
     LeaseLost(String),
     #[error("{0}")]
     RateLimited(String),
+    /// The database could not be reached, or ended the connection (a restart, a failover); the
+    /// transaction did not commit, or its commit is unknown: a retry with the same idempotency
+    /// key settles it.
+    #[error("the database is unavailable; retry the request")]
+    Unavailable(#[source] BoxError),
     #[error("internal error: {0}")]
     Internal(#[source] BoxError),
 }
@@ -207,6 +218,7 @@ impl Error {
             Error::LeaseLost(_) => ErrorCode::Conflict,
             Error::CursorExpired(_) => ErrorCode::CursorExpired,
             Error::RateLimited(_) => ErrorCode::RateLimited,
+            Error::Unavailable(_) => ErrorCode::Unavailable,
             Error::Internal(_) => ErrorCode::Internal,
         }
     }
@@ -265,6 +277,7 @@ impl Error {
             "IDEMPOTENCY_IN_PROGRESS" => Error::IdempotencyInProgress(message),
             "CURSOR_EXPIRED" => Error::CursorExpired(message),
             "RATE_LIMITED" => Error::RateLimited(message),
+            "UNAVAILABLE" => Error::Unavailable(message.into()),
             _ => Error::internal(message),
         }
     }
@@ -296,6 +309,22 @@ impl From<sqlx::Error> for Error {
             .as_database_error()
             .and_then(|e| e.code())
             .map(|c| c.into_owned());
+        let unreachable = matches!(
+            err,
+            sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed
+        );
+        // Class 08 (connection exception) and 57P01-57P03 (the server shutting down or
+        // starting): the database went away, not the request.
+        let gone = code
+            .as_deref()
+            .is_some_and(|c| c.starts_with("08") || matches!(c, "57P01" | "57P02" | "57P03"));
+        if unreachable || gone {
+            return Error::Unavailable(Box::new(err));
+        }
         match code.as_deref() {
             Some(SQLSTATE_LOCK_NOT_AVAILABLE) => Error::LockTimeout,
             Some(state @ (SQLSTATE_SERIALIZATION_FAILURE | SQLSTATE_DEADLOCK_DETECTED)) => {
@@ -391,7 +420,7 @@ mod tests {
                 "{s} is not SCREAMING_SNAKE"
             );
         }
-        assert_eq!(seen.len(), 13);
+        assert_eq!(seen.len(), 14);
     }
 
     #[test]

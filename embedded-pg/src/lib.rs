@@ -189,6 +189,19 @@ impl EmbeddedPostgres {
         Ok(())
     }
 
+    /// Starts the server again after [`shutdown`](Self::shutdown), on the same data directory
+    /// and port: a database restart as its clients see one (their URLs stay valid).
+    pub async fn start_again(&mut self, options: &EmbeddedOptions) -> Result<()> {
+        self.shutdown();
+        let bin = find_server_binaries()?;
+        let run_as = run_as_user()?;
+        let (stop, exited, keeper) =
+            spawn_server(&bin, &self.data_dir, self.port, options, run_as.as_ref())?;
+        self.stop = Some(stop);
+        self.keeper = Some(keeper);
+        self.wait_ready(&exited).await
+    }
+
     /// Stops the server (fast shutdown) and waits for it to exit.
     pub fn shutdown(&mut self) {
         drop(self.stop.take());

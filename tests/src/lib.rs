@@ -294,6 +294,21 @@ pub async fn test_db_with(max_connections: u32) -> TestDb {
     }
 }
 
+/// A test database on a server of the test's own at `url` (a database that exists, empty or
+/// not): connected and migrated. Dropping it leaves the database to its server.
+pub async fn test_db_at(url: &str, name: &str) -> TestDb {
+    let db = Db::connect(url, &PoolSettings::default())
+        .await
+        .expect("connect to the test's own server");
+    db.migrate().await.expect("migrate");
+    TestDb {
+        name: name.to_owned(),
+        url: url.to_owned(),
+        db,
+        external: false,
+    }
+}
+
 impl TestDb {
     /// Switches this database to simulated time at `start` (RFC 3339).
     pub async fn use_sim_clock(&self, start: &str) {

@@ -92,6 +92,10 @@ fn coded(err: Error) -> async_graphql::Error {
             },
         );
     }
+    if code == ErrorCode::Unavailable {
+        // The cause (a reset connection, a pool timeout) is ours to read, not the caller's.
+        tracing::warn!(error = %err, source = ?std::error::Error::source(&err), "the database is unavailable");
+    }
     let message = err.to_string();
     async_graphql::Error::new(message).extend_with(|_, e| {
         e.set("code", code.as_str());

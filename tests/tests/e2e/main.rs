@@ -2,6 +2,7 @@
 
 mod auth;
 mod clock;
+mod crash;
 mod embedded;
 mod event_contract;
 mod fleet;
@@ -12,6 +13,7 @@ mod leases;
 mod outbox;
 mod outbox_reader;
 mod reservations;
+mod restart;
 mod statements;
 mod subscriptions;
 mod torture;
