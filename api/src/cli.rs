@@ -37,7 +37,7 @@ pub enum Command {
     /// Run the whole system in one process on the embedded database, with a development token.
     Dev(DevArgs),
     /// Apply pending migrations and exit.
-    Migrate(DatabaseArgs),
+    Migrate(MigrateArgs),
     /// Print the GraphQL schema (SDL).
     Schema,
     /// Print a development JWT signed with the key `dev` keeps in its data directory.
@@ -122,6 +122,12 @@ pub struct ServeArgs {
     pub jwt: JwtArgs,
     #[command(flatten)]
     pub limits: LimitArgs,
+    /// Apply pending migrations at start. Without it, `serve` on DATABASE_URL expects them
+    /// applied (`compute-api migrate`, as the schema's owner) and refuses to start otherwise, so
+    /// it can run as a role that cannot change the schema. The embedded database is always
+    /// migrated.
+    #[arg(long, env = "COMPUTE_MIGRATE")]
+    pub migrate: bool,
 }
 
 /// The published limits (`docs/security.md`); each flag's default is `Limits::default()`'s.
@@ -197,6 +203,16 @@ impl LimitArgs {
             max_streams_per_identity: self.max_streams_per_identity,
         }
     }
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// After migrating, grant this existing role what `serve` and the workers need at run time
+    /// (rows, sequences, functions) and nothing that changes the schema.
+    #[arg(long, env = "COMPUTE_RUNTIME_ROLE")]
+    pub runtime_role: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -357,7 +373,18 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         args.database.db_max_connections,
     )
     .await?;
-    database.db.migrate().await?;
+    if args.migrate || database.embedded.is_some() {
+        database.db.migrate().await?;
+    } else {
+        let status = database.db.migration_status().await?;
+        if !status.is_current() {
+            return Err(Error::internal(format!(
+                "the database has {} of the {} migrations this binary needs ({} failed): run \
+                 `compute-api migrate` as the schema's owner, or start with --migrate",
+                status.applied, status.expected, status.failed
+            )));
+        }
+    }
     let listener = bind(args.listen).await?;
     info!(listen = %args.listen, "serving GraphQL at /graphql");
     let registry = compute_domain::metrics::Registry::default();
@@ -461,7 +488,11 @@ pub async fn dev(args: DevArgs) -> Result<()> {
 }
 
 /// `compute-api migrate`.
-pub async fn migrate(args: DatabaseArgs) -> Result<()> {
+pub async fn migrate(args: MigrateArgs) -> Result<()> {
+    let MigrateArgs {
+        database: args,
+        runtime_role,
+    } = args;
     init_logging(args.log_format);
     let database = open_database(args.database_url.as_ref(), &args.data_dir, 2).await?;
     database.db.migrate().await?;
@@ -471,6 +502,10 @@ pub async fn migrate(args: DatabaseArgs) -> Result<()> {
         migrations.expected = status.expected,
         "migrations applied"
     );
+    if let Some(role) = runtime_role {
+        database.db.grant_runtime(&role).await?;
+        info!(role = %role, "run-time privileges granted");
+    }
     Ok(())
 }
 

@@ -294,13 +294,15 @@ pub async fn test_db_with(max_connections: u32) -> TestDb {
     }
 }
 
-/// A test database on a server of the test's own at `url` (a database that exists, empty or
-/// not): connected and migrated. Dropping it leaves the database to its server.
-pub async fn test_db_at(url: &str, name: &str) -> TestDb {
+/// A test database at `url` (a database that exists, on a server of the test's own or as
+/// another role): connected, and migrated when `migrate`. Dropping it leaves the database be.
+pub async fn test_db_at(url: &str, name: &str, migrate: bool) -> TestDb {
     let db = Db::connect(url, &PoolSettings::default())
         .await
-        .expect("connect to the test's own server");
-    db.migrate().await.expect("migrate");
+        .expect("connect to the test database");
+    if migrate {
+        db.migrate().await.expect("migrate");
+    }
     TestDb {
         name: name.to_owned(),
         url: url.to_owned(),

@@ -168,6 +168,36 @@ impl Db {
         Ok(())
     }
 
+    /// Grants `role` what the API and the workers need at run time, and nothing more: reading and
+    /// writing every table's rows, the sequences, and executing the schema's functions. Not
+    /// `CREATE` in the schema, not `TRUNCATE`, and only reading `_sqlx_migrations`; tables belong
+    /// to the owner who migrates, so the role cannot alter or drop them. Run by the owner after
+    /// migrating (`compute-api migrate --runtime-role`), again after each migration (new tables).
+    pub async fn grant_runtime(&self, role: &str) -> Result<()> {
+        let ok = !role.is_empty()
+            && role.len() <= 63
+            && role.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && role
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !ok {
+            return Err(Error::bad_input(
+                "runtime-role",
+                format!("`{role}` is not a role name: lowercase letters, digits and `_`"),
+            ));
+        }
+        // The name is checked above, so it can stand unquoted in the statements.
+        let statements = format!(
+            "GRANT USAGE ON SCHEMA public TO {role};
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role};
+             REVOKE INSERT, UPDATE, DELETE ON _sqlx_migrations FROM {role};
+             GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA public TO {role};
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA public TO {role};"
+        );
+        sqlx::raw_sql(&statements).execute(&self.pool).await?;
+        Ok(())
+    }
+
     /// Compares the applied migrations with the ones this binary carries.
     pub async fn migration_status(&self) -> Result<MigrationStatus> {
         let applied: Vec<(i64, bool)> =

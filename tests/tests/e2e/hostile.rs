@@ -710,3 +710,77 @@ async fn tokens_valid_for_years_and_odd_subjects_are_refused() {
         .await;
     assert_eq!(status, 401);
 }
+
+#[tokio::test]
+async fn the_runtime_role_runs_the_api_but_cannot_change_the_schema() {
+    // The owner migrates and grants; the API runs as a role that reads and writes rows only.
+    let owner = compute_tests::test_db().await;
+    let role = format!("rt_{}_{}", std::process::id(), rand_suffix());
+    sqlx::raw_sql(&format!("CREATE ROLE {role} LOGIN PASSWORD 'runtime-pw'"))
+        .execute(owner.db.pool())
+        .await
+        .expect("create the role (the embedded superuser may)");
+    owner.db.grant_runtime(&role).await.expect("grant");
+    let (scheme_user, rest) = owner.url.split_once('@').expect("user@host");
+    let scheme = scheme_user.split("//").next().expect("scheme");
+    let url = format!("{scheme}//{role}:runtime-pw@{rest}");
+    // Simulated time is a test harness's switch (it redefines compute_now()): the owner's.
+    owner.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let runtime = compute_tests::test_db_at(&url, &owner.name, false).await;
+    let app = compute_tests::spawn_app_on(runtime).await;
+
+    // The whole path of a reservation works as the runtime role.
+    let p = crate::reservations::pool(&app).await;
+    let member = app.member("acme");
+    let d = app
+        .ok(
+            &member,
+            crate::reservations::CREATE,
+            crate::reservations::input(&p.pool, "rt", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["state"], "ACTIVE",
+        "{d}"
+    );
+    let (status, ready) = {
+        let res = app
+            .http
+            .get(app.url("/readyz"))
+            .send()
+            .await
+            .expect("readyz");
+        (res.status().as_u16(), res.text().await.unwrap_or_default())
+    };
+    assert_eq!(
+        status, 200,
+        "the runtime role reads the migrations' table: {ready}"
+    );
+
+    // Nothing that changes the schema, the migrations or whole tables.
+    for statement in [
+        "CREATE TABLE intruder (a int)",
+        "DROP TABLE reservations",
+        "ALTER TABLE reservations ADD COLUMN x int",
+        "TRUNCATE outbox",
+        "DELETE FROM _sqlx_migrations",
+        "CREATE FUNCTION evil() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+    ] {
+        let e = sqlx::raw_sql(statement)
+            .execute(app.db.db.pool())
+            .await
+            .expect_err(statement);
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .map(|c| c.into_owned());
+        assert_eq!(code.as_deref(), Some("42501"), "{statement}: {e}");
+    }
+}
+
+/// A suffix that keeps role names of concurrent test runs apart.
+fn rand_suffix() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
