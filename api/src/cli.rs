@@ -3,10 +3,12 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use compute_domain::db::{Db, PoolSettings};
+use compute_domain::secrets::Keyring;
 use compute_domain::{Error, Result};
 use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres};
 use tracing::info;
@@ -42,6 +44,74 @@ pub enum Command {
     Schema,
     /// Print a development JWT signed with the key `dev` keeps in its data directory.
     Token(TokenArgs),
+    /// Seal every sink secret under the current secrets key (after setting a key for the first
+    /// time, or to finish a rotation); safe to run beside running processes, and again.
+    ResealSecrets(ResealArgs),
+}
+
+/// The key that seals sink secrets at rest (`docs/security.md`, "Secrets at rest").
+#[derive(Debug, Args)]
+pub struct SecretsArgs {
+    /// The current key: 64 hex digits (32 bytes). New secrets are sealed with it. Generate one
+    /// with `openssl rand -hex 32`. Without it, `serve` on the embedded database keeps a key in
+    /// its data directory, and `serve` on DATABASE_URL stores secrets unsealed (with a warning).
+    #[arg(long, env = "COMPUTE_SECRETS_KEY", hide_env_values = true)]
+    pub secrets_key: Option<Secret>,
+    /// Former keys, comma-separated, still accepted to open secrets during a rotation.
+    #[arg(long, env = "COMPUTE_SECRETS_OLD_KEYS", hide_env_values = true)]
+    pub secrets_old_keys: Option<Secret>,
+}
+
+impl SecretsArgs {
+    /// The keyring, falling back to the data directory's key file when `data_dir` is given (the
+    /// embedded database and `dev`).
+    pub fn keyring(&self, data_dir: Option<&Path>) -> Result<Option<Arc<Keyring>>> {
+        let current = match (&self.secrets_key, data_dir) {
+            (Some(k), _) => Some(k.expose().to_owned()),
+            (None, Some(dir)) => Some(data_dir_key(dir)?),
+            (None, None) => None,
+        };
+        Keyring::from_config(
+            current.as_deref(),
+            self.secrets_old_keys.as_ref().map(Secret::expose),
+        )
+    }
+}
+
+/// The file, inside the data directory, that holds the embedded database's secrets key.
+pub const SECRETS_KEY_FILE: &str = "secrets-key";
+
+/// Reads the secrets key of `data_dir`, creating it (mode 0600) on first use.
+fn data_dir_key(data_dir: &Path) -> Result<String> {
+    let path = data_dir.join(SECRETS_KEY_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(k) => Ok(k.trim().to_owned()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::create_dir_all(data_dir).map_err(Error::internal)?;
+            let key = Keyring::generate_key()?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(|e| Error::internal(format!("cannot create {}: {e}", path.display())))?;
+            writeln!(f, "{key}").map_err(Error::internal)?;
+            Ok(key)
+        }
+        Err(e) => Err(Error::internal(format!(
+            "cannot read {}: {e}",
+            path.display()
+        ))),
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ResealArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub secrets: SecretsArgs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -122,6 +192,8 @@ pub struct ServeArgs {
     pub jwt: JwtArgs,
     #[command(flatten)]
     pub limits: LimitArgs,
+    #[command(flatten)]
+    pub secrets: SecretsArgs,
     /// Apply pending migrations at start. Without it, `serve` on DATABASE_URL expects them
     /// applied (`compute-api migrate`, as the schema's owner) and refuses to start otherwise, so
     /// it can run as a role that cannot change the schema. The embedded database is always
@@ -385,12 +457,26 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             )));
         }
     }
+    let keyring = args.secrets.keyring(
+        database
+            .embedded
+            .is_some()
+            .then_some(args.database.data_dir.as_path()),
+    )?;
+    match &keyring {
+        Some(k) => info!(key = k.current_id(), "sink secrets are sealed at rest"),
+        None => tracing::warn!(
+            "no secrets key (COMPUTE_SECRETS_KEY): sink secrets are stored unsealed; see \
+             docs/security.md"
+        ),
+    }
+    let db = database.db.clone().with_keyring(keyring);
     let listener = bind(args.listen).await?;
     info!(listen = %args.listen, "serving GraphQL at /graphql");
     let registry = compute_domain::metrics::Registry::default();
-    database.db.register_metrics(&registry);
+    db.register_metrics(&registry);
     Server::with_limits(
-        database.db.clone(),
+        db,
         verifier,
         crate::tailer::StreamConfig::default(),
         args.limits.limits(),
@@ -411,6 +497,8 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     let database = open_database(None, &args.data_dir, 16).await?;
     database.db.migrate().await?;
     compute_domain::fleet::demo::seed_if_empty(&database.db).await?;
+    let keyring = Keyring::from_config(Some(&data_dir_key(&args.data_dir)?), None)?;
+    let db = database.db.clone().with_keyring(keyring);
     let secret = auth::dev_secret(&args.data_dir, true)?;
     let verifier = Verifier::new(
         auth::KeySource::Hs256(secret.clone()),
@@ -434,9 +522,9 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     let addr = listener.local_addr().map_err(Error::internal)?;
     // One registry for the process: the API's metrics, the workers' and the transactions'.
     let registry = compute_domain::metrics::Registry::default();
-    database.db.register_metrics(&registry);
+    db.register_metrics(&registry);
     let server = Server::with_registry(
-        database.db.clone(),
+        db.clone(),
         verifier,
         crate::tailer::StreamConfig::default(),
         registry.clone(),
@@ -463,7 +551,7 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     // Every worker role in-process: the work queue, the resync, pruning and webhook delivery.
     let (stop_workers, workers_stopped) = tokio::sync::oneshot::channel::<()>();
     let reconciler = tokio::spawn(compute_workers::run(
-        database.db.clone(),
+        db,
         compute_workers::Options {
             role: compute_workers::Role::All,
             kinds: compute_workers::queue::KINDS.to_vec(),
@@ -509,6 +597,32 @@ pub async fn migrate(args: MigrateArgs) -> Result<()> {
     Ok(())
 }
 
+/// `compute-api reseal-secrets`.
+pub async fn reseal_secrets(args: ResealArgs) -> Result<()> {
+    init_logging(args.database.log_format);
+    let database = open_database(
+        args.database.database_url.as_ref(),
+        &args.database.data_dir,
+        2,
+    )
+    .await?;
+    let keyring = args.secrets.keyring(
+        database
+            .embedded
+            .is_some()
+            .then_some(args.database.data_dir.as_path()),
+    )?;
+    let db = database.db.clone().with_keyring(keyring);
+    let done = compute_domain::sinks::reseal_all(&db).await?;
+    info!(
+        resealed = done.resealed,
+        already_current = done.current,
+        key = db.keyring().map(Keyring::current_id).unwrap_or_default(),
+        "sink secrets sealed under the current key"
+    );
+    Ok(())
+}
+
 /// `compute-api token`.
 pub fn token(args: TokenArgs) -> Result<String> {
     if args.ttl_seconds <= 0 {
@@ -539,6 +653,7 @@ pub async fn main() -> std::process::ExitCode {
             let _ = write!(std::io::stdout().lock(), "{}", crate::graph::sdl());
             Ok(())
         }
+        Command::ResealSecrets(args) => reseal_secrets(args).await,
         Command::Token(args) => token(args).map(|t| {
             let _ = writeln!(std::io::stdout().lock(), "{t}");
         }),

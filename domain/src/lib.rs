@@ -19,6 +19,7 @@ pub mod outbox;
 pub mod page;
 pub mod quota;
 pub mod reservations;
+pub mod secrets;
 pub mod sinks;
 mod text_enum;
 pub mod work_queue;

@@ -220,9 +220,11 @@ pub async fn create(
     check_types(&types)?;
     let secret = new_secret()?;
     let id = SinkId::generate();
+    // Stored sealed under the configured key, bound to this sink's id (docs/security.md).
+    let stored = crate::secrets::seal(db.keyring(), &secret, id.as_str())?;
     let sink = db
         .tx("create_event_sink", TxKind::Write, |conn| {
-            let (id, url, types, secret) = (id.clone(), url.to_owned(), types.clone(), secret.clone());
+            let (id, url, types, secret) = (id.clone(), url.to_owned(), types.clone(), stored.clone());
             let (tenant, by) = (scope.tenant_id.clone(), created_by.to_owned());
             Box::pin(async move {
                 sqlx::query!(
@@ -399,6 +401,50 @@ pub async fn due(db: &Db) -> Result<Vec<SinkId>> {
     .await?)
 }
 
+/// What `reseal_all` did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resealed {
+    /// Secrets sealed again under the current key (they were plain or under an old key).
+    pub resealed: u64,
+    /// Secrets already sealed under the current key.
+    pub current: u64,
+}
+
+/// Seals every sink secret under the keyring's current key: plain ones (stored before a key was
+/// configured) and ones under an old key. Each row is rewritten only if it still holds what was
+/// read (a guarded update), so it is safe to run beside the API and the workers and to run again.
+pub async fn reseal_all(db: &Db) -> Result<Resealed> {
+    let keyring = db.keyring().ok_or_else(|| {
+        Error::bad_input(
+            "secrets-key",
+            "resealing needs a key: set COMPUTE_SECRETS_KEY",
+        )
+    })?;
+    let rows = sqlx::query!(r#"SELECT id AS "id: SinkId", secret FROM event_sinks ORDER BY id"#)
+        .fetch_all(db.pool())
+        .await?;
+    let mut done = Resealed::default();
+    for row in rows {
+        if keyring.is_current(&row.secret) {
+            done.current += 1;
+            continue;
+        }
+        let plain = keyring.open(&row.secret, row.id.as_str())?;
+        let sealed = keyring.seal(&plain, row.id.as_str())?;
+        let n = sqlx::query!(
+            "UPDATE event_sinks SET secret = $3 WHERE id = $1 AND secret = $2",
+            row.id.as_str(),
+            row.secret,
+            sealed,
+        )
+        .execute(db.pool())
+        .await?
+        .rows_affected();
+        done.resealed += n;
+    }
+    Ok(done)
+}
+
 /// A sink with its secret, for its dispatcher.
 #[derive(Debug, Clone, FromRow)]
 pub struct Delivery {
@@ -406,6 +452,8 @@ pub struct Delivery {
     pub tenant_id: Option<TenantId>,
     pub url: String,
     pub types: Vec<String>,
+    /// As stored: sealed when a key is configured; open it with [`crate::secrets::open`] and
+    /// the sink's id.
     pub secret: String,
     pub active: bool,
     pub next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,

@@ -217,6 +217,15 @@ async fn prepare_template(
     Ok(())
 }
 
+/// The secrets key every test database's handle seals sink secrets with (and every worker
+/// process a test starts is given), so every webhook test runs with secrets sealed at rest.
+pub const SECRETS_KEY: &str = "5ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2";
+
+/// The keyring of [`SECRETS_KEY`].
+pub fn test_keyring() -> Option<Arc<compute_domain::secrets::Keyring>> {
+    compute_domain::secrets::Keyring::from_config(Some(SECRETS_KEY), None).expect("the test key")
+}
+
 /// A migrated database of one's own.
 pub struct TestDb {
     pub name: String,
@@ -285,7 +294,8 @@ pub async fn test_db_with(max_connections: u32) -> TestDb {
         },
     )
     .await
-    .expect("connect to the test database");
+    .expect("connect to the test database")
+    .with_keyring(test_keyring());
     TestDb {
         name,
         url,
@@ -299,7 +309,8 @@ pub async fn test_db_with(max_connections: u32) -> TestDb {
 pub async fn test_db_at(url: &str, name: &str, migrate: bool) -> TestDb {
     let db = Db::connect(url, &PoolSettings::default())
         .await
-        .expect("connect to the test database");
+        .expect("connect to the test database")
+        .with_keyring(test_keyring());
     if migrate {
         db.migrate().await.expect("migrate");
     }

@@ -44,6 +44,13 @@ pub struct Args {
     /// `refused: the target is not a public address`.
     #[arg(long, env = "COMPUTE_WEBHOOKS_ALLOW_PRIVATE")]
     pub webhooks_allow_private: bool,
+    /// The key sink secrets are sealed with (64 hex digits): the same as the API's. Without it,
+    /// only secrets stored unsealed can be delivered with.
+    #[arg(long, env = "COMPUTE_SECRETS_KEY", hide_env_values = true)]
+    pub secrets_key: Option<String>,
+    /// Former keys, comma-separated, still accepted during a rotation.
+    #[arg(long, env = "COMPUTE_SECRETS_OLD_KEYS", hide_env_values = true)]
+    pub secrets_old_keys: Option<String>,
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {
@@ -84,6 +91,29 @@ pub async fn main() -> ExitCode {
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "compute-worker: cannot connect: {e}");
             return ExitCode::FAILURE;
+        }
+    };
+    let db = match compute_domain::secrets::Keyring::from_config(
+        args.secrets_key.as_deref(),
+        args.secrets_old_keys.as_deref(),
+    ) {
+        Ok(Some(k)) => {
+            tracing::info!(
+                key = k.current_id(),
+                "sink secrets open with the configured keys"
+            );
+            db.with_keyring(Some(k))
+        }
+        Ok(None) => {
+            tracing::warn!(
+                "no secrets key (COMPUTE_SECRETS_KEY): sinks whose secrets are sealed cannot be \
+                 delivered to"
+            );
+            db
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "compute-worker: {e}");
+            return ExitCode::from(2);
         }
     };
     match db.migration_status().await {

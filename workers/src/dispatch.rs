@@ -328,12 +328,13 @@ async fn deliver_batch(
     if events.is_empty() {
         return Ok(Ok(0));
     }
+    let secret = compute_domain::secrets::open(db.keyring(), &sink.secret, sink.id.as_str())?;
     stats.batches.fetch_add(1, Ordering::Relaxed);
     let mut last: Option<Cursor> = None;
     let mut delivered = 0i64;
     let mut failure: Option<String> = None;
     for event in &events {
-        match post(http, &sink.url, &sink.secret, event).await {
+        match post(http, &sink.url, &secret, event).await {
             Ok(()) => {
                 last = event.cursor;
                 delivered += 1;

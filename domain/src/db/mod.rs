@@ -110,6 +110,8 @@ pub struct Db {
     metrics: crate::metrics::TxMetrics,
     /// When set, every transaction of this handle checks the lease first ([`Db::fenced`]).
     fence: Option<crate::leases::Fence>,
+    /// The keys that seal sink secrets at rest; none stores them as they are (development).
+    keyring: Option<std::sync::Arc<crate::secrets::Keyring>>,
 }
 
 impl Db {
@@ -140,7 +142,19 @@ impl Db {
             pool,
             metrics: crate::metrics::TxMetrics::default(),
             fence: None,
+            keyring: None,
         }
+    }
+
+    /// This handle with `keyring` sealing and opening sink secrets.
+    pub fn with_keyring(mut self, keyring: Option<std::sync::Arc<crate::secrets::Keyring>>) -> Db {
+        self.keyring = keyring;
+        self
+    }
+
+    /// The keys that seal and open sink secrets, when configured.
+    pub fn keyring(&self) -> Option<&crate::secrets::Keyring> {
+        self.keyring.as_deref()
     }
 
     /// Registers the transaction metrics (latency and errors by transaction name) in `registry`.

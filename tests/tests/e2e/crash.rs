@@ -21,6 +21,7 @@ async fn start_api(database_url: &str) -> (tokio::process::Child, String) {
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
         .env("DATABASE_URL", database_url)
         .env("COMPUTE_JWT_HS256_SECRET", TEST_SECRET)
+        .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
         .env("COMPUTE_JWT_ISSUER", TEST_ISSUER)
         .env("COMPUTE_JWT_AUDIENCE", TEST_AUDIENCE)
         .env("RUST_LOG", "warn")

@@ -179,3 +179,92 @@ async fn a_database_restart_under_load_is_retryable_and_the_pool_recovers() {
     drop(pg);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A client that leaves in the middle of its mutation: the server drops the request, its
+/// transaction rolls back, and its connection goes back to the pool clean. The request waits on
+/// a lock the test holds, so it is in flight (inside its transaction) when the client leaves;
+/// the lock is released well within the 2 s lock timeout, so a server that kept the request
+/// running after its client left would commit the reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_leaves_stops_and_rolls_back() {
+    use tokio::io::AsyncWriteExt;
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = pool(&app).await;
+    app.ok(
+        &app.operator(),
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "acme", "scopeId": p.pool, "gpus": 100 } }),
+    )
+    .await;
+    let member = app.member("acme");
+    let mut holder = app.db.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM quota_usage WHERE tenant_id = 'acme' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .expect("hold acme's quota rows");
+
+    let body = json!({ "query": CREATE, "variables": input(&p.pool, "gone-1", json!([{ "gpuCount": 1 }])) })
+        .to_string();
+    let mut client = tokio::net::TcpStream::connect(app.addr)
+        .await
+        .expect("connect");
+    let request = format!(
+        "POST /graphql HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {member}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    client
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the request");
+    app.until_lock_waiters(1).await;
+    drop(client);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.commit().await.expect("release the lock");
+
+    // The request's backend finishes its statement, rolls back and goes idle.
+    let pool_ = app.db.db.pool().clone();
+    eventually(
+        "no backend of the API is in a transaction",
+        Duration::from_secs(10),
+        || {
+            let pool_ = pool_.clone();
+            async move {
+                let (busy,): (i64,) = sqlx::query_as(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                     AND pid <> pg_backend_pid() AND state IN ('active', 'idle in transaction', \
+                     'idle in transaction (aborted)')",
+                )
+                .fetch_one(&pool_)
+                .await
+                .expect("pg_stat_activity");
+                (busy == 0).then_some(())
+            }
+        },
+    )
+    .await;
+    for (table, n) in [
+        ("reservations", app.count("reservations").await),
+        ("idempotency_keys", app.count("idempotency_keys").await),
+    ] {
+        assert_eq!(n, 0, "{table}: the abandoned request wrote nothing");
+    }
+    let (events,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM outbox WHERE type LIKE 'reservation.%'")
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("events");
+    assert_eq!(events, 0, "and emitted nothing");
+
+    // The same key from a client that waits: one reservation (the lock is free now).
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "gone-1", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(d["createReservation"]["idempotentReplay"], false, "{d}");
+    assert_eq!(app.count("reservations").await, 1);
+}

@@ -511,6 +511,7 @@ fn worker_process(app: &TestApp) -> tokio::process::Child {
             "--webhooks-allow-private",
         ])
         .env("DATABASE_URL", &app.db.url)
+        .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
         .env("RUST_LOG", "warn")
         .kill_on_drop(true)
         .spawn()
@@ -1033,4 +1034,147 @@ async fn a_worker_serves_its_metrics_and_health() {
 
 fn pool_id(id: &str) -> compute_domain::ids::PoolId {
     compute_domain::ids::PoolId::parse("pool", id).expect("a pool id")
+}
+
+/// Runs a dispatcher on `db` until the receiver has `n` ticks, then stops it (its leases let go).
+async fn deliver_until(db: compute_domain::db::Db, owner: &str, receiver: &Receiver, n: usize) {
+    let mut dispatcher =
+        compute_workers::dispatch::Dispatcher::new(db, owner).allowing_private_targets(true);
+    dispatcher.idle = Duration::from_millis(20);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(dispatcher.run(async move {
+        let _ = stopped.await;
+    }));
+    tokio::time::timeout(WAIT, async {
+        while receiver.got.lock().expect("got").len() < n {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{owner} delivers {n} ticks"));
+    let _ = stop.send(());
+    running.await.expect("the dispatcher stops");
+}
+
+#[tokio::test]
+async fn sink_secrets_are_sealed_at_rest_and_survive_a_key_rotation() {
+    use compute_domain::secrets::Keyring;
+    let app = spawn_app().await;
+    let (receiver, url) = start_receiver(Duration::ZERO).await;
+    let acme = app.member("acme");
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let d = app
+            .ok(&acme, CREATE_SINK, json!({ "i": { "url": url } }))
+            .await;
+        *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+            .as_str()
+            .expect("secret")
+            .to_owned();
+        ids.push(
+            d["createEventSink"]["eventSink"]["id"]
+                .as_str()
+                .expect("id")
+                .to_owned(),
+        );
+    }
+    // Only the second sink delivers in this test; the first one is paused.
+    sqlx::query("UPDATE event_sinks SET active = false WHERE id = $1")
+        .bind(&ids[0])
+        .execute(app.db.db.pool())
+        .await
+        .expect("pause");
+    let secret = receiver.secret.lock().expect("secret").clone();
+    let stored = |id: String| {
+        let pool = app.db.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT secret FROM event_sinks WHERE id = $1")
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .expect("stored secret")
+        }
+    };
+    let sealed = stored(ids[1].clone()).await;
+    assert!(sealed.starts_with("sealed:v1:"), "{sealed}");
+    let hex = secret.trim_start_matches("whsec_");
+    assert!(
+        !sealed.contains(hex),
+        "the database holds no trace of the secret"
+    );
+    let old = app.db.db.keyring().expect("the test handle has a key");
+    assert_eq!(old.open(&sealed, &ids[1]).expect("opens"), secret);
+    assert!(
+        old.open(&sealed, &ids[0]).is_err(),
+        "a sealed secret copied onto another sink's row does not open"
+    );
+
+    // Delivery opens it and signs with the secret the tenant was shown.
+    let tick = |n: i32| {
+        let pool = app.db.db.pool().clone();
+        async move {
+            sqlx::query("SELECT compute_emit('test.tick', 'acme', 'e' || $1, '{}')")
+                .bind(n)
+                .execute(&pool)
+                .await
+                .expect("emit");
+        }
+    };
+    tick(1).await;
+    deliver_until(app.db.db.clone(), "worker-key1", &receiver, 1).await;
+
+    // Rotation: a new key, the old one still accepted; a secret stored before any key (plain)
+    // is sealed by the same command.
+    sqlx::query(
+        "UPDATE event_sinks SET secret = 'whsec_legacy_0123456789abcdef0123456789' WHERE id = $1",
+    )
+    .bind(&ids[0])
+    .execute(app.db.db.pool())
+    .await
+    .expect("a plain secret");
+    let new_key = Keyring::generate_key().expect("key");
+    let rotating = app.db.db.clone().with_keyring(
+        Keyring::from_config(Some(&new_key), Some(compute_tests::SECRETS_KEY)).expect("ring"),
+    );
+    let done = compute_domain::sinks::reseal_all(&rotating)
+        .await
+        .expect("reseal");
+    assert_eq!((done.resealed, done.current), (2, 0));
+    let again = compute_domain::sinks::reseal_all(&rotating)
+        .await
+        .expect("reseal again");
+    assert_eq!(
+        (again.resealed, again.current),
+        (0, 2),
+        "a second run changes nothing"
+    );
+    let new_only = Keyring::from_config(Some(&new_key), None).expect("ring");
+    let new_ring = new_only.as_deref().expect("ring");
+    let legacy = stored(ids[0].clone()).await;
+    assert!(new_ring.is_current(&legacy), "{legacy}");
+    assert_eq!(
+        new_ring.open(&legacy, &ids[0]).expect("opens"),
+        "whsec_legacy_0123456789abcdef0123456789"
+    );
+    let resealed = stored(ids[1].clone()).await;
+    assert_ne!(resealed, sealed);
+    assert!(
+        old.open(&resealed, &ids[1]).is_err(),
+        "the old key no longer opens it"
+    );
+
+    // With the old key dropped, a worker on the new key alone still signs correctly.
+    tick(2).await;
+    deliver_until(
+        app.db.db.clone().with_keyring(new_only.clone()),
+        "worker-key2",
+        &receiver,
+        2,
+    )
+    .await;
+    assert_eq!(
+        *receiver.bad.lock().expect("bad"),
+        0,
+        "every signature verified"
+    );
 }
