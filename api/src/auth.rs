@@ -7,7 +7,7 @@
 //! not against `compute_now()`.
 
 use compute_domain::actor::{Actor, Authority};
-use compute_domain::ids::TenantId;
+use compute_domain::ids::{NodeId, TenantId};
 use std::fmt;
 use std::path::Path;
 
@@ -79,6 +79,10 @@ pub struct Claims {
     pub nbf: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub iat: Option<i64>,
+    /// A node daemon's node id (with the `node` role): the one node whose session the token may
+    /// open.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// Who is calling: the identity, tenant and roles of a verified token.
@@ -89,6 +93,9 @@ pub struct Viewer {
     /// not a valid tenant id is refused, so an empty or odd tenant never reaches a rule.
     pub tenant: Option<TenantId>,
     pub roles: Vec<Role>,
+    /// The `node` claim, checked at the door ([`NodeId::parse`]): the node a daemon's token
+    /// may open the session of.
+    pub node: Option<NodeId>,
     /// When the token expires (seconds since the epoch).
     pub expires_at: i64,
     /// How long the token stays valid after verification, by the verifier's clock and leeway:
@@ -338,9 +345,16 @@ impl Verifier {
                 "the bearer token's sub claim must be 1 to 255 printable characters",
             ));
         }
+        let node = claims
+            .node
+            .as_deref()
+            .map(|n| NodeId::parse("node", n))
+            .transpose()
+            .map_err(|_| unauthenticated("the bearer token's node claim is not a node id"))?;
         Ok(Viewer {
             subject: claims.sub,
             tenant,
+            node,
             roles: claims.roles.iter().filter_map(|r| Role::parse(r)).collect(),
             expires_at: claims.exp,
             valid_for,
@@ -407,6 +421,7 @@ pub fn dev_claims(sub: &str, tenant: Option<&str>, roles: &[Role], ttl_seconds: 
         exp: now + ttl_seconds,
         nbf: Some(now - 5),
         iat: Some(now),
+        node: None,
     }
 }
 

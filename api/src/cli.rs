@@ -308,9 +308,13 @@ pub struct TokenArgs {
     /// Tenant the caller acts for.
     #[arg(long)]
     pub tenant: Option<String>,
-    /// Identity (`sub`).
+    /// The node a `node` token belongs to (required with `--role node`): a daemon's token opens
+    /// that node's session at `/agent` and can do nothing else.
     #[arg(long)]
-    pub sub: String,
+    pub node: Option<String>,
+    /// Identity (`sub`); defaults to `node:<id>` for a node token.
+    #[arg(long)]
+    pub sub: Option<String>,
     /// Lifetime in seconds.
     #[arg(long, default_value_t = 86_400)]
     pub ttl_seconds: i64,
@@ -628,16 +632,24 @@ pub fn token(args: TokenArgs) -> Result<String> {
     if args.ttl_seconds <= 0 {
         return Err(Error::bad_input("ttl-seconds", "must be positive"));
     }
+    let is_node = args.roles.contains(&Role::Node);
+    let node = match (&args.node, is_node) {
+        (Some(n), true) => Some(compute_domain::ids::NodeId::parse("node", n)?),
+        (None, true) => return Err(Error::bad_input("node", "--role node needs --node <id>")),
+        (Some(_), false) => {
+            return Err(Error::bad_input("node", "--node goes with --role node"));
+        }
+        (None, false) => None,
+    };
+    let sub = match (&args.sub, &node) {
+        (Some(s), _) => s.clone(),
+        (None, Some(n)) => format!("node:{n}"),
+        (None, None) => return Err(Error::bad_input("sub", "--sub is required")),
+    };
     let secret = auth::dev_secret(&args.data_dir, false)?;
-    auth::mint_hs256(
-        &secret,
-        &auth::dev_claims(
-            &args.sub,
-            args.tenant.as_deref(),
-            &args.roles,
-            args.ttl_seconds,
-        ),
-    )
+    let mut claims = auth::dev_claims(&sub, args.tenant.as_deref(), &args.roles, args.ttl_seconds);
+    claims.node = node.map(|n| n.to_string());
+    auth::mint_hs256(&secret, &claims)
 }
 
 /// The `compute-api` command line: parses the arguments, runs the command, and reports an

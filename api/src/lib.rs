@@ -11,6 +11,7 @@
 
 pub mod auth;
 pub mod cli;
+pub mod gateway;
 pub mod graph;
 pub mod limits;
 pub mod metrics;

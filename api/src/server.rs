@@ -38,6 +38,7 @@ pub fn router(app: AppState) -> Router {
             "/graphql/stream",
             get(crate::transport::sse::get).post(crate::transport::sse::post),
         )
+        .route("/agent", get(crate::transport::agent::get))
         .route("/healthz", get(crate::ops::health::healthz))
         .route("/readyz", get(crate::ops::health::readyz))
         .route("/metrics", get(crate::ops::health::metrics))
@@ -182,7 +183,10 @@ impl Server {
             let metrics = metrics.clone();
             std::sync::Arc::new(move |reason| metrics.record_refusal(reason))
         });
+        let gateway =
+            crate::gateway::Gateway::new(db.clone(), crate::gateway::GatewayConfig::new());
         let app = AppState::new(Inner {
+            gateway,
             schema: graph::build(Some((db.clone(), tailer.clone())), door),
             limits,
             streams: crate::limits::Streams::default(),
@@ -226,9 +230,17 @@ impl Server {
                 let _ = rx.wait_for(|s| *s).await;
             }
         }));
+        let gateway = tokio::spawn(app.gateway.clone().run({
+            let mut rx = app.shutdown.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        }));
         let result = serve(listener, app.clone(), stop, shutdown_tx).await;
         sampler.abort();
         tailer.abort();
+        // The gateway ends its sessions and lets its lease go, so daemons reconnect elsewhere.
+        let _ = tokio::time::timeout(Duration::from_secs(5), gateway).await;
         result
     }
 }

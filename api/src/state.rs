@@ -32,6 +32,8 @@ pub struct Inner {
     pub registry: compute_domain::metrics::Registry,
     /// The process's one outbox reader, which feeds every subscription.
     pub tailer: Tailer,
+    /// The node-daemon gateway at `/agent`.
+    pub gateway: crate::gateway::Gateway,
     /// Turns `true` when the server begins to shut down.
     pub shutdown: watch::Receiver<bool>,
 }

@@ -20,6 +20,7 @@ pub mod page;
 pub mod quota;
 pub mod reservations;
 pub mod secrets;
+pub mod sessions;
 pub mod sinks;
 mod text_enum;
 pub mod work_queue;

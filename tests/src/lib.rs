@@ -392,6 +392,8 @@ pub struct TestApp {
     /// The database; shared with any other API process started on it ([`spawn_app_sharing`]).
     pub db: Arc<TestDb>,
     pub http: reqwest::Client,
+    /// The server's node-daemon gateway (`/agent`), for tests that step it.
+    pub gateway: compute_api::gateway::Gateway,
     /// Seconds the token verifier's clock runs ahead of the wall clock ([`TestApp::move_jwt_clock`]).
     jwt_offset: Arc<std::sync::atomic::AtomicI64>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -493,6 +495,7 @@ async fn start_app(
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
+    let gateway = server.state().gateway.clone();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let handle = tokio::spawn(server.run(listener, async move {
         let _ = stopped.await;
@@ -500,6 +503,7 @@ async fn start_app(
     TestApp {
         addr,
         db,
+        gateway,
         http: reqwest::Client::new(),
         jwt_offset,
         stop: Some(stop),
@@ -518,6 +522,18 @@ impl TestApp {
     pub fn move_jwt_clock(&self, seconds: i64) {
         self.jwt_offset
             .fetch_add(seconds, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A node daemon's token for `node`, valid for an hour.
+    pub fn node_token(&self, node: &str) -> String {
+        let mut c = claims(&format!("node:{node}"), None, &[Role::Node], 3600);
+        c.node = Some(node.to_owned());
+        mint(c)
+    }
+
+    /// `ws://127.0.0.1:<port>/agent`.
+    pub fn agent_url(&self) -> String {
+        format!("ws://{}/agent", self.addr)
     }
 
     /// A token with `roles` for `tenant`, valid for an hour.

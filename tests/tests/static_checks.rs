@@ -53,6 +53,7 @@ const API_ROOMS: &[(&str, u8)] = &[
     ("limits", 0),
     ("metrics", 1),
     ("graph", 1),
+    ("gateway", 1),
     ("state", 2),
     ("transport", 3),
     ("ops", 3),

@@ -19,6 +19,7 @@ use tracing::{info, warn};
 /// A lease this process holds, until [`HeldLease::lost`] fires or it is released.
 pub struct HeldLease {
     fence: Fence,
+    ttl: Duration,
     lost: watch::Receiver<bool>,
     renewer: tokio::task::JoinHandle<()>,
 }
@@ -66,6 +67,7 @@ impl HeldLease {
         ));
         Ok(Some(HeldLease {
             fence,
+            ttl,
             lost,
             renewer,
         }))
@@ -113,7 +115,7 @@ impl HeldLease {
         if self.is_lost() {
             return Ok(false);
         }
-        match leases::acquire(db, &self.fence.name, &self.fence.owner, TTL).await? {
+        match leases::acquire(db, &self.fence.name, &self.fence.owner, self.ttl).await? {
             Some(f) if f.epoch == self.fence.epoch => Ok(true),
             _ => Ok(false),
         }

@@ -73,7 +73,7 @@ pub const RESYNC_EVERY: Duration = Duration::from_secs(60);
 pub const RESERVATIONS_LEASE: &str = "singleton:reservations";
 
 /// What one pass did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Pass {
     /// Whether this process held the lease (and so did the work).
     pub held: bool,
@@ -81,6 +81,8 @@ pub struct Pass {
     pub started: u64,
     pub expired: u64,
     pub failed: u64,
+    /// The liveness reconciler's part of the pass (nodes disconnected, unreachable, lost).
+    pub liveness: compute_domain::sessions::LivenessPass,
 }
 
 /// The reservation reconciler of one process.
@@ -146,8 +148,26 @@ impl Reconciler {
             self.last_rollup_resync = Some(tokio::time::Instant::now());
             tracing::debug!(pools, "every pool enqueued for its rollup check");
         }
+        // Liveness first: a node that becomes lost fails its reservations in the same pass.
+        let liveness = compute_domain::sessions::liveness_pass(&db).await?;
+        if let Some(gap) = liveness.outage_seconds {
+            warn!(
+                gap_seconds = gap,
+                "no liveness pass ran for {gap:.0} s (a database or controller outage): \
+                 disconnected nodes get the 5-minute grace"
+            );
+        }
+        if liveness.disconnected + liveness.unreachable + liveness.lost > 0 {
+            info!(
+                nodes.disconnected = liveness.disconnected,
+                nodes.unreachable = liveness.unreachable,
+                nodes.lost = liveness.lost,
+                "liveness pass"
+            );
+        }
         Ok(Pass {
             held: true,
+            liveness,
             expired: reconcile::expire_due(&db).await?,
             failed: reconcile::fail_lost(&db).await?,
             placed: reconcile::retry_pending(&db).await?,

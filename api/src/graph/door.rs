@@ -16,7 +16,7 @@
 //! - **Errors** per response are capped; **time** per query or mutation is bounded (the
 //!   execution is dropped, and with it its transaction, which rolls back).
 //!
-//! Every refusal has a stable code (`LIMIT_EXCEEDED`, `RATE_LIMITED`, `BAD_USER_INPUT`,
+//! Every refusal has a stable code (`LIMIT_EXCEEDED`, `QUERY_TOO_COSTLY`, `RATE_LIMITED`, `BAD_USER_INPUT`,
 //! `TIMEOUT`) and is counted by reason.
 
 use std::collections::HashMap;
@@ -40,6 +40,9 @@ use crate::limits::Limits;
 
 /// `extensions.code` of a request over a published limit (document bounds, cost).
 pub const LIMIT_EXCEEDED: &str = "LIMIT_EXCEEDED";
+/// `extensions.code` of a request whose cost is over the per-request maximum (the name the
+/// design's contract gives it).
+pub const QUERY_TOO_COSTLY: &str = "QUERY_TOO_COSTLY";
 /// `extensions.code` of a query or mutation stopped at its deadline.
 pub const TIMEOUT: &str = "TIMEOUT";
 
@@ -120,6 +123,7 @@ pub fn refusal(reason: &'static str, message: String, extra: &[(&str, u64)]) -> 
         "rate_limited" => ErrorCode::RateLimited.as_str(),
         "nul_character" => ErrorCode::BadUserInput.as_str(),
         "timeout" => TIMEOUT,
+        "cost" => QUERY_TOO_COSTLY,
         _ => LIMIT_EXCEEDED,
     };
     ext.set("code", code);

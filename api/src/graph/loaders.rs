@@ -118,6 +118,12 @@ children!(
     node_id
 );
 children!(
+    SessionOfNode(NodeId),
+    compute_domain::sessions::Session,
+    compute_domain::sessions::sessions_of,
+    node_id
+);
+children!(
     AllocationsOfReservation(ReservationId),
     compute_domain::reservations::Allocation,
     compute_domain::reservations::allocations_by_reservations,

@@ -3,6 +3,7 @@
 //! it asks for them. What the three share is here, once: the bearer token, the request's body and
 //! query string, and the checks of a GraphQL request's fields.
 
+pub mod agent;
 pub mod http;
 pub mod sse;
 pub mod ws;

@@ -73,6 +73,10 @@ pub struct Node {
     pub lifecycle: NodeLifecycle,
     pub version: i64,
     pub updated_at: DateTime<Utc>,
+    /// When `reachability` last changed (`None`: never since the node joined).
+    pub reachability_since: Option<DateTime<Utc>>,
+    /// While `DISCONNECTED`: when the liveness reconciler makes it `UNREACHABLE`.
+    pub unreachable_at: Option<DateTime<Utc>>,
 }
 
 /// One scalar resource of a node.
@@ -176,7 +180,8 @@ macro_rules! query_nodes {
                 + r#" n.id AS "id: _", n.pool_id AS "pool_id: _", n.hostname, n.labels AS "labels: _",
                      n.taints AS "taints: _", n.cordoned, n.cordon_reason, n.reachability AS "reachability: _",
                      n.conditions AS "conditions: _", n.generation, n.observed_generation, n.joined_at, n.retired_at,
-                     n.lifecycle AS "lifecycle: _", n.version, n.updated_at "#
+                     n.lifecycle AS "lifecycle: _", n.version, n.updated_at, n.reachability_since,
+                     n.unreachable_at "#
                 + $tail
             $(, $arg)*
         )
@@ -204,9 +209,9 @@ const SITE_COLS: &str = "s.id, s.name, s.region, s.version, s.created_at, s.upda
 const POOL_COLS: &str = "p.id, p.site_id, p.name, p.kind, \
      extract(epoch FROM p.lost_after)::float8 AS lost_after_seconds, p.vcpu_ratio::float8 AS vcpu_ratio, \
      p.memory_ratio::float8 AS memory_ratio, p.disk_ratio::float8 AS disk_ratio, p.version, p.created_at, p.updated_at";
-const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.taints, n.cordoned, n.cordon_reason, \
+pub(crate) const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.taints, n.cordoned, n.cordon_reason, \
      n.reachability, n.conditions, n.generation, n.observed_generation, n.joined_at, n.retired_at, n.lifecycle, \
-     n.version, n.updated_at";
+     n.version, n.updated_at, n.reachability_since, n.unreachable_at";
 const DEVICE_COLS: &str = "d.id, d.node_id, d.uuid, d.vendor, d.model, d.memory_mib, d.mode, d.layout, \
      d.health, d.health_reason, d.quarantined, d.quarantine_reason, d.version, d.created_at, d.updated_at";
 const ATOM_COLS: &str =

@@ -186,8 +186,9 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
 pub async fn fail_lost(db: &Db) -> Result<u64> {
     let due = sqlx::query_scalar!(
         r#"SELECT DISTINCT r.id AS "id: ReservationId" FROM reservations r JOIN allocations a ON a.reservation_id = r.id
-           JOIN nodes n ON n.id = a.node_id
-          WHERE r.state IN ('scheduled', 'active') AND n.reachability = 'lost' ORDER BY r.id LIMIT 500"#,
+           JOIN nodes n ON n.id = a.node_id JOIN pools p ON p.id = n.pool_id
+          WHERE r.state IN ('scheduled', 'active') AND n.reachability = 'lost'
+            AND p.kind IN ('provider', 'vps_host') ORDER BY r.id LIMIT 500"#,
     )
     .fetch_all(db.pool())
     .await?;

@@ -372,6 +372,11 @@ async fn every_event_payload_keeps_its_documented_shape() {
         reconcile::activate_due(db).await.expect("activate") >= 1,
         "the batch path writes reservation.active"
     );
+    sqlx::query("UPDATE pools SET kind = 'provider' WHERE id IN (SELECT n.pool_id FROM nodes n JOIN allocations a ON a.node_id = n.id WHERE a.reservation_id = $1)")
+        .bind(&doomed.id)
+        .execute(db.pool())
+        .await
+        .expect("a provider pool");
     sqlx::query("UPDATE nodes SET reachability = 'lost' WHERE id IN (SELECT node_id FROM allocations WHERE reservation_id = $1)")
         .bind(&doomed.id)
         .execute(db.pool())
@@ -388,6 +393,34 @@ async fn every_event_payload_keeps_its_documented_shape() {
     fleet::retire_node(db, &spare.node.id, None)
         .await
         .expect("retire");
+
+    // A daemon's session on h1 opens and closes; the liveness pass makes the nodes unreachable,
+    // then (a provider pool, lostAfter 1 h) lost.
+    let hello = compute_domain::sessions::Hello {
+        daemon_version: "sim/1".into(),
+        journal_id: "j1".into(),
+        observed_generation: 0,
+    };
+    let h1 = registered.node.id.clone();
+    let epoch = compute_domain::sessions::open(db, &h1, "gw-contract", 1, &hello)
+        .await
+        .expect("open a session");
+    compute_domain::sessions::close(
+        db,
+        &h1,
+        epoch,
+        compute_domain::sessions::CloseReason::DaemonClosed,
+    )
+    .await
+    .expect("close it");
+    t.advance_clock(41).await;
+    compute_domain::sessions::liveness_pass(db)
+        .await
+        .expect("unreachable");
+    t.advance_clock(3601).await;
+    compute_domain::sessions::liveness_pass(db)
+        .await
+        .expect("lost");
 
     // Every type was written; each reads back as its public type; shapes match the snapshot.
     let rows: Vec<(String, Value)> =

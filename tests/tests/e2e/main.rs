@@ -1,5 +1,6 @@
 //! End-to-end tests: the real server, through real HTTP, WebSocket and SSE, on a real PostgreSQL.
 
+mod agent;
 mod auth;
 mod clock;
 mod crash;

@@ -853,12 +853,23 @@ async fn a_lost_node_fails_its_reservations() {
         0,
         "no node is lost"
     );
-    // The gateway (not built yet) marks a provider node lost; here, SQL does.
+    // A node marked lost by hand in a bare-metal pool fails nothing: bare metal is never lost
+    // automatically (the liveness reconciler marks only provider and VPS nodes lost).
     sqlx::query("UPDATE nodes SET reachability = 'lost' WHERE id = $1")
         .bind(&p.nodes[0])
         .execute(app.db.db.pool())
         .await
         .expect("lose the node");
+    assert_eq!(
+        reconcile::fail_lost(&app.db.db).await.expect("step"),
+        0,
+        "bare metal"
+    );
+    sqlx::query("UPDATE pools SET kind = 'provider' WHERE id = $1")
+        .bind(&p.pool)
+        .execute(app.db.db.pool())
+        .await
+        .expect("a provider pool");
     app.db.advance_clock(60).await;
     assert_eq!(reconcile::fail_lost(&app.db.db).await.expect("step"), 1);
     let d = app

@@ -589,6 +589,49 @@ impl ComputeNodeObj {
     async fn conditions(&self) -> Vec<Condition> {
         conditions_of(&self.0.conditions)
     }
+    /// Why placement skips this node, if it does: empty when it takes new work. `DISCONNECTED`
+    /// nodes still take work (disconnected is not dead); `UNREACHABLE` and `LOST` ones do not.
+    async fn no_schedule_reasons(&self) -> Vec<NoScheduleReason> {
+        let mut reasons = Vec::new();
+        match self.0.lifecycle {
+            fleet::state::NodeLifecycle::Retired => reasons.push(NoScheduleReason::Retired),
+            fleet::state::NodeLifecycle::Cordoned => reasons.push(NoScheduleReason::Cordoned),
+            fleet::state::NodeLifecycle::Active => {}
+        }
+        match self.0.reachability {
+            fleet::model::Reachability::Unreachable => reasons.push(NoScheduleReason::Unreachable),
+            fleet::model::Reachability::Lost => reasons.push(NoScheduleReason::Lost),
+            _ => {}
+        }
+        reasons
+    }
+    /// While `DISCONNECTED`: when the liveness reconciler makes it `UNREACHABLE` (40 s without
+    /// a session plus the grace of why it disconnected; docs/nodes.md). Operators only.
+    async fn unreachable_at(&self, ctx: &Context<'_>) -> GqlResult<Option<DateTime<Utc>>> {
+        crate::graph::context::require_operator(ctx)?;
+        Ok(match self.0.reachability {
+            fleet::model::Reachability::Disconnected => Some(
+                self.0
+                    .unreachable_at
+                    .unwrap_or(self.0.joined_at + chrono::Duration::seconds(40)),
+            ),
+            _ => None,
+        })
+    }
+    /// Since when its reachability is what it is (its join when it never changed).
+    async fn reachability_since(&self) -> DateTime<Utc> {
+        self.0.reachability_since.unwrap_or(self.0.joined_at)
+    }
+    /// The daemon's session: open, or the last one closed; none if it never connected.
+    /// Operators only.
+    async fn session(&self, ctx: &Context<'_>) -> GqlResult<Option<NodeSession>> {
+        crate::graph::context::require_operator(ctx)?;
+        Ok(loaders_of(ctx)?
+            .load_one(crate::graph::loaders::SessionOfNode(self.0.id.clone()))
+            .await?
+            .and_then(|mut v| v.pop())
+            .map(NodeSession))
+    }
     /// The generation of the node's spec; moves with every spec change.
     async fn generation(&self) -> i64 {
         self.0.generation
@@ -670,6 +713,69 @@ impl ComputeNodeObj {
             .into_iter()
             .map(DeviceObj::new)
             .collect())
+    }
+}
+
+/// Why placement skips a node.
+#[derive(Enum, Copy, Clone, Debug, PartialEq, Eq)]
+pub enum NoScheduleReason {
+    /// An operator cordoned it.
+    Cordoned,
+    /// It was retired.
+    Retired,
+    /// Its daemon has had no session for 40 s and the grace (docs/nodes.md).
+    Unreachable,
+    /// Unreachable past its pool's `lostAfterSeconds`; its reservations failed.
+    Lost,
+}
+
+/// A node daemon's session with a gateway (`docs/agent-protocol.md`).
+pub struct NodeSession(compute_domain::sessions::Session);
+
+/// A node daemon's session with a gateway: open, or the last one closed
+/// (`docs/agent-protocol.md`).
+#[Object]
+impl NodeSession {
+    /// The session's epoch: it grows with every session the node opens.
+    async fn epoch(&self) -> i64 {
+        self.0.session_epoch
+    }
+    /// The gateway holding it (its lease is `gateway:<id>`).
+    async fn gateway_id(&self) -> &str {
+        &self.0.gateway
+    }
+    /// Whether it is open.
+    async fn open(&self) -> bool {
+        self.0.closed_at.is_none()
+    }
+    /// When it opened.
+    async fn connected_since(&self) -> DateTime<Utc> {
+        self.0.opened_at
+    }
+    /// When it closed.
+    async fn closed_at(&self) -> Option<DateTime<Utc>> {
+        self.0.closed_at
+    }
+    /// Why it closed: `daemon_closed`, `silent`, `superseded`, `gateway_lost`,
+    /// `gateway_stopped`, `node_retired` or `protocol_error`.
+    async fn close_reason(&self) -> Option<&str> {
+        self.0.close_reason.map(|r| r.as_str())
+    }
+    /// The daemon's version.
+    async fn daemon_version(&self) -> &str {
+        &self.0.daemon_version
+    }
+    /// The daemon's journal id: a new one means the daemon lost its memory.
+    async fn journal_id(&self) -> &str {
+        &self.0.journal_id
+    }
+    /// When the daemon was last heard from, as its gateway reported (ages, not timestamps).
+    async fn last_seen_at(&self) -> DateTime<Utc> {
+        self.0.last_seen_at
+    }
+    /// Seconds since the daemon was last heard from, when this was read.
+    async fn seconds_since_last_seen(&self) -> f64 {
+        self.0.seconds_since_seen
     }
 }
 

@@ -1,0 +1,368 @@
+//! `/agent`: the node-daemon protocol `compute-agent.v1` over WebSocket, as specified in
+//! `docs/agent-protocol.md`. One connection per daemon; JSON text messages with a `type`.
+//!
+//! daemon → gateway: `hello` (first, within 10 s), `heartbeat`, `status`, `bye`.
+//! gateway → daemon: `welcome`, `error`.
+//! Close codes: `4400` malformed, `4401` unauthenticated, `4403` forbidden, `4404` unknown or
+//! retired node, `4408` timeout (no hello, or silent), `4409` superseded, `4410` session ended by
+//! the control plane, `4429` flood, `1001` gateway stopping, `1009` too big, `1011` internal,
+//! `1013` try again later (the gateway holds no lease, or the database is away).
+
+use axum::extract::State;
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use compute_domain::Error;
+use compute_domain::ids::NodeId;
+use compute_domain::sessions::{self, CloseReason, Hello};
+use futures_util::SinkExt;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::auth::Role;
+use crate::state::AppState;
+
+/// The subprotocol name a daemon must offer.
+pub const PROTOCOL: &str = "compute-agent.v1";
+
+/// A message from a daemon.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase", deny_unknown_fields)]
+enum FromDaemon {
+    #[serde(rename_all = "camelCase")]
+    Hello {
+        #[serde(default)]
+        token: Option<String>,
+        node_id: String,
+        daemon_version: String,
+        journal_id: String,
+        #[serde(default)]
+        observed_generation: i64,
+    },
+    Heartbeat {},
+    #[serde(rename_all = "camelCase")]
+    Status {
+        observed_generation: i64,
+    },
+    Bye {
+        #[serde(default)]
+        reason: Option<String>,
+    },
+}
+
+/// How a connection ends.
+#[derive(Debug)]
+struct End {
+    code: u16,
+    reason: String,
+    /// Why the session closes in the database (when it was open and still this gateway's).
+    session: CloseReason,
+}
+
+impl End {
+    fn new(code: u16, reason: impl Into<String>, session: CloseReason) -> End {
+        End {
+            code,
+            reason: reason.into(),
+            session,
+        }
+    }
+}
+
+fn offered(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| p.trim() == PROTOCOL)
+}
+
+/// `GET /agent`: upgrades to the agent protocol.
+pub async fn get(
+    State(app): State<AppState>,
+    headers: HeaderMap,
+    ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Response {
+    if !offered(&headers) {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("Sec-WebSocket-Protocol must offer {PROTOCOL} (docs/agent-protocol.md)"),
+        )
+            .into_response();
+    }
+    let header_token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(crate::auth::bearer)
+        .map(str::to_owned);
+    let ws = match ws {
+        Ok(ws) => ws,
+        Err(rejection) => return rejection.into_response(),
+    };
+    let max = app.gateway.config().max_message;
+    ws.protocols([PROTOCOL])
+        .read_buffer_size(4 * 1024)
+        .write_buffer_size(0)
+        .max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| serve(app, socket, header_token))
+}
+
+fn fit(reason: &str) -> String {
+    let mut end = reason.len().min(123);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason[..end].to_owned()
+}
+
+async fn close(socket: &mut WebSocket, code: u16, reason: &str) {
+    let _ = socket
+        .send(Message::Close(Some(CloseFrame {
+            code,
+            reason: fit(reason).into(),
+        })))
+        .await;
+    let _ = socket.close().await;
+}
+
+/// Maps a domain error while opening or writing a session to a close.
+fn end_of(e: &Error) -> End {
+    match e {
+        Error::NotFound { .. } => End::new(4404, "unknown node", CloseReason::ProtocolError),
+        Error::Conflict { message, .. } => {
+            End::new(4404, message.clone(), CloseReason::ProtocolError)
+        }
+        Error::BadUserInput { message, .. } => {
+            End::new(4400, message.clone(), CloseReason::ProtocolError)
+        }
+        Error::LeaseLost(_) => End::new(
+            1013,
+            "the gateway lost its lease; reconnect",
+            CloseReason::GatewayLost,
+        ),
+        e if e.code() == compute_domain::error::ErrorCode::Unavailable
+            || e.code() == compute_domain::error::ErrorCode::LockTimeout =>
+        {
+            End::new(
+                1013,
+                "the control plane is unavailable; retry",
+                CloseReason::GatewayLost,
+            )
+        }
+        e => {
+            warn!(error = %e, "agent session failed");
+            End::new(1011, "internal error", CloseReason::ProtocolError)
+        }
+    }
+}
+
+async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String>) {
+    let gateway = app.gateway.clone();
+    let config = gateway.config().clone();
+    // 1. hello, within the timeout.
+    let first = tokio::time::timeout(config.hello_timeout, socket.recv()).await;
+    let text = match first {
+        Err(_) => return close(&mut socket, 4408, "no hello within the time allowed").await,
+        Ok(None) | Ok(Some(Err(_))) | Ok(Some(Ok(Message::Close(_)))) => return,
+        Ok(Some(Ok(Message::Text(t)))) => t,
+        Ok(Some(Ok(_))) => {
+            return close(&mut socket, 4400, "the first message must be a text hello").await;
+        }
+    };
+    let (token, node, hello) = match serde_json::from_str::<FromDaemon>(text.as_str()) {
+        Ok(FromDaemon::Hello {
+            token,
+            node_id,
+            daemon_version,
+            journal_id,
+            observed_generation,
+        }) => (
+            token,
+            node_id,
+            Hello {
+                daemon_version,
+                journal_id,
+                observed_generation,
+            },
+        ),
+        Ok(_) => return close(&mut socket, 4400, "the first message must be hello").await,
+        Err(e) => {
+            return close(
+                &mut socket,
+                4400,
+                &format!(
+                    "malformed hello: {}",
+                    compute_domain::error::bounded(&e.to_string())
+                ),
+            )
+            .await;
+        }
+    };
+    // 2. the token: a node token for this very node.
+    let Some(token) = token.or(header_token) else {
+        return close(
+            &mut socket,
+            4401,
+            "no token: send it in hello or the Authorization header",
+        )
+        .await;
+    };
+    let viewer = match app.verifier.verify(&token) {
+        Ok(v) => v,
+        Err(e) => return close(&mut socket, 4401, &e.to_string()).await,
+    };
+    let node = match NodeId::parse("nodeId", &node) {
+        Ok(n) => n,
+        Err(_) => return close(&mut socket, 4400, "nodeId is not a node id").await,
+    };
+    if !viewer.has_role(Role::Node) || viewer.node.as_ref() != Some(&node) {
+        return close(
+            &mut socket,
+            4403,
+            "this token may not open this node's session",
+        )
+        .await;
+    }
+    // 3. the session, fenced by the gateway's lease. A fence that fails because the lease
+    // lapsed unnoticed (a renewal late, a clock step) is renewed once and tried again.
+    let mut attempt = 0;
+    let (db, epoch) = loop {
+        attempt += 1;
+        let (db, fence) = match gateway.fenced_db().await {
+            Ok(Some(held)) => held,
+            Ok(None) => {
+                return close(&mut socket, 1013, "this gateway holds no lease; retry").await;
+            }
+            Err(e) => {
+                let end = end_of(&e);
+                return close(&mut socket, end.code, &end.reason).await;
+            }
+        };
+        match sessions::open(&db, &node, gateway.id(), fence.epoch, &hello).await {
+            Ok(epoch) => break (db, epoch),
+            Err(Error::LeaseLost(_)) if attempt == 1 => {
+                let _ = gateway.refresh_lease().await;
+            }
+            Err(e) => {
+                let end = end_of(&e);
+                return close(&mut socket, end.code, &end.reason).await;
+            }
+        }
+    };
+    let mut registered = gateway.register(&node, epoch);
+    info!(node = %node, epoch, gateway = %gateway.id(), version = %hello.daemon_version, "node session opened");
+    let welcome = json!({
+        "type": "welcome",
+        "sessionEpoch": epoch,
+        "gatewayId": gateway.id(),
+        "heartbeatSeconds": config.heartbeat.as_secs_f64(),
+        "protocol": PROTOCOL,
+    });
+    if socket
+        .send(Message::Text(welcome.to_string().into()))
+        .await
+        .is_err()
+    {
+        if gateway.unregister(&node, epoch) {
+            let _ = sessions::close(&db, &node, epoch, CloseReason::DaemonClosed).await;
+        }
+        return;
+    }
+    // 4. the session's life.
+    let stopping = {
+        let mut rx = app.shutdown.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    tokio::pin!(stopping);
+    let expiry = tokio::time::sleep(viewer.valid_for());
+    tokio::pin!(expiry);
+    let mut window = (Instant::now(), 0u32);
+    let end: End = loop {
+        let silent_for = registered
+            .last_seen
+            .lock()
+            .map(|t| t.elapsed())
+            .unwrap_or_default();
+        let silence = tokio::time::sleep(config.silent_after.saturating_sub(silent_for));
+        tokio::select! {
+            msg = socket.recv() => {
+                let msg = match msg {
+                    None | Some(Err(_)) => break End::new(1006, "", CloseReason::DaemonClosed),
+                    Some(Ok(m)) => m,
+                };
+                if let Ok(mut t) = registered.last_seen.lock() {
+                    *t = Instant::now();
+                }
+                if window.0.elapsed() >= std::time::Duration::from_secs(1) {
+                    window = (Instant::now(), 0);
+                }
+                window.1 += 1;
+                if window.1 > config.max_messages_per_second {
+                    break End::new(4429, "too many messages", CloseReason::ProtocolError);
+                }
+                let text = match msg {
+                    Message::Text(t) => t,
+                    Message::Close(_) => break End::new(1000, "", CloseReason::DaemonClosed),
+                    Message::Ping(_) | Message::Pong(_) => continue,
+                    Message::Binary(_) => break End::new(4400, "binary messages are not part of the protocol", CloseReason::ProtocolError),
+                };
+                match serde_json::from_str::<FromDaemon>(text.as_str()) {
+                    Ok(FromDaemon::Heartbeat {}) => {}
+                    Ok(FromDaemon::Status { observed_generation }) => {
+                        match sessions::observe_generation(&db, &node, epoch, observed_generation).await {
+                            Ok(true) => {}
+                            Ok(false) => break End::new(4410, "this session is no longer current", CloseReason::Superseded),
+                            Err(Error::BadUserInput { message, .. }) => {
+                                let error = json!({ "type": "error", "code": "BAD_USER_INPUT", "message": message });
+                                let _ = socket.send(Message::Text(error.to_string().into())).await;
+                            }
+                            Err(e) => break end_of(&e),
+                        }
+                    }
+                    Ok(FromDaemon::Bye { reason }) => {
+                        debug!(node = %node, reason = ?reason, "daemon said bye");
+                        break End::new(1000, "bye", CloseReason::DaemonClosed);
+                    }
+                    Ok(FromDaemon::Hello { .. }) => break End::new(4400, "hello was already received", CloseReason::ProtocolError),
+                    Err(e) => break End::new(4400, format!("malformed message: {}", compute_domain::error::bounded(&e.to_string())), CloseReason::ProtocolError),
+                }
+            }
+            _ = registered.kick.changed() => {
+                let kick = registered.kick.borrow().clone();
+                if let Some(k) = kick {
+                    let reason = if k.code == 1001 { CloseReason::GatewayStopped } else { CloseReason::Superseded };
+                    break End::new(k.code, k.reason, reason);
+                }
+            }
+            () = silence => {
+                let silent = registered.last_seen.lock().map(|t| t.elapsed() >= config.silent_after).unwrap_or(true);
+                if silent {
+                    break End::new(4408, "no message within the time allowed", CloseReason::Silent);
+                }
+            }
+            () = &mut expiry => break End::new(4401, "the token expired", CloseReason::DaemonClosed),
+            () = &mut stopping => break End::new(1001, "the gateway is shutting down; reconnect", CloseReason::GatewayStopped),
+        }
+    };
+    // 5. the end: close the session if it is still this gateway's.
+    if gateway.unregister(&node, epoch) {
+        match sessions::close(&db, &node, epoch, end.session).await {
+            Ok(_) => {}
+            Err(e) => {
+                warn!(node = %node, epoch, error = %e, "closing a node session failed; the reconciler ends it with the gateway's lease")
+            }
+        }
+    }
+    info!(node = %node, epoch, code = end.code, reason = %end.reason, "node session closed");
+    if end.code != 1006 && end.code != 1000 {
+        close(&mut socket, end.code, &end.reason).await;
+    } else {
+        let _ = socket.close().await;
+    }
+}

@@ -1,0 +1,288 @@
+//! Simulated node daemons: clients of `/agent` speaking `compute-agent.v1`
+//! (`docs/agent-protocol.md`), and nothing else of the system: no SQL, no domain types. Tests
+//! drive one [`Session`] step by step; the `compute-sim` binary runs many [`run_daemon`] loops.
+
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
+
+/// The subprotocol a daemon offers.
+pub const PROTOCOL: &str = "compute-agent.v1";
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// Who a daemon is and what it says in `hello`.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    /// `ws://host:port/agent`.
+    pub url: String,
+    /// A `node` token for `node_id` (`compute-api token --role node --node <id>`).
+    pub token: String,
+    pub node_id: String,
+    pub daemon_version: String,
+    /// The daemon's journal: the same across restarts that keep its memory, new after a wipe.
+    pub journal_id: String,
+    pub observed_generation: i64,
+}
+
+/// What the gateway says when it accepts a session.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Welcome {
+    pub session_epoch: i64,
+    pub gateway_id: String,
+    pub heartbeat_seconds: f64,
+}
+
+/// How a connection ended: the close code and reason (`1006` when it ended without a close
+/// frame, or could not be opened).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Closed {
+    pub code: u16,
+    pub reason: String,
+}
+
+impl Closed {
+    fn abnormal(reason: impl std::fmt::Display) -> Closed {
+        Closed {
+            code: 1006,
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// An open session.
+pub struct Session {
+    ws: Ws,
+    pub welcome: Welcome,
+}
+
+/// Opens a WebSocket to `url` offering the protocol; `hello` is not sent.
+pub async fn connect_raw(url: &str) -> Result<Ws, Closed> {
+    let mut req = url.into_client_request().map_err(Closed::abnormal)?;
+    req.headers_mut()
+        .insert("Sec-WebSocket-Protocol", HeaderValue::from_static(PROTOCOL));
+    let (ws, _) = tokio_tungstenite::connect_async(req)
+        .await
+        .map_err(Closed::abnormal)?;
+    Ok(ws)
+}
+
+/// Waits for the close of `ws` (skipping other messages), at most `within`.
+pub async fn closed_of(ws: &mut Ws, within: Duration) -> Option<Closed> {
+    tokio::time::timeout(within, async {
+        loop {
+            match ws.next().await {
+                Some(Ok(Message::Close(frame))) => {
+                    return frame.map_or(
+                        Closed {
+                            code: 1005,
+                            reason: String::new(),
+                        },
+                        |f| Closed {
+                            code: f.code.into(),
+                            reason: f.reason.to_string(),
+                        },
+                    );
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Closed::abnormal(e),
+                None => return Closed::abnormal("the connection ended"),
+            }
+        }
+    })
+    .await
+    .ok()
+}
+
+impl Session {
+    /// Connects and says `hello`; the session, or how the gateway refused it.
+    pub async fn open(config: &DaemonConfig) -> Result<Session, Closed> {
+        let mut ws = connect_raw(&config.url).await?;
+        let hello = json!({
+            "type": "hello",
+            "token": config.token,
+            "nodeId": config.node_id,
+            "daemonVersion": config.daemon_version,
+            "journalId": config.journal_id,
+            "observedGeneration": config.observed_generation,
+        });
+        ws.send(Message::Text(hello.to_string().into()))
+            .await
+            .map_err(Closed::abnormal)?;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(30), ws.next()).await {
+                Err(_) => return Err(Closed::abnormal("no welcome within 30 s")),
+                Ok(Some(Ok(Message::Text(t)))) => {
+                    let v: Value = serde_json::from_str(t.as_str()).map_err(Closed::abnormal)?;
+                    if v["type"] == "welcome" {
+                        return Ok(Session {
+                            ws,
+                            welcome: Welcome {
+                                session_epoch: v["sessionEpoch"].as_i64().unwrap_or(0),
+                                gateway_id: v["gatewayId"].as_str().unwrap_or("").to_owned(),
+                                heartbeat_seconds: v["heartbeatSeconds"].as_f64().unwrap_or(5.0),
+                            },
+                        });
+                    }
+                }
+                Ok(Some(Ok(Message::Close(frame)))) => {
+                    return Err(frame.map_or(Closed::abnormal("closed"), |f| Closed {
+                        code: f.code.into(),
+                        reason: f.reason.to_string(),
+                    }));
+                }
+                Ok(Some(Ok(_))) => {}
+                Ok(Some(Err(e))) => return Err(Closed::abnormal(e)),
+                Ok(None) => return Err(Closed::abnormal("the connection ended")),
+            }
+        }
+    }
+
+    /// Sends one protocol message.
+    pub async fn send(&mut self, message: Value) -> Result<(), Closed> {
+        self.ws
+            .send(Message::Text(message.to_string().into()))
+            .await
+            .map_err(Closed::abnormal)
+    }
+
+    /// Sends a frame as it is (tests of malformed input).
+    pub async fn send_raw(&mut self, message: Message) -> Result<(), Closed> {
+        self.ws.send(message).await.map_err(Closed::abnormal)
+    }
+
+    pub async fn heartbeat(&mut self) -> Result<(), Closed> {
+        self.send(json!({ "type": "heartbeat" })).await
+    }
+
+    /// Reports the generation this daemon has applied.
+    pub async fn status(&mut self, observed_generation: i64) -> Result<(), Closed> {
+        self.send(json!({ "type": "status", "observedGeneration": observed_generation }))
+            .await
+    }
+
+    /// Ends the session cleanly.
+    pub async fn bye(mut self) {
+        let _ = self
+            .send(json!({ "type": "bye", "reason": "stopping" }))
+            .await;
+        let _ = self
+            .ws
+            .close(Some(CloseFrame {
+                code: 1000.into(),
+                reason: Utf8Bytes::from_static("bye"),
+            }))
+            .await;
+        let _ = closed_of(&mut self.ws, Duration::from_secs(5)).await;
+    }
+
+    /// The next message from the gateway within `within` (closes are returned as `Err`).
+    pub async fn next_message(&mut self, within: Duration) -> Option<Result<Value, Closed>> {
+        let got = tokio::time::timeout(within, self.ws.next()).await.ok()?;
+        Some(match got {
+            Some(Ok(Message::Text(t))) => {
+                serde_json::from_str(t.as_str()).map_err(Closed::abnormal)
+            }
+            Some(Ok(Message::Close(frame))) => {
+                Err(frame.map_or(Closed::abnormal("closed"), |f| Closed {
+                    code: f.code.into(),
+                    reason: f.reason.to_string(),
+                }))
+            }
+            Some(Ok(_)) => return None,
+            Some(Err(e)) => Err(Closed::abnormal(e)),
+            None => Err(Closed::abnormal("the connection ended")),
+        })
+    }
+
+    /// Waits for the gateway to close the session, at most `within`.
+    pub async fn closed(&mut self, within: Duration) -> Option<Closed> {
+        closed_of(&mut self.ws, within).await
+    }
+
+    /// Drops the connection without a close frame (a crash or a cut cable).
+    pub fn cut(self) {
+        drop(self.ws);
+    }
+}
+
+/// What a long-running simulated daemon does.
+#[derive(Debug, Clone)]
+pub struct Behaviour {
+    /// Heartbeat period (the gateway's `heartbeatSeconds` when `None`).
+    pub heartbeat: Option<Duration>,
+    /// Wait before reconnecting after a session ends (doubles up to 30 s; reset on success).
+    pub reconnect_after: Duration,
+}
+
+impl Default for Behaviour {
+    fn default() -> Self {
+        Behaviour {
+            heartbeat: None,
+            reconnect_after: Duration::from_millis(500),
+        }
+    }
+}
+
+/// Runs one daemon until `stop` fires: opens its session, heartbeats, and reconnects with
+/// backoff whenever the session ends (except after `4403` or `4404`, which retrying cannot fix).
+/// Calls `on_event` when a session opens and when an open session ends (refusals are logged).
+pub async fn run_daemon(
+    config: DaemonConfig,
+    behaviour: Behaviour,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    on_event: impl Fn(&str, Result<&Welcome, &Closed>) + Send + Sync,
+) {
+    let mut backoff = behaviour.reconnect_after;
+    while !*stop.borrow() {
+        match Session::open(&config).await {
+            Ok(mut session) => {
+                backoff = behaviour.reconnect_after;
+                on_event(&config.node_id, Ok(&session.welcome));
+                let period = behaviour.heartbeat.unwrap_or(Duration::from_secs_f64(
+                    session.welcome.heartbeat_seconds.max(0.1),
+                ));
+                let mut ticker = tokio::time::interval(period);
+                let closed = loop {
+                    tokio::select! {
+                        _ = stop.changed() => {
+                            session.bye().await;
+                            return;
+                        }
+                        _ = ticker.tick() => {
+                            if let Err(c) = session.heartbeat().await {
+                                break c;
+                            }
+                        }
+                        m = session.next_message(Duration::from_secs(3600)) => {
+                            if let Some(Err(c)) = m {
+                                break c;
+                            }
+                        }
+                    }
+                };
+                on_event(&config.node_id, Err(&closed));
+                if matches!(closed.code, 4403 | 4404) {
+                    return;
+                }
+            }
+            Err(closed) => {
+                tracing::info!(node = %config.node_id, code = closed.code, reason = %closed.reason, "the gateway refused the session");
+                if matches!(closed.code, 4401 | 4403 | 4404) {
+                    return;
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+    }
+}

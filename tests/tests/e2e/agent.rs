@@ -1,0 +1,576 @@
+//! Node daemons through the real `/agent` WebSocket: sessions with epochs, liveness on the
+//! simulated clock (the reconciler stepped, never slept on), and bad input from daemons.
+
+use std::time::Duration;
+
+use compute_sim::{Closed, DaemonConfig, Session};
+use compute_tests::TestApp;
+use serde_json::json;
+
+use crate::reservations::{CREATE, input, pool};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn daemon(app: &TestApp, node: &str, journal: &str) -> DaemonConfig {
+    DaemonConfig {
+        url: app.agent_url(),
+        token: app.node_token(node),
+        node_id: node.to_owned(),
+        daemon_version: "sim/1".into(),
+        journal_id: journal.into(),
+        observed_generation: 0,
+    }
+}
+
+async fn reachability(app: &TestApp, node: &str) -> String {
+    sqlx::query_scalar("SELECT reachability FROM nodes WHERE id = $1")
+        .bind(node)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("node")
+}
+
+async fn events(app: &TestApp, node: &str) -> Vec<String> {
+    sqlx::query_scalar("SELECT type FROM outbox WHERE subject = $1 AND type IN ('node.connected', 'node.disconnected', 'node.unreachable', 'node.lost') ORDER BY txid, seq")
+        .bind(node)
+        .fetch_all(app.db.db.pool())
+        .await
+        .expect("events")
+}
+
+/// Moves simulated time `seconds` forward in steps of 10 s, renewing the gateway's lease and
+/// running a reconciler pass after each step, as the running system would.
+async fn step(app: &TestApp, reconciler: &mut compute_workers::Reconciler, seconds: i64) {
+    let mut left = seconds;
+    while left > 0 {
+        let s = left.min(10);
+        app.db.advance_clock(s).await;
+        left -= s;
+        app.gateway.refresh_lease().await.expect("gateway lease");
+        reconciler.pass().await.expect("pass");
+    }
+}
+
+async fn setup() -> (
+    TestApp,
+    crate::reservations::Pool,
+    compute_workers::Reconciler,
+) {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway
+        .refresh_lease()
+        .await
+        .expect("the gateway's lease in simulated time");
+    let p = pool(&app).await;
+    let mut reconciler = compute_workers::Reconciler::new(app.db.db.clone(), "worker-liveness");
+    reconciler.pass().await.expect("first pass");
+    (app, p, reconciler)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_connects_the_node_and_a_newer_one_supersedes_it() {
+    let (app, p, _r) = setup().await;
+    let node = &p.nodes[0];
+    assert_eq!(
+        reachability(&app, node).await,
+        "disconnected",
+        "before any session"
+    );
+    let mut first = Session::open(&daemon(&app, node, "j1"))
+        .await
+        .expect("open");
+    assert_eq!(first.welcome.session_epoch, 1);
+    assert_eq!(first.welcome.gateway_id, app.gateway.id());
+    assert_eq!(reachability(&app, node).await, "connected");
+    let d = app
+        .ok(&app.operator(), "query($id: ID!) { computeNode: node(id: $id) { ... on ComputeNode { reachability session { epoch gatewayId daemonVersion journalId open } } } }", json!({ "id": node }))
+        .await;
+    assert_eq!(
+        d["computeNode"],
+        json!({ "reachability": "CONNECTED", "session": { "epoch": 1, "gatewayId": app.gateway.id(), "daemonVersion": "sim/1", "journalId": "j1", "open": true } })
+    );
+
+    // The daemon restarts (its old connection still open): the new session supersedes the old.
+    let second = Session::open(&daemon(&app, node, "j1"))
+        .await
+        .expect("open again");
+    assert_eq!(second.welcome.session_epoch, 2);
+    let closed = first.closed(WAIT).await.expect("the first is closed");
+    assert_eq!(closed.code, 4409, "{closed:?}");
+    // Writes at the old epoch change nothing.
+    let db = &app.db.db;
+    let node_id = compute_domain::ids::NodeId::parse("node", node).expect("id");
+    assert!(
+        !compute_domain::sessions::close(
+            db,
+            &node_id,
+            1,
+            compute_domain::sessions::CloseReason::DaemonClosed
+        )
+        .await
+        .expect("close"),
+        "a close at epoch 1 finds nothing"
+    );
+    let flushed = compute_domain::sessions::flush(
+        db,
+        app.gateway.id(),
+        &[compute_domain::sessions::Seen {
+            node: node_id.clone(),
+            epoch: 1,
+            age_seconds: 0.0,
+        }],
+    )
+    .await
+    .expect("flush");
+    assert!(flushed.is_empty(), "a heartbeat at epoch 1 is not written");
+    assert_eq!(reachability(&app, node).await, "connected");
+
+    // A clean goodbye: disconnected, nothing released, unreachable 40 s later.
+    second.bye().await;
+    compute_tests::eventually("the node is disconnected", WAIT, || async {
+        (reachability(&app, node).await == "disconnected").then_some(())
+    })
+    .await;
+    let (reason, after): (String, f64) = sqlx::query_as(
+        "SELECT s.close_reason, extract(epoch FROM n.unreachable_at - compute_now())::float8 FROM node_sessions s JOIN nodes n ON n.id = s.node_id WHERE s.node_id = $1",
+    )
+    .bind(node)
+    .fetch_one(db.pool())
+    .await
+    .expect("session");
+    assert_eq!((reason.as_str(), after), ("daemon_closed", 40.0));
+    assert_eq!(
+        events(&app, node).await,
+        ["node.connected", "node.connected", "node.disconnected"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silence_is_disconnected_then_unreachable_and_bookings_stay() {
+    let (app, p, mut r) = setup().await;
+    let (a, c) = (&p.nodes[0], &p.nodes[2]);
+    // A reservation on node a (its host label), active now.
+    let member = app.member("acme");
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "k1",
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+            ),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["state"], "ACTIVE",
+        "{d}"
+    );
+    let rsv = d["createReservation"]["reservation"]["id"].clone();
+
+    step(&app, &mut r, 20).await;
+    let s = Session::open(&daemon(&app, a, "j1")).await.expect("open");
+    s.cut();
+    compute_tests::eventually("a is disconnected", WAIT, || async {
+        (reachability(&app, a).await == "disconnected").then_some(())
+    })
+    .await;
+    // c never opened a session: it counts from its join (40 s before now + 20 s ago).
+    step(&app, &mut r, 10).await;
+    assert_eq!(
+        reachability(&app, c).await,
+        "disconnected",
+        "c: 30 s since join"
+    );
+    step(&app, &mut r, 10).await;
+    assert_eq!(
+        reachability(&app, c).await,
+        "unreachable",
+        "c: 40 s since join"
+    );
+    // a: 39 s of silence is still disconnected, 40 s is unreachable.
+    app.db.advance_clock(19).await;
+    r.pass().await.expect("pass");
+    assert_eq!(reachability(&app, a).await, "disconnected", "39 s");
+    app.db.advance_clock(1).await;
+    r.pass().await.expect("pass");
+    assert_eq!(reachability(&app, a).await, "unreachable", "40 s");
+    let d = app
+        .ok(&app.operator(), "query($id: ID!) { computeNode: node(id: $id) { ... on ComputeNode { reachability noScheduleReasons conditions { type status reason } } } }", json!({ "id": a }))
+        .await;
+    assert_eq!(
+        d["computeNode"]["noScheduleReasons"],
+        json!(["UNREACHABLE"])
+    );
+    assert_eq!(
+        d["computeNode"]["conditions"],
+        json!([{ "type": "NodeUnreachable", "status": "True", "reason": "NoSession" }])
+    );
+    // Out of placement; its reservation keeps its devices.
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "k2",
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+            ),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["state"], "PENDING",
+        "{d}"
+    );
+    let d = app
+        .ok(
+            &member,
+            "query($id: ID!) { reservation(id: $id) { state allocations { atoms } } }",
+            json!({ "id": rsv }),
+        )
+        .await;
+    assert_eq!(d["reservation"]["state"], "ACTIVE");
+    assert_eq!(
+        d["reservation"]["allocations"][0]["atoms"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+
+    // The daemon comes back: connected, in placement again, the condition gone.
+    let back = Session::open(&daemon(&app, a, "j1")).await.expect("back");
+    assert_eq!(back.welcome.session_epoch, 2);
+    let d = app
+        .ok(&app.operator(), "query($id: ID!) { computeNode: node(id: $id) { ... on ComputeNode { reachability noScheduleReasons conditions { type } } } }", json!({ "id": a }))
+        .await;
+    assert_eq!(
+        d["computeNode"],
+        json!({ "reachability": "CONNECTED", "noScheduleReasons": [], "conditions": [] })
+    );
+    assert_eq!(
+        events(&app, a).await,
+        [
+            "node.connected",
+            "node.disconnected",
+            "node.unreachable",
+            "node.connected"
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_gateway_gives_120_s_of_grace_and_a_zombie_writes_nothing() {
+    let (app, p, mut r) = setup().await;
+    let a = &p.nodes[0];
+    let _s = Session::open(&daemon(&app, a, "j1")).await.expect("open");
+    let fence = app.gateway.fence().await.expect("fence").expect("held");
+    // Another process takes the gateway's lease over (as after a partition).
+    sqlx::query("UPDATE leases SET owner = 'someone-else', epoch = epoch + 1, expires_at = compute_now() + interval '20 seconds' WHERE name = $1")
+        .bind(&fence.name)
+        .execute(app.db.db.pool())
+        .await
+        .expect("take over");
+    // The zombie's writes fail their fence.
+    let zombie = app.db.db.fenced(&fence);
+    let node_id = compute_domain::ids::NodeId::parse("node", a).expect("id");
+    let err = compute_domain::sessions::flush(
+        &zombie,
+        app.gateway.id(),
+        &[compute_domain::sessions::Seen {
+            node: node_id.clone(),
+            epoch: 1,
+            age_seconds: 0.0,
+        }],
+    )
+    .await
+    .expect_err("fenced");
+    assert!(
+        matches!(err, compute_domain::Error::LeaseLost(_)),
+        "{err:?}"
+    );
+    let err = compute_domain::sessions::close(
+        &zombie,
+        &node_id,
+        1,
+        compute_domain::sessions::CloseReason::DaemonClosed,
+    )
+    .await
+    .expect_err("fenced");
+    assert!(
+        matches!(err, compute_domain::Error::LeaseLost(_)),
+        "{err:?}"
+    );
+    assert_eq!(
+        reachability(&app, a).await,
+        "connected",
+        "the zombie changed nothing"
+    );
+    // The reconciler ends the session: gateway lost, 40 s + 120 s of grace.
+    r.pass().await.expect("pass");
+    assert_eq!(reachability(&app, a).await, "disconnected");
+    let (reason,): (String,) =
+        sqlx::query_as("SELECT close_reason FROM node_sessions WHERE node_id = $1")
+            .bind(a)
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("session");
+    assert_eq!(reason, "gateway_lost");
+    for _ in 0..15 {
+        app.db.advance_clock(10).await;
+        r.pass().await.expect("pass");
+    }
+    app.db.advance_clock(9).await;
+    r.pass().await.expect("pass");
+    assert_eq!(reachability(&app, a).await, "disconnected", "159 s");
+    app.db.advance_clock(1).await;
+    r.pass().await.expect("pass");
+    assert_eq!(reachability(&app, a).await, "unreachable", "160 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_outage_disconnected_nodes_get_five_minutes() {
+    let (app, p, mut r) = setup().await;
+    let a = &p.nodes[0];
+    Session::open(&daemon(&app, a, "j1"))
+        .await
+        .expect("open")
+        .bye()
+        .await;
+    compute_tests::eventually("a is disconnected", WAIT, || async {
+        (reachability(&app, a).await == "disconnected").then_some(())
+    })
+    .await;
+    // No pass for 60 s: the controllers (or the database) were away.
+    app.db.advance_clock(60).await;
+    let pass = r.pass().await.expect("pass");
+    assert_eq!(pass.liveness.outage_seconds, Some(60.0));
+    assert_eq!(
+        reachability(&app, a).await,
+        "disconnected",
+        "the outage grace holds it"
+    );
+    for _ in 0..33 {
+        app.db.advance_clock(10).await;
+        r.pass().await.expect("pass");
+    }
+    app.db.advance_clock(9).await;
+    r.pass().await.expect("pass");
+    assert_eq!(
+        reachability(&app, a).await,
+        "disconnected",
+        "339 s after the outage"
+    );
+    app.db.advance_clock(1).await;
+    r.pass().await.expect("pass");
+    assert_eq!(
+        reachability(&app, a).await,
+        "unreachable",
+        "340 s after the outage"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_provider_and_vps_nodes_are_lost_and_then_their_reservations_fail() {
+    let (app, p, mut r) = setup().await;
+    let op = app.operator();
+    let provider = app
+        .ok(&op, crate::fleet::CREATE_POOL, json!({ "i": { "siteId": p.site, "name": "cloud", "kind": "PROVIDER", "lostAfterSeconds": 600 } }))
+        .await["createPool"]["pool"]["id"]
+        .as_str()
+        .expect("pool")
+        .to_owned();
+    let d = app
+        .ok(
+            &op,
+            crate::fleet::REGISTER,
+            json!({ "i": { "poolId": provider, "hostname": "cloud-1",
+            "resources": { "vcpu": 8, "memoryMib": 65536, "diskGib": 100 },
+            "devices": [{ "uuid": "GPU-P0", "model": "L4", "memoryMib": 24000 }] } }),
+        )
+        .await;
+    let cloud = d["registerNode"]["computeNode"]["id"]
+        .as_str()
+        .expect("node")
+        .to_owned();
+    app.ok(
+        &op,
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "acme", "scopeId": provider, "gpus": 8 } }),
+    )
+    .await;
+    let d = app
+        .ok(
+            &app.member("acme"),
+            CREATE,
+            input(&provider, "kp", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    let rsv = d["createReservation"]["reservation"]["id"].clone();
+    assert_eq!(
+        d["createReservation"]["reservation"]["state"], "ACTIVE",
+        "{d}"
+    );
+
+    step(&app, &mut r, 40).await;
+    assert_eq!(reachability(&app, &cloud).await, "unreachable");
+    assert_eq!(reachability(&app, &p.nodes[0]).await, "unreachable");
+    step(&app, &mut r, 590).await;
+    assert_eq!(
+        reachability(&app, &cloud).await,
+        "unreachable",
+        "590 s unreachable"
+    );
+    step(&app, &mut r, 10).await;
+    assert_eq!(
+        reachability(&app, &cloud).await,
+        "lost",
+        "600 s: the pool's lostAfterSeconds"
+    );
+    assert_eq!(
+        reachability(&app, &p.nodes[0]).await,
+        "unreachable",
+        "bare metal is never lost"
+    );
+    let d = app
+        .ok(
+            &app.member("acme"),
+            "query($id: ID!) { reservation(id: $id) { state } }",
+            json!({ "id": rsv }),
+        )
+        .await;
+    assert_eq!(d["reservation"]["state"], "FAILED");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_cannot_move_last_seen_into_the_future() {
+    let (app, p, _r) = setup().await;
+    let a = &p.nodes[0];
+    let s = Session::open(&daemon(&app, a, "j1")).await.expect("open");
+    let node_id = compute_domain::ids::NodeId::parse("node", a).expect("id");
+    let (db, _) = app.gateway.fenced_db().await.expect("db").expect("held");
+    for age in [-3600.0, f64::NEG_INFINITY, f64::NAN, 2.5] {
+        let written = compute_domain::sessions::flush(
+            &db,
+            app.gateway.id(),
+            &[compute_domain::sessions::Seen {
+                node: node_id.clone(),
+                epoch: s.welcome.session_epoch,
+                age_seconds: age,
+            }],
+        )
+        .await
+        .expect("flush");
+        assert_eq!(written.len(), 1);
+        let (ahead,): (f64,) = sqlx::query_as(
+            "SELECT extract(epoch FROM last_seen_at - compute_now())::float8 FROM node_sessions WHERE node_id = $1",
+        )
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("last seen");
+        assert!(ahead <= 0.0, "age {age}: last seen {ahead} s from now");
+    }
+}
+
+async fn refused(config: &DaemonConfig) -> Closed {
+    match Session::open(config).await {
+        Ok(_) => panic!("the session opened"),
+        Err(c) => c,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
+    let (app, p, _r) = setup().await;
+    let a = &p.nodes[0];
+    // Without the subprotocol: a plain 400.
+    let res = app
+        .http
+        .get(app.url("/agent"))
+        .header("Connection", "Upgrade")
+        .header("Upgrade", "websocket")
+        .header("Sec-WebSocket-Version", "13")
+        .header("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(res.status(), 400);
+    // Tokens: a member's, another node's, a forged one, none.
+    let mut c = daemon(&app, a, "j1");
+    c.token = app.member("acme");
+    assert_eq!(refused(&c).await.code, 4403);
+    c.token = app.node_token(&p.nodes[1]);
+    assert_eq!(refused(&c).await.code, 4403);
+    c.token = "not-a-jwt".into();
+    assert_eq!(refused(&c).await.code, 4401);
+    // An unknown node (a well-formed id), with a token for it.
+    let ghost = "node_00000000000000000000000000000000";
+    assert_eq!(refused(&daemon(&app, ghost, "j1")).await.code, 4404);
+    // A generation the node was never given, an empty journal.
+    let mut c = daemon(&app, a, "j1");
+    c.observed_generation = 99;
+    assert_eq!(refused(&c).await.code, 4400);
+    let mut c = daemon(&app, a, "");
+    c.journal_id = String::new();
+    assert_eq!(refused(&c).await.code, 4400);
+    // A malformed first message.
+    let mut ws = compute_sim::connect_raw(&app.agent_url())
+        .await
+        .expect("connect");
+    futures_util::SinkExt::send(
+        &mut ws,
+        tokio_tungstenite::tungstenite::Message::Text("{\"type\":\"hello\"".into()),
+    )
+    .await
+    .expect("send");
+    assert_eq!(
+        compute_sim::closed_of(&mut ws, WAIT)
+            .await
+            .expect("closed")
+            .code,
+        4400
+    );
+    assert_eq!(
+        reachability(&app, a).await,
+        "disconnected",
+        "nothing was opened"
+    );
+    assert_eq!(app.count("node_sessions").await, 0);
+
+    // In a session: a bad status is an error message and the session stays; a binary frame
+    // closes it with 4400; a flood with 4429.
+    let mut s = Session::open(&daemon(&app, a, "j1")).await.expect("open");
+    s.status(42).await.expect("send");
+    let m = s
+        .next_message(WAIT)
+        .await
+        .expect("a reply")
+        .expect("not closed");
+    assert_eq!(m["type"], "error");
+    assert_eq!(m["code"], "BAD_USER_INPUT");
+    s.status(1).await.expect("send");
+    s.send_raw(tokio_tungstenite::tungstenite::Message::Binary(
+        vec![1, 2, 3].into(),
+    ))
+    .await
+    .expect("send");
+    assert_eq!(s.closed(WAIT).await.expect("closed").code, 4400);
+    let observed: i64 = sqlx::query_scalar("SELECT observed_generation FROM nodes WHERE id = $1")
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("gen");
+    assert_eq!(observed, 1, "the good status was recorded, the bad one not");
+    let mut s = Session::open(&daemon(&app, a, "j1")).await.expect("open");
+    for _ in 0..200 {
+        if s.heartbeat().await.is_err() {
+            break;
+        }
+    }
+    assert_eq!(s.closed(WAIT).await.expect("closed").code, 4429);
+    compute_tests::eventually("the flooding session is closed", WAIT, || async {
+        (reachability(&app, a).await == "disconnected").then_some(())
+    })
+    .await;
+}
