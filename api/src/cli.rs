@@ -106,6 +106,57 @@ fn data_dir_key(data_dir: &Path) -> Result<String> {
     }
 }
 
+/// The node-daemon gateway every `serve` process runs at `/agent` (`docs/agent-protocol.md`).
+#[derive(Debug, Args)]
+pub struct GatewayArgs {
+    /// This gateway's id (its lease is `gateway:<id>`): unique per process. Default: host, pid
+    /// and a random suffix.
+    #[arg(long, env = "COMPUTE_GATEWAY_ID")]
+    pub gateway_id: Option<String>,
+    /// Serve only `/agent` (and `/healthz`, `/readyz`, `/metrics`): a gateway process apart from
+    /// the GraphQL API.
+    #[arg(long, env = "COMPUTE_GATEWAY_ONLY")]
+    pub gateway_only: bool,
+    /// The heartbeat period told to daemons, in seconds; a daemon silent for three periods is
+    /// disconnected.
+    #[arg(long, env = "COMPUTE_AGENT_HEARTBEAT_SECONDS", default_value_t = 5)]
+    pub agent_heartbeat_seconds: u64,
+    /// How often the gateway writes its sessions' ages, in seconds.
+    #[arg(long, env = "COMPUTE_GATEWAY_FLUSH_SECONDS", default_value_t = 2)]
+    pub gateway_flush_seconds: u64,
+}
+
+impl GatewayArgs {
+    /// The gateway's configuration.
+    pub fn config(&self) -> Result<crate::gateway::GatewayConfig> {
+        let mut config = crate::gateway::GatewayConfig::new();
+        if let Some(id) = &self.gateway_id {
+            if id.is_empty()
+                || id.len() > 100
+                || !id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            {
+                return Err(Error::bad_input(
+                    "gateway-id",
+                    "1 to 100 of letters, digits, `-`, `_` and `.`",
+                ));
+            }
+            config.id = id.clone();
+        }
+        if !(1..=60).contains(&self.agent_heartbeat_seconds) {
+            return Err(Error::bad_input("agent-heartbeat-seconds", "1 to 60"));
+        }
+        if !(1..=60).contains(&self.gateway_flush_seconds) {
+            return Err(Error::bad_input("gateway-flush-seconds", "1 to 60"));
+        }
+        config.heartbeat = Duration::from_secs(self.agent_heartbeat_seconds);
+        config.silent_after = config.heartbeat * 3;
+        config.flush_every = Duration::from_secs(self.gateway_flush_seconds);
+        Ok(config)
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct ResealArgs {
     #[command(flatten)]
@@ -194,6 +245,8 @@ pub struct ServeArgs {
     pub limits: LimitArgs,
     #[command(flatten)]
     pub secrets: SecretsArgs,
+    #[command(flatten)]
+    pub gateway: GatewayArgs,
     /// Apply pending migrations at start. Without it, `serve` on DATABASE_URL expects them
     /// applied (`compute-api migrate`, as the schema's owner) and refuses to start otherwise, so
     /// it can run as a role that cannot change the schema. The embedded database is always
@@ -475,8 +528,13 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         ),
     }
     let db = database.db.clone().with_keyring(keyring);
+    let gateway = args.gateway.config()?;
     let listener = bind(args.listen).await?;
-    info!(listen = %args.listen, "serving GraphQL at /graphql");
+    if args.gateway.gateway_only {
+        info!(listen = %args.listen, gateway = %gateway.id, "serving only the node-daemon gateway at /agent");
+    } else {
+        info!(listen = %args.listen, gateway = %gateway.id, "serving GraphQL at /graphql and the node-daemon gateway at /agent");
+    }
     let registry = compute_domain::metrics::Registry::default();
     db.register_metrics(&registry);
     Server::with_limits(
@@ -487,6 +545,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         registry,
     )
     .await?
+    .with_gateway(gateway, args.gateway.gateway_only)
     .run(listener, shutdown_signal())
     .await
     .map_err(Error::internal)?;
@@ -555,7 +614,7 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     // Every worker role in-process: the work queue, the resync, pruning and webhook delivery.
     let (stop_workers, workers_stopped) = tokio::sync::oneshot::channel::<()>();
     let reconciler = tokio::spawn(compute_workers::run(
-        db,
+        db.clone(),
         compute_workers::Options {
             role: compute_workers::Role::All,
             kinds: compute_workers::queue::KINDS.to_vec(),
@@ -570,13 +629,117 @@ pub async fn dev(args: DevArgs) -> Result<()> {
             let _ = workers_stopped.await;
         },
     ));
+    // A simulated daemon for every demonstration node, so nodes show CONNECTED.
+    let (stop_sim, sim_stopped) = tokio::sync::watch::channel(false);
+    let simulator = tokio::spawn(dev_simulator(
+        db.clone(),
+        secret.clone(),
+        format!("ws://{addr}/agent"),
+        args.data_dir.join(SIM_STOPPED_FILE),
+        sim_stopped,
+    ));
     let served = server.run(listener, shutdown_signal()).await;
+    let _ = stop_sim.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), simulator).await;
     let _ = stop_workers.send(());
     let _ = reconciler.await;
     served.map_err(Error::internal)?;
     drop(database);
     info!("stopped");
     Ok(())
+}
+
+/// The file in `dev`'s data directory that lists, a host name per line, the demonstration nodes
+/// whose simulated daemon should stay stopped (`docs/nodes.md`, "Trying it").
+pub const SIM_STOPPED_FILE: &str = "sim-stopped";
+
+/// `dev`'s in-process fleet simulator: a `compute-sim` daemon for each node (up to 100),
+/// connected to this process's own `/agent`. Every second it reads `stopped_file`: a daemon
+/// whose host is listed says `bye` (its node goes DISCONNECTED, then UNREACHABLE 40 s later);
+/// removing the line starts it again.
+async fn dev_simulator(
+    db: Db,
+    secret: Secret,
+    url: String,
+    stopped_file: std::path::PathBuf,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let first = compute_domain::page::PageArgs {
+        after: None,
+        before: None,
+        limit: 100,
+        backward: false,
+    };
+    let nodes = match compute_domain::fleet::list_nodes(
+        &db,
+        &compute_domain::fleet::NodeFilter::default(),
+        &first,
+    )
+    .await
+    {
+        Ok(page) => page.items,
+        Err(e) => {
+            tracing::warn!(error = %e, "the dev simulator could not list the nodes");
+            return;
+        }
+    };
+    let mut running: std::collections::HashMap<String, tokio::sync::watch::Sender<bool>> =
+        std::collections::HashMap::new();
+    loop {
+        let stopped: std::collections::HashSet<String> = std::fs::read_to_string(&stopped_file)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| l.trim().to_owned())
+            .filter(|l| !l.is_empty())
+            .collect();
+        for node in &nodes {
+            let wanted = !stopped.contains(&node.hostname);
+            match (wanted, running.contains_key(&node.hostname)) {
+                (true, false) => {
+                    let mut claims = auth::dev_claims(
+                        &format!("node:{}", node.id),
+                        None,
+                        &[Role::Node],
+                        30 * 86_400,
+                    );
+                    claims.node = Some(node.id.to_string());
+                    let Ok(token) = auth::mint_hs256(&secret, &claims) else {
+                        continue;
+                    };
+                    let config = compute_sim::DaemonConfig {
+                        url: url.clone(),
+                        token,
+                        node_id: node.id.to_string(),
+                        daemon_version: "compute-sim (dev)".into(),
+                        journal_id: format!("dev-{}", node.id),
+                        observed_generation: node.observed_generation,
+                    };
+                    let (tx, rx) = tokio::sync::watch::channel(false);
+                    tokio::spawn(compute_sim::run_daemon(
+                        config,
+                        compute_sim::Behaviour::default(),
+                        rx,
+                        |_, _| {},
+                    ));
+                    running.insert(node.hostname.clone(), tx);
+                }
+                (false, true) => {
+                    if let Some(tx) = running.remove(&node.hostname) {
+                        info!(host = %node.hostname, "dev simulator: daemon stopped");
+                        let _ = tx.send(true);
+                    }
+                }
+                _ => {}
+            }
+        }
+        tokio::select! {
+            _ = stop.changed() => break,
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+    for (_, tx) in running {
+        let _ = tx.send(true);
+    }
 }
 
 /// `compute-api migrate`.

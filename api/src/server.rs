@@ -29,16 +29,20 @@ use crate::tailer::{StreamConfig, Tailer};
 
 /// The router of the API.
 pub fn router(app: AppState) -> Router {
-    Router::new()
-        .route(
-            "/graphql",
-            get(crate::transport::http::get).post(crate::transport::http::post),
-        )
-        .route(
-            "/graphql/stream",
-            get(crate::transport::sse::get).post(crate::transport::sse::post),
-        )
-        .route("/agent", get(crate::transport::agent::get))
+    let api = if app.gateway_only {
+        Router::new()
+    } else {
+        Router::new()
+            .route(
+                "/graphql",
+                get(crate::transport::http::get).post(crate::transport::http::post),
+            )
+            .route(
+                "/graphql/stream",
+                get(crate::transport::sse::get).post(crate::transport::sse::post),
+            )
+    };
+    api.route("/agent", get(crate::transport::agent::get))
         .route("/healthz", get(crate::ops::health::healthz))
         .route("/readyz", get(crate::ops::health::readyz))
         .route("/metrics", get(crate::ops::health::metrics))
@@ -187,6 +191,7 @@ impl Server {
             crate::gateway::Gateway::new(db.clone(), crate::gateway::GatewayConfig::new());
         let app = AppState::new(Inner {
             gateway,
+            gateway_only: false,
             schema: graph::build(Some((db.clone(), tailer.clone())), door),
             limits,
             streams: crate::limits::Streams::default(),
@@ -199,6 +204,16 @@ impl Server {
             shutdown,
         });
         Ok(Server { app, shutdown_tx })
+    }
+
+    /// This server with a gateway of `config`, serving only `/agent` (and `/healthz`, `/readyz`,
+    /// `/metrics`) when `only` (`serve --gateway-only`).
+    pub fn with_gateway(mut self, config: crate::gateway::GatewayConfig, only: bool) -> Server {
+        self.app.configure(|inner| {
+            inner.gateway = crate::gateway::Gateway::new(inner.db.clone(), config);
+            inner.gateway_only = only;
+        });
+        self
     }
 
     /// The shared state.

@@ -34,6 +34,8 @@ pub struct Inner {
     pub tailer: Tailer,
     /// The node-daemon gateway at `/agent`.
     pub gateway: crate::gateway::Gateway,
+    /// Serve `/agent` and the operational endpoints only (`serve --gateway-only`).
+    pub gateway_only: bool,
     /// Turns `true` when the server begins to shut down.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -49,5 +51,16 @@ impl AppState {
     /// Wraps the shared contents.
     pub fn new(inner: Inner) -> AppState {
         AppState(Arc::new(inner))
+    }
+
+    /// Changes the contents before the state is shared; `false` once it has been cloned.
+    pub fn configure(&mut self, f: impl FnOnce(&mut Inner)) -> bool {
+        match Arc::get_mut(&mut self.0) {
+            Some(inner) => {
+                f(inner);
+                true
+            }
+            None => false,
+        }
     }
 }

@@ -231,7 +231,8 @@ impl Default for Behaviour {
 }
 
 /// Runs one daemon until `stop` fires: opens its session, heartbeats, and reconnects with
-/// backoff whenever the session ends (except after `4403` or `4404`, which retrying cannot fix).
+/// backoff whenever the session ends (except after `4403` or `4404`, which retrying cannot fix,
+/// and `4409`: a newer session of the node is live, and reconnecting would supersede it).
 /// Calls `on_event` when a session opens and when an open session ends (refusals are logged).
 pub async fn run_daemon(
     config: DaemonConfig,
@@ -268,7 +269,7 @@ pub async fn run_daemon(
                     }
                 };
                 on_event(&config.node_id, Err(&closed));
-                if matches!(closed.code, 4403 | 4404) {
+                if matches!(closed.code, 4403 | 4404 | 4409) {
                     return;
                 }
             }

@@ -574,3 +574,115 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_gateway_leaves_its_nodes_disconnected_and_they_reconnect_elsewhere() {
+    let (app, p, mut r) = setup().await;
+    let member = app.member("acme");
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "kg",
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+            ),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["state"], "ACTIVE",
+        "{d}"
+    );
+    let (mut g1, base1) =
+        crate::crash::start_api_with(&app.db.url, &["--gateway-only", "--gateway-id", "g1"]).await;
+    let (_g2, base2) =
+        crate::crash::start_api_with(&app.db.url, &["--gateway-only", "--gateway-id", "g2"]).await;
+    let res = app
+        .http
+        .post(format!("{base1}/graphql"))
+        .body("{}")
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(
+        res.status(),
+        404,
+        "a gateway-only process serves no GraphQL"
+    );
+    let agent = |base: &str| format!("{}/agent", base.replace("http://", "ws://"));
+    let nodes = [&p.nodes[0], &p.nodes[1]];
+    let mut sessions = Vec::new();
+    for n in nodes {
+        let mut c = daemon(&app, n, "j1");
+        c.url = agent(&base1);
+        let s = Session::open(&c).await.expect("open on g1");
+        assert_eq!(s.welcome.gateway_id, "g1");
+        sessions.push(s);
+    }
+    for n in nodes {
+        assert_eq!(reachability(&app, n).await, "connected");
+    }
+    let killed = std::time::Instant::now();
+    g1.start_kill().expect("SIGKILL");
+    let _ = g1.wait().await;
+    for s in &mut sessions {
+        assert!(
+            s.closed(WAIT).await.is_some(),
+            "the daemon sees its connection drop"
+        );
+    }
+    // Until its lease expires, g1's sessions stand (a gateway may be slow, not dead).
+    r.pass().await.expect("pass");
+    assert_eq!(
+        reachability(&app, nodes[0]).await,
+        "connected",
+        "the lease still holds"
+    );
+    app.db.advance_clock(21).await;
+    r.pass().await.expect("pass");
+    for n in nodes {
+        assert_eq!(
+            reachability(&app, n).await,
+            "disconnected",
+            "g1's lease expired"
+        );
+    }
+    // The daemons reconnect through the second gateway.
+    for n in nodes {
+        let mut c = daemon(&app, n, "j1");
+        c.url = agent(&base2);
+        let opened = loop {
+            match Session::open(&c).await {
+                Ok(s) => break s,
+                // g2's own lease lapsed with the clock jump; it takes it back at its next flush.
+                Err(closed) if closed.code == 1013 => {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                Err(closed) => panic!("{closed:?}"),
+            }
+        };
+        assert_eq!(
+            (
+                opened.welcome.gateway_id.as_str(),
+                opened.welcome.session_epoch
+            ),
+            ("g2", 2)
+        );
+        sessions.push(opened);
+    }
+    for n in nodes {
+        assert_eq!(reachability(&app, n).await, "connected");
+    }
+    eprintln!(
+        "gateway SIGKILL: nodes disconnected after the lease's 20 s (simulated), reconnected through g2 {:.2} s (real) after the kill",
+        killed.elapsed().as_secs_f64()
+    );
+    // Nothing was released.
+    let (active,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM reservations WHERE state = 'active'")
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("count");
+    assert_eq!(active, 1);
+}

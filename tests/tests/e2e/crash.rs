@@ -13,12 +13,23 @@ use crate::reservations::{CREATE, input, pool};
 
 /// A real `compute-api serve` process on `database_url`; its base URL once `/readyz` says ready.
 async fn start_api(database_url: &str) -> (tokio::process::Child, String) {
+    start_api_with(database_url, &[]).await
+}
+
+/// [`start_api`] with more `serve` arguments.
+pub(crate) async fn start_api_with(
+    database_url: &str,
+    extra: &[&str],
+) -> (tokio::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port");
+    let listen = format!("127.0.0.1:{port}");
+    let mut args = vec!["serve", "--listen", listen.as_str()];
+    args.extend_from_slice(extra);
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_test-api"))
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(&args)
         .env("DATABASE_URL", database_url)
         .env("COMPUTE_JWT_HS256_SECRET", TEST_SECRET)
         .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
