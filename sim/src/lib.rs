@@ -212,6 +212,18 @@ impl Session {
     }
 }
 
+/// A network partition a simulated daemon may fall into.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Partition {
+    /// How often each daemon draws whether it is cut off.
+    pub every: Duration,
+    /// The share of daemons cut off at each draw (0 to 1), chosen by a hash of the node id and
+    /// the draw's number, so a run is reproducible.
+    pub fraction: f64,
+    /// How long a cut-off daemon stays away (its connection dropped without a close frame).
+    pub lasts: Duration,
+}
+
 /// What a long-running simulated daemon does.
 #[derive(Debug, Clone)]
 pub struct Behaviour {
@@ -219,6 +231,8 @@ pub struct Behaviour {
     pub heartbeat: Option<Duration>,
     /// Wait before reconnecting after a session ends (doubles up to 30 s; reset on success).
     pub reconnect_after: Duration,
+    /// Partitions of a fraction of the fleet, if any.
+    pub partition: Option<Partition>,
 }
 
 impl Default for Behaviour {
@@ -226,8 +240,19 @@ impl Default for Behaviour {
         Behaviour {
             heartbeat: None,
             reconnect_after: Duration::from_millis(500),
+            partition: None,
         }
     }
+}
+
+/// Whether `node` is cut off at draw `n` (FNV-1a of both, compared with `fraction`).
+pub fn partitioned(node: &str, n: u64, fraction: f64) -> bool {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in node.bytes().chain(n.to_le_bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (h % 10_000) as f64 / 10_000.0 < fraction
 }
 
 /// Runs one daemon until `stop` fires: opens its session, heartbeats, and reconnects with
@@ -241,6 +266,7 @@ pub async fn run_daemon(
     on_event: impl Fn(&str, Result<&Welcome, &Closed>) + Send + Sync,
 ) {
     let mut backoff = behaviour.reconnect_after;
+    let mut draw = 0u64;
     while !*stop.borrow() {
         match Session::open(&config).await {
             Ok(mut session) => {
@@ -250,23 +276,46 @@ pub async fn run_daemon(
                     session.welcome.heartbeat_seconds.max(0.1),
                 ));
                 let mut ticker = tokio::time::interval(period);
+                let draw_every = behaviour
+                    .partition
+                    .map_or(Duration::from_secs(86_400), |p| p.every);
+                let mut draws =
+                    tokio::time::interval_at(tokio::time::Instant::now() + draw_every, draw_every);
                 let closed = loop {
                     tokio::select! {
                         _ = stop.changed() => {
                             session.bye().await;
                             return;
                         }
+                        _ = draws.tick() => {
+                            draw += 1;
+                            if let Some(p) = behaviour.partition
+                                && partitioned(&config.node_id, draw, p.fraction)
+                            {
+                                session.cut();
+                                on_event(&config.node_id, Err(&Closed::abnormal("partitioned")));
+                                tokio::select! {
+                                    _ = stop.changed() => return,
+                                    () = tokio::time::sleep(p.lasts) => {}
+                                }
+                                break None;
+                            }
+                        }
                         _ = ticker.tick() => {
                             if let Err(c) = session.heartbeat().await {
-                                break c;
+                                break Some(c);
                             }
                         }
                         m = session.next_message(Duration::from_secs(3600)) => {
                             if let Some(Err(c)) = m {
-                                break c;
+                                break Some(c);
                             }
                         }
                     }
+                };
+                // A partition reconnects at once when it heals.
+                let Some(closed) = closed else {
+                    continue;
                 };
                 on_event(&config.node_id, Err(&closed));
                 if matches!(closed.code, 4403 | 4404 | 4409) {

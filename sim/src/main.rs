@@ -5,6 +5,9 @@
 //! ```
 //! where each line of `nodes.txt` is `<node id> <node token>` (tokens from
 //! `compute-api token --role node --node <id>`). Every 5 s it logs how many sessions are open.
+//! `--partition-fraction 0.1 --partition-every-seconds 60 --partition-seconds 30` cuts a tenth of
+//! the daemons off (no close frame) for 30 s every minute; running it again with another
+//! `--journal-prefix` restarts the fleet as wiped daemons (new journal ids).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -36,6 +39,15 @@ struct Args {
     /// Heartbeat period in seconds (the gateway's when not set).
     #[arg(long)]
     heartbeat_seconds: Option<f64>,
+    /// Partitions: the share of daemons (0 to 1) cut off at each draw, without a close frame.
+    #[arg(long, default_value_t = 0.0)]
+    partition_fraction: f64,
+    /// Seconds between two partition draws.
+    #[arg(long, default_value_t = 60.0)]
+    partition_every_seconds: f64,
+    /// Seconds a partitioned daemon stays away.
+    #[arg(long, default_value_t = 30.0)]
+    partition_seconds: f64,
 }
 
 #[tokio::main]
@@ -69,6 +81,11 @@ async fn main() -> std::process::ExitCode {
         };
         let behaviour = Behaviour {
             heartbeat: args.heartbeat_seconds.map(Duration::from_secs_f64),
+            partition: (args.partition_fraction > 0.0).then(|| compute_sim::Partition {
+                every: Duration::from_secs_f64(args.partition_every_seconds.max(0.1)),
+                fraction: args.partition_fraction.min(1.0),
+                lasts: Duration::from_secs_f64(args.partition_seconds.max(0.0)),
+            }),
             ..Behaviour::default()
         };
         let (open, stop) = (open.clone(), stop.clone());

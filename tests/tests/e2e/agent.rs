@@ -686,3 +686,56 @@ async fn a_sigkilled_gateway_leaves_its_nodes_disconnected_and_they_reconnect_el
             .expect("count");
     assert_eq!(active, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_daemon_drops_off_and_comes_back_by_itself() {
+    let (app, p, _r) = setup().await;
+    let a = p.nodes[0].clone();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let behaviour = compute_sim::Behaviour {
+        partition: Some(compute_sim::Partition {
+            every: Duration::from_millis(300),
+            fraction: 1.0,
+            lasts: Duration::from_millis(200),
+        }),
+        ..compute_sim::Behaviour::default()
+    };
+    let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let log = events.clone();
+    let running = tokio::spawn(compute_sim::run_daemon(
+        daemon(&app, &a, "j1"),
+        behaviour,
+        stopped,
+        move |_, e| {
+            if let Ok(mut l) = log.lock() {
+                l.push(match e {
+                    Ok(w) => format!("open {}", w.session_epoch),
+                    Err(c) => format!("cut {}", c.reason),
+                });
+            }
+        },
+    ));
+    // Each cut drops the connection without a close frame; the gateway notices, the node is
+    // disconnected, and the daemon's next session supersedes by epoch.
+    compute_tests::eventually("three sessions", WAIT, || async {
+        let epoch: Option<i64> =
+            sqlx::query_scalar("SELECT session_epoch FROM node_sessions WHERE node_id = $1")
+                .bind(&a)
+                .fetch_optional(app.db.db.pool())
+                .await
+                .expect("epoch");
+        (epoch >= Some(3)).then_some(())
+    })
+    .await;
+    let _ = stop.send(true);
+    running.await.expect("the daemon stops");
+    let seen = events.lock().expect("events").clone();
+    assert!(
+        seen.starts_with(&["open 1".into(), "cut partitioned".into(), "open 2".into()]),
+        "{seen:?}"
+    );
+    compute_tests::eventually("bye leaves it disconnected", WAIT, || async {
+        (reachability(&app, &a).await == "disconnected").then_some(())
+    })
+    .await;
+}
