@@ -830,3 +830,41 @@ async fn shutdown_completes_subscriptions_then_closes() {
     assert_eq!(complete, json!({ "id": "e", "type": "complete" }));
     assert_eq!(close, (1001, "server shutting down".into()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_compute_node_subscription_shows_liveness_live() {
+    let app = spawn_app().await;
+    let p = crate::reservations::pool(&app).await;
+    let node = p.nodes[0].clone();
+    let after = now(&app).await;
+    let mut ws = subscribe(
+        &app,
+        &app.operator(),
+        "n",
+        "subscription($id: ID!, $after: String) { computeNode(id: $id, after: $after) { reachability session { epoch open } } }",
+        json!({ "id": node, "after": after }),
+    )
+    .await;
+    let daemon = compute_sim::DaemonConfig {
+        url: app.agent_url(),
+        token: app.node_token(&node),
+        node_id: node.clone(),
+        daemon_version: "sim/1".into(),
+        journal_id: "j1".into(),
+        observed_generation: 0,
+    };
+    let session = compute_sim::Session::open(&daemon).await.expect("open");
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(
+        msg["payload"]["data"]["computeNode"],
+        json!({ "reachability": "CONNECTED", "session": { "epoch": 1, "open": true } }),
+        "{msg}"
+    );
+    session.bye().await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(
+        msg["payload"]["data"]["computeNode"],
+        json!({ "reachability": "DISCONNECTED", "session": { "epoch": 1, "open": false } }),
+        "{msg}"
+    );
+}
