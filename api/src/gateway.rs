@@ -42,9 +42,7 @@ pub struct GatewayConfig {
 impl GatewayConfig {
     /// The defaults, with an id made of the host, the process id and a random suffix.
     pub fn new() -> GatewayConfig {
-        let host = std::fs::read_to_string("/etc/hostname")
-            .map(|s| s.trim().to_owned())
-            .unwrap_or_else(|_| "host".into());
+        let host = compute_workers::cli::host_name();
         let suffix = compute_embedded_pg::random_hex(4).unwrap_or_default();
         GatewayConfig {
             id: format!("{host}-{}-{suffix}", std::process::id()),

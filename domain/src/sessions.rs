@@ -96,6 +96,19 @@ pub fn check_label(field: &str, value: &str) -> Result<()> {
     Ok(())
 }
 
+/// A daemon's `observedGeneration` lies between 0 and the node's `generation`.
+fn check_generation(observed: i64, generation: i64) -> Result<()> {
+    if !(0..=generation).contains(&observed) {
+        return Err(Error::bad_input(
+            "observedGeneration",
+            format!(
+                "observedGeneration must be between 0 and the node's generation ({generation})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 async fn emit_node(conn: &mut PgConnection, event: EventType, node: &Node) -> Result<()> {
     outbox::emit(
         conn,
@@ -145,15 +158,7 @@ pub async fn open(
                     current_version: None,
                 });
             }
-            if hello.observed_generation < 0 || hello.observed_generation > row.generation {
-                return Err(Error::bad_input(
-                    "observedGeneration",
-                    format!(
-                        "observedGeneration must be between 0 and the node's generation ({})",
-                        row.generation
-                    ),
-                ));
-            }
+            check_generation(hello.observed_generation, row.generation)?;
             let epoch = sqlx::query_scalar!(
                 "INSERT INTO node_sessions AS s (node_id, session_epoch, gateway, gateway_epoch, daemon_version, journal_id, opened_at, last_seen_at) \
                  VALUES ($1, 1, $2, $3, $4, $5, compute_now(), compute_now()) \
@@ -308,12 +313,7 @@ pub async fn observe_generation(
             let limit = sqlx::query_scalar!("SELECT generation FROM nodes WHERE id = $1", node.as_str())
                 .fetch_one(&mut *conn)
                 .await?;
-            if generation < 0 || generation > limit {
-                return Err(Error::bad_input(
-                    "observedGeneration",
-                    format!("observedGeneration must be between 0 and the node's generation ({limit})"),
-                ));
-            }
+            check_generation(generation, limit)?;
             let sql = format!(
                 "UPDATE nodes AS n SET observed_generation = $2, version = n.version + 1, updated_at = compute_now() \
                   WHERE n.id = $1 AND n.observed_generation < $2 RETURNING {NODE_COLS}"

@@ -57,12 +57,17 @@ fn parse_role(s: &str) -> Result<Role, String> {
     Role::parse(s).ok_or_else(|| format!("unknown role `{s}`: use reconcile, outbox or all"))
 }
 
+/// This machine's host name (`/etc/hostname`), or `unknown`: part of the names processes take
+/// in leases (workers, gateways).
+pub fn host_name() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
 /// This process's name in the leases it takes: `worker:<host>:<pid>`.
 pub fn owner() -> String {
-    let host = std::fs::read_to_string("/etc/hostname")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into());
-    format!("worker:{host}:{}", std::process::id())
+    format!("worker:{}:{}", host_name(), std::process::id())
 }
 
 /// The binary's `main`.

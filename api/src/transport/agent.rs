@@ -111,19 +111,11 @@ pub async fn get(
         .on_upgrade(move |socket| serve(app, socket, header_token))
 }
 
-fn fit(reason: &str) -> String {
-    let mut end = reason.len().min(123);
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    reason[..end].to_owned()
-}
-
 async fn close(socket: &mut WebSocket, code: u16, reason: &str) {
     let _ = socket
         .send(Message::Close(Some(CloseFrame {
             code,
-            reason: fit(reason).into(),
+            reason: super::fit_reason(reason).into(),
         })))
         .await;
     let _ = socket.close().await;

@@ -45,6 +45,16 @@ pub fn authenticate(app: &AppState, headers: &HeaderMap) -> Result<Option<Viewer
         .map_err(|e| e.to_string())
 }
 
+/// A close reason that fits a WebSocket close frame (at most 123 bytes), for every WebSocket
+/// transport (`ws.rs`, `agent.rs`).
+pub fn fit_reason(reason: &str) -> String {
+    let mut end = reason.len().min(123);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason[..end].to_owned()
+}
+
 /// Whether the request's body is declared JSON (`Content-Type: application/json`, any
 /// parameters): the only body a GraphQL POST takes, on every transport.
 pub fn has_json_body(headers: &HeaderMap) -> bool {

@@ -156,15 +156,6 @@ fn expiry_of(viewer: Option<&Viewer>) -> Instant {
     viewer.map_or_else(never, |v| Instant::now() + v.valid_for())
 }
 
-/// A close reason that fits a close frame (at most 123 bytes).
-fn fit_reason(reason: &str) -> String {
-    let mut end = reason.len().min(123);
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    reason[..end].to_owned()
-}
-
 async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Option<Viewer>) {
     let (sink, mut stream) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<(String, Out)>(16);
@@ -258,7 +249,7 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
                 .sink
                 .send(Message::Close(Some(CloseFrame {
                     code,
-                    reason: fit_reason(&reason).into(),
+                    reason: super::fit_reason(&reason).into(),
                 })))
                 .await;
             let _ = conn.sink.close().await;
@@ -395,7 +386,7 @@ impl Conn {
                 .send(json!({ "type": "connection_error", "payload": { "message": why } }))
                 .await;
         }
-        End::Close(4403, fit_reason(&format!("Forbidden: {why}")))
+        End::Close(4403, super::fit_reason(&format!("Forbidden: {why}")))
     }
 
     async fn subscribe(&mut self, message: &Value) -> Result<(), End> {

@@ -148,7 +148,6 @@ async fn main() {
 
     let opened = Arc::new(AtomicI64::new(0));
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let started = Instant::now();
     for g in 1..=n {
         let node = format!("node_{g:032x}");
         let mut claims = compute_tests::claims(&format!("node:{node}"), None, &[Role::Node], 3600);
@@ -177,7 +176,6 @@ async fn main() {
         opened.load(Ordering::Relaxed) >= n
     })
     .await;
-    let _ = started;
     println!(
         "{n} daemons connected to one gateway in {:.1} s ({:.0} sessions opened/s)",
         connect.as_secs_f64(),

@@ -51,6 +51,20 @@ async fn step(app: &TestApp, reconciler: &mut compute_workers::Reconciler, secon
     }
 }
 
+/// Creates a reservation of one GPU on node h100-a (by its host label); the response.
+async fn on_h100_a(app: &TestApp, member: &str, pool: &str, key: &str) -> serde_json::Value {
+    app.ok(
+        member,
+        CREATE,
+        input(
+            pool,
+            key,
+            json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+        ),
+    )
+    .await
+}
+
 async fn setup() -> (
     TestApp,
     crate::reservations::Pool,
@@ -152,17 +166,7 @@ async fn silence_is_disconnected_then_unreachable_and_bookings_stay() {
     let (a, c) = (&p.nodes[0], &p.nodes[2]);
     // A reservation on node a (its host label), active now.
     let member = app.member("acme");
-    let d = app
-        .ok(
-            &member,
-            CREATE,
-            input(
-                &p.pool,
-                "k1",
-                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
-            ),
-        )
-        .await;
+    let d = on_h100_a(&app, &member, &p.pool, "k1").await;
     assert_eq!(
         d["createReservation"]["reservation"]["state"], "ACTIVE",
         "{d}"
@@ -208,17 +212,7 @@ async fn silence_is_disconnected_then_unreachable_and_bookings_stay() {
         json!([{ "type": "NodeUnreachable", "status": "True", "reason": "NoSession" }])
     );
     // Out of placement; its reservation keeps its devices.
-    let d = app
-        .ok(
-            &member,
-            CREATE,
-            input(
-                &p.pool,
-                "k2",
-                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
-            ),
-        )
-        .await;
+    let d = on_h100_a(&app, &member, &p.pool, "k2").await;
     assert_eq!(
         d["createReservation"]["reservation"]["state"], "PENDING",
         "{d}"
@@ -579,17 +573,7 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
 async fn a_sigkilled_gateway_leaves_its_nodes_disconnected_and_they_reconnect_elsewhere() {
     let (app, p, mut r) = setup().await;
     let member = app.member("acme");
-    let d = app
-        .ok(
-            &member,
-            CREATE,
-            input(
-                &p.pool,
-                "kg",
-                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
-            ),
-        )
-        .await;
+    let d = on_h100_a(&app, &member, &p.pool, "kg").await;
     assert_eq!(
         d["createReservation"]["reservation"]["state"], "ACTIVE",
         "{d}"
