@@ -7,18 +7,19 @@
 //! transaction fenced by its lease and carries the session's epoch, so after it loses the lease
 //! or a session it changes nothing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use compute_domain::db::Db;
-use compute_domain::ids::NodeId;
+use compute_domain::ids::{CommandId, NodeId};
 use compute_domain::leases::Fence;
+use compute_domain::node_commands::{self, Command};
 use compute_domain::sessions::{self, CloseReason, GATEWAY_TTL, Seen};
 use compute_workers::lease::HeldLease;
-use tokio::sync::watch;
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// The gateway's settings (`compute-api serve --agent-…`).
 #[derive(Debug, Clone)]
@@ -74,6 +75,10 @@ struct Live {
     epoch: i64,
     last_seen: Arc<Mutex<Instant>>,
     kick: watch::Sender<Option<Kick>>,
+    /// Messages for the daemon (`command`).
+    push: mpsc::UnboundedSender<serde_json::Value>,
+    /// The commands pushed in this session: each at most once (`docs/commands.md`).
+    pushed: HashSet<CommandId>,
 }
 
 /// What a connection holds of its session in the gateway.
@@ -82,6 +87,20 @@ pub struct Registered {
     pub last_seen: Arc<Mutex<Instant>>,
     /// Fires when the gateway ends the session (superseded, lease lost, shutdown).
     pub kick: watch::Receiver<Option<Kick>>,
+    /// Commands for the daemon, pushed by [`Gateway::push_now`].
+    pub push: mpsc::UnboundedReceiver<serde_json::Value>,
+}
+
+/// The `command` message of a dispatched command (`docs/agent-protocol.md`).
+pub fn command_message(c: &Command) -> serde_json::Value {
+    serde_json::json!({
+        "type": "command",
+        "commandId": c.id,
+        "kind": c.kind,
+        "args": c.args.0,
+        "retrySafe": c.retry_safe,
+        "attempt": c.attempts,
+    })
 }
 
 struct Inner {
@@ -89,6 +108,8 @@ struct Inner {
     db: Db,
     lease: tokio::sync::Mutex<Option<HeldLease>>,
     sessions: Mutex<HashMap<NodeId, Live>>,
+    /// A dispatcher poked this gateway: push now.
+    poked: Notify,
 }
 
 /// The gateway of this process. Cheap to clone.
@@ -102,6 +123,7 @@ impl Gateway {
             db,
             lease: tokio::sync::Mutex::new(None),
             sessions: Mutex::new(HashMap::new()),
+            poked: Notify::new(),
         }))
     }
 
@@ -172,6 +194,7 @@ impl Gateway {
     pub fn register(&self, node: &NodeId, epoch: i64) -> Registered {
         let last_seen = Arc::new(Mutex::new(Instant::now()));
         let (kick, rx) = watch::channel(None);
+        let (push, push_rx) = mpsc::unbounded_channel();
         let old = self.0.sessions.lock().ok().and_then(|mut s| {
             s.insert(
                 node.clone(),
@@ -179,9 +202,13 @@ impl Gateway {
                     epoch,
                     last_seen: last_seen.clone(),
                     kick,
+                    push,
+                    pushed: HashSet::new(),
                 },
             )
         });
+        // Commands already dispatched to this session go out at once.
+        self.0.poked.notify_one();
         if let Some(old) = old {
             let _ = old.kick.send(Some(Kick {
                 code: 4409,
@@ -191,7 +218,52 @@ impl Gateway {
         Registered {
             last_seen,
             kick: rx,
+            push: push_rx,
         }
+    }
+
+    /// Pushes every command dispatched to a session this gateway holds and not yet pushed in
+    /// that session; returns how many it pushed. A command is pushed at most once per session:
+    /// the session's set remembers it until the command leaves `dispatched`.
+    pub async fn push_now(&self) -> compute_domain::Result<usize> {
+        let due = node_commands::to_push(&self.0.db, self.id()).await?;
+        let mut by_node: HashMap<&NodeId, Vec<&Command>> = HashMap::new();
+        for c in &due {
+            by_node.entry(&c.node_id).or_default().push(c);
+        }
+        let mut pushed = 0;
+        let Ok(mut sessions) = self.0.sessions.lock() else {
+            return Ok(0);
+        };
+        for (node, live) in sessions.iter_mut() {
+            let mine: Vec<&Command> = by_node
+                .get(node)
+                .map(|cs| {
+                    cs.iter()
+                        .copied()
+                        .filter(|c| c.session_epoch == Some(live.epoch))
+                        .collect()
+                })
+                .unwrap_or_default();
+            // Forget what left `dispatched`: it cannot come back to this session.
+            let still: HashSet<&CommandId> = mine.iter().map(|c| &c.id).collect();
+            live.pushed.retain(|id| still.contains(id));
+            for c in mine {
+                if live.pushed.contains(&c.id) {
+                    continue;
+                }
+                if live.push.send(command_message(c)).is_ok() {
+                    live.pushed.insert(c.id.clone());
+                    pushed += 1;
+                }
+            }
+        }
+        Ok(pushed)
+    }
+
+    /// Wakes the push loop (a dispatcher's poke for this gateway).
+    pub fn poke(&self) {
+        self.0.poked.notify_one();
     }
 
     /// Forgets the session of `node` at `epoch`; `true` if it was still this gateway's (so the
@@ -296,6 +368,24 @@ impl Gateway {
         tokio::pin!(stop);
         let mut ticker = tokio::time::interval(self.0.config.flush_every);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let listener = tokio::spawn({
+            let gateway = self.clone();
+            async move {
+                loop {
+                    let me = gateway.clone();
+                    let result = node_commands::listen_for_pokes(&gateway.0.db, move |id| {
+                        if id == me.id() {
+                            me.poke();
+                        }
+                    })
+                    .await;
+                    if let Err(e) = result {
+                        debug!(error = %e, "listening for command pokes failed; polling meanwhile");
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        });
         loop {
             tokio::select! {
                 () = &mut stop => break,
@@ -303,9 +393,19 @@ impl Gateway {
                     if let Err(e) = self.flush_now().await {
                         warn!(gateway = %self.id(), error = %e, "gateway flush failed");
                     }
+                    // Polling: a lost poke only delays a command.
+                    if let Err(e) = self.push_now().await {
+                        warn!(gateway = %self.id(), error = %e, "pushing commands failed");
+                    }
+                }
+                () = self.0.poked.notified() => {
+                    if let Err(e) = self.push_now().await {
+                        warn!(gateway = %self.id(), error = %e, "pushing commands failed");
+                    }
                 }
             }
         }
+        listener.abort();
         let held: Vec<(NodeId, Live)> = self
             .0
             .sessions

@@ -18,9 +18,10 @@ use crate::fleet::model::{
 use crate::fleet::state::NodeLifecycle;
 use crate::fleet::{Device, Node, Pool, Site, commands::Holder};
 use crate::ids::{
-    AllocationId, AtomName, DeviceId, NodeId, PoolId, ReservationId, ScopeId, SinkId, SiteId,
-    TenantId,
+    AllocationId, AtomName, CommandId, DeviceId, NodeId, PoolId, ReservationId, ScopeId, SinkId,
+    SiteId, TenantId,
 };
+use crate::node_commands::{Command, Kind as CommandKind, State as CommandState};
 use crate::quota::{Quota, QuotaResource};
 use crate::reservations::model::Toleration;
 use crate::reservations::state::State;
@@ -63,6 +64,14 @@ text_enum!(
         EventSinkCreated = "event_sink.created",
         EventSinkUpdated = "event_sink.updated",
         EventSinkDeleted = "event_sink.deleted",
+        CommandCreated = "command.created",
+        CommandDispatched = "command.dispatched",
+        CommandRunning = "command.running",
+        CommandProgress = "command.progress",
+        CommandSucceeded = "command.succeeded",
+        CommandFailed = "command.failed",
+        CommandCancelled = "command.cancelled",
+        CommandRequeued = "command.requeued",
     }
 );
 
@@ -76,6 +85,7 @@ pub enum Family {
     Reservation,
     Quota,
     EventSink,
+    Command,
 }
 
 impl EventType {
@@ -87,6 +97,7 @@ impl EventType {
             Some("device") => Family::Device,
             Some("reservation") => Family::Reservation,
             Some("quota") => Family::Quota,
+            Some("command") => Family::Command,
             _ => Family::EventSink,
         }
     }
@@ -559,6 +570,66 @@ pub struct Concerns {
     pub node: Option<NodeId>,
 }
 
+/// `command.*`: the command after the change (its arguments, result and error included; the
+/// session it was dispatched under as epoch and journal).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandPayload {
+    pub command: CommandView,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandView {
+    pub id: CommandId,
+    pub node_id: NodeId,
+    pub kind: CommandKind,
+    pub args: serde_json::Value,
+    pub min_generation: i64,
+    pub retry_safe: bool,
+    pub state: CommandState,
+    pub attempts: i32,
+    pub progress: Option<serde_json::Value>,
+    pub result: Option<serde_json::Value>,
+    pub error_code: Option<String>,
+    pub error_message: Option<String>,
+    pub session_epoch: Option<i64>,
+    pub journal_id: Option<String>,
+    pub created_by: String,
+    pub version: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+impl CommandPayload {
+    pub fn of(c: &Command) -> CommandPayload {
+        CommandPayload {
+            command: CommandView {
+                id: c.id.clone(),
+                node_id: c.node_id.clone(),
+                kind: c.kind,
+                args: c.args.0.clone(),
+                min_generation: c.min_generation,
+                retry_safe: c.retry_safe,
+                state: c.state,
+                attempts: c.attempts,
+                progress: c.progress.as_ref().map(|p| p.0.clone()),
+                result: c.result.as_ref().map(|r| r.0.clone()),
+                error_code: c.error_code.clone(),
+                error_message: c.error_message.clone(),
+                session_epoch: c.session_epoch,
+                journal_id: c.journal_id.clone(),
+                created_by: c.created_by.clone(),
+                version: c.version,
+                created_at: c.created_at,
+                updated_at: c.updated_at,
+                finished_at: c.finished_at,
+            },
+        }
+    }
+}
+
 /// [`Concerns`] of an event of type `event_type` with payload `data`. An event of a type this
 /// process does not know (written by a newer version) concerns nothing it follows.
 pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
@@ -620,7 +691,7 @@ pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
             pool: read::<ReservationRef>(data).map(|r| r.pool_id),
             node: None,
         },
-        Family::Site | Family::Quota | Family::EventSink => Concerns::default(),
+        Family::Site | Family::Quota | Family::EventSink | Family::Command => Concerns::default(),
     }
 }
 

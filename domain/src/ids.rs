@@ -154,6 +154,10 @@ entity_id!(
     AllocationId = "alc", "allocation"
 );
 entity_id!(
+    /// A command's id, `cmd_…`.
+    CommandId = "cmd", "command"
+);
+entity_id!(
     /// An outbox event's id, `evt_…`.
     EventId = "evt", "event"
 );

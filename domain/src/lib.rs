@@ -15,6 +15,7 @@ pub mod idempotency;
 pub mod ids;
 pub mod leases;
 pub mod metrics;
+pub mod node_commands;
 pub mod outbox;
 pub mod page;
 pub mod quota;

@@ -159,6 +159,14 @@ pub async fn open(
                 });
             }
             check_generation(hello.observed_generation, row.generation)?;
+            // The journal the node's last session had: a different one now means the daemon
+            // lost its memory (node_commands::on_session_open).
+            let previous = sqlx::query_scalar!(
+                "SELECT journal_id FROM node_sessions WHERE node_id = $1 FOR UPDATE",
+                node.as_str(),
+            )
+            .fetch_optional(&mut *conn)
+            .await?;
             let epoch = sqlx::query_scalar!(
                 "INSERT INTO node_sessions AS s (node_id, session_epoch, gateway, gateway_epoch, daemon_version, journal_id, opened_at, last_seen_at) \
                  VALUES ($1, 1, $2, $3, $4, $5, compute_now(), compute_now()) \
@@ -190,6 +198,18 @@ pub async fn open(
                 .fetch_one(&mut *conn)
                 .await?;
             emit_node(conn, EventType::NodeConnected, &updated).await?;
+            let reopened = crate::node_commands::on_session_open(
+                conn,
+                &node,
+                epoch,
+                previous.as_deref(),
+                &hello.journal_id,
+            )
+            .await?;
+            if reopened != crate::node_commands::Reopened::default() {
+                tracing::info!(node = %node, epoch, requeued = reopened.requeued, journal_reset = reopened.reset,
+                    "a new session took back the commands of the old one");
+            }
             Ok(epoch)
         })
     })
@@ -325,6 +345,8 @@ pub async fn observe_generation(
                 .await?
             {
                 emit_node(conn, EventType::NodeUpdated, &updated).await?;
+                // Commands that waited for this generation may go now.
+                crate::node_commands::generation_observed(conn, &node).await?;
             }
             Ok(true)
         })

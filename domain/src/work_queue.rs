@@ -32,6 +32,8 @@ text_enum!(
         Reservation = "reservation",
         /// Recompute one pool's capacity rollup (key: the pool's id).
         PoolCapacity = "pool_capacity",
+        /// Dispatch one node's waiting commands (key: the node's id; `node_commands`).
+        NodeCommands = "node_commands",
         /// Work that does nothing, for the benchmark of the queue itself.
         Noop = "noop",
     }

@@ -1,7 +1,10 @@
 //! Simulated node daemons: clients of `/agent` speaking `compute-agent.v1`
 //! (`docs/agent-protocol.md`), and nothing else of the system: no SQL, no domain types. Tests
-//! drive one [`Session`] step by step; the `compute-sim` binary runs many [`run_daemon`] loops.
+//! drive one [`Session`] step by step (with a [`Daemon`] answering commands from its
+//! [`Journal`]); the `compute-sim` binary runs many [`run_daemon`] loops.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
@@ -212,6 +215,159 @@ impl Session {
     }
 }
 
+/// A daemon's journal: the commands it ran and what came of them, kept across its sessions
+/// while it keeps its memory (the same `journalId`). A daemon that is wiped starts a new one
+/// with a new id. `executions` is the proof the torture checks: how many times each command id
+/// was run under this journal.
+#[derive(Debug, Clone, Default)]
+pub struct Journal {
+    pub id: String,
+    /// Per command id: how many times it ran here, and the `result` message it produced.
+    pub entries: HashMap<String, Entry>,
+    /// Devices held by running instances (`run_instance` / `stop_instance`): device → instance.
+    pub devices: HashMap<String, String>,
+}
+
+/// One command in a [`Journal`].
+#[derive(Debug, Clone, Default)]
+pub struct Entry {
+    pub kind: String,
+    pub executions: u32,
+    /// The `result` message, once it finished.
+    pub result: Option<Value>,
+}
+
+/// A journal shared by the sessions of one daemon (and read by tests).
+pub type SharedJournal = Arc<Mutex<Journal>>;
+
+/// A new, empty journal with `id`.
+pub fn journal(id: &str) -> SharedJournal {
+    Arc::new(Mutex::new(Journal {
+        id: id.to_owned(),
+        ..Journal::default()
+    }))
+}
+
+/// What a simulated daemon does with commands: the protocol's daemon side, without I/O. Feed
+/// it every message from the gateway ([`Daemon::on_message`]) and send what it returns.
+///
+/// - A `command` it has already finished (in its journal) is answered from the journal, never
+///   run again; a new one is acknowledged (`ack`) and run when the gateway says `proceed`
+///   (never when it says `cancelled`).
+/// - `apply_spec` applies the generation and reports it (`status`).
+/// - `run_instance` refuses devices another running instance holds (`DEVICE_OVERLAP`), the
+///   last line of defence against a double booking the control plane should never make; set
+///   `refuse_overlaps` to `false` to see what a daemon without it would do.
+pub struct Daemon {
+    pub journal: SharedJournal,
+    pub observed_generation: i64,
+    pub refuse_overlaps: bool,
+    /// Commands acknowledged and waiting for `proceed`.
+    awaiting: HashMap<String, Value>,
+}
+
+impl Daemon {
+    pub fn new(journal: SharedJournal, observed_generation: i64) -> Daemon {
+        Daemon {
+            journal,
+            observed_generation,
+            refuse_overlaps: true,
+            awaiting: HashMap::new(),
+        }
+    }
+
+    /// The messages to send in answer to `message` from the gateway.
+    pub fn on_message(&mut self, message: &Value) -> Vec<Value> {
+        let id = message["commandId"].as_str().unwrap_or_default().to_owned();
+        match message["type"].as_str() {
+            Some("command") => {
+                let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(done) = j.entries.get(&id).and_then(|e| e.result.clone()) {
+                    return vec![done];
+                }
+                j.entries.entry(id.clone()).or_insert_with(|| Entry {
+                    kind: message["kind"].as_str().unwrap_or_default().to_owned(),
+                    ..Entry::default()
+                });
+                self.awaiting.insert(id.clone(), message.clone());
+                vec![json!({ "type": "ack", "commandId": id })]
+            }
+            Some("proceed") => match self.awaiting.remove(&id) {
+                Some(command) => self.run(&id, &command),
+                None => vec![],
+            },
+            Some("cancelled") => {
+                self.awaiting.remove(&id);
+                vec![]
+            }
+            _ => vec![],
+        }
+    }
+
+    fn run(&mut self, id: &str, command: &Value) -> Vec<Value> {
+        let args = &command["args"];
+        let mut out = Vec::new();
+        if args["progress"] == json!(true) {
+            out.push(json!({ "type": "progress", "commandId": id, "progress": { "percent": 50 } }));
+        }
+        let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
+        let outcome: Result<Value, (&str, String)> = match command["kind"].as_str() {
+            Some("apply_spec") => {
+                let g = args["generation"].as_i64().unwrap_or(0);
+                self.observed_generation = self.observed_generation.max(g);
+                Ok(json!({ "generation": g }))
+            }
+            Some("run_instance") => {
+                let instance = args["instanceId"].as_str().unwrap_or(id).to_owned();
+                let devices: Vec<String> = args["devices"]
+                    .as_array()
+                    .map(|d| {
+                        d.iter()
+                            .filter_map(|v| v.as_str().map(str::to_owned))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let taken: Vec<&String> = devices
+                    .iter()
+                    .filter(|d| j.devices.get(*d).is_some_and(|holder| *holder != instance))
+                    .collect();
+                if self.refuse_overlaps && !taken.is_empty() {
+                    Err((
+                        "DEVICE_OVERLAP",
+                        format!("devices {taken:?} are held by another instance"),
+                    ))
+                } else {
+                    for d in devices {
+                        j.devices.insert(d, instance.clone());
+                    }
+                    Ok(json!({ "instanceId": instance }))
+                }
+            }
+            Some("stop_instance") => {
+                let instance = args["instanceId"].as_str().unwrap_or_default().to_owned();
+                j.devices.retain(|_, holder| *holder != instance);
+                Ok(json!({ "instanceId": instance }))
+            }
+            _ => Ok(json!({})),
+        };
+        let result = match outcome {
+            Ok(output) => {
+                json!({ "type": "result", "commandId": id, "outcome": "succeeded", "output": output })
+            }
+            Err((code, message)) => json!({ "type": "result", "commandId": id, "outcome": "failed",
+                "errorCode": code, "errorMessage": message }),
+        };
+        let entry = j.entries.entry(id.to_owned()).or_default();
+        entry.executions += 1;
+        entry.result = Some(result.clone());
+        out.push(result);
+        if command["kind"] == "apply_spec" {
+            out.push(json!({ "type": "status", "observedGeneration": self.observed_generation }));
+        }
+        out
+    }
+}
+
 /// A network partition a simulated daemon may fall into.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Partition {
@@ -233,6 +389,8 @@ pub struct Behaviour {
     pub reconnect_after: Duration,
     /// Partitions of a fraction of the fleet, if any.
     pub partition: Option<Partition>,
+    /// The daemon's journal (kept across its sessions); a new one for `journal_id` when `None`.
+    pub journal: Option<SharedJournal>,
 }
 
 impl Default for Behaviour {
@@ -241,6 +399,7 @@ impl Default for Behaviour {
             heartbeat: None,
             reconnect_after: Duration::from_millis(500),
             partition: None,
+            journal: None,
         }
     }
 }
@@ -267,7 +426,17 @@ pub async fn run_daemon(
 ) {
     let mut backoff = behaviour.reconnect_after;
     let mut draw = 0u64;
+    let mut daemon = Daemon::new(
+        behaviour
+            .journal
+            .clone()
+            .unwrap_or_else(|| journal(&config.journal_id)),
+        config.observed_generation,
+    );
+    let mut config = config;
     while !*stop.borrow() {
+        // A reconnecting daemon reports what it has applied since.
+        config.observed_generation = daemon.observed_generation;
         match Session::open(&config).await {
             Ok(mut session) => {
                 backoff = behaviour.reconnect_after;
@@ -307,8 +476,21 @@ pub async fn run_daemon(
                             }
                         }
                         m = session.next_message(Duration::from_secs(3600)) => {
-                            if let Some(Err(c)) = m {
-                                break Some(c);
+                            match m {
+                                Some(Err(c)) => break Some(c),
+                                Some(Ok(message)) => {
+                                    let mut failed = None;
+                                    for reply in daemon.on_message(&message) {
+                                        if let Err(c) = session.send(reply).await {
+                                            failed = Some(c);
+                                            break;
+                                        }
+                                    }
+                                    if let Some(c) = failed {
+                                        break Some(c);
+                                    }
+                                }
+                                None => {}
                             }
                         }
                     }

@@ -14,7 +14,8 @@ use crate::{Options, Role};
 #[derive(Debug, Parser)]
 #[command(name = "compute-worker", version)]
 pub struct Args {
-    /// Which work to run: reconcile (work queue, resync, pruning), outbox (webhooks) or all.
+    /// Which work to run: reconcile (work queue, resync, pruning), outbox (webhooks), dispatch
+    /// (commands to node daemons) or all.
     #[arg(long, default_value = "all", value_parser = parse_role)]
     pub role: Role,
     /// PostgreSQL URL (the same database as the API's).
@@ -54,7 +55,8 @@ pub struct Args {
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {
-    Role::parse(s).ok_or_else(|| format!("unknown role `{s}`: use reconcile, outbox or all"))
+    Role::parse(s)
+        .ok_or_else(|| format!("unknown role `{s}`: use reconcile, outbox, dispatch or all"))
 }
 
 /// This machine's host name (`/etc/hostname`), or `unknown`: part of the names processes take

@@ -9,6 +9,9 @@
 //!   reservation whose time has come however it was missed (a lost queue row only costs time),
 //!   every 5 minutes it enqueues every pool for its rollup check, and hourly it prunes
 //!   idempotency keys and the outbox.
+//! - Command dispatch (`--role dispatch`): a second [`queue::QueueWorker`] over the
+//!   `node_commands` shards, sharing them among the dispatch processes
+//!   (`compute_domain::node_commands::dispatch_node`, `docs/commands.md`).
 //! - [`dispatch::Dispatcher`]: webhook delivery, one task per sink under
 //!   `singleton:outbox-dispatch:<sink id>`.
 //! - [`lease::HeldLease`]: leases renewed in the background, whose loss cancels the work bound
@@ -43,16 +46,19 @@ pub enum Role {
     Reconcile,
     /// Webhook delivery from the outbox.
     Outbox,
+    /// Commands to node daemons: the `node_commands` work-queue shards.
+    Dispatch,
     /// Every role.
     All,
 }
 
 impl Role {
-    /// Parses `reconcile`, `outbox` or `all`.
+    /// Parses `reconcile`, `outbox`, `dispatch` or `all`.
     pub fn parse(s: &str) -> Option<Role> {
         match s {
             "reconcile" => Some(Role::Reconcile),
             "outbox" => Some(Role::Outbox),
+            "dispatch" => Some(Role::Dispatch),
             "all" => Some(Role::All),
             _ => None,
         }
@@ -311,6 +317,7 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
     };
     let reconcile = matches!(options.role, Role::Reconcile | Role::All);
     let outbox = matches!(options.role, Role::Outbox | Role::All);
+    let commands = matches!(options.role, Role::Dispatch | Role::All);
     let queue = queue::QueueWorker::new(db.clone(), options.owner.clone(), &options.kinds);
     let dispatcher = dispatch::Dispatcher::new(db.clone(), options.owner.clone())
         .allowing_private_targets(options.webhooks_allow_private);
@@ -333,6 +340,14 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
     }
     if outbox {
         tasks.push(tokio::spawn(dispatcher.run(stopped(stop_rx.clone()))));
+    }
+    if commands {
+        let commands =
+            queue::QueueWorker::new(db.clone(), options.owner.clone(), &queue::DISPATCH_KINDS)
+                .in_family("dispatch");
+        tasks.push(tokio::spawn(
+            commands.run(options.queue_idle, stopped(stop_rx.clone())),
+        ));
     }
     info!(role = ?options.role, owner = %options.owner, "worker running");
     stop.await;

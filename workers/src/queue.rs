@@ -34,6 +34,9 @@ pub struct QueueStats {
 /// The kinds a reconcile worker runs.
 pub const KINDS: [WorkKind; 2] = [WorkKind::Reservation, WorkKind::PoolCapacity];
 
+/// The kinds a dispatch worker runs (`compute-worker --role dispatch`).
+pub const DISPATCH_KINDS: [WorkKind; 1] = [WorkKind::NodeCommands];
+
 /// Every kind a worker can run (`noop` only for the benchmark).
 pub const ALL_KINDS: &[WorkKind] = WorkKind::ALL;
 
@@ -42,6 +45,9 @@ pub struct QueueWorker {
     db: Db,
     owner: String,
     kinds: Vec<WorkKind>,
+    /// The family whose live members share the shards (`worker`, `dispatch`): each process
+    /// takes a fair share among the processes of its family only.
+    family: &'static str,
     presence: Option<HeldLease>,
     shards: BTreeMap<(WorkKind, i32), HeldLease>,
     /// How many due rows one claim takes.
@@ -103,6 +109,20 @@ pub async fn run_item(
             }
             Ok(None)
         }
+        WorkKind::NodeCommands => {
+            let id = compute_domain::ids::NodeId::from_trusted(key).ok_or_else(bad_key)?;
+            let done = compute_domain::node_commands::dispatch_node(db, &id).await?;
+            if !done.commands.is_empty() || done.abandoned > 0 {
+                debug!(
+                    node = key,
+                    dispatched = done.commands.len(),
+                    abandoned = done.abandoned,
+                    "node commands dispatched"
+                );
+            }
+            // A full batch: the rest at once (due since the epoch, whatever the clock says).
+            Ok(done.more.then_some(chrono::DateTime::UNIX_EPOCH))
+        }
         WorkKind::Noop => Ok(None),
     }
 }
@@ -113,12 +133,20 @@ impl QueueWorker {
             db,
             owner: owner.into(),
             kinds: kinds.to_vec(),
+            family: "worker",
             presence: None,
             shards: BTreeMap::new(),
             batch: 100,
             claim_for: Duration::from_secs(60),
             stats: Arc::default(),
         }
+    }
+
+    /// This worker sharing its shards among the processes of `family` (`dispatch` for the
+    /// command dispatchers) instead of `worker`.
+    pub fn in_family(mut self, family: &'static str) -> Self {
+        self.family = family;
+        self
     }
 
     /// The counters.
@@ -141,7 +169,7 @@ impl QueueWorker {
         if !present {
             self.presence = HeldLease::acquire(
                 &self.db,
-                &presence_lease("worker", &self.owner),
+                &presence_lease(self.family, &self.owner),
                 &self.owner,
             )
             .await?;
@@ -156,7 +184,9 @@ impl QueueWorker {
             self.shards.remove(&k);
             self.stats.lease_losses.fetch_add(1, Ordering::Relaxed);
         }
-        let live = compute_domain::leases::count_live(&self.db, "singleton:worker:").await?;
+        let live =
+            compute_domain::leases::count_live(&self.db, &format!("singleton:{}:", self.family))
+                .await?;
         let live = live.max(1) as i32;
         let share = (SHARDS + live - 1) / live;
         // Start looking at a place that depends on the owner, so workers do not all race for

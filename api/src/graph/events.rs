@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use async_graphql::{Context, ID, Json, Object, Subscription};
 use chrono::{DateTime, Utc};
-use compute_domain::ids::{NodeId, PoolId, ReservationId, TenantId};
+use compute_domain::ids::{CommandId, NodeId, PoolId, ReservationId, TenantId};
 use compute_domain::outbox::{self, Cursor, Event, EventFilter};
 use futures_util::Stream;
 
@@ -339,6 +339,53 @@ impl SubscriptionRoot {
                 async move {
                     let mut found = compute_domain::fleet::get_nodes(&db, &[nid]).await?;
                     Ok(found.pop().map(crate::graph::fleet::ComputeNodeObj::new))
+                }
+            },
+        )
+    }
+
+    /// A command as it is after each change: dispatched, running, progress, its outcome
+    /// (operators only).
+    async fn command(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "The global id of the object.")] id: ID,
+        #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
+        after: Option<String>,
+    ) -> Result<
+        impl Stream<Item = async_graphql::Result<crate::graph::commands::CommandObj>> + use<>,
+        GqlError,
+    > {
+        crate::graph::require_operator(ctx)?;
+        let cid = CommandId::parse("id", id.as_str()).map_err(gql_error)?;
+        let db = db(ctx)?.clone();
+        if compute_domain::node_commands::get_commands(&db, std::slice::from_ref(&cid))
+            .await
+            .map_err(gql_error)?
+            .is_empty()
+        {
+            return Err(gql_error(compute_domain::Error::NotFound {
+                kind: "command",
+                id: cid.to_string(),
+            }));
+        }
+        let cursor = start(ctx, after).await?;
+        let filter = EventFilter {
+            tenant_id: None,
+            types: vec![],
+            subjects: vec![cid.to_string()],
+        };
+        follow_object(
+            ctx,
+            cursor,
+            filter,
+            |_| true,
+            move || {
+                let (db, cid) = (db.clone(), cid.clone());
+                async move {
+                    let mut found =
+                        compute_domain::node_commands::get_commands(&db, &[cid]).await?;
+                    Ok(found.pop().map(crate::graph::commands::CommandObj))
                 }
             },
         )

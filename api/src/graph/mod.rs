@@ -3,7 +3,7 @@
 //!
 //! Rooms: `context` (what a resolver reads from the request) and `common` (the shared
 //! vocabulary) are leaves; `node` is the Relay interface; `loaders` batch every edge; `fleet`,
-//! `reservations`, `events` and `sinks` are the areas. Areas may refer to each other's object
+//! `reservations`, `commands`, `events` and `sinks` are the areas. Areas may refer to each other's object
 //! types (a pool lists its reservations, a reservation names its pool): the graph is a graph.
 //! Nothing here imports a transport, the server state or the ops endpoints.
 
@@ -13,6 +13,7 @@ use compute_domain::db::Db;
 
 use crate::auth::Role;
 
+pub mod commands;
 pub mod common;
 pub mod context;
 pub mod door;
@@ -38,6 +39,7 @@ pub struct Query(
     reservations::ReservationQuery,
     events::EventsQuery,
     sinks::SinkQuery,
+    commands::CommandQuery,
 );
 
 /// The root of every mutation.
@@ -46,6 +48,7 @@ pub struct Mutation(
     fleet::mutations::FleetMutation,
     reservations::ReservationMutation,
     sinks::SinkMutation,
+    commands::CommandMutation,
 );
 
 /// Gives `request` data loaders of its own over `db`: batches never cross requests, so one

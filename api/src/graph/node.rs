@@ -2,8 +2,9 @@
 
 use async_graphql::{Context, ID, Interface};
 use compute_domain::Error;
-use compute_domain::ids::{DeviceId, NodeId, PoolId, ReservationId, SiteId};
+use compute_domain::ids::{CommandId, DeviceId, NodeId, PoolId, ReservationId, SiteId};
 
+use crate::graph::commands::CommandObj;
 use crate::graph::fleet::{ComputeNodeObj, DeviceObj, PoolObj, SiteObj};
 use crate::graph::loaders::*;
 use crate::graph::reservations::ReservationObj;
@@ -25,6 +26,7 @@ pub enum NodeInterface {
     ComputeNode(ComputeNodeObj),
     Device(DeviceObj),
     Reservation(ReservationObj),
+    Command(CommandObj),
 }
 
 /// Loads an object by global id, as the caller may see it.
@@ -58,6 +60,10 @@ pub async fn load_node(
             .load_one(DeviceId::parse("id", key).map_err(gql_error)?)
             .await?
             .map(|d| NodeInterface::Device(DeviceObj::new(d))),
+        CommandId::PREFIX if operator => loaders
+            .load_one(CommandId::parse("id", key).map_err(gql_error)?)
+            .await?
+            .map(|c| NodeInterface::Command(CommandObj(c))),
         ReservationId::PREFIX => match loaders
             .load_one(ReservationId::parse("id", key).map_err(gql_error)?)
             .await?

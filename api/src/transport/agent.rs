@@ -1,8 +1,10 @@
 //! `/agent`: the node-daemon protocol `compute-agent.v1` over WebSocket, as specified in
 //! `docs/agent-protocol.md`. One connection per daemon; JSON text messages with a `type`.
 //!
-//! daemon → gateway: `hello` (first, within 10 s), `heartbeat`, `status`, `bye`.
-//! gateway → daemon: `welcome`, `error`.
+//! daemon → gateway: `hello` (first, within 10 s), `heartbeat`, `status`, `bye`, and for
+//! commands `ack`, `progress`, `result`.
+//! gateway → daemon: `welcome`, `error`, and for commands `command`, `proceed`, `cancelled`,
+//! `recorded`.
 //! Close codes: `4400` malformed, `4401` unauthenticated, `4403` forbidden, `4404` unknown or
 //! retired node, `4408` timeout (no hello, or silent), `4409` superseded, `4410` session ended by
 //! the control plane, `4429` flood, `1001` gateway stopping, `1009` too big, `1011` internal,
@@ -13,7 +15,8 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use compute_domain::Error;
-use compute_domain::ids::NodeId;
+use compute_domain::ids::{CommandId, NodeId};
+use compute_domain::node_commands::{self, AckAnswer, Report};
 use compute_domain::sessions::{self, CloseReason, Hello};
 use futures_util::SinkExt;
 use serde::Deserialize;
@@ -50,6 +53,38 @@ enum FromDaemon {
         #[serde(default)]
         reason: Option<String>,
     },
+    #[serde(rename_all = "camelCase")]
+    Ack {
+        command_id: String,
+    },
+    #[serde(rename_all = "camelCase")]
+    Progress {
+        command_id: String,
+        progress: serde_json::Value,
+    },
+    #[serde(rename_all = "camelCase")]
+    Result {
+        command_id: String,
+        outcome: Outcome,
+        #[serde(default = "empty_object")]
+        output: serde_json::Value,
+        #[serde(default)]
+        error_code: Option<String>,
+        #[serde(default)]
+        error_message: Option<String>,
+    },
+}
+
+/// How a command ended, as a daemon reports it.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+enum Outcome {
+    Succeeded,
+    Failed,
+}
+
+fn empty_object() -> serde_json::Value {
+    json!({})
 }
 
 /// How a connection ends.
@@ -321,8 +356,68 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                         debug!(node = %node, reason = ?reason, "daemon said bye");
                         break End::new(1000, "bye", CloseReason::DaemonClosed);
                     }
+                    Ok(FromDaemon::Ack { command_id }) => {
+                        let Ok(id) = CommandId::parse("commandId", &command_id) else {
+                            break End::new(4400, "commandId is not a command id", CloseReason::ProtocolError);
+                        };
+                        let answer = match node_commands::ack(&db, &node, epoch, &id).await {
+                            Ok(AckAnswer::Proceed) => json!({ "type": "proceed", "commandId": id }),
+                            Ok(AckAnswer::Refused(reason)) => {
+                                debug!(node = %node, command = %id, %reason, "acknowledgement refused");
+                                json!({ "type": "cancelled", "commandId": id, "reason": reason })
+                            }
+                            Err(e) => break end_of(&e),
+                        };
+                        if socket.send(Message::Text(answer.to_string().into())).await.is_err() {
+                            break End::new(1006, "", CloseReason::DaemonClosed);
+                        }
+                    }
+                    Ok(FromDaemon::Progress { command_id, progress }) => {
+                        let Ok(id) = CommandId::parse("commandId", &command_id) else {
+                            break End::new(4400, "commandId is not a command id", CloseReason::ProtocolError);
+                        };
+                        match node_commands::progress(&db, &node, epoch, &id, &progress).await {
+                            Ok(_) => {}
+                            Err(Error::BadUserInput { message, .. }) => {
+                                let error = json!({ "type": "error", "code": "BAD_USER_INPUT", "message": message, "commandId": id });
+                                let _ = socket.send(Message::Text(error.to_string().into())).await;
+                            }
+                            Err(e) => break end_of(&e),
+                        }
+                    }
+                    Ok(FromDaemon::Result { command_id, outcome, output, error_code, error_message }) => {
+                        let Ok(id) = CommandId::parse("commandId", &command_id) else {
+                            break End::new(4400, "commandId is not a command id", CloseReason::ProtocolError);
+                        };
+                        let report = Report {
+                            succeeded: outcome == Outcome::Succeeded,
+                            output,
+                            error_code,
+                            error_message,
+                        };
+                        let reply = match node_commands::finish(&db, &node, epoch, &id, &report).await {
+                            Ok(done) => {
+                                if let Some(c) = &done {
+                                    info!(node = %node, command = %id, kind = %c.kind, state = %c.state, "command finished");
+                                }
+                                json!({ "type": "recorded", "commandId": id, "recorded": done.is_some() })
+                            }
+                            Err(Error::BadUserInput { message, .. }) => {
+                                json!({ "type": "error", "code": "BAD_USER_INPUT", "message": message, "commandId": id })
+                            }
+                            Err(e) => break end_of(&e),
+                        };
+                        if socket.send(Message::Text(reply.to_string().into())).await.is_err() {
+                            break End::new(1006, "", CloseReason::DaemonClosed);
+                        }
+                    }
                     Ok(FromDaemon::Hello { .. }) => break End::new(4400, "hello was already received", CloseReason::ProtocolError),
                     Err(e) => break End::new(4400, format!("malformed message: {}", compute_domain::error::bounded(&e.to_string())), CloseReason::ProtocolError),
+                }
+            }
+            Some(message) = registered.push.recv() => {
+                if socket.send(Message::Text(message.to_string().into())).await.is_err() {
+                    break End::new(1006, "", CloseReason::DaemonClosed);
                 }
             }
             _ = registered.kick.changed() => {

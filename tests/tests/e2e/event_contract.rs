@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use chrono::{Duration, Utc};
 use compute_domain::actor::Actor;
 use compute_domain::events::{
-    DevicePayload, EventSinkPayload, EventType, Family, NodePayload, PoolPayload, QuotaPayload,
-    ReservationPayload, SitePayload,
+    CommandPayload, DevicePayload, EventSinkPayload, EventType, Family, NodePayload, PoolPayload,
+    QuotaPayload, ReservationPayload, SitePayload,
 };
 use compute_domain::fleet::commands::{
     self as fleet, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
@@ -95,6 +95,7 @@ fn read_back(t: EventType, data: &Value) -> Result<(), String> {
         }
         Family::Quota => serde_json::from_value::<QuotaPayload>(data.clone()).map(|_| ()),
         Family::EventSink => serde_json::from_value::<EventSinkPayload>(data.clone()).map(|_| ()),
+        Family::Command => serde_json::from_value::<CommandPayload>(data.clone()).map(|_| ()),
     };
     ok.map_err(|e| format!("{t}: {e}: {data}"))
 }
@@ -405,6 +406,64 @@ async fn every_event_payload_keeps_its_documented_shape() {
     let epoch = compute_domain::sessions::open(db, &h1, "gw-contract", 1, &hello)
         .await
         .expect("open a session");
+    // Commands on h1: one succeeds (with progress), one fails, one is cancelled, one is taken
+    // back by a newer session of the daemon.
+    use compute_domain::node_commands::{self as cmds, CommandRequest, Kind, Report};
+    let run = |kind: Kind, key: &'static str| {
+        let (operator, h1) = (operator.clone(), h1.clone());
+        async move {
+            cmds::run_command(
+                db,
+                &operator,
+                CommandRequest {
+                    node_id: h1,
+                    kind,
+                    args: json!({}),
+                    min_generation: 0,
+                    retry_safe: None,
+                },
+                key,
+            )
+            .await
+            .expect("run a command")
+            .value
+        }
+    };
+    let ok = run(Kind::Noop, "c-ok").await;
+    let bad = run(Kind::ResetGpu, "c-bad").await;
+    cmds::dispatch_node(db, &h1).await.expect("dispatch");
+    assert_eq!(
+        cmds::ack(db, &h1, epoch, &ok.id).await.expect("ack"),
+        cmds::AckAnswer::Proceed
+    );
+    assert!(
+        cmds::progress(db, &h1, epoch, &ok.id, &json!({ "percent": 50 }))
+            .await
+            .expect("progress")
+    );
+    let report = |succeeded: bool| Report {
+        succeeded,
+        output: json!({}),
+        error_code: (!succeeded).then(|| "GPU_BUSY".to_owned()),
+        error_message: (!succeeded).then(|| "the GPU is busy".to_owned()),
+    };
+    for (c, succeeded) in [(&ok, true), (&bad, false)] {
+        assert!(
+            cmds::finish(db, &h1, epoch, &c.id, &report(succeeded))
+                .await
+                .expect("finish")
+                .is_some()
+        );
+    }
+    let withdrawn = run(Kind::Noop, "c-cancel").await;
+    cmds::cancel(db, &operator, &withdrawn.id)
+        .await
+        .expect("cancel");
+    run(Kind::Noop, "c-requeue").await;
+    cmds::dispatch_node(db, &h1).await.expect("dispatch");
+    let epoch = compute_domain::sessions::open(db, &h1, "gw-contract", 1, &hello)
+        .await
+        .expect("a newer session takes the command back");
     compute_domain::sessions::close(
         db,
         &h1,

@@ -3,6 +3,7 @@
 mod agent;
 mod auth;
 mod clock;
+mod commands;
 mod crash;
 mod embedded;
 mod event_contract;

@@ -632,6 +632,49 @@ impl ComputeNodeObj {
             .and_then(|mut v| v.pop())
             .map(NodeSession))
     }
+    /// Commands to this node's daemon, oldest first (`last:` for the newest). Operators only.
+    #[allow(clippy::too_many_arguments)]
+    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
+    async fn commands(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "Only commands in this state.")] state: Option<
+            crate::graph::commands::CommandState,
+        >,
+        #[graphql(desc = "Only commands of this kind.")] kind: Option<
+            crate::graph::commands::CommandKind,
+        >,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
+        first: Option<i32>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
+        last: Option<i32>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
+    ) -> GqlResult<
+        async_graphql::connection::Connection<
+            String,
+            crate::graph::commands::CommandObj,
+            crate::graph::commands::CommandCount,
+        >,
+    > {
+        let filter = compute_domain::node_commands::CommandFilter {
+            node_id: Some(self.0.id.clone()),
+            state: state.map(Into::into),
+            kind: kind.map(Into::into),
+        };
+        crate::graph::commands::page(
+            ctx,
+            filter,
+            crate::graph::common::page_request(first, after, last, before),
+        )
+        .await
+    }
     /// The generation of the node's spec; moves with every spec change.
     async fn generation(&self) -> i64 {
         self.0.generation

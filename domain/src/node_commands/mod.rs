@@ -1,0 +1,834 @@
+//! Commands to node daemons (`docs/commands.md`): what operators and the control plane ask a
+//! node to do, and the guarantees that make "at least once" safe.
+//!
+//! - **One command per key and node.** `UNIQUE (node_id, idempotency_key)`: a retried
+//!   `runCommand` (`api:<caller>:<key>`, behind the API's idempotency keys), a workflow step
+//!   retried after a crash (`wf:<workflow>:<step>`) or the same spec generation seen twice
+//!   (`spec:<generation>`) finds the command already there and makes no second one.
+//! - **Dispatch under a lease.** [`dispatch_node`] runs as a work-queue item of kind
+//!   `node_commands` (key: the node), in a transaction whose first statement is the fence of
+//!   the node's shard lease: a dispatcher whose lease was taken over changes nothing. It locks
+//!   the node's session row `FOR SHARE` (a session that opens meanwhile waits for it, or makes it
+//!   wait), sends nothing whose `min_generation` the daemon has not reported, and records the
+//!   session epoch, journal id and gateway; then pokes the gateway (`NOTIFY`), which also polls.
+//! - **Session-fenced answers.** [`ack`], [`progress`] and [`finish`] carry
+//!   `AND session_epoch = $epoch` on both the session and the command, in a transaction fenced
+//!   by the gateway's lease: a superseded session or a zombie gateway records nothing.
+//! - **Journals.** When a session opens ([`on_session_open`]) what was in flight under an older
+//!   session goes back to `pending` to be dispatched again, if the daemon kept its journal (it
+//!   answers from it what it already ran) or the command is retry-safe; a daemon that lost its
+//!   journal fails the others with `JOURNAL_RESET`.
+//!
+//! Lock order (`docs/database-locks.md`): the lease fence, `node_sessions`, `commands` (of one
+//! node, ascending id), the outbox, `work_queue` last.
+
+pub mod state;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sqlx::types::Json;
+use sqlx::{FromRow, PgConnection, Postgres, QueryBuilder};
+
+use crate::db::{Db, TxKind};
+use crate::error::{Error, Result};
+use crate::events::{self, CommandPayload, EventType};
+use crate::idempotency::{self, Actor, Claim, Outcome};
+use crate::ids::{CommandId, NodeId};
+use crate::outbox::{self, NewEvent};
+use crate::page::{Page, PageArgs};
+use crate::text_enum::text_enum;
+use crate::work_queue::{self, WorkKind};
+pub use state::State;
+use state::{Action, stored_from};
+
+/// The channel a dispatcher pokes with the gateway's id after dispatching to one of its
+/// sessions.
+pub const NOTIFY_CHANNEL: &str = "compute_agent_commands";
+/// How many commands of one node one dispatch transaction sends at most.
+pub const DISPATCH_BATCH: i64 = 100;
+/// The largest `args`, `output` or `progress` object, serialized.
+pub const MAX_OBJECT_BYTES: usize = 16 * 1024;
+/// Who the control plane's own commands are created by.
+pub const CONTROL_PLANE: &str = "control-plane";
+
+text_enum!(
+    /// What a command asks a daemon to do.
+    Kind {
+        /// Apply the node's spec at `args.generation` (made by the control plane when the
+        /// generation moves), then report it as `observedGeneration`.
+        ApplySpec = "apply_spec",
+        /// Reset one GPU (`args.device`).
+        ResetGpu = "reset_gpu",
+        /// Repartition a GPU's MIG instances (`args.device`, `args.layout`).
+        SetMigLayout = "set_mig_layout",
+        /// Stop the workloads running on the node.
+        DrainWorkloads = "drain_workloads",
+        /// Start an instance's workload.
+        RunInstance = "run_instance",
+        /// Stop an instance's workload.
+        StopInstance = "stop_instance",
+        /// Does nothing (tests, and checking the path to a node).
+        Noop = "noop",
+    }
+);
+
+impl Kind {
+    /// Whether running it twice is harmless, unless the request says otherwise.
+    pub fn retry_safe_by_default(self) -> bool {
+        matches!(
+            self,
+            Kind::ApplySpec | Kind::DrainWorkloads | Kind::StopInstance | Kind::Noop
+        )
+    }
+}
+
+/// A command.
+#[derive(Debug, Clone, FromRow)]
+pub struct Command {
+    pub id: CommandId,
+    pub node_id: NodeId,
+    pub kind: Kind,
+    pub args: Json<Value>,
+    pub min_generation: i64,
+    pub retry_safe: bool,
+    pub idempotency_key: String,
+    pub state: State,
+    pub attempts: i32,
+    pub progress: Option<Json<Value>>,
+    pub result: Option<Json<Value>>,
+    pub error_code: Option<String>,
+    pub error_message: Option<String>,
+    pub session_epoch: Option<i64>,
+    pub journal_id: Option<String>,
+    pub gateway: Option<String>,
+    pub created_by: String,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub dispatched_at: Option<DateTime<Utc>>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub version: i64,
+}
+
+/// The columns of [`Command`], of `commands c`.
+const COLS: &str = "c.id, c.node_id, c.kind, c.args, c.min_generation, c.retry_safe, c.idempotency_key, \
+     c.state, c.attempts, c.progress, c.result, c.error_code, c.error_message, c.session_epoch, c.journal_id, \
+     c.gateway, c.created_by, c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version";
+
+/// What an operator asks for with `runCommand`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CommandRequest {
+    pub node_id: NodeId,
+    pub kind: Kind,
+    pub args: Value,
+    pub min_generation: i64,
+    pub retry_safe: Option<bool>,
+}
+
+/// Checks a JSON object a caller or a daemon sends (`field` names it): an object of at most
+/// [`MAX_OBJECT_BYTES`].
+pub fn check_object(field: &str, value: &Value) -> Result<()> {
+    if !value.is_object() {
+        return Err(Error::bad_input(
+            field,
+            format!("`{field}` must be a JSON object"),
+        ));
+    }
+    if value.to_string().len() > MAX_OBJECT_BYTES {
+        return Err(Error::bad_input(
+            field,
+            format!("`{field}` is larger than {MAX_OBJECT_BYTES} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+impl CommandRequest {
+    /// Checks what can be checked without the database.
+    pub fn check(&self) -> Result<()> {
+        if self.kind == Kind::ApplySpec {
+            return Err(Error::bad_input(
+                "kind",
+                "apply_spec is issued by the control plane when a node's generation moves; change the node's spec instead",
+            ));
+        }
+        check_object("args", &self.args)?;
+        if self.min_generation < 0 {
+            return Err(Error::bad_input(
+                "minGeneration",
+                "minGeneration must be 0 or more",
+            ));
+        }
+        Ok(())
+    }
+}
+
+async fn emit(conn: &mut PgConnection, commands: &[Command], event: EventType) -> Result<()> {
+    let data = commands
+        .iter()
+        .map(|c| events::to_data(&CommandPayload::of(c)))
+        .collect::<Result<Vec<_>>>()?;
+    let batch: Vec<NewEvent<'_>> = commands
+        .iter()
+        .zip(data)
+        .map(|(c, data)| NewEvent {
+            event_type: event,
+            tenant_id: None,
+            subject: c.id.as_str(),
+            data,
+        })
+        .collect();
+    outbox::emit_all(conn, &batch).await
+}
+
+/// Wakes the dispatcher of `node` (in the caller's transaction; `work_queue` is its last lock).
+async fn enqueue(conn: &mut PgConnection, node: &NodeId) -> Result<()> {
+    work_queue::enqueue(
+        conn,
+        WorkKind::NodeCommands,
+        node.as_str(),
+        work_queue::SHARDS,
+        std::time::Duration::ZERO,
+    )
+    .await
+}
+
+async fn load(conn: &mut PgConnection, id: &CommandId) -> Result<Option<Command>> {
+    Ok(
+        sqlx::query_as::<_, Command>(&format!("SELECT {COLS} FROM commands c WHERE c.id = $1"))
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?,
+    )
+}
+
+/// Inserts a command unless one with `key` exists for the node; the command, and whether this
+/// call made it (then `command.created` is written and the node's dispatcher woken).
+#[allow(clippy::too_many_arguments)]
+pub async fn ensure(
+    conn: &mut PgConnection,
+    node: &NodeId,
+    kind: Kind,
+    args: &Value,
+    min_generation: i64,
+    retry_safe: bool,
+    key: &str,
+    created_by: &str,
+) -> Result<(Command, bool)> {
+    let inserted = sqlx::query_as::<_, Command>(&format!(
+        "INSERT INTO commands AS c (id, node_id, kind, args, min_generation, retry_safe, idempotency_key, created_by) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (node_id, idempotency_key) DO NOTHING RETURNING {COLS}"
+    ))
+    .bind(CommandId::generate())
+    .bind(node)
+    .bind(kind)
+    .bind(Json(args))
+    .bind(min_generation)
+    .bind(retry_safe)
+    .bind(key)
+    .bind(created_by)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if let Some(c) = inserted {
+        emit(conn, std::slice::from_ref(&c), EventType::CommandCreated).await?;
+        enqueue(conn, node).await?;
+        return Ok((c, true));
+    }
+    let existing = sqlx::query_as::<_, Command>(&format!(
+        "SELECT {COLS} FROM commands c WHERE c.node_id = $1 AND c.idempotency_key = $2"
+    ))
+    .bind(node)
+    .bind(key)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok((existing, false))
+}
+
+/// `runCommand`: creates a command for an operator, with the exact idempotency semantics of
+/// reservations (the same key and arguments get the same command; other arguments
+/// `IDEMPOTENCY_KEY_REUSED`). An unknown node is `NOT_FOUND`, a retired one `CONFLICT`, a
+/// `minGeneration` past the node's generation `BAD_USER_INPUT` (it would wait forever).
+pub async fn run_command(
+    db: &Db,
+    actor: &Actor,
+    req: CommandRequest,
+    key: &str,
+) -> Result<Outcome<Command>> {
+    if !actor.is_operator() {
+        return Err(Error::Forbidden(
+            "only operators run commands on nodes".into(),
+        ));
+    }
+    req.check()?;
+    let key = idempotency::parse_key("idempotencyKey", key)?;
+    let fingerprint = json!(req);
+    db.tx("run_command", TxKind::Write, |conn| {
+        let (actor, key, fingerprint, req) =
+            (actor.clone(), key.clone(), fingerprint.clone(), req.clone());
+        Box::pin(async move {
+            match idempotency::claim(conn, &actor, &key, "runCommand", &fingerprint).await? {
+                Claim::New => {}
+                Claim::Refused(e) => return Ok(Err(e)),
+                Claim::Replay(response) => {
+                    let id = response["commandId"]
+                        .as_str()
+                        .and_then(CommandId::from_trusted)
+                        .ok_or_else(|| {
+                            Error::internal("a stored runCommand response names no command")
+                        })?;
+                    let value = load(conn, &id).await?.ok_or_else(|| {
+                        Error::internal("a stored runCommand response names a missing command")
+                    })?;
+                    return Ok(Ok(Outcome {
+                        value,
+                        replayed: true,
+                    }));
+                }
+            }
+            let created = async {
+                let node = sqlx::query!(
+                    r#"SELECT generation, retired_at IS NOT NULL AS "retired!" FROM nodes WHERE id = $1"#,
+                    req.node_id.as_str(),
+                )
+                .fetch_optional(&mut *conn)
+                .await?
+                .ok_or_else(|| Error::NotFound {
+                    kind: "compute node",
+                    id: req.node_id.to_string(),
+                })?;
+                if node.retired {
+                    return Err(Error::Conflict {
+                        message: format!("node {} is retired", req.node_id),
+                        current_version: None,
+                    });
+                }
+                if req.min_generation > node.generation {
+                    return Err(Error::bad_input(
+                        "minGeneration",
+                        format!(
+                            "minGeneration {} is past the node's generation ({}): the command would wait forever",
+                            req.min_generation, node.generation
+                        ),
+                    ));
+                }
+                let stored_key = format!("api:{}:{}", actor.subject, key);
+                let (command, made) = ensure(
+                    conn,
+                    &req.node_id,
+                    req.kind,
+                    &req.args,
+                    req.min_generation,
+                    req.retry_safe
+                        .unwrap_or_else(|| req.kind.retry_safe_by_default()),
+                    &stored_key,
+                    &actor.subject,
+                )
+                .await?;
+                if !made {
+                    // Only when the API's key was pruned (after 24 hours) and reused.
+                    return Err(Error::Conflict {
+                        message: format!(
+                            "idempotency key `{key}` already made command {} on this node; use a new key",
+                            command.id
+                        ),
+                        current_version: None,
+                    });
+                }
+                Ok(Outcome {
+                    value: command,
+                    replayed: false,
+                })
+            }
+            .await;
+            idempotency::settle(conn, &actor, Some(&key), created, |o| {
+                json!({ "commandId": o.value.id })
+            })
+            .await
+        })
+    })
+    .await?
+}
+
+/// `cancelCommand`: withdraws a command that is `pending` or `dispatched` (a daemon that
+/// acknowledges it afterwards is told it was cancelled, and does not run it). Cancelling a
+/// cancelled command returns it as it is; one that runs or ran is `CONFLICT`.
+pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
+    if !actor.is_operator() {
+        return Err(Error::Forbidden("only operators cancel commands".into()));
+    }
+    db.tx("cancel_command", TxKind::Write, |conn| {
+        let id = id.clone();
+        Box::pin(async move {
+            let cancelled = sqlx::query_as::<_, Command>(&format!(
+                "UPDATE commands AS c SET state = 'cancelled', finished_at = compute_now(), \
+                        version = c.version + 1, updated_at = compute_now() \
+                  WHERE c.id = $1 AND c.state = ANY($2) RETURNING {COLS}"
+            ))
+            .bind(&id)
+            .bind(stored_from(Action::Cancel))
+            .fetch_optional(&mut *conn)
+            .await?;
+            if let Some(c) = cancelled {
+                emit(conn, std::slice::from_ref(&c), EventType::CommandCancelled).await?;
+                return Ok(c);
+            }
+            match load(conn, &id).await? {
+                None => Err(Error::NotFound {
+                    kind: "command",
+                    id: id.to_string(),
+                }),
+                Some(c) if c.state == State::Cancelled => Ok(c),
+                Some(c) => Err(Error::Conflict {
+                    message: format!(
+                        "command {id} is {}; only pending or dispatched commands can be cancelled",
+                        c.state
+                    ),
+                    current_version: Some(c.version),
+                }),
+            }
+        })
+    })
+    .await
+}
+
+/// Commands by id.
+pub async fn get_commands(db: &Db, ids: &[CommandId]) -> Result<Vec<Command>> {
+    let ids: Vec<&str> = ids.iter().map(CommandId::as_str).collect();
+    Ok(sqlx::query_as::<_, Command>(&format!(
+        "SELECT {COLS} FROM commands c WHERE c.id = ANY($1)"
+    ))
+    .bind(&ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// Filters of the commands connections.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct CommandFilter {
+    pub node_id: Option<NodeId>,
+    pub state: Option<State>,
+    pub kind: Option<Kind>,
+}
+
+fn select<'a>(cols: &str, f: &CommandFilter) -> QueryBuilder<'a, Postgres> {
+    let mut qb = QueryBuilder::new(format!("SELECT {cols} FROM commands c WHERE TRUE"));
+    if let Some(n) = &f.node_id {
+        qb.push(" AND c.node_id = ").push_bind(n.clone());
+    }
+    if let Some(s) = f.state {
+        qb.push(" AND c.state = ").push_bind(s);
+    }
+    if let Some(k) = f.kind {
+        qb.push(" AND c.kind = ").push_bind(k);
+    }
+    qb
+}
+
+/// A page of commands, oldest first (`last:` for the newest).
+pub async fn list_commands(
+    db: &Db,
+    filter: &CommandFilter,
+    page: &PageArgs,
+) -> Result<Page<Command>> {
+    let mut qb = select(COLS, filter);
+    if let Some(after) = &page.after {
+        qb.push(" AND c.id > ").push_bind(after.clone());
+    }
+    if let Some(before) = &page.before {
+        qb.push(" AND c.id < ").push_bind(before.clone());
+    }
+    qb.push(if page.backward {
+        " ORDER BY c.id DESC"
+    } else {
+        " ORDER BY c.id"
+    })
+    .push(" LIMIT ")
+    .push_bind(page.limit + 1);
+    let rows = qb.build_query_as().fetch_all(db.pool()).await?;
+    Ok(Page::from_rows(rows, page))
+}
+
+/// How many commands match.
+pub async fn count_commands(db: &Db, filter: &CommandFilter) -> Result<i64> {
+    let (n,): (i64,) = select("count(*)", filter)
+        .build_query_as()
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}
+
+/// What one dispatch of a node did.
+#[derive(Debug, Clone, Default)]
+pub struct Dispatched {
+    /// The commands sent to the node's session.
+    pub commands: Vec<Command>,
+    /// Commands failed because the node was retired.
+    pub abandoned: usize,
+    /// More were waiting than one batch takes: run again at once.
+    pub more: bool,
+}
+
+/// Dispatches the waiting commands of `node` to its open session, in one transaction of `db`
+/// (fenced by the node's shard lease): makes the `apply_spec` of a generation the daemon has
+/// not reported, sends every pending command whose `min_generation` the daemon has reported
+/// (oldest first, at most [`DISPATCH_BATCH`]), and pokes the session's gateway. A node without
+/// an open session gets nothing (its next session wakes this again); a retired node's commands
+/// fail with `NODE_RETIRED`.
+pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
+    db.tx("dispatch_commands", TxKind::Maintenance, |conn| {
+        let node = node.clone();
+        Box::pin(async move {
+            let Some(spec) = sqlx::query!(
+                r#"SELECT generation, observed_generation, retired_at IS NOT NULL AS "retired!" FROM nodes WHERE id = $1"#,
+                node.as_str(),
+            )
+            .fetch_optional(&mut *conn)
+            .await?
+            else {
+                return Ok(Dispatched::default());
+            };
+            if spec.retired {
+                let failed = sqlx::query_as::<_, Command>(&format!(
+                    "UPDATE commands AS c SET state = 'failed', error_code = 'NODE_RETIRED', \
+                            error_message = 'the node was retired before the command finished', \
+                            finished_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
+                      WHERE c.node_id = $1 AND c.state = ANY($2) RETURNING {COLS}"
+                ))
+                .bind(&node)
+                .bind(stored_from(Action::Abandon))
+                .fetch_all(&mut *conn)
+                .await?;
+                emit(conn, &failed, EventType::CommandFailed).await?;
+                return Ok(Dispatched {
+                    abandoned: failed.len(),
+                    ..Dispatched::default()
+                });
+            }
+            // The session first (lock order): a session opening now waits for this dispatch,
+            // or this waits for it and then sees the new epoch.
+            let Some(session) = sqlx::query!(
+                "SELECT session_epoch, journal_id, gateway FROM node_sessions \
+                  WHERE node_id = $1 AND closed_at IS NULL FOR SHARE",
+                node.as_str(),
+            )
+            .fetch_optional(&mut *conn)
+            .await?
+            else {
+                return Ok(Dispatched::default());
+            };
+            if spec.generation > spec.observed_generation {
+                ensure(
+                    conn,
+                    &node,
+                    Kind::ApplySpec,
+                    &json!({ "generation": spec.generation }),
+                    0,
+                    true,
+                    &format!("spec:{}", spec.generation),
+                    CONTROL_PLANE,
+                )
+                .await?;
+            }
+            let sent = sqlx::query_as::<_, Command>(&format!(
+                "UPDATE commands AS c SET state = 'dispatched', session_epoch = $2, journal_id = $3, gateway = $4, \
+                        attempts = c.attempts + 1, dispatched_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
+                  WHERE c.id IN (SELECT p.id FROM commands p \
+                                  WHERE p.node_id = $1 AND p.state = 'pending' AND p.min_generation <= $5 \
+                                  ORDER BY p.id LIMIT $6 FOR UPDATE) \
+                    AND c.state = ANY($7) \
+                  RETURNING {COLS}"
+            ))
+            .bind(&node)
+            .bind(session.session_epoch)
+            .bind(&session.journal_id)
+            .bind(&session.gateway)
+            .bind(spec.observed_generation)
+            .bind(DISPATCH_BATCH)
+            .bind(stored_from(Action::Dispatch))
+            .fetch_all(&mut *conn)
+            .await?;
+            if sent.is_empty() {
+                return Ok(Dispatched::default());
+            }
+            emit(conn, &sent, EventType::CommandDispatched).await?;
+            sqlx::query!("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, session.gateway)
+                .execute(&mut *conn)
+                .await?;
+            let more = sent.len() as i64 == DISPATCH_BATCH;
+            Ok(Dispatched {
+                commands: sent,
+                abandoned: 0,
+                more,
+            })
+        })
+    })
+    .await
+}
+
+/// The commands dispatched to sessions `gateway` holds and not yet acknowledged: what it has
+/// to push (it pushes each at most once per session).
+pub async fn to_push(db: &Db, gateway: &str) -> Result<Vec<Command>> {
+    Ok(sqlx::query_as::<_, Command>(&format!(
+        "SELECT {COLS} FROM commands c WHERE c.gateway = $1 AND c.state = 'dispatched' ORDER BY c.node_id, c.id"
+    ))
+    .bind(gateway)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// What an acknowledgement got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AckAnswer {
+    /// The command runs: the daemon may proceed.
+    Proceed,
+    /// The daemon must not run it (cancelled, finished, or no longer this session's): why.
+    Refused(String),
+}
+
+/// The session guard of every daemon-side write: the session at `$2` is the node's open one,
+/// locked `FOR SHARE` so it cannot be superseded before this transaction ends.
+const SESSION_GUARD: &str = "WITH s AS (SELECT 1 FROM node_sessions \
+       WHERE node_id = $1 AND session_epoch = $2 AND closed_at IS NULL FOR SHARE)";
+
+/// The daemon of `node` (session `epoch`) acknowledges command `id`; `db` is fenced by the
+/// gateway's lease. A repeated acknowledgement of a running command proceeds again (the daemon's
+/// journal keeps it from running twice).
+pub async fn ack(db: &Db, node: &NodeId, epoch: i64, id: &CommandId) -> Result<AckAnswer> {
+    db.tx("ack_command", TxKind::Write, |conn| {
+        let (node, id) = (node.clone(), id.clone());
+        Box::pin(async move {
+            let started = sqlx::query_as::<_, Command>(&format!(
+                "{SESSION_GUARD} UPDATE commands AS c SET state = 'running', started_at = compute_now(), \
+                        version = c.version + 1, updated_at = compute_now() \
+                  WHERE c.id = $3 AND c.node_id = $1 AND c.session_epoch = $2 AND c.state = ANY($4) \
+                    AND EXISTS (SELECT 1 FROM s) RETURNING {COLS}"
+            ))
+            .bind(&node)
+            .bind(epoch)
+            .bind(&id)
+            .bind(stored_from(Action::Ack))
+            .fetch_optional(&mut *conn)
+            .await?;
+            if let Some(c) = started {
+                emit(conn, std::slice::from_ref(&c), EventType::CommandRunning).await?;
+                return Ok(AckAnswer::Proceed);
+            }
+            Ok(match load(conn, &id).await? {
+                Some(c) if c.node_id != node => AckAnswer::Refused("not this node's command".into()),
+                Some(c) if c.state == State::Running && c.session_epoch == Some(epoch) => {
+                    AckAnswer::Proceed
+                }
+                Some(c) if c.state == State::Cancelled => {
+                    AckAnswer::Refused("cancelled by an operator".into())
+                }
+                Some(c) if c.state.is_terminal() => AckAnswer::Refused(format!("already {}", c.state)),
+                Some(_) => AckAnswer::Refused("not dispatched to this session".into()),
+                None => AckAnswer::Refused("no such command".into()),
+            })
+        })
+    })
+    .await
+}
+
+/// Records the progress a daemon reports for a running command; `false` when the command is
+/// not running in this session (then nothing changes).
+pub async fn progress(
+    db: &Db,
+    node: &NodeId,
+    epoch: i64,
+    id: &CommandId,
+    progress: &Value,
+) -> Result<bool> {
+    check_object("progress", progress)?;
+    db.tx("command_progress", TxKind::Write, |conn| {
+        let (node, id, progress) = (node.clone(), id.clone(), progress.clone());
+        Box::pin(async move {
+            let moved = sqlx::query_as::<_, Command>(&format!(
+                "{SESSION_GUARD} UPDATE commands AS c SET progress = $4, version = c.version + 1, updated_at = compute_now() \
+                  WHERE c.id = $3 AND c.node_id = $1 AND c.session_epoch = $2 AND c.state = 'running' \
+                    AND EXISTS (SELECT 1 FROM s) RETURNING {COLS}"
+            ))
+            .bind(&node)
+            .bind(epoch)
+            .bind(&id)
+            .bind(Json(&progress))
+            .fetch_optional(&mut *conn)
+            .await?;
+            match moved {
+                Some(c) => {
+                    emit(conn, std::slice::from_ref(&c), EventType::CommandProgress).await?;
+                    Ok(true)
+                }
+                None => Ok(false),
+            }
+        })
+    })
+    .await
+}
+
+/// A daemon's outcome of a command.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub succeeded: bool,
+    /// What it produced (an object).
+    pub output: Value,
+    /// For a failure: an upper-case code of the daemon's (`[A-Z][A-Z_]*`, at most 64) and a
+    /// message.
+    pub error_code: Option<String>,
+    pub error_message: Option<String>,
+}
+
+impl Report {
+    /// Checks a daemon's report.
+    pub fn check(&self) -> Result<()> {
+        check_object("output", &self.output)?;
+        match (&self.error_code, self.succeeded) {
+            (Some(_), true) => Err(Error::bad_input(
+                "errorCode",
+                "a succeeded result carries no errorCode",
+            )),
+            (None, false) => Err(Error::bad_input(
+                "errorCode",
+                "a failed result needs an errorCode",
+            )),
+            (Some(code), false) => {
+                let ok = (1..=64).contains(&code.len())
+                    && code.starts_with(|c: char| c.is_ascii_uppercase())
+                    && code.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+                if ok {
+                    Ok(())
+                } else {
+                    Err(Error::bad_input(
+                        "errorCode",
+                        "errorCode is 1 to 64 of A-Z and _, starting with a letter",
+                    ))
+                }
+            }
+            (None, true) => Ok(()),
+        }
+    }
+}
+
+/// Records the outcome the daemon of `node` (session `epoch`) reports for command `id`; `db`
+/// is fenced by the gateway's lease. `None` when the command is not dispatched to or running in
+/// this session (a superseded session, a zombie gateway, a repeat): nothing changes.
+pub async fn finish(
+    db: &Db,
+    node: &NodeId,
+    epoch: i64,
+    id: &CommandId,
+    report: &Report,
+) -> Result<Option<Command>> {
+    report.check()?;
+    let message = report
+        .error_message
+        .as_deref()
+        .map(|m| m.chars().take(2000).collect::<String>())
+        .or_else(|| report.error_code.as_ref().map(|_| String::new()));
+    db.tx("finish_command", TxKind::Write, |conn| {
+        let (node, id, report, message) = (node.clone(), id.clone(), report.clone(), message.clone());
+        Box::pin(async move {
+            let state = if report.succeeded { State::Succeeded } else { State::Failed };
+            let done = sqlx::query_as::<_, Command>(&format!(
+                "{SESSION_GUARD} UPDATE commands AS c SET state = $4, result = $5, error_code = $6, error_message = $7, \
+                        started_at = coalesce(c.started_at, compute_now()), finished_at = compute_now(), \
+                        version = c.version + 1, updated_at = compute_now() \
+                  WHERE c.id = $3 AND c.node_id = $1 AND c.session_epoch = $2 AND c.state = ANY($8) \
+                    AND EXISTS (SELECT 1 FROM s) RETURNING {COLS}"
+            ))
+            .bind(&node)
+            .bind(epoch)
+            .bind(&id)
+            .bind(state)
+            .bind(Json(&report.output))
+            .bind(&report.error_code)
+            .bind(&message)
+            .bind(stored_from(Action::Finish))
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some(c) = done else { return Ok(None) };
+            let event = if report.succeeded {
+                EventType::CommandSucceeded
+            } else {
+                EventType::CommandFailed
+            };
+            emit(conn, std::slice::from_ref(&c), event).await?;
+            Ok(Some(c))
+        })
+    })
+    .await
+}
+
+/// What a session's opening did to the commands in flight under older sessions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reopened {
+    /// Back to `pending`, to be dispatched to the new session.
+    pub requeued: usize,
+    /// Failed with `JOURNAL_RESET`.
+    pub reset: usize,
+}
+
+/// In the transaction that opens session `epoch` of `node` (after its `node_sessions` row is
+/// written): the commands dispatched to or running in older sessions go back to `pending`,
+/// except, when the daemon comes with a journal other than `previous` (it lost its memory), the
+/// ones that are not retry-safe: those fail with `JOURNAL_RESET`. Wakes the node's dispatcher.
+pub async fn on_session_open(
+    conn: &mut PgConnection,
+    node: &NodeId,
+    epoch: i64,
+    previous: Option<&str>,
+    journal: &str,
+) -> Result<Reopened> {
+    let wiped = previous.is_some_and(|p| p != journal);
+    let mut out = Reopened::default();
+    if wiped {
+        let failed = sqlx::query_as::<_, Command>(&format!(
+            "UPDATE commands AS c SET state = 'failed', error_code = 'JOURNAL_RESET', \
+                    error_message = 'the daemon came back with a new journal (it lost its memory): this command may or may not have run, and is not safe to run again', \
+                    finished_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
+              WHERE c.node_id = $1 AND c.state = ANY($2) AND c.session_epoch < $3 AND NOT c.retry_safe \
+              RETURNING {COLS}"
+        ))
+        .bind(node)
+        .bind(stored_from(Action::JournalReset))
+        .bind(epoch)
+        .fetch_all(&mut *conn)
+        .await?;
+        emit(conn, &failed, EventType::CommandFailed).await?;
+        out.reset = failed.len();
+    }
+    let requeued = sqlx::query_as::<_, Command>(&format!(
+        "UPDATE commands AS c SET state = 'pending', session_epoch = NULL, version = c.version + 1, updated_at = compute_now() \
+          WHERE c.node_id = $1 AND c.state = ANY($2) AND c.session_epoch < $3 \
+          RETURNING {COLS}"
+    ))
+    .bind(node)
+    .bind(stored_from(Action::Requeue))
+    .bind(epoch)
+    .fetch_all(&mut *conn)
+    .await?;
+    emit(conn, &requeued, EventType::CommandRequeued).await?;
+    out.requeued = requeued.len();
+    enqueue(conn, node).await?;
+    Ok(out)
+}
+
+/// Wakes the dispatcher of `node` after its daemon reported a new generation (commands that
+/// waited for it may go).
+pub async fn generation_observed(conn: &mut PgConnection, node: &NodeId) -> Result<()> {
+    enqueue(conn, node).await
+}
+
+/// Listens for dispatchers' pokes ([`NOTIFY_CHANNEL`]) and calls `on_poke` with each one's
+/// gateway id; returns when the connection fails (the caller reconnects; its polling covers the
+/// gap).
+pub async fn listen_for_pokes(db: &Db, on_poke: impl Fn(&str)) -> Result<()> {
+    let mut listener = sqlx::postgres::PgListener::connect_with(db.pool()).await?;
+    listener.listen(NOTIFY_CHANNEL).await?;
+    loop {
+        let n = listener.recv().await?;
+        on_poke(n.payload());
+    }
+}

@@ -1,0 +1,548 @@
+//! Commands to node daemons, end to end: `runCommand` over HTTP, the dispatcher stepped under
+//! its shard lease, the real gateway pushing over `/agent`, and simulated daemons answering from
+//! their journals (`docs/commands.md`).
+
+use std::time::Duration;
+
+use compute_domain::ids::{CommandId, NodeId};
+use compute_domain::node_commands::{self as cmds, AckAnswer, Report};
+use compute_sim::{Daemon, DaemonConfig, Session, SharedJournal};
+use compute_tests::TestApp;
+use compute_workers::queue::{DISPATCH_KINDS, QueueWorker};
+use serde_json::{Value, json};
+
+use crate::reservations::pool;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+const RUN: &str = "mutation($i: RunCommandInput!) { runCommand(input: $i) { idempotentReplay command { id state kind attempts retrySafe } } }";
+const GET: &str = "query($id: ID!) { command(id: $id) { state attempts errorCode sessionEpoch journalId result startedAt finishedAt } }";
+
+fn daemon(app: &TestApp, node: &str, journal: &str, observed: i64) -> DaemonConfig {
+    DaemonConfig {
+        url: app.agent_url(),
+        token: app.node_token(node),
+        node_id: node.to_owned(),
+        daemon_version: "sim/1".into(),
+        journal_id: journal.into(),
+        observed_generation: observed,
+    }
+}
+
+async fn setup() -> (TestApp, Vec<String>, QueueWorker) {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway
+        .refresh_lease()
+        .await
+        .expect("the gateway's lease in simulated time");
+    let p = pool(&app).await;
+    let dispatcher =
+        QueueWorker::new(app.db.db.clone(), "dispatcher-a", &DISPATCH_KINDS).in_family("dispatch");
+    (app, p.nodes, dispatcher)
+}
+
+/// One pass of the dispatcher: keeps its shards, dispatches what is due.
+async fn dispatch(worker: &mut QueueWorker) -> usize {
+    worker.rebalance().await.expect("shards");
+    worker.step().await.expect("dispatch")
+}
+
+async fn run(app: &TestApp, node: &str, kind: &str, key: &str, extra: Value) -> Value {
+    let mut input = json!({ "computeNodeId": node, "kind": kind, "idempotencyKey": key });
+    if let (Some(i), Some(e)) = (input.as_object_mut(), extra.as_object()) {
+        i.extend(e.clone());
+    }
+    app.ok(&app.operator(), RUN, json!({ "i": input })).await["runCommand"].clone()
+}
+
+async fn get(app: &TestApp, id: &str) -> Value {
+    app.ok(&app.operator(), GET, json!({ "id": id })).await["command"].clone()
+}
+
+/// Feeds the gateway's messages to `daemon` and sends its answers, until the gateway says it
+/// recorded the result of `command`; every message received.
+async fn serve_until_recorded(
+    session: &mut Session,
+    daemon: &mut Daemon,
+    command: &str,
+) -> Vec<Value> {
+    let mut seen = Vec::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        assert!(
+            !left.is_zero(),
+            "no result of {command} was recorded; saw {seen:#?}"
+        );
+        let Some(message) = session.next_message(left).await else {
+            continue;
+        };
+        let message = message.expect("the session stays open");
+        for reply in daemon.on_message(&message) {
+            session.send(reply).await.expect("send");
+        }
+        let done = message["type"] == "recorded" && message["commandId"] == command;
+        seen.push(message);
+        if done {
+            return seen;
+        }
+    }
+}
+
+/// The next `command` message, its answer not sent.
+async fn next_command(session: &mut Session) -> Value {
+    loop {
+        let m = session
+            .next_message(WAIT)
+            .await
+            .expect("a message")
+            .expect("open");
+        if m["type"] == "command" {
+            return m;
+        }
+    }
+}
+
+fn executions(journal: &SharedJournal, id: &str) -> u32 {
+    journal
+        .lock()
+        .expect("journal")
+        .entries
+        .get(id)
+        .map_or(0, |e| e.executions)
+}
+
+async fn command_events(app: &TestApp, id: &str) -> Vec<String> {
+    sqlx::query_scalar("SELECT type FROM outbox WHERE subject = $1 ORDER BY txid, seq")
+        .bind(id)
+        .fetch_all(app.db.db.pool())
+        .await
+        .expect("events")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_runs_once_end_to_end_and_a_retry_gets_the_same_command() {
+    let (app, nodes, mut dispatcher) = setup().await;
+    let node = &nodes[0];
+    let journal = compute_sim::journal("j1");
+    let mut d = Daemon::new(journal.clone(), 1);
+    let mut session = Session::open(&daemon(&app, node, "j1", 1))
+        .await
+        .expect("open");
+
+    let first = run(&app, node, "NOOP", "k1", json!({})).await;
+    assert_eq!(first["idempotentReplay"], false);
+    assert_eq!(first["command"]["state"], "PENDING");
+    assert_eq!(first["command"]["retrySafe"], true);
+    let id = first["command"]["id"].as_str().expect("id").to_owned();
+    let again = run(&app, node, "NOOP", "k1", json!({})).await;
+    assert_eq!(
+        again["command"]["id"],
+        id.as_str(),
+        "the same key, the same command"
+    );
+    assert_eq!(again["idempotentReplay"], true);
+    let input = |args: Value| json!({ "i": { "computeNodeId": node, "kind": "NOOP", "idempotencyKey": "k1", "args": args } });
+    let (code, _) = app
+        .fails(&app.operator(), RUN, input(json!({ "x": 1 })))
+        .await;
+    assert_eq!(code, "IDEMPOTENCY_KEY_REUSED");
+    let (code, _) = app.fails(&app.operator(), RUN, json!({ "i": { "computeNodeId": node, "kind": "NOOP", "idempotencyKey": "k2", "args": [1] } })).await;
+    assert_eq!(code, "BAD_USER_INPUT");
+    let (code, _) = app
+        .fails(
+            &app.operator(),
+            RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "APPLY_SPEC", "idempotencyKey": "k3" } }),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "apply_spec is the control plane's");
+    let (code, _) = app
+        .fails(
+            &app.member("acme"),
+            RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "NOOP", "idempotencyKey": "k4" } }),
+        )
+        .await;
+    assert_eq!(code, "FORBIDDEN");
+    assert_eq!(
+        app.count("commands").await,
+        1,
+        "refused requests wrote nothing"
+    );
+
+    assert!(dispatch(&mut dispatcher).await >= 1);
+    let seen = serve_until_recorded(&mut session, &mut d, &id).await;
+    let types: Vec<&str> = seen.iter().filter_map(|m| m["type"].as_str()).collect();
+    assert_eq!(types, ["command", "proceed", "recorded"], "{seen:#?}");
+    assert_eq!(seen[2]["recorded"], true);
+    let c = get(&app, &id).await;
+    assert_eq!(
+        (
+            c["state"].as_str(),
+            c["attempts"].as_i64(),
+            c["sessionEpoch"].as_i64(),
+            c["journalId"].as_str()
+        ),
+        (Some("SUCCEEDED"), Some(1), Some(1), Some("j1"))
+    );
+    assert!(c["startedAt"].is_string() && c["finishedAt"].is_string());
+    assert_eq!(executions(&journal, &id), 1);
+    assert_eq!(
+        command_events(&app, &id).await,
+        [
+            "command.created",
+            "command.dispatched",
+            "command.running",
+            "command.succeeded"
+        ]
+    );
+
+    // Nothing is pushed twice: another dispatch and a poll send this session nothing more.
+    dispatch(&mut dispatcher).await;
+    app.gateway.push_now().await.expect("push");
+    assert!(
+        session
+            .next_message(Duration::from_millis(500))
+            .await
+            .is_none(),
+        "nothing more arrives"
+    );
+    let listed = app
+        .ok(&app.operator(), "query($n: ID!) { computeNode: node(id: $n) { ... on ComputeNode { commands(last: 5) { totalCount edges { node { id state } } } } } commands(state: SUCCEEDED) { totalCount } }", json!({ "n": node }))
+        .await;
+    assert_eq!(listed["computeNode"]["commands"]["totalCount"], 1);
+    assert_eq!(
+        listed["computeNode"]["commands"]["edges"][0]["node"]["id"],
+        id.as_str()
+    );
+    assert_eq!(listed["commands"]["totalCount"], 1);
+    session.bye().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_waits_for_its_generation_and_runs_once_the_daemon_reports_it() {
+    let (app, nodes, mut dispatcher) = setup().await;
+    let node = &nodes[0];
+    // A spec change: generation 2, which the daemon (at 1) has not applied.
+    let version = app
+        .ok(
+            &app.operator(),
+            "query($n: ID!) { node(id: $n) { ... on ComputeNode { version } } }",
+            json!({ "n": node }),
+        )
+        .await["node"]["version"]
+        .as_i64()
+        .expect("version");
+    let updated = app
+        .ok(&app.operator(), "mutation($i: UpdateNodeInput!) { updateNode(input: $i) { computeNode { generation observedGeneration } } }", json!({ "i": { "id": node, "version": version, "labels": [{ "key": "zone", "value": "a" }] } }))
+        .await;
+    assert_eq!(updated["updateNode"]["computeNode"]["generation"], 2);
+    let journal = compute_sim::journal("j1");
+    let mut d = Daemon::new(journal.clone(), 1);
+    let mut session = Session::open(&daemon(&app, node, "j1", 1))
+        .await
+        .expect("open");
+    let (code, _) = app
+        .fails(&app.operator(), RUN, json!({ "i": { "computeNodeId": node, "kind": "NOOP", "idempotencyKey": "far", "minGeneration": 3 } }))
+        .await;
+    assert_eq!(
+        code, "BAD_USER_INPUT",
+        "a generation the node does not have would wait forever"
+    );
+    let waiting = run(
+        &app,
+        node,
+        "NOOP",
+        "after-spec",
+        json!({ "minGeneration": 2 }),
+    )
+    .await;
+    let id = waiting["command"]["id"].as_str().expect("id").to_owned();
+
+    // The dispatcher sends the spec (made for generation 2), not the command.
+    dispatch(&mut dispatcher).await;
+    assert_eq!(
+        get(&app, &id).await["state"],
+        "PENDING",
+        "it waits for generation 2"
+    );
+    let spec = next_command(&mut session).await;
+    assert_eq!(spec["kind"], "apply_spec");
+    assert_eq!(spec["args"], json!({ "generation": 2 }));
+    let spec_id = spec["commandId"].as_str().expect("id").to_owned();
+    for reply in d.on_message(&spec) {
+        session.send(reply).await.expect("ack");
+    }
+    serve_until_recorded(&mut session, &mut d, &spec_id).await;
+    compute_tests::eventually("the daemon's generation is recorded", WAIT, || async {
+        let g: i64 = sqlx::query_scalar("SELECT observed_generation FROM nodes WHERE id = $1")
+            .bind(node)
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("node");
+        (g == 2).then_some(())
+    })
+    .await;
+
+    // Now it goes, once.
+    dispatch(&mut dispatcher).await;
+    serve_until_recorded(&mut session, &mut d, &id).await;
+    assert_eq!(get(&app, &id).await["state"], "SUCCEEDED");
+    assert_eq!(
+        (executions(&journal, &spec_id), executions(&journal, &id)),
+        (1, 1)
+    );
+    let specs: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM commands WHERE kind = 'apply_spec' AND node_id = $1",
+    )
+    .bind(node)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("count");
+    assert_eq!(
+        specs, 1,
+        "one apply_spec per generation, however often the dispatcher runs"
+    );
+    session.bye().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_reset_fails_what_is_not_retry_safe_and_a_kept_journal_answers_from_memory() {
+    let (app, nodes, mut dispatcher) = setup().await;
+    let node = &nodes[0];
+    let mut first = Session::open(&daemon(&app, node, "j1", 1))
+        .await
+        .expect("open");
+    let reset = run(
+        &app,
+        node,
+        "RESET_GPU",
+        "reset",
+        json!({ "args": { "device": "GPU-0" } }),
+    )
+    .await;
+    assert_eq!(reset["command"]["retrySafe"], false);
+    let reset = reset["command"]["id"].as_str().expect("id").to_owned();
+    let noop = run(&app, node, "NOOP", "noop", json!({})).await["command"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    dispatch(&mut dispatcher).await;
+    // Both reach the daemon, which is then wiped before it answers.
+    next_command(&mut first).await;
+    next_command(&mut first).await;
+
+    let wiped = compute_sim::journal("j2");
+    let mut d = Daemon::new(wiped.clone(), 1);
+    let mut second = Session::open(&daemon(&app, node, "j2", 1))
+        .await
+        .expect("the wiped daemon comes back");
+    assert_eq!(first.closed(WAIT).await.expect("superseded").code, 4409);
+    let r = get(&app, &reset).await;
+    assert_eq!(
+        (r["state"].as_str(), r["errorCode"].as_str()),
+        (Some("FAILED"), Some("JOURNAL_RESET"))
+    );
+    assert_eq!(
+        get(&app, &noop).await["state"],
+        "PENDING",
+        "retry-safe: dispatched again"
+    );
+    dispatch(&mut dispatcher).await;
+    serve_until_recorded(&mut second, &mut d, &noop).await;
+    let n = get(&app, &noop).await;
+    assert_eq!(
+        (
+            n["state"].as_str(),
+            n["attempts"].as_i64(),
+            n["journalId"].as_str(),
+            n["sessionEpoch"].as_i64()
+        ),
+        (Some("SUCCEEDED"), Some(2), Some("j2"), Some(2))
+    );
+    assert_eq!(
+        executions(&wiped, &reset),
+        0,
+        "the reset GPU command never ran again"
+    );
+
+    // The same journal: the daemon ran a command but its result was lost with the connection;
+    // the next session gets the command again and answers from the journal, without running it.
+    let kept = run(&app, node, "RESET_GPU", "kept", json!({})).await["command"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    dispatch(&mut dispatcher).await;
+    let command = next_command(&mut second).await;
+    for reply in d.on_message(&command) {
+        second.send(reply).await.expect("ack");
+    }
+    let proceed = second
+        .next_message(WAIT)
+        .await
+        .expect("proceed")
+        .expect("open");
+    assert_eq!(proceed["type"], "proceed");
+    let lost = d.on_message(&proceed);
+    assert_eq!(lost[0]["type"], "result", "it ran");
+    second.cut();
+    compute_tests::eventually("the command is running", WAIT, || async {
+        (get(&app, &kept).await["state"] == "RUNNING").then_some(())
+    })
+    .await;
+    let mut third = Session::open(&daemon(&app, node, "j2", 1))
+        .await
+        .expect("back with the same journal");
+    assert_eq!(
+        get(&app, &kept).await["state"],
+        "PENDING",
+        "taken back, not failed"
+    );
+    dispatch(&mut dispatcher).await;
+    let seen = serve_until_recorded(&mut third, &mut d, &kept).await;
+    let types: Vec<&str> = seen.iter().filter_map(|m| m["type"].as_str()).collect();
+    assert_eq!(
+        types,
+        ["command", "recorded"],
+        "answered from the journal: no ack, no run"
+    );
+    let k = get(&app, &kept).await;
+    assert_eq!(
+        (k["state"].as_str(), k["attempts"].as_i64()),
+        (Some("SUCCEEDED"), Some(2))
+    );
+    assert_eq!(executions(&wiped, &kept), 1, "it ran once");
+    third.bye().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
+    let (app, nodes, mut dispatcher) = setup().await;
+    let db = &app.db.db;
+    let node = &nodes[0];
+    let node_id = NodeId::parse("node", node).expect("node id");
+    let mut first = Session::open(&daemon(&app, node, "j1", 1))
+        .await
+        .expect("open");
+    let id = run(&app, node, "NOOP", "z", json!({})).await["command"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let cid = CommandId::parse("id", &id).expect("command id");
+    dispatch(&mut dispatcher).await;
+    next_command(&mut first).await;
+    assert_eq!(
+        cmds::ack(db, &node_id, 1, &cid).await.expect("ack"),
+        AckAnswer::Proceed
+    );
+    // A newer session supersedes the first: its gateway's writes at epoch 1 change nothing.
+    let second = Session::open(&daemon(&app, node, "j1", 1))
+        .await
+        .expect("open again");
+    let report = Report {
+        succeeded: true,
+        output: json!({}),
+        error_code: None,
+        error_message: None,
+    };
+    assert!(
+        cmds::finish(db, &node_id, 1, &cid, &report)
+            .await
+            .expect("finish")
+            .is_none(),
+        "a zombie session's result is not recorded"
+    );
+    assert!(matches!(
+        cmds::ack(db, &node_id, 1, &cid).await.expect("ack"),
+        AckAnswer::Refused(_)
+    ));
+    assert_eq!(get(&app, &id).await["state"], "PENDING");
+
+    // A zombie dispatcher: its shard lease was taken over; its dispatch writes nothing.
+    let shard: i32 = sqlx::query_scalar("SELECT compute_shard($1, 8)")
+        .bind(node)
+        .fetch_one(db.pool())
+        .await
+        .expect("shard");
+    let name = format!("shard:node_commands:{shard}");
+    dispatcher.release_all().await;
+    let ttl = Duration::from_secs(15);
+    let old = compute_domain::leases::acquire(db, &name, "zombie", ttl)
+        .await
+        .expect("acquire")
+        .expect("free");
+    app.db.advance_clock(16).await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let new = compute_domain::leases::acquire(db, &name, "successor", ttl)
+        .await
+        .expect("acquire")
+        .expect("expired, so taken over");
+    assert!(new.epoch > old.epoch);
+    let err = cmds::dispatch_node(&db.fenced(&old), &node_id)
+        .await
+        .expect_err("fenced out");
+    assert!(
+        matches!(err, compute_domain::Error::LeaseLost(_)),
+        "{err:?}"
+    );
+    assert_eq!(
+        get(&app, &id).await["state"],
+        "PENDING",
+        "the zombie dispatched nothing"
+    );
+
+    // Cancelled while dispatched: the daemon's acknowledgement is refused and it never runs.
+    let sent = cmds::dispatch_node(&db.fenced(&new), &node_id)
+        .await
+        .expect("the successor dispatches");
+    assert_eq!(sent.commands.len(), 1);
+    let journal = compute_sim::journal("j1");
+    let mut d = Daemon::new(journal.clone(), 1);
+    let mut second = second;
+    let command = next_command(&mut second).await;
+    let cancel =
+        "mutation($i: CancelCommandInput!) { cancelCommand(input: $i) { command { state } } }";
+    let c = app
+        .ok(&app.operator(), cancel, json!({ "i": { "id": id } }))
+        .await;
+    assert_eq!(c["cancelCommand"]["command"]["state"], "CANCELLED");
+    let c = app
+        .ok(&app.operator(), cancel, json!({ "i": { "id": id } }))
+        .await;
+    assert_eq!(
+        c["cancelCommand"]["command"]["state"], "CANCELLED",
+        "cancelling again is harmless"
+    );
+    for reply in d.on_message(&command) {
+        second.send(reply).await.expect("ack");
+    }
+    let answer = second
+        .next_message(WAIT)
+        .await
+        .expect("answer")
+        .expect("open");
+    assert_eq!(answer["type"], "cancelled", "{answer}");
+    d.on_message(&answer);
+    assert_eq!(
+        executions(&journal, &id),
+        0,
+        "a cancelled command never runs"
+    );
+    assert_eq!(get(&app, &id).await["state"], "CANCELLED");
+    // A finished command cannot be cancelled.
+    let done = run(&app, node, "NOOP", "done", json!({})).await["command"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    cmds::dispatch_node(&db.fenced(&new), &node_id)
+        .await
+        .expect("dispatch");
+    serve_until_recorded(&mut second, &mut d, &done).await;
+    let (code, _) = app
+        .fails(&app.operator(), cancel, json!({ "i": { "id": done } }))
+        .await;
+    assert_eq!(code, "CONFLICT");
+    second.bye().await;
+}
