@@ -232,6 +232,10 @@ pub struct Journal {
 #[derive(Debug, Clone, Default)]
 pub struct Entry {
     pub kind: String,
+    /// How many `command` messages for it arrived (across this journal's sessions).
+    pub received: u32,
+    /// How many sessions of this journal it arrived in (at most once per session).
+    pub sessions: Vec<i64>,
     pub executions: u32,
     /// The `result` message, once it finished.
     pub result: Option<Value>,
@@ -261,6 +265,8 @@ pub fn journal(id: &str) -> SharedJournal {
 pub struct Daemon {
     pub journal: SharedJournal,
     pub observed_generation: i64,
+    /// The epoch of the session it is in (set it from `welcome`; recorded with each command).
+    pub session_epoch: i64,
     pub refuse_overlaps: bool,
     /// Commands acknowledged and waiting for `proceed`.
     awaiting: HashMap<String, Value>,
@@ -271,6 +277,7 @@ impl Daemon {
         Daemon {
             journal,
             observed_generation,
+            session_epoch: 0,
             refuse_overlaps: true,
             awaiting: HashMap::new(),
         }
@@ -282,13 +289,15 @@ impl Daemon {
         match message["type"].as_str() {
             Some("command") => {
                 let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(done) = j.entries.get(&id).and_then(|e| e.result.clone()) {
-                    return vec![done];
-                }
-                j.entries.entry(id.clone()).or_insert_with(|| Entry {
+                let entry = j.entries.entry(id.clone()).or_insert_with(|| Entry {
                     kind: message["kind"].as_str().unwrap_or_default().to_owned(),
                     ..Entry::default()
                 });
+                entry.received += 1;
+                entry.sessions.push(self.session_epoch);
+                if let Some(done) = entry.result.clone() {
+                    return vec![done];
+                }
                 self.awaiting.insert(id.clone(), message.clone());
                 vec![json!({ "type": "ack", "commandId": id })]
             }
@@ -391,6 +400,10 @@ pub struct Behaviour {
     pub partition: Option<Partition>,
     /// The daemon's journal (kept across its sessions); a new one for `journal_id` when `None`.
     pub journal: Option<SharedJournal>,
+    /// How long a command takes between `proceed` and its `result` (it has run, and is
+    /// recorded in the journal, when the wait starts: a daemon cut off meanwhile reports it
+    /// from its journal in its next session, or loses it with a wipe).
+    pub command_time: Duration,
 }
 
 impl Default for Behaviour {
@@ -400,6 +413,7 @@ impl Default for Behaviour {
             reconnect_after: Duration::from_millis(500),
             partition: None,
             journal: None,
+            command_time: Duration::ZERO,
         }
     }
 }
@@ -440,6 +454,7 @@ pub async fn run_daemon(
         match Session::open(&config).await {
             Ok(mut session) => {
                 backoff = behaviour.reconnect_after;
+                daemon.session_epoch = session.welcome.session_epoch;
                 on_event(&config.node_id, Ok(&session.welcome));
                 let period = behaviour.heartbeat.unwrap_or(Duration::from_secs_f64(
                     session.welcome.heartbeat_seconds.max(0.1),
@@ -479,6 +494,24 @@ pub async fn run_daemon(
                             match m {
                                 Some(Err(c)) => break Some(c),
                                 Some(Ok(message)) => {
+                                    if message["type"] == "proceed" && !behaviour.command_time.is_zero() {
+                                        let replies = daemon.on_message(&message);
+                                        tokio::select! {
+                                            _ = stop.changed() => return,
+                                            () = tokio::time::sleep(behaviour.command_time) => {}
+                                        }
+                                        let mut failed = None;
+                                        for reply in replies {
+                                            if let Err(c) = session.send(reply).await {
+                                                failed = Some(c);
+                                                break;
+                                            }
+                                        }
+                                        if let Some(c) = failed {
+                                            break Some(c);
+                                        }
+                                        continue;
+                                    }
                                     let mut failed = None;
                                     for reply in daemon.on_message(&message) {
                                         if let Err(c) = session.send(reply).await {

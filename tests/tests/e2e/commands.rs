@@ -546,3 +546,202 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
     assert_eq!(code, "CONFLICT");
     second.bye().await;
 }
+
+/// Seeds `n` nodes (no GPUs: commands need none) in a pool of their own; their ids.
+pub async fn seed_nodes(app: &TestApp, n: usize) -> Vec<String> {
+    let z = "0".repeat(32);
+    sqlx::raw_sql(&format!(
+        "INSERT INTO sites (id, name) VALUES ('site_{z}', 'cmd');
+         INSERT INTO pools (id, site_id, name, kind) VALUES ('pool_{z}', 'site_{z}', 'cmd', 'bare_metal');
+         INSERT INTO nodes (id, pool_id, hostname)
+              SELECT 'node_' || lpad(to_hex(g), 32, '0'), 'pool_{z}', 'cmd-' || g FROM generate_series(1, {n}) g;"
+    ))
+    .execute(app.db.db.pool())
+    .await
+    .expect("seed the nodes");
+    (1..=n).map(|g| format!("node_{g:032x}")).collect()
+}
+
+/// A real `compute-worker --role dispatch` process (this package's `test-worker` build).
+pub fn dispatch_process(app: &TestApp) -> tokio::process::Child {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("port")
+        .local_addr()
+        .expect("addr")
+        .port();
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_test-worker"))
+        .args([
+            "--role",
+            "dispatch",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .env("DATABASE_URL", &app.db.url)
+        .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start a dispatch process")
+}
+
+/// Runs a simulated daemon for each of `nodes` (journal `j-<node>`) until the returned sender
+/// says stop; their journals.
+pub fn daemons(
+    app: &TestApp,
+    nodes: &[String],
+) -> (
+    tokio::sync::watch::Sender<bool>,
+    std::collections::HashMap<String, SharedJournal>,
+) {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut journals = std::collections::HashMap::new();
+    for node in nodes {
+        let j = compute_sim::journal(&format!("j-{node}"));
+        journals.insert(node.clone(), j.clone());
+        let behaviour = compute_sim::Behaviour {
+            journal: Some(j),
+            ..compute_sim::Behaviour::default()
+        };
+        tokio::spawn(compute_sim::run_daemon(
+            daemon(app, node, &format!("j-{node}"), 0),
+            behaviour,
+            stopped.clone(),
+            |_, _| {},
+        ));
+    }
+    (stop, journals)
+}
+
+/// Every command by state.
+pub async fn states(app: &TestApp) -> std::collections::BTreeMap<String, i64> {
+    sqlx::query_as::<_, (String, i64)>("SELECT state, count(*) FROM commands GROUP BY state")
+        .fetch_all(app.db.db.pool())
+        .await
+        .expect("states")
+        .into_iter()
+        .collect()
+}
+
+/// Moves simulated time `seconds` forward in steps of 10 s, renewing the gateway's lease at
+/// each step (as its background renewal would), so its sessions live on.
+pub async fn pass_time(app: &TestApp, seconds: i64) {
+    let mut left = seconds;
+    while left > 0 {
+        let s = left.min(10);
+        app.db.advance_clock(s).await;
+        app.gateway.refresh_lease().await.expect("gateway lease");
+        left -= s;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_dispatcher_loses_no_command_and_sends_none_twice() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let nodes = seed_nodes(&app, 20).await;
+    let (stop, journals) = daemons(&app, &nodes);
+    compute_tests::eventually("every daemon is connected", WAIT, || async {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM nodes WHERE reachability = 'connected'")
+                .fetch_one(app.db.db.pool())
+                .await
+                .expect("count");
+        (n == nodes.len() as i64).then_some(())
+    })
+    .await;
+
+    // 400 commands arrive while the first dispatcher works; it is SIGKILLed part-way.
+    let producer = tokio::spawn({
+        let (db, nodes) = (app.db.db.clone(), nodes.clone());
+        async move {
+            let operator = compute_domain::idempotency::Actor::operator("ops");
+            for i in 0..400 {
+                let node = NodeId::parse("node", &nodes[i % nodes.len()]).expect("node");
+                cmds::run_command(
+                    &db,
+                    &operator,
+                    cmds::CommandRequest {
+                        node_id: node,
+                        kind: cmds::Kind::Noop,
+                        args: json!({}),
+                        min_generation: 0,
+                        retry_safe: None,
+                    },
+                    &format!("k{i}"),
+                )
+                .await
+                .expect("run");
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+        }
+    });
+    let started = std::time::Instant::now();
+    let mut first = dispatch_process(&app);
+    compute_tests::eventually(
+        "the first dispatcher delivers some",
+        Duration::from_secs(30),
+        || async {
+            (states(&app).await.get("succeeded").copied().unwrap_or(0) >= 100).then_some(())
+        },
+    )
+    .await;
+    first.kill().await.expect("SIGKILL");
+    let at_kill = states(&app).await;
+    eprintln!(
+        "dispatch SIGKILL: killed after {:?}; commands by state then: {at_kill:?}",
+        started.elapsed()
+    );
+    producer.await.expect("producer");
+    let stranded = states(&app).await;
+    eprintln!("dispatch SIGKILL: all 400 created, no dispatcher: {stranded:?}");
+    assert!(
+        stranded.get("pending").copied().unwrap_or(0) > 0,
+        "commands wait: {stranded:?}"
+    );
+
+    // Its leases (15 s) and claims (60 s) run out; a second process takes the shards.
+    pass_time(&app, 70).await;
+    let restarted = std::time::Instant::now();
+    let _second = dispatch_process(&app);
+    let total: i64 = sqlx::query_scalar("SELECT count(*) FROM commands")
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("count");
+    compute_tests::eventually(
+        "the second dispatcher delivers the rest",
+        Duration::from_secs(60),
+        || async {
+            (states(&app).await.get("succeeded").copied().unwrap_or(0) == total).then_some(())
+        },
+    )
+    .await;
+    eprintln!(
+        "dispatch SIGKILL: the second dispatcher finished the remaining {} commands {:?} after it started",
+        total - at_kill.get("succeeded").copied().unwrap_or(0),
+        restarted.elapsed()
+    );
+
+    // None lost, none sent twice, none run twice.
+    let twice: i64 = sqlx::query_scalar("SELECT count(*) FROM commands WHERE attempts <> 1")
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("count");
+    assert_eq!(twice, 0, "every command was dispatched exactly once");
+    let events: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT subject FROM outbox WHERE type = 'command.dispatched' GROUP BY subject HAVING count(*) > 1) x",
+    )
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("count");
+    assert_eq!(events, 0);
+    let mut seen = 0;
+    for (node, journal) in &journals {
+        for (id, e) in &journal.lock().expect("journal").entries {
+            seen += 1;
+            assert_eq!((e.received, e.executions), (1, 1), "{node} {id}: {e:?}");
+        }
+    }
+    assert_eq!(seen, total, "every command reached its daemon");
+    let _ = stop.send(true);
+}

@@ -3,6 +3,7 @@
 mod agent;
 mod auth;
 mod clock;
+mod command_torture;
 mod commands;
 mod crash;
 mod embedded;
