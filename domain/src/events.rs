@@ -18,9 +18,10 @@ use crate::fleet::model::{
 use crate::fleet::state::NodeLifecycle;
 use crate::fleet::{Device, Node, Pool, Site, commands::Holder};
 use crate::ids::{
-    AllocationId, AtomName, CommandId, DeviceId, NodeId, PoolId, ReservationId, ScopeId, SinkId,
-    SiteId, TenantId,
+    AllocationId, AtomName, CommandId, DeviceId, InstanceId, NodeId, PoolId, ReservationId,
+    ScopeId, SinkId, SiteId, TenantId,
 };
+use crate::instances::{Instance, State as InstanceState};
 use crate::node_commands::{Command, Kind as CommandKind, State as CommandState};
 use crate::quota::{Quota, QuotaResource};
 use crate::reservations::model::Toleration;
@@ -72,6 +73,11 @@ text_enum!(
         CommandFailed = "command.failed",
         CommandCancelled = "command.cancelled",
         CommandRequeued = "command.requeued",
+        InstanceProvisioning = "instance.provisioning",
+        InstanceRunning = "instance.running",
+        InstanceStopping = "instance.stopping",
+        InstanceStopped = "instance.stopped",
+        InstanceFailed = "instance.failed",
     }
 );
 
@@ -86,6 +92,7 @@ pub enum Family {
     Quota,
     EventSink,
     Command,
+    Instance,
 }
 
 impl EventType {
@@ -98,6 +105,7 @@ impl EventType {
             Some("reservation") => Family::Reservation,
             Some("quota") => Family::Quota,
             Some("command") => Family::Command,
+            Some("instance") => Family::Instance,
             _ => Family::EventSink,
         }
     }
@@ -630,6 +638,62 @@ impl CommandPayload {
     }
 }
 
+/// `instance.*`: the instance after the change. Never its `env` (it may hold the tenant's
+/// secrets): only the variables' names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstancePayload {
+    pub instance: InstanceView,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceView {
+    pub id: InstanceId,
+    pub tenant_id: TenantId,
+    pub reservation_id: ReservationId,
+    pub allocation_id: AllocationId,
+    pub compute_node_id: NodeId,
+    pub image: String,
+    pub command: Vec<String>,
+    pub env_names: Vec<String>,
+    pub state: InstanceState,
+    pub stop_requested: bool,
+    pub reason: Option<String>,
+    pub created_by: String,
+    pub version: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub stopped_at: Option<DateTime<Utc>>,
+}
+
+impl InstancePayload {
+    pub fn of(i: &Instance) -> InstancePayload {
+        InstancePayload {
+            instance: InstanceView {
+                id: i.id.clone(),
+                tenant_id: i.tenant_id.clone(),
+                reservation_id: i.reservation_id.clone(),
+                allocation_id: i.allocation_id.clone(),
+                compute_node_id: i.node_id.clone(),
+                image: i.image.clone(),
+                command: i.command.clone(),
+                env_names: i.env.0.keys().cloned().collect(),
+                state: i.state,
+                stop_requested: i.stop_requested,
+                reason: i.reason.clone(),
+                created_by: i.created_by.clone(),
+                version: i.version,
+                created_at: i.created_at,
+                updated_at: i.updated_at,
+                started_at: i.started_at,
+                stopped_at: i.stopped_at,
+            },
+        }
+    }
+}
+
 /// [`Concerns`] of an event of type `event_type` with payload `data`. An event of a type this
 /// process does not know (written by a newer version) concerns nothing it follows.
 pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
@@ -691,7 +755,9 @@ pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
             pool: read::<ReservationRef>(data).map(|r| r.pool_id),
             node: None,
         },
-        Family::Site | Family::Quota | Family::EventSink | Family::Command => Concerns::default(),
+        Family::Site | Family::Quota | Family::EventSink | Family::Command | Family::Instance => {
+            Concerns::default()
+        }
     }
 }
 

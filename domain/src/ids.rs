@@ -10,8 +10,8 @@
 use crate::error::{Error, Result};
 
 /// The prefixes of the system's entities.
-pub const PREFIXES: [&str; 9] = [
-    "site", "pool", "node", "dev", "rsv", "alc", "cmd", "evt", "snk",
+pub const PREFIXES: [&str; 10] = [
+    "site", "pool", "node", "dev", "rsv", "alc", "cmd", "ins", "evt", "snk",
 ];
 
 /// A new id with `prefix`, time-ordered by the wall clock of this process.
@@ -156,6 +156,10 @@ entity_id!(
 entity_id!(
     /// A command's id, `cmd_…`.
     CommandId = "cmd", "command"
+);
+entity_id!(
+    /// An instance's id, `ins_…`.
+    InstanceId = "ins", "instance"
 );
 entity_id!(
     /// An outbox event's id, `evt_…`.

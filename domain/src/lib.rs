@@ -13,6 +13,7 @@ pub mod events;
 pub mod fleet;
 pub mod idempotency;
 pub mod ids;
+pub mod instances;
 pub mod leases;
 pub mod metrics;
 pub mod node_commands;

@@ -34,6 +34,8 @@ text_enum!(
         PoolCapacity = "pool_capacity",
         /// Dispatch one node's waiting commands (key: the node's id; `node_commands`).
         NodeCommands = "node_commands",
+        /// Run one instance's workflow (key: the instance's id).
+        Instance = "instance",
         /// Work that does nothing, for the benchmark of the queue itself.
         Noop = "noop",
     }

@@ -8,6 +8,7 @@
 //!   share state.
 //! * A failing test keeps its database and prints how to reach it.
 
+pub mod bench;
 pub mod sqlscan;
 
 use std::net::SocketAddr;

@@ -34,7 +34,7 @@ pub struct Args {
     #[arg(
         long,
         env = "COMPUTE_QUEUE_KINDS",
-        default_value = "reservation,pool_capacity"
+        default_value = "reservation,pool_capacity,instance"
     )]
     pub queue_kinds: String,
     /// Log format: pretty or json.

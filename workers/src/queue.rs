@@ -32,7 +32,11 @@ pub struct QueueStats {
 }
 
 /// The kinds a reconcile worker runs.
-pub const KINDS: [WorkKind; 2] = [WorkKind::Reservation, WorkKind::PoolCapacity];
+pub const KINDS: [WorkKind; 3] = [
+    WorkKind::Reservation,
+    WorkKind::PoolCapacity,
+    WorkKind::Instance,
+];
 
 /// The kinds a dispatch worker runs (`compute-worker --role dispatch`).
 pub const DISPATCH_KINDS: [WorkKind; 1] = [WorkKind::NodeCommands];
@@ -122,6 +126,14 @@ pub async fn run_item(
             }
             // A full batch: the rest at once (due since the epoch, whatever the clock says).
             Ok(done.more.then_some(chrono::DateTime::UNIX_EPOCH))
+        }
+        WorkKind::Instance => {
+            let id = compute_domain::ids::InstanceId::from_trusted(key).ok_or_else(bad_key)?;
+            let step = compute_domain::instances::reconcile(db, &id).await?;
+            if !step.moved.is_empty() {
+                info!(instance = key, moved = ?step.moved, "instance workflow stepped");
+            }
+            Ok(step.next)
         }
         WorkKind::Noop => Ok(None),
     }

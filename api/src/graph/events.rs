@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use async_graphql::{Context, ID, Json, Object, Subscription};
 use chrono::{DateTime, Utc};
-use compute_domain::ids::{CommandId, NodeId, PoolId, ReservationId, TenantId};
+use compute_domain::ids::{CommandId, InstanceId, NodeId, PoolId, ReservationId, TenantId};
 use compute_domain::outbox::{self, Cursor, Event, EventFilter};
 use futures_util::Stream;
 
@@ -339,6 +339,52 @@ impl SubscriptionRoot {
                 async move {
                     let mut found = compute_domain::fleet::get_nodes(&db, &[nid]).await?;
                     Ok(found.pop().map(crate::graph::fleet::ComputeNodeObj::new))
+                }
+            },
+        )
+    }
+
+    /// An instance as it is after each change (another tenant's is `NOT_FOUND`).
+    async fn instance(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "The global id of the object.")] id: ID,
+        #[graphql(desc = "Resume after this cursor; without it, start at the present.")]
+        after: Option<String>,
+    ) -> Result<
+        impl Stream<Item = async_graphql::Result<crate::graph::instances::InstanceObj>> + use<>,
+        GqlError,
+    > {
+        let iid = InstanceId::parse("id", id.as_str()).map_err(gql_error)?;
+        let db = db(ctx)?.clone();
+        let found = compute_domain::instances::get_instances(&db, std::slice::from_ref(&iid))
+            .await
+            .map_err(gql_error)?;
+        let tenant = match found.first() {
+            Some(i) if crate::graph::instances::visible(ctx, i)? => i.tenant_id.clone(),
+            _ => {
+                return Err(gql_error(compute_domain::Error::NotFound {
+                    kind: "instance",
+                    id: iid.to_string(),
+                }));
+            }
+        };
+        let cursor = start(ctx, after).await?;
+        let filter = EventFilter {
+            tenant_id: Some(tenant),
+            types: vec![],
+            subjects: vec![iid.to_string()],
+        };
+        follow_object(
+            ctx,
+            cursor,
+            filter,
+            |_| true,
+            move || {
+                let (db, iid) = (db.clone(), iid.clone());
+                async move {
+                    let mut found = compute_domain::instances::get_instances(&db, &[iid]).await?;
+                    Ok(found.pop().map(crate::graph::instances::InstanceObj))
                 }
             },
         )

@@ -10,7 +10,9 @@ use async_graphql::dataloader::{DataLoader, Loader, NoCache};
 use compute_domain::db::Db;
 use compute_domain::fleet::model::Window;
 use compute_domain::fleet::{self, Atom, CapacityRow, Device, Node, NodeResource, Pool, Site};
-use compute_domain::ids::{CommandId, DeviceId, NodeId, PoolId, ReservationId, ScopeId, SiteId};
+use compute_domain::ids::{
+    CommandId, DeviceId, InstanceId, NodeId, PoolId, ReservationId, ScopeId, SiteId,
+};
 use compute_domain::page::{Page, PageArgs};
 
 use crate::graph::{GqlResult, gql_error};
@@ -68,6 +70,11 @@ by_id!(SiteId, Site, fleet::get_sites);
 by_id!(PoolId, Pool, fleet::get_pools);
 by_id!(NodeId, Node, fleet::get_nodes);
 by_id!(DeviceId, Device, fleet::get_devices);
+by_id!(
+    InstanceId,
+    compute_domain::instances::Instance,
+    compute_domain::instances::get_instances
+);
 by_id!(
     CommandId,
     compute_domain::node_commands::Command,

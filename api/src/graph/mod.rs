@@ -3,7 +3,7 @@
 //!
 //! Rooms: `context` (what a resolver reads from the request) and `common` (the shared
 //! vocabulary) are leaves; `node` is the Relay interface; `loaders` batch every edge; `fleet`,
-//! `reservations`, `commands`, `events` and `sinks` are the areas. Areas may refer to each other's object
+//! `reservations`, `commands`, `instances`, `events` and `sinks` are the areas. Areas may refer to each other's object
 //! types (a pool lists its reservations, a reservation names its pool): the graph is a graph.
 //! Nothing here imports a transport, the server state or the ops endpoints.
 
@@ -19,6 +19,7 @@ pub mod context;
 pub mod door;
 pub mod events;
 pub mod fleet;
+pub mod instances;
 pub mod loaders;
 pub mod node;
 pub mod reservations;
@@ -40,6 +41,7 @@ pub struct Query(
     events::EventsQuery,
     sinks::SinkQuery,
     commands::CommandQuery,
+    instances::InstanceQuery,
 );
 
 /// The root of every mutation.
@@ -49,6 +51,7 @@ pub struct Mutation(
     reservations::ReservationMutation,
     sinks::SinkMutation,
     commands::CommandMutation,
+    instances::InstanceMutation,
 );
 
 /// Gives `request` data loaders of its own over `db`: batches never cross requests, so one

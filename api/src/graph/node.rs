@@ -2,10 +2,11 @@
 
 use async_graphql::{Context, ID, Interface};
 use compute_domain::Error;
-use compute_domain::ids::{CommandId, DeviceId, NodeId, PoolId, ReservationId, SiteId};
+use compute_domain::ids::{CommandId, DeviceId, InstanceId, NodeId, PoolId, ReservationId, SiteId};
 
 use crate::graph::commands::CommandObj;
 use crate::graph::fleet::{ComputeNodeObj, DeviceObj, PoolObj, SiteObj};
+use crate::graph::instances::InstanceObj;
 use crate::graph::loaders::*;
 use crate::graph::reservations::ReservationObj;
 use crate::graph::{GqlResult, gql_error};
@@ -27,6 +28,7 @@ pub enum NodeInterface {
     Device(DeviceObj),
     Reservation(ReservationObj),
     Command(CommandObj),
+    Instance(InstanceObj),
 }
 
 /// Loads an object by global id, as the caller may see it.
@@ -64,6 +66,15 @@ pub async fn load_node(
             .load_one(CommandId::parse("id", key).map_err(gql_error)?)
             .await?
             .map(|c| NodeInterface::Command(CommandObj(c))),
+        InstanceId::PREFIX => match loaders
+            .load_one(InstanceId::parse("id", key).map_err(gql_error)?)
+            .await?
+        {
+            Some(i) if crate::graph::instances::visible(ctx, &i)? => {
+                Some(NodeInterface::Instance(InstanceObj(i)))
+            }
+            _ => None,
+        },
         ReservationId::PREFIX => match loaders
             .load_one(ReservationId::parse("id", key).map_err(gql_error)?)
             .await?

@@ -103,6 +103,8 @@ pub struct Command {
     pub journal_id: Option<String>,
     pub gateway: Option<String>,
     pub created_by: String,
+    /// The workflow (instance) this command is a step of.
+    pub workflow_id: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub dispatched_at: Option<DateTime<Utc>>,
@@ -114,7 +116,7 @@ pub struct Command {
 /// The columns of [`Command`], of `commands c`.
 const COLS: &str = "c.id, c.node_id, c.kind, c.args, c.min_generation, c.retry_safe, c.idempotency_key, \
      c.state, c.attempts, c.progress, c.result, c.error_code, c.error_message, c.session_epoch, c.journal_id, \
-     c.gateway, c.created_by, c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version";
+     c.gateway, c.created_by, c.workflow_id, c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version";
 
 /// What an operator asks for with `runCommand`.
 #[derive(Debug, Clone, Serialize)]
@@ -204,22 +206,37 @@ async fn load(conn: &mut PgConnection, id: &CommandId) -> Result<Option<Command>
     )
 }
 
-/// Inserts a command unless one with `key` exists for the node; the command, and whether this
+/// A command to make (by [`ensure`]).
+#[derive(Debug, Clone)]
+pub struct NewCommand<'a> {
+    pub node: &'a NodeId,
+    pub kind: Kind,
+    pub args: &'a Value,
+    pub min_generation: i64,
+    pub retry_safe: bool,
+    /// Unique per node: `api:…`, `spec:…`, `wf:<workflow>:<step>`.
+    pub key: &'a str,
+    pub created_by: &'a str,
+    /// The workflow it is a step of.
+    pub workflow: Option<&'a str>,
+}
+
+/// Inserts a command unless one with its key exists for the node; the command, and whether this
 /// call made it (then `command.created` is written and the node's dispatcher woken).
-#[allow(clippy::too_many_arguments)]
-pub async fn ensure(
-    conn: &mut PgConnection,
-    node: &NodeId,
-    kind: Kind,
-    args: &Value,
-    min_generation: i64,
-    retry_safe: bool,
-    key: &str,
-    created_by: &str,
-) -> Result<(Command, bool)> {
+pub async fn ensure(conn: &mut PgConnection, new: NewCommand<'_>) -> Result<(Command, bool)> {
+    let NewCommand {
+        node,
+        kind,
+        args,
+        min_generation,
+        retry_safe,
+        key,
+        created_by,
+        workflow,
+    } = new;
     let inserted = sqlx::query_as::<_, Command>(&format!(
-        "INSERT INTO commands AS c (id, node_id, kind, args, min_generation, retry_safe, idempotency_key, created_by) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (node_id, idempotency_key) DO NOTHING RETURNING {COLS}"
+        "INSERT INTO commands AS c (id, node_id, kind, args, min_generation, retry_safe, idempotency_key, created_by, workflow_id) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (node_id, idempotency_key) DO NOTHING RETURNING {COLS}"
     ))
     .bind(CommandId::generate())
     .bind(node)
@@ -229,6 +246,7 @@ pub async fn ensure(
     .bind(retry_safe)
     .bind(key)
     .bind(created_by)
+    .bind(workflow)
     .fetch_optional(&mut *conn)
     .await?;
     if let Some(c) = inserted {
@@ -316,14 +334,18 @@ pub async fn run_command(
                 let stored_key = format!("api:{}:{}", actor.subject, key);
                 let (command, made) = ensure(
                     conn,
-                    &req.node_id,
-                    req.kind,
-                    &req.args,
-                    req.min_generation,
-                    req.retry_safe
-                        .unwrap_or_else(|| req.kind.retry_safe_by_default()),
-                    &stored_key,
-                    &actor.subject,
+                    NewCommand {
+                        node: &req.node_id,
+                        kind: req.kind,
+                        args: &req.args,
+                        min_generation: req.min_generation,
+                        retry_safe: req
+                            .retry_safe
+                            .unwrap_or_else(|| req.kind.retry_safe_by_default()),
+                        key: &stored_key,
+                        created_by: &actor.subject,
+                        workflow: None,
+                    },
                 )
                 .await?;
                 if !made {
@@ -391,6 +413,43 @@ pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
         })
     })
     .await
+}
+
+/// Cancels `id` in the caller's transaction if it is still `pending` or `dispatched` (a
+/// workflow withdrawing a step it no longer needs); whether it did.
+pub async fn cancel_in(conn: &mut PgConnection, id: &CommandId) -> Result<bool> {
+    let cancelled = sqlx::query_as::<_, Command>(&format!(
+        "UPDATE commands AS c SET state = 'cancelled', finished_at = compute_now(), \
+                version = c.version + 1, updated_at = compute_now() \
+          WHERE c.id = $1 AND c.state = ANY($2) RETURNING {COLS}"
+    ))
+    .bind(id)
+    .bind(stored_from(Action::Cancel))
+    .fetch_optional(&mut *conn)
+    .await?;
+    match cancelled {
+        Some(c) => {
+            emit(conn, std::slice::from_ref(&c), EventType::CommandCancelled).await?;
+            Ok(true)
+        }
+        None => Ok(false),
+    }
+}
+
+/// The commands of `workflow`, by their key.
+pub async fn of_workflow(
+    conn: &mut PgConnection,
+    workflow: &str,
+) -> Result<std::collections::HashMap<String, Command>> {
+    Ok(sqlx::query_as::<_, Command>(&format!(
+        "SELECT {COLS} FROM commands c WHERE c.workflow_id = $1"
+    ))
+    .bind(workflow)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .map(|c| (c.idempotency_key.clone(), c))
+    .collect())
 }
 
 /// Commands by id.
@@ -521,13 +580,16 @@ pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
             if spec.generation > spec.observed_generation {
                 ensure(
                     conn,
-                    &node,
-                    Kind::ApplySpec,
-                    &json!({ "generation": spec.generation }),
-                    0,
-                    true,
-                    &format!("spec:{}", spec.generation),
-                    CONTROL_PLANE,
+                    NewCommand {
+                        node: &node,
+                        kind: Kind::ApplySpec,
+                        args: &json!({ "generation": spec.generation }),
+                        min_generation: 0,
+                        retry_safe: true,
+                        key: &format!("spec:{}", spec.generation),
+                        created_by: CONTROL_PLANE,
+                        workflow: None,
+                    },
                 )
                 .await?;
             }

@@ -14,13 +14,12 @@
 
 #![allow(clippy::print_stdout, reason = "a benchmark prints its figures")]
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
-use compute_api::auth::Role;
-use compute_sim::{Behaviour, DaemonConfig, run_daemon};
+use compute_sim::{Behaviour, run_daemon};
+use compute_tests::bench::{daemon, free_port, seed_nodes, sibling, spawn_gateway, until};
 
 fn rss_kib(pid: u32) -> i64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -32,49 +31,6 @@ fn rss_kib(pid: u32) -> i64 {
         })
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
-}
-
-async fn gateway(
-    binary: &std::path::Path,
-    url: &str,
-    port: u16,
-    id: &str,
-) -> tokio::process::Child {
-    let child = tokio::process::Command::new(binary)
-        .args([
-            "serve",
-            "--gateway-only",
-            "--gateway-id",
-            id,
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--max-connections",
-            "20000",
-        ])
-        .env("DATABASE_URL", url)
-        .env("COMPUTE_JWT_HS256_SECRET", compute_tests::TEST_SECRET)
-        .env("COMPUTE_JWT_ISSUER", compute_tests::TEST_ISSUER)
-        .env("COMPUTE_JWT_AUDIENCE", compute_tests::TEST_AUDIENCE)
-        .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start a gateway");
-    let http = reqwest::Client::new();
-    let ready = format!("http://127.0.0.1:{port}/readyz");
-    for _ in 0..600 {
-        if http
-            .get(&ready)
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success())
-        {
-            return child;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the gateway did not become ready");
 }
 
 async fn scalar(db: &compute_domain::db::Db, sql: &str) -> i64 {
@@ -102,47 +58,17 @@ async fn flushes(port: u16) -> f64 {
         .sum()
 }
 
-async fn until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) -> Duration {
-    let started = Instant::now();
-    while !done() {
-        assert!(started.elapsed() < limit, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    started.elapsed()
-}
-
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let n: i64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let seconds: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(30);
-    let binary = std::env::current_exe()
-        .expect("own path")
-        .with_file_name("test-api");
-    if !binary.exists() {
-        println!(
-            "{} is missing: build with `cargo build --release -p compute-tests`",
-            binary.display()
-        );
-        std::process::exit(2);
-    }
+    let binary = sibling("test-api");
     let test_db = compute_tests::test_db_with(4).await;
     let db = test_db.db.clone();
-    sqlx::raw_sql(&format!(
-        "INSERT INTO sites (id, name) VALUES ('site_{z}', 'bench');
-         INSERT INTO pools (id, site_id, name, kind) VALUES ('pool_{z}', 'site_{z}', 'bench', 'bare_metal');
-         INSERT INTO nodes (id, pool_id, hostname)
-              SELECT 'node_' || lpad(to_hex(g), 32, '0'), 'pool_{z}', 'bench-' || g FROM generate_series(1, {n}) g;",
-        z = "0".repeat(32)
-    ))
-    .execute(db.pool())
-    .await
-    .expect("seed the nodes");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a port");
-    let mut g1 = gateway(&binary, &test_db.url, port, "bench-g1").await;
+    seed_nodes(&db, n).await;
+    let port = free_port();
+    let mut g1 = spawn_gateway(&binary, &test_db.url, port, "bench-g1").await;
     let pid = g1.id().unwrap_or(0);
     let idle_rss = rss_kib(pid);
 
@@ -150,16 +76,7 @@ async fn main() {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     for g in 1..=n {
         let node = format!("node_{g:032x}");
-        let mut claims = compute_tests::claims(&format!("node:{node}"), None, &[Role::Node], 3600);
-        claims.node = Some(node.clone());
-        let config = DaemonConfig {
-            url: format!("ws://127.0.0.1:{port}/agent"),
-            token: compute_tests::mint(claims),
-            node_id: node,
-            daemon_version: "bench".into(),
-            journal_id: format!("j{g}"),
-            observed_generation: 0,
-        };
+        let config = daemon(port, &node, &format!("j{g}"), 0);
         let opened = opened.clone();
         tokio::spawn(run_daemon(
             config,
@@ -220,7 +137,7 @@ async fn main() {
     let killed = Instant::now();
     let _ = g1.start_kill();
     let _ = g1.wait().await;
-    let _g2 = gateway(&binary, &test_db.url, port, "bench-g2").await;
+    let _g2 = spawn_gateway(&binary, &test_db.url, port, "bench-g2").await;
     let up = killed.elapsed();
     let back = until("every daemon reconnects", Duration::from_secs(900), || {
         opened.load(Ordering::Relaxed) >= before_kill + n

@@ -18,7 +18,7 @@ const WAIT: Duration = Duration::from_secs(10);
 const RUN: &str = "mutation($i: RunCommandInput!) { runCommand(input: $i) { idempotentReplay command { id state kind attempts retrySafe } } }";
 const GET: &str = "query($id: ID!) { command(id: $id) { state attempts errorCode sessionEpoch journalId result startedAt finishedAt } }";
 
-fn daemon(app: &TestApp, node: &str, journal: &str, observed: i64) -> DaemonConfig {
+pub fn daemon_config(app: &TestApp, node: &str, journal: &str, observed: i64) -> DaemonConfig {
     DaemonConfig {
         url: app.agent_url(),
         token: app.node_token(node),
@@ -90,6 +90,17 @@ async fn serve_until_recorded(
     }
 }
 
+/// Dispatches, then serves the session until the result of `command` is recorded.
+pub async fn dispatch_and_serve(
+    dispatcher: &mut QueueWorker,
+    session: &mut Session,
+    daemon: &mut Daemon,
+    command: &str,
+) -> Vec<Value> {
+    dispatch(dispatcher).await;
+    serve_until_recorded(session, daemon, command).await
+}
+
 /// The next `command` message, its answer not sent.
 async fn next_command(session: &mut Session) -> Value {
     loop {
@@ -127,7 +138,7 @@ async fn a_command_runs_once_end_to_end_and_a_retry_gets_the_same_command() {
     let node = &nodes[0];
     let journal = compute_sim::journal("j1");
     let mut d = Daemon::new(journal.clone(), 1);
-    let mut session = Session::open(&daemon(&app, node, "j1", 1))
+    let mut session = Session::open(&daemon_config(&app, node, "j1", 1))
         .await
         .expect("open");
 
@@ -241,7 +252,7 @@ async fn a_command_waits_for_its_generation_and_runs_once_the_daemon_reports_it(
     assert_eq!(updated["updateNode"]["computeNode"]["generation"], 2);
     let journal = compute_sim::journal("j1");
     let mut d = Daemon::new(journal.clone(), 1);
-    let mut session = Session::open(&daemon(&app, node, "j1", 1))
+    let mut session = Session::open(&daemon_config(&app, node, "j1", 1))
         .await
         .expect("open");
     let (code, _) = app
@@ -312,7 +323,7 @@ async fn a_command_waits_for_its_generation_and_runs_once_the_daemon_reports_it(
 async fn a_journal_reset_fails_what_is_not_retry_safe_and_a_kept_journal_answers_from_memory() {
     let (app, nodes, mut dispatcher) = setup().await;
     let node = &nodes[0];
-    let mut first = Session::open(&daemon(&app, node, "j1", 1))
+    let mut first = Session::open(&daemon_config(&app, node, "j1", 1))
         .await
         .expect("open");
     let reset = run(
@@ -336,7 +347,7 @@ async fn a_journal_reset_fails_what_is_not_retry_safe_and_a_kept_journal_answers
 
     let wiped = compute_sim::journal("j2");
     let mut d = Daemon::new(wiped.clone(), 1);
-    let mut second = Session::open(&daemon(&app, node, "j2", 1))
+    let mut second = Session::open(&daemon_config(&app, node, "j2", 1))
         .await
         .expect("the wiped daemon comes back");
     assert_eq!(first.closed(WAIT).await.expect("superseded").code, 4409);
@@ -392,7 +403,7 @@ async fn a_journal_reset_fails_what_is_not_retry_safe_and_a_kept_journal_answers
         (get(&app, &kept).await["state"] == "RUNNING").then_some(())
     })
     .await;
-    let mut third = Session::open(&daemon(&app, node, "j2", 1))
+    let mut third = Session::open(&daemon_config(&app, node, "j2", 1))
         .await
         .expect("back with the same journal");
     assert_eq!(
@@ -423,7 +434,7 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
     let db = &app.db.db;
     let node = &nodes[0];
     let node_id = NodeId::parse("node", node).expect("node id");
-    let mut first = Session::open(&daemon(&app, node, "j1", 1))
+    let mut first = Session::open(&daemon_config(&app, node, "j1", 1))
         .await
         .expect("open");
     let id = run(&app, node, "NOOP", "z", json!({})).await["command"]["id"]
@@ -438,7 +449,7 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
         AckAnswer::Proceed
     );
     // A newer session supersedes the first: its gateway's writes at epoch 1 change nothing.
-    let second = Session::open(&daemon(&app, node, "j1", 1))
+    let second = Session::open(&daemon_config(&app, node, "j1", 1))
         .await
         .expect("open again");
     let report = Report {
@@ -603,7 +614,7 @@ pub fn daemons(
             ..compute_sim::Behaviour::default()
         };
         tokio::spawn(compute_sim::run_daemon(
-            daemon(app, node, &format!("j-{node}"), 0),
+            daemon_config(app, node, &format!("j-{node}"), 0),
             behaviour,
             stopped.clone(),
             |_, _| {},

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use chrono::{Duration, Utc};
 use compute_domain::actor::Actor;
 use compute_domain::events::{
-    CommandPayload, DevicePayload, EventSinkPayload, EventType, Family, NodePayload, PoolPayload,
-    QuotaPayload, ReservationPayload, SitePayload,
+    CommandPayload, DevicePayload, EventSinkPayload, EventType, Family, InstancePayload,
+    NodePayload, PoolPayload, QuotaPayload, ReservationPayload, SitePayload,
 };
 use compute_domain::fleet::commands::{
     self as fleet, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
@@ -96,6 +96,7 @@ fn read_back(t: EventType, data: &Value) -> Result<(), String> {
         Family::Quota => serde_json::from_value::<QuotaPayload>(data.clone()).map(|_| ()),
         Family::EventSink => serde_json::from_value::<EventSinkPayload>(data.clone()).map(|_| ()),
         Family::Command => serde_json::from_value::<CommandPayload>(data.clone()).map(|_| ()),
+        Family::Instance => serde_json::from_value::<InstancePayload>(data.clone()).map(|_| ()),
     };
     ok.map_err(|e| format!("{t}: {e}: {data}"))
 }
@@ -322,6 +323,95 @@ async fn every_event_payload_keeps_its_documented_shape() {
         )
         .expect("request")
     };
+    // An instance through every state, its daemon answering as a real one would; then its
+    // reservation is released, so the GPU is free for what follows.
+    {
+        use compute_domain::instances::{self as ins, InstanceRequest};
+        use compute_domain::node_commands as cmds;
+        let r = rsv::create_reservation(db, &acme, request(None, 2, 1), "k-inst")
+            .await
+            .expect("a reservation for an instance")
+            .0
+            .value;
+        let (allocation, node): (String, String) =
+            sqlx::query_as("SELECT id, node_id FROM allocations WHERE reservation_id = $1")
+                .bind(&r.id)
+                .fetch_one(db.pool())
+                .await
+                .expect("its allocation");
+        let node = compute_domain::ids::NodeId::parse("node", &node).expect("node");
+        let hello = compute_domain::sessions::Hello {
+            daemon_version: "sim/1".into(),
+            journal_id: "j-inst".into(),
+            observed_generation: 0,
+        };
+        let epoch = compute_domain::sessions::open(db, &node, "gw-contract", 1, &hello)
+            .await
+            .expect("a session");
+        // Runs the step's command as the daemon would: acknowledged, then this outcome.
+        let answer = |instance: compute_domain::ids::InstanceId, step: &'static str, ok: bool| {
+            let node = node.clone();
+            async move {
+                cmds::dispatch_node(db, &node).await.expect("dispatch");
+                let (id,): (String,) =
+                    sqlx::query_as("SELECT id FROM commands WHERE idempotency_key = $1")
+                        .bind(ins::step_key(&instance, step))
+                        .fetch_one(db.pool())
+                        .await
+                        .expect("the step's command");
+                let id = compute_domain::ids::CommandId::parse("id", &id).expect("id");
+                cmds::ack(db, &node, epoch, &id).await.expect("ack");
+                let report = cmds::Report {
+                    succeeded: ok,
+                    output: json!({}),
+                    error_code: (!ok).then(|| "DEVICE_OVERLAP".to_owned()),
+                    error_message: None,
+                };
+                cmds::finish(db, &node, epoch, &id, &report)
+                    .await
+                    .expect("finish");
+                ins::reconcile(db, &instance).await.expect("step")
+            }
+        };
+        let new_instance = |key: &'static str| {
+            let (allocation, acme) = (allocation.clone(), acme.clone());
+            async move {
+                let req = InstanceRequest {
+                    allocation_id: compute_domain::ids::AllocationId::parse("a", &allocation)
+                        .expect("allocation"),
+                    image: "img".into(),
+                    command: vec!["run".into()],
+                    env: [("A".to_owned(), "1".to_owned())].into(),
+                };
+                let i = ins::create_instance(db, &acme, req, key)
+                    .await
+                    .expect("an instance")
+                    .value;
+                ins::reconcile(db, &i.id).await.expect("first step");
+                i.id
+            }
+        };
+        let first = new_instance("k-i1").await;
+        answer(first.clone(), "run", true).await;
+        ins::stop_instance(db, &acme, &first).await.expect("stop");
+        ins::reconcile(db, &first).await.expect("stopping");
+        let stopped = answer(first.clone(), "stop", true).await;
+        assert_eq!(stopped.moved, [ins::State::Stopped]);
+        let second = new_instance("k-i2").await;
+        let failed = answer(second, "run", false).await;
+        assert_eq!(failed.moved, [ins::State::Failed]);
+        compute_domain::sessions::close(
+            db,
+            &node,
+            epoch,
+            compute_domain::sessions::CloseReason::DaemonClosed,
+        )
+        .await
+        .expect("close");
+        rsv::release_reservation(db, &acme, &r.id, None)
+            .await
+            .expect("release");
+    }
     let active = rsv::create_reservation(db, &acme, request(None, 2, 1), "k-active")
         .await
         .expect("active")

@@ -12,6 +12,7 @@ mod fleet;
 mod graphql_http;
 mod health;
 mod hostile;
+mod instances;
 mod leases;
 mod outbox;
 mod outbox_reader;

@@ -1,0 +1,605 @@
+//! Instances: a tenant's workload on one allocation of its reservation, run as a small workflow
+//! of commands (`docs/instances.md`).
+//!
+//! The workflow is [`reconcile`], one work-queue item of kind `instance` (key: the instance's
+//! id), level-triggered: every run reads the instance, its reservation and its steps' commands,
+//! and takes the next step. Each step's command is keyed `wf:<instance>:<step>` under
+//! `UNIQUE (node_id, idempotency_key)` ([`node_commands::ensure`]), so a step that runs again
+//! (after a crash between its commit and the queue's finish, or a second pass) finds its
+//! command instead of sending another. It is woken when it is created, when one of its
+//! commands moves and when its reservation's state or window changes (deferred triggers,
+//! migration 0014), and at its reservation's start and end (the work queue's next wake-up).
+//!
+//! Lock order (`docs/database-locks.md`): the idempotency key and the reservation row
+//! (`FOR SHARE`, creation only), the instance row, its commands, the outbox, `work_queue` last.
+
+pub mod state;
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::json;
+use sqlx::types::Json;
+use sqlx::{FromRow, PgConnection, Postgres, QueryBuilder};
+
+use crate::db::{Db, TxKind};
+use crate::error::{Error, Result};
+use crate::events::{self, EventType, InstancePayload};
+use crate::idempotency::{self, Actor, Claim, Outcome};
+use crate::ids::{AllocationId, InstanceId, NodeId, ReservationId, TenantId};
+use crate::node_commands::{self as cmds, Kind, NewCommand};
+use crate::outbox::{self, NewEvent};
+use crate::page::{Page, PageArgs};
+use crate::work_queue::{self, WorkKind};
+pub use state::State;
+use state::{Action, allowed};
+
+/// An instance.
+#[derive(Debug, Clone, FromRow)]
+pub struct Instance {
+    pub id: InstanceId,
+    pub tenant_id: TenantId,
+    pub reservation_id: ReservationId,
+    pub allocation_id: AllocationId,
+    pub node_id: NodeId,
+    pub image: String,
+    pub command: Vec<String>,
+    pub env: Json<BTreeMap<String, String>>,
+    pub state: State,
+    pub stop_requested: bool,
+    pub reason: Option<String>,
+    pub created_by: String,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub stopped_at: Option<DateTime<Utc>>,
+    pub version: i64,
+}
+
+const COLS: &str = "i.id, i.tenant_id, i.reservation_id, i.allocation_id, i.node_id, i.image, i.command, i.env, \
+     i.state, i.stop_requested, i.reason, i.created_by, i.created_at, i.updated_at, i.started_at, i.stopped_at, i.version";
+
+/// What a tenant asks for with `createInstance`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InstanceRequest {
+    pub allocation_id: AllocationId,
+    pub image: String,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+}
+
+/// The step keys of an instance's workflow.
+pub fn step_key(instance: &InstanceId, step: &str) -> String {
+    format!("wf:{instance}:{step}")
+}
+
+fn printable(s: &str) -> bool {
+    !s.chars().any(char::is_control)
+}
+
+impl InstanceRequest {
+    /// Checks what can be checked without the database.
+    pub fn check(&self) -> Result<()> {
+        if self.image.is_empty() || self.image.chars().count() > 500 || !printable(&self.image) {
+            return Err(Error::bad_input(
+                "image",
+                "image is 1 to 500 printable characters",
+            ));
+        }
+        if self.command.len() > 64
+            || self
+                .command
+                .iter()
+                .any(|a| a.chars().count() > 4096 || a.contains('\0'))
+        {
+            return Err(Error::bad_input(
+                "command",
+                "command is at most 64 arguments of at most 4096 characters, without NUL",
+            ));
+        }
+        let name_ok = |k: &str| {
+            (1..=128).contains(&k.len())
+                && k.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        };
+        if self.env.len() > 64
+            || self
+                .env
+                .iter()
+                .any(|(k, v)| !name_ok(k) || v.chars().count() > 4096 || v.contains('\0'))
+        {
+            return Err(Error::bad_input(
+                "env",
+                "env is at most 64 variables named [A-Za-z_][A-Za-z0-9_]* (at most 128), values of at most 4096 characters without NUL",
+            ));
+        }
+        if json!(self.env).to_string().len() > cmds::MAX_OBJECT_BYTES {
+            return Err(Error::bad_input("env", "env is larger than 16384 bytes"));
+        }
+        Ok(())
+    }
+}
+
+async fn emit(conn: &mut PgConnection, instance: &Instance) -> Result<()> {
+    let event = match instance.state {
+        State::Provisioning => EventType::InstanceProvisioning,
+        State::Running => EventType::InstanceRunning,
+        State::Stopping => EventType::InstanceStopping,
+        State::Stopped => EventType::InstanceStopped,
+        State::Failed => EventType::InstanceFailed,
+    };
+    outbox::emit(
+        conn,
+        NewEvent {
+            event_type: event,
+            tenant_id: Some(&instance.tenant_id),
+            subject: instance.id.as_str(),
+            data: events::to_data(&InstancePayload::of(instance))?,
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+async fn wake(conn: &mut PgConnection, id: &InstanceId) -> Result<()> {
+    work_queue::enqueue(
+        conn,
+        WorkKind::Instance,
+        id.as_str(),
+        work_queue::SHARDS,
+        std::time::Duration::ZERO,
+    )
+    .await
+}
+
+async fn load(conn: &mut PgConnection, id: &InstanceId) -> Result<Option<Instance>> {
+    Ok(
+        sqlx::query_as::<_, Instance>(&format!("SELECT {COLS} FROM instances i WHERE i.id = $1"))
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?,
+    )
+}
+
+/// `createInstance`: starts a workload on one allocation of the caller's reservation, with the
+/// exact idempotency semantics of reservations. Another tenant's allocation is `NOT_FOUND`; a
+/// reservation that ended, an allocation not placed yet, or one that already has a live
+/// instance is `CONFLICT`.
+pub async fn create_instance(
+    db: &Db,
+    actor: &Actor,
+    req: InstanceRequest,
+    key: &str,
+) -> Result<Outcome<Instance>> {
+    req.check()?;
+    let key = idempotency::parse_key("idempotencyKey", key)?;
+    let fingerprint = json!(req);
+    db.tx("create_instance", TxKind::Write, |conn| {
+        let (actor, key, fingerprint, req) =
+            (actor.clone(), key.clone(), fingerprint.clone(), req.clone());
+        Box::pin(async move {
+            match idempotency::claim(conn, &actor, &key, "createInstance", &fingerprint).await? {
+                Claim::New => {}
+                Claim::Refused(e) => return Ok(Err(e)),
+                Claim::Replay(response) => {
+                    let id = response["instanceId"]
+                        .as_str()
+                        .and_then(InstanceId::from_trusted)
+                        .ok_or_else(|| {
+                            Error::internal("a stored createInstance response names no instance")
+                        })?;
+                    let value = load(conn, &id).await?.ok_or_else(|| {
+                        Error::internal("a stored createInstance response names a missing instance")
+                    })?;
+                    return Ok(Ok(Outcome {
+                        value,
+                        replayed: true,
+                    }));
+                }
+            }
+            let created = create_effect(conn, &actor, &req).await;
+            idempotency::settle(
+                conn,
+                &actor,
+                Some(&key),
+                created,
+                |o| json!({ "instanceId": o.value.id }),
+            )
+            .await
+        })
+    })
+    .await?
+}
+
+async fn create_effect(
+    conn: &mut PgConnection,
+    actor: &Actor,
+    req: &InstanceRequest,
+) -> Result<Outcome<Instance>> {
+    let not_found = || Error::NotFound {
+        kind: "allocation",
+        id: req.allocation_id.to_string(),
+    };
+    // The reservation row first (lock order); a release waits for this creation, and then
+    // wakes the instance through its trigger.
+    let found = sqlx::query!(
+        r#"SELECT a.node_id AS "node_id: NodeId", a.reservation_id AS "reservation_id: ReservationId",
+                  r.tenant_id AS "tenant_id: TenantId",
+                  compute_reservation_state(r.state, r.starts_at, r.ends_at) AS "state!: crate::reservations::state::State"
+             FROM allocations a JOIN reservations r ON r.id = a.reservation_id
+            WHERE a.id = $1 FOR SHARE OF r"#,
+        req.allocation_id.as_str(),
+    )
+    .fetch_optional(&mut *conn)
+    .await?
+    .ok_or_else(not_found)?;
+    if !actor.may_access(&found.tenant_id) {
+        return Err(not_found());
+    }
+    if found.state.is_terminal() {
+        return Err(Error::Conflict {
+            message: format!(
+                "reservation {} is {}: its allocations take no new instance",
+                found.reservation_id, found.state
+            ),
+            current_version: None,
+        });
+    }
+    let Some(node) = found.node_id else {
+        return Err(Error::Conflict {
+            message: format!(
+                "allocation {} is not placed yet (its reservation is pending)",
+                req.allocation_id
+            ),
+            current_version: None,
+        });
+    };
+    let inserted = sqlx::query_as::<_, Instance>(&format!(
+        "INSERT INTO instances AS i (id, tenant_id, reservation_id, allocation_id, node_id, image, command, env, created_by) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+         ON CONFLICT (allocation_id) WHERE state IN ('provisioning', 'running', 'stopping') DO NOTHING \
+         RETURNING {COLS}"
+    ))
+    .bind(InstanceId::generate())
+    .bind(&found.tenant_id)
+    .bind(&found.reservation_id)
+    .bind(&req.allocation_id)
+    .bind(&node)
+    .bind(&req.image)
+    .bind(&req.command)
+    .bind(Json(&req.env))
+    .bind(&actor.subject)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(instance) = inserted else {
+        return Err(Error::Conflict {
+            message: format!(
+                "allocation {} already has a live instance; stop it first",
+                req.allocation_id
+            ),
+            current_version: None,
+        });
+    };
+    emit(conn, &instance).await?;
+    wake(conn, &instance.id).await?;
+    Ok(Outcome {
+        value: instance,
+        replayed: false,
+    })
+}
+
+/// `stopInstance`: asks the workflow to stop the instance (it stops its workload, then is
+/// `STOPPED`). Safe to repeat; an ended instance is returned as it is. Another tenant's is
+/// `NOT_FOUND`.
+pub async fn stop_instance(db: &Db, actor: &Actor, id: &InstanceId) -> Result<Instance> {
+    db.tx("stop_instance", TxKind::Write, |conn| {
+        let (actor, id) = (actor.clone(), id.clone());
+        Box::pin(async move {
+            let found = load(conn, &id).await?;
+            let Some(instance) = found.filter(|i| actor.may_access(&i.tenant_id)) else {
+                return Err(Error::NotFound {
+                    kind: "instance",
+                    id: id.to_string(),
+                });
+            };
+            if instance.state.is_terminal() || instance.stop_requested {
+                return Ok(instance);
+            }
+            let asked = sqlx::query_as::<_, Instance>(&format!(
+                "UPDATE instances AS i SET stop_requested = true, version = i.version + 1, updated_at = compute_now() \
+                  WHERE i.id = $1 RETURNING {COLS}"
+            ))
+            .bind(&id)
+            .fetch_one(&mut *conn)
+            .await?;
+            wake(conn, &id).await?;
+            Ok(asked)
+        })
+    })
+    .await
+}
+
+/// Instances by id.
+pub async fn get_instances(db: &Db, ids: &[InstanceId]) -> Result<Vec<Instance>> {
+    let ids: Vec<&str> = ids.iter().map(InstanceId::as_str).collect();
+    Ok(sqlx::query_as::<_, Instance>(&format!(
+        "SELECT {COLS} FROM instances i WHERE i.id = ANY($1)"
+    ))
+    .bind(&ids)
+    .fetch_all(db.pool())
+    .await?)
+}
+
+/// Filters of the instances connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct InstanceFilter {
+    /// Only this tenant's (always set for members).
+    pub tenant_id: Option<TenantId>,
+    pub reservation_id: Option<ReservationId>,
+    pub state: Option<State>,
+}
+
+fn select<'a>(cols: &str, f: &InstanceFilter) -> QueryBuilder<'a, Postgres> {
+    let mut qb = QueryBuilder::new(format!("SELECT {cols} FROM instances i WHERE TRUE"));
+    if let Some(t) = &f.tenant_id {
+        qb.push(" AND i.tenant_id = ").push_bind(t.clone());
+    }
+    if let Some(r) = &f.reservation_id {
+        qb.push(" AND i.reservation_id = ").push_bind(r.clone());
+    }
+    if let Some(s) = f.state {
+        qb.push(" AND i.state = ").push_bind(s);
+    }
+    qb
+}
+
+/// A page of instances, oldest first.
+pub async fn list_instances(
+    db: &Db,
+    filter: &InstanceFilter,
+    page: &PageArgs,
+) -> Result<Page<Instance>> {
+    let mut qb = select(COLS, filter);
+    if let Some(after) = &page.after {
+        qb.push(" AND i.id > ").push_bind(after.clone());
+    }
+    if let Some(before) = &page.before {
+        qb.push(" AND i.id < ").push_bind(before.clone());
+    }
+    qb.push(if page.backward {
+        " ORDER BY i.id DESC"
+    } else {
+        " ORDER BY i.id"
+    })
+    .push(" LIMIT ")
+    .push_bind(page.limit + 1);
+    let rows = qb.build_query_as().fetch_all(db.pool()).await?;
+    Ok(Page::from_rows(rows, page))
+}
+
+/// How many instances match.
+pub async fn count_instances(db: &Db, filter: &InstanceFilter) -> Result<i64> {
+    let (n,): (i64,) = select("count(*)", filter)
+        .build_query_as()
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n)
+}
+
+/// What one run of an instance's workflow did.
+#[derive(Debug, Clone, Default)]
+pub struct Step {
+    /// The states it moved through.
+    pub moved: Vec<State>,
+    /// When it is due again (its reservation's start or end), if ever.
+    pub next: Option<DateTime<Utc>>,
+}
+
+async fn transition(
+    conn: &mut PgConnection,
+    instance: &Instance,
+    action: Action,
+    to: State,
+    reason: Option<String>,
+) -> Result<Instance> {
+    if !allowed(action, instance.state, to) {
+        return Err(Error::internal(format!(
+            "instance workflow: {:?} from {} to {to} is not a transition",
+            action, instance.state
+        )));
+    }
+    let moved = sqlx::query_as::<_, Instance>(&format!(
+        "UPDATE instances AS i SET state = $2, reason = coalesce($3, i.reason), \
+                started_at = CASE WHEN $2 = 'running' THEN compute_now() ELSE i.started_at END, \
+                stopped_at = CASE WHEN $2 IN ('stopped', 'failed') THEN compute_now() ELSE i.stopped_at END, \
+                version = i.version + 1, updated_at = compute_now() \
+          WHERE i.id = $1 AND i.state = $4 RETURNING {COLS}"
+    ))
+    .bind(&instance.id)
+    .bind(to)
+    .bind(reason)
+    .bind(instance.state)
+    .fetch_one(&mut *conn)
+    .await?;
+    emit(conn, &moved).await?;
+    Ok(moved)
+}
+
+fn failure(step: &str, c: &cmds::Command) -> String {
+    format!(
+        "{step} {}: {} {}",
+        c.state,
+        c.error_code.as_deref().unwrap_or(""),
+        c.error_message.as_deref().unwrap_or("")
+    )
+    .trim_end()
+    .to_owned()
+}
+
+/// One run of `id`'s workflow, in one transaction of `db` (fenced by the shard's lease): takes
+/// every step that is due now and says when it is due again.
+pub async fn reconcile(db: &Db, id: &InstanceId) -> Result<Step> {
+    db.tx("reconcile_instance", TxKind::Maintenance, |conn| {
+        let id = id.clone();
+        Box::pin(async move { reconcile_in(conn, &id).await })
+    })
+    .await
+}
+
+async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> {
+    let Some(mut instance) = sqlx::query_as::<_, Instance>(&format!(
+        "SELECT {COLS} FROM instances i WHERE i.id = $1 FOR UPDATE"
+    ))
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?
+    else {
+        return Ok(Step::default());
+    };
+    let r = sqlx::query!(
+        r#"SELECT compute_reservation_state(r.state, r.starts_at, r.ends_at) AS "state!: crate::reservations::state::State",
+                  r.starts_at, r.ends_at, compute_now() AS "now!"
+             FROM reservations r WHERE r.id = $1"#,
+        instance.reservation_id.as_str(),
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let steps = cmds::of_workflow(conn, id.as_str()).await?;
+    let run_key = step_key(id, "run");
+    let stop_key = step_key(id, "stop");
+    let ended = r.state.is_terminal() || r.now >= r.ends_at;
+    let mut step = Step::default();
+    loop {
+        match instance.state {
+            State::Provisioning | State::Running if ended || instance.stop_requested => {
+                let why = if ended {
+                    format!("its reservation ended ({})", r.state)
+                } else {
+                    "stopped on request".to_owned()
+                };
+                instance =
+                    transition(conn, &instance, Action::Stop, State::Stopping, Some(why)).await?;
+            }
+            State::Provisioning => {
+                use crate::reservations::state::State as R;
+                if matches!(r.state, R::Pending | R::Scheduled) {
+                    step.next = Some(r.starts_at);
+                    break;
+                }
+                match steps.get(&run_key) {
+                    None => {
+                        let atoms: Vec<String> = sqlx::query_scalar!(
+                            "SELECT atoms FROM allocations WHERE id = $1",
+                            instance.allocation_id.as_str(),
+                        )
+                        .fetch_one(&mut *conn)
+                        .await?;
+                        let args = json!({
+                            "instanceId": instance.id,
+                            "image": instance.image,
+                            "command": instance.command,
+                            "env": instance.env.0,
+                            "devices": atoms,
+                        });
+                        cmds::ensure(
+                            conn,
+                            NewCommand {
+                                node: &instance.node_id,
+                                kind: Kind::RunInstance,
+                                args: &args,
+                                min_generation: 0,
+                                retry_safe: false,
+                                key: &run_key,
+                                created_by: cmds::CONTROL_PLANE,
+                                workflow: Some(id.as_str()),
+                            },
+                        )
+                        .await?;
+                        step.next = Some(r.ends_at);
+                        break;
+                    }
+                    Some(c) if c.state == cmds::State::Succeeded => {
+                        instance = transition(conn, &instance, Action::Start, State::Running, None)
+                            .await?;
+                    }
+                    Some(c) if c.state.is_terminal() => {
+                        let why = failure("run_instance", c);
+                        instance =
+                            transition(conn, &instance, Action::Fail, State::Failed, Some(why))
+                                .await?;
+                    }
+                    Some(_) => {
+                        step.next = Some(r.ends_at);
+                        break;
+                    }
+                }
+            }
+            State::Running => {
+                step.next = Some(r.ends_at);
+                break;
+            }
+            State::Stopping => {
+                let run = steps.get(&run_key);
+                let started = match run.map(|c| c.state) {
+                    Some(cmds::State::Pending | cmds::State::Dispatched) => {
+                        // Not started: withdraw it. If the daemon acknowledged it meanwhile, it
+                        // runs; the trigger wakes this again when it ends.
+                        let c = run
+                            .map(|c| c.id.clone())
+                            .ok_or_else(|| Error::internal("no run step"))?;
+                        if !cmds::cancel_in(conn, &c).await? {
+                            break;
+                        }
+                        false
+                    }
+                    Some(cmds::State::Running) => break,
+                    Some(cmds::State::Succeeded) => true,
+                    _ => false,
+                };
+                if !started {
+                    instance =
+                        transition(conn, &instance, Action::Finish, State::Stopped, None).await?;
+                    step.moved.push(instance.state);
+                    continue;
+                }
+                match steps.get(&stop_key) {
+                    None => {
+                        let args = json!({ "instanceId": instance.id });
+                        cmds::ensure(
+                            conn,
+                            NewCommand {
+                                node: &instance.node_id,
+                                kind: Kind::StopInstance,
+                                args: &args,
+                                min_generation: 0,
+                                retry_safe: true,
+                                key: &stop_key,
+                                created_by: cmds::CONTROL_PLANE,
+                                workflow: Some(id.as_str()),
+                            },
+                        )
+                        .await?;
+                        break;
+                    }
+                    Some(c) if c.state == cmds::State::Succeeded => {
+                        instance =
+                            transition(conn, &instance, Action::Finish, State::Stopped, None)
+                                .await?;
+                    }
+                    Some(c) if c.state.is_terminal() => {
+                        let why = failure("stop_instance", c);
+                        instance =
+                            transition(conn, &instance, Action::Fail, State::Failed, Some(why))
+                                .await?;
+                    }
+                    Some(_) => break,
+                }
+            }
+            State::Stopped | State::Failed => break,
+        }
+        step.moved.push(instance.state);
+    }
+    Ok(step)
+}

@@ -1,0 +1,115 @@
+//! What the benchmark binaries share: real `test-api` gateway processes, a free port, a fleet of
+//! bare nodes seeded in one statement, daemon configurations, and the one wait.
+
+use std::time::{Duration, Instant};
+
+use compute_api::auth::Role;
+use compute_sim::DaemonConfig;
+
+/// A port free now on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a port")
+}
+
+/// This package's build of a binary beside the running one (`test-api`, `test-worker`); exits
+/// with a hint when it was not built.
+pub fn sibling(name: &str) -> std::path::PathBuf {
+    let path = std::env::current_exe()
+        .expect("own path")
+        .with_file_name(name);
+    if !path.exists() {
+        eprintln!(
+            "{} is missing: build with `cargo build --release -p compute-tests`",
+            path.display()
+        );
+        std::process::exit(2);
+    }
+    path
+}
+
+/// A `compute-api serve --gateway-only` process on `port` with gateway id `id`, ready.
+pub async fn spawn_gateway(
+    binary: &std::path::Path,
+    url: &str,
+    port: u16,
+    id: &str,
+) -> tokio::process::Child {
+    let child = tokio::process::Command::new(binary)
+        .args([
+            "serve",
+            "--gateway-only",
+            "--gateway-id",
+            id,
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--max-connections",
+            "20000",
+        ])
+        .env("DATABASE_URL", url)
+        .env("COMPUTE_JWT_HS256_SECRET", crate::TEST_SECRET)
+        .env("COMPUTE_JWT_ISSUER", crate::TEST_ISSUER)
+        .env("COMPUTE_JWT_AUDIENCE", crate::TEST_AUDIENCE)
+        .env("COMPUTE_SECRETS_KEY", crate::SECRETS_KEY)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start a gateway");
+    let http = reqwest::Client::new();
+    let ready = format!("http://127.0.0.1:{port}/readyz");
+    for _ in 0..600 {
+        if http
+            .get(&ready)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            return child;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the gateway did not become ready");
+}
+
+/// Seeds `n` bare nodes (`node_<g as 32 hex digits>`, g from 1) in one pool; their ids.
+pub async fn seed_nodes(db: &compute_domain::db::Db, n: i64) -> Vec<String> {
+    sqlx::raw_sql(&format!(
+        "INSERT INTO sites (id, name) VALUES ('site_{z}', 'bench');
+         INSERT INTO pools (id, site_id, name, kind) VALUES ('pool_{z}', 'site_{z}', 'bench', 'bare_metal');
+         INSERT INTO nodes (id, pool_id, hostname)
+              SELECT 'node_' || lpad(to_hex(g), 32, '0'), 'pool_{z}', 'bench-' || g FROM generate_series(1, {n}) g;",
+        z = "0".repeat(32)
+    ))
+    .execute(db.pool())
+    .await
+    .expect("seed the nodes");
+    (1..=n).map(|g| format!("node_{g:032x}")).collect()
+}
+
+/// The configuration of a simulated daemon of `node` talking to the gateway on `port`.
+pub fn daemon(port: u16, node: &str, journal: &str, observed_generation: i64) -> DaemonConfig {
+    let mut claims = crate::claims(&format!("node:{node}"), None, &[Role::Node], 3600);
+    claims.node = Some(node.to_owned());
+    DaemonConfig {
+        url: format!("ws://127.0.0.1:{port}/agent"),
+        token: crate::mint(claims),
+        node_id: node.to_owned(),
+        daemon_version: "bench".into(),
+        journal_id: journal.to_owned(),
+        observed_generation,
+    }
+}
+
+/// Waits until `done`, at most `limit` (then panics: a benchmark that cannot finish says so);
+/// how long it took.
+pub async fn until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    started.elapsed()
+}

@@ -1,0 +1,305 @@
+//! Instances as workflows of commands, end to end: `createInstance` over HTTP, the workflow and
+//! the dispatcher stepped under their shard leases, the real gateway and a simulated daemon
+//! (`docs/instances.md`); and the daemon's last line of defence against a double booking.
+
+use std::time::Duration;
+
+use compute_sim::{Daemon, Session};
+use compute_tests::TestApp;
+use compute_workers::queue::{DISPATCH_KINDS, KINDS, QueueWorker};
+use serde_json::{Value, json};
+
+use crate::commands::{dispatch_and_serve, pass_time};
+use crate::reservations::{CREATE, input, pool};
+
+const WAIT: Duration = Duration::from_secs(20);
+const CREATE_INSTANCE: &str = "mutation($i: CreateInstanceInput!) { createInstance(input: $i) { idempotentReplay instance { id state envNames allocationId } } }";
+const GET: &str = "query($id: ID!) { instance(id: $id) { state reason startedAt stoppedAt } }";
+
+/// The workflow's and the dispatcher's workers, stepped.
+struct Workers {
+    reconcile: QueueWorker,
+    dispatch: QueueWorker,
+}
+
+impl Workers {
+    fn new(app: &TestApp) -> Workers {
+        Workers {
+            reconcile: QueueWorker::new(app.db.db.clone(), "worker-a", &KINDS),
+            dispatch: QueueWorker::new(app.db.db.clone(), "dispatcher-a", &DISPATCH_KINDS)
+                .in_family("dispatch"),
+        }
+    }
+
+    async fn step(&mut self) {
+        for w in [&mut self.reconcile, &mut self.dispatch] {
+            w.rebalance().await.expect("shards");
+            w.step().await.expect("step");
+        }
+    }
+}
+
+async fn state(app: &TestApp, token: &str, id: &str) -> Value {
+    app.ok(token, GET, json!({ "id": id })).await["instance"].clone()
+}
+
+/// Steps the workers until the instance is in `want`.
+async fn step_until(app: &TestApp, workers: &mut Workers, id: &str, want: &str) {
+    let started = tokio::time::Instant::now();
+    loop {
+        workers.step().await;
+        let s = state(app, &app.operator(), id).await;
+        if s["state"] == want {
+            return;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "the instance stays {s} (want {want})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn workflow_commands(app: &TestApp, id: &str) -> Vec<(String, String, i32)> {
+    sqlx::query_as("SELECT idempotency_key, state, attempts FROM commands WHERE workflow_id = $1 ORDER BY idempotency_key")
+        .bind(id)
+        .fetch_all(app.db.db.pool())
+        .await
+        .expect("commands")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_runs_on_its_allocation_and_stops_with_its_reservation() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let p = pool(&app).await;
+    let acme = app.member("acme");
+    let r = app
+        .ok(
+            &acme,
+            CREATE,
+            input(
+                &p.pool,
+                "r1",
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+            ),
+        )
+        .await["createReservation"]["reservation"]
+        .clone();
+    assert_eq!(r["state"], "ACTIVE");
+    let allocation = r["allocations"][0]["id"]
+        .as_str()
+        .expect("allocation")
+        .to_owned();
+    let node = r["allocations"][0]["computeNodeId"]
+        .as_str()
+        .expect("node")
+        .to_owned();
+    let atoms = r["allocations"][0]["atoms"].clone();
+
+    // The node's daemon, answering from its journal.
+    let journal = compute_sim::journal("j1");
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let daemon = tokio::spawn(compute_sim::run_daemon(
+        crate::commands::daemon_config(&app, &node, "j1", 1),
+        compute_sim::Behaviour {
+            journal: Some(journal.clone()),
+            ..compute_sim::Behaviour::default()
+        },
+        stopped,
+        |_, _| {},
+    ));
+    let mut workers = Workers::new(&app);
+
+    let create = |key: &str| {
+        json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1", "command": ["python", "train.py"],
+                       "env": [{ "name": "EPOCHS", "value": "3" }], "idempotencyKey": key } })
+    };
+    let made = app.ok(&acme, CREATE_INSTANCE, create("i1")).await["createInstance"].clone();
+    assert_eq!(made["instance"]["state"], "PROVISIONING");
+    assert_eq!(made["instance"]["envNames"], json!(["EPOCHS"]));
+    let id = made["instance"]["id"].as_str().expect("id").to_owned();
+    let again = app.ok(&acme, CREATE_INSTANCE, create("i1")).await["createInstance"].clone();
+    assert_eq!(
+        (
+            again["instance"]["id"].as_str(),
+            again["idempotentReplay"].as_bool()
+        ),
+        (Some(id.as_str()), Some(true))
+    );
+    let (code, _) = app.fails(&acme, CREATE_INSTANCE, create("i2")).await;
+    assert_eq!(code, "CONFLICT", "one live instance per allocation");
+    let globex = app.member("globex");
+    let (code, _) = app.fails(&globex, CREATE_INSTANCE, create("g1")).await;
+    assert_eq!(code, "NOT_FOUND", "another tenant's allocation");
+    let (code, _) = app.fails(&globex, GET, json!({ "id": id })).await;
+    assert_eq!(code, "NOT_FOUND", "another tenant's instance");
+    let (code, _) = app
+        .fails(
+            &acme,
+            CREATE_INSTANCE,
+            json!({ "i": { "allocationId": allocation, "image": "", "idempotencyKey": "bad" } }),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT");
+    assert_eq!(
+        app.count("instances").await,
+        1,
+        "refused requests wrote nothing"
+    );
+
+    // The step that makes the run command runs three times, two at once (a worker that died
+    // after its commit, and a second holder): one command.
+    let iid = compute_domain::ids::InstanceId::parse("id", &id).expect("instance id");
+    let db = &app.db.db;
+    let (a, b) = tokio::join!(
+        compute_domain::instances::reconcile(db, &iid),
+        compute_domain::instances::reconcile(db, &iid)
+    );
+    a.expect("step");
+    b.expect("step");
+    compute_domain::instances::reconcile(db, &iid)
+        .await
+        .expect("step");
+    let steps = workflow_commands(&app, &id).await;
+    assert_eq!(steps.len(), 1, "{steps:?}");
+    assert_eq!(steps[0].0, format!("wf:{id}:run"));
+
+    step_until(&app, &mut workers, &id, "RUNNING").await;
+    let run: Value = sqlx::query_scalar("SELECT args FROM commands WHERE idempotency_key = $1")
+        .bind(format!("wf:{id}:run"))
+        .fetch_one(db.pool())
+        .await
+        .expect("args");
+    assert_eq!(run["devices"], atoms, "the allocation's atoms");
+    assert_eq!(run["image"], "registry.example/train:1");
+
+    // The reservation ends (02:00): the workflow stops the workload.
+    pass_time(&app, 2 * 3600).await;
+    let mut reconciler = compute_workers::Reconciler::new(db.clone(), "worker-resync");
+    reconciler.pass().await.expect("the reservation expires");
+    step_until(&app, &mut workers, &id, "STOPPED").await;
+    let s = state(&app, &acme, &id).await;
+    assert!(
+        s["reason"]
+            .as_str()
+            .expect("reason")
+            .contains("reservation ended"),
+        "{s}"
+    );
+    assert!(s["startedAt"].is_string() && s["stoppedAt"].is_string());
+    let steps = workflow_commands(&app, &id).await;
+    assert_eq!(
+        steps,
+        [
+            (format!("wf:{id}:run"), "succeeded".to_owned(), 1),
+            (format!("wf:{id}:stop"), "succeeded".to_owned(), 1)
+        ]
+    );
+    {
+        let j = journal.lock().expect("journal");
+        let runs: Vec<(String, u32)> = j
+            .entries
+            .values()
+            .map(|e| (e.kind.clone(), e.executions))
+            .collect();
+        assert_eq!(
+            runs.iter()
+                .filter(|(k, n)| k == "run_instance" && *n == 1)
+                .count(),
+            1,
+            "{runs:?}"
+        );
+        assert_eq!(
+            runs.iter()
+                .filter(|(k, n)| k == "stop_instance" && *n == 1)
+                .count(),
+            1,
+            "{runs:?}"
+        );
+        assert!(runs.iter().all(|(_, n)| *n == 1), "each ran once: {runs:?}");
+        assert!(j.devices.is_empty(), "the daemon released the devices");
+    }
+    let events: Vec<String> =
+        sqlx::query_scalar("SELECT type FROM outbox WHERE subject = $1 ORDER BY txid, seq")
+            .bind(&id)
+            .fetch_all(db.pool())
+            .await
+            .expect("events");
+    assert_eq!(
+        events,
+        [
+            "instance.provisioning",
+            "instance.running",
+            "instance.stopping",
+            "instance.stopped"
+        ]
+    );
+    let _ = stop.send(true);
+    let _ = daemon.await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_refuses_an_overlapping_device_assignment() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let nodes = crate::commands::seed_nodes(&app, 1).await;
+    let node = &nodes[0];
+    let journal = compute_sim::journal("j1");
+    let mut d = Daemon::new(journal.clone(), 1);
+    let mut session = Session::open(&crate::commands::daemon_config(&app, node, "j1", 1))
+        .await
+        .expect("open");
+    let mut dispatcher =
+        QueueWorker::new(app.db.db.clone(), "dispatcher-a", &DISPATCH_KINDS).in_family("dispatch");
+    // An operator (or a bug) assigns the same GPU to two workloads.
+    let outcome = |instance: &'static str| {
+        let app = &app;
+        let node = node.clone();
+        async move {
+            let run = "mutation($i: RunCommandInput!) { runCommand(input: $i) { command { id } } }";
+            let c = app
+                .ok(&app.operator(), run, json!({ "i": { "computeNodeId": node, "kind": "RUN_INSTANCE", "idempotencyKey": instance,
+                    "args": { "instanceId": instance, "devices": ["GPU-0"] } } }))
+                .await;
+            c["runCommand"]["command"]["id"]
+                .as_str()
+                .expect("id")
+                .to_owned()
+        }
+    };
+    let first = outcome("a").await;
+    dispatch_and_serve(&mut dispatcher, &mut session, &mut d, &first).await;
+    let second = outcome("b").await;
+    dispatch_and_serve(&mut dispatcher, &mut session, &mut d, &second).await;
+    let get = "query($id: ID!) { command(id: $id) { state errorCode } }";
+    let a = app.ok(&app.operator(), get, json!({ "id": first })).await;
+    let b = app.ok(&app.operator(), get, json!({ "id": second })).await;
+    assert_eq!(a["command"]["state"], "SUCCEEDED");
+    assert_eq!(
+        (
+            b["command"]["state"].as_str(),
+            b["command"]["errorCode"].as_str()
+        ),
+        (Some("FAILED"), Some("DEVICE_OVERLAP")),
+        "the daemon refused to share GPU-0"
+    );
+    // Without the defence, the daemon would have shared it.
+    d.refuse_overlaps = false;
+    let third = outcome("c").await;
+    dispatch_and_serve(&mut dispatcher, &mut session, &mut d, &third).await;
+    let c = app.ok(&app.operator(), get, json!({ "id": third })).await;
+    assert_eq!(c["command"]["state"], "SUCCEEDED");
+    assert_eq!(
+        journal
+            .lock()
+            .expect("journal")
+            .devices
+            .get("GPU-0")
+            .map(String::as_str),
+        Some("c")
+    );
+    session.bye().await;
+}
