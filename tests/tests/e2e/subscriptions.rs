@@ -868,3 +868,171 @@ async fn the_compute_node_subscription_shows_liveness_live() {
         "{msg}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_subscription_follows_a_command_live() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let nodes = crate::commands::seed_nodes(&app, 1).await;
+    let node = nodes[0].clone();
+    let mut session =
+        compute_sim::Session::open(&crate::commands::daemon_config(&app, &node, "j1", 1))
+            .await
+            .expect("open");
+    let run = "mutation($i: RunCommandInput!) { runCommand(input: $i) { command { id } } }";
+    let id = app
+        .ok(
+            &app.operator(),
+            run,
+            json!({ "i": { "computeNodeId": node, "kind": "NOOP", "idempotencyKey": "s1" } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let query = "subscription($id: ID!, $after: String) { command(id: $id, after: $after) { state attempts } }";
+    // Members may not follow commands.
+    let mut denied = subscribe(
+        &app,
+        &app.member("acme"),
+        "c",
+        query,
+        json!({ "id": id, "after": null }),
+    )
+    .await;
+    let msg = next_msg(&mut denied).await;
+    assert_eq!(msg["type"], "error", "{msg}");
+    assert_eq!(
+        msg["payload"][0]["extensions"]["code"], "FORBIDDEN",
+        "{msg}"
+    );
+
+    let after = now(&app).await;
+    let mut ws = subscribe(
+        &app,
+        &app.operator(),
+        "c",
+        query,
+        json!({ "id": id, "after": after }),
+    )
+    .await;
+    let mut dispatcher = compute_workers::queue::QueueWorker::new(
+        app.db.db.clone(),
+        "dispatcher-a",
+        &compute_workers::queue::DISPATCH_KINDS,
+    )
+    .in_family("dispatch");
+    dispatcher.rebalance().await.expect("shards");
+    dispatcher.step().await.expect("dispatch");
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(
+        msg["payload"]["data"]["command"],
+        json!({ "state": "DISPATCHED", "attempts": 1 }),
+        "{msg}"
+    );
+    // The daemon, step by step: acknowledged (running), then its result.
+    let command = loop {
+        let m = session
+            .next_message(WAIT)
+            .await
+            .expect("a message")
+            .expect("open");
+        if m["type"] == "command" {
+            break m;
+        }
+    };
+    session
+        .send(json!({ "type": "ack", "commandId": command["commandId"] }))
+        .await
+        .expect("ack");
+    assert_eq!(
+        session
+            .next_message(WAIT)
+            .await
+            .expect("proceed")
+            .expect("open")["type"],
+        "proceed"
+    );
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(
+        msg["payload"]["data"]["command"]["state"], "RUNNING",
+        "{msg}"
+    );
+    session
+        .send(json!({ "type": "result", "commandId": command["commandId"], "outcome": "succeeded", "output": { "ok": true } }))
+        .await
+        .expect("result");
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(
+        msg["payload"]["data"]["command"]["state"], "SUCCEEDED",
+        "{msg}"
+    );
+    session.bye().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_instance_subscription_is_its_tenants_only() {
+    let app = spawn_app().await;
+    let p = crate::reservations::pool(&app).await;
+    let acme = app.member("acme");
+    let r = app
+        .ok(
+            &acme,
+            crate::reservations::CREATE,
+            crate::reservations::input(&p.pool, "r1", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    let allocation = r["createReservation"]["reservation"]["allocations"][0]["id"].clone();
+    let create =
+        "mutation($i: CreateInstanceInput!) { createInstance(input: $i) { instance { id } } }";
+    let id = app
+        .ok(
+            &acme,
+            create,
+            json!({ "i": { "allocationId": allocation, "image": "img", "idempotencyKey": "i1" } }),
+        )
+        .await["createInstance"]["instance"]["id"]
+        .clone();
+    let query = "subscription($id: ID!, $after: String) { instance(id: $id, after: $after) { state stopRequested } }";
+    let mut other = subscribe(
+        &app,
+        &app.member("globex"),
+        "i",
+        query,
+        json!({ "id": id, "after": null }),
+    )
+    .await;
+    let msg = next_msg(&mut other).await;
+    assert_eq!(
+        msg["payload"][0]["extensions"]["code"], "NOT_FOUND",
+        "{msg}"
+    );
+    let after = now(&app).await;
+    let mut ws = subscribe(&app, &acme, "i", query, json!({ "id": id, "after": after })).await;
+    let stop = "mutation($i: StopInstanceInput!) { stopInstance(input: $i) { instance { state stopRequested } } }";
+    let stopped = app.ok(&acme, stop, json!({ "i": { "id": id } })).await;
+    assert_eq!(
+        stopped["stopInstance"]["instance"],
+        json!({ "state": "PROVISIONING", "stopRequested": true })
+    );
+    // The workflow's step: its run command was never dispatched, so it is withdrawn and the
+    // instance stops at once (stopping, then stopped, in one transaction).
+    let iid = compute_domain::ids::InstanceId::parse("id", id.as_str().expect("id"))
+        .expect("instance id");
+    let step = compute_domain::instances::reconcile(&app.db.db, &iid)
+        .await
+        .expect("step");
+    assert_eq!(
+        step.moved,
+        [
+            compute_domain::instances::State::Stopping,
+            compute_domain::instances::State::Stopped
+        ]
+    );
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(
+        msg["payload"]["data"]["instance"]["state"], "STOPPED",
+        "{msg}"
+    );
+}
