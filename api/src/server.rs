@@ -97,6 +97,12 @@ async fn serve(
             },
             () = &mut stop => break,
         };
+        // Small messages (WebSocket frames, short responses) go out at once: with Nagle's
+        // algorithm a frame written in two parts waits for the peer's delayed ACK (up to 200 ms
+        // on Linux) before its second part leaves.
+        if let Err(e) = stream.set_nodelay(true) {
+            debug!(error = %e, "TCP_NODELAY could not be set");
+        }
         let router = router.clone();
         let mut shutdown = app.shutdown.clone();
         let open = open.clone();

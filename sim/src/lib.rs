@@ -70,7 +70,8 @@ pub async fn connect_raw(url: &str) -> Result<Ws, Closed> {
     let mut req = url.into_client_request().map_err(Closed::abnormal)?;
     req.headers_mut()
         .insert("Sec-WebSocket-Protocol", HeaderValue::from_static(PROTOCOL));
-    let (ws, _) = tokio_tungstenite::connect_async(req)
+    // Without Nagle's algorithm: a daemon's small messages leave at once.
+    let (ws, _) = tokio_tungstenite::connect_async_with_config(req, None, true)
         .await
         .map_err(Closed::abnormal)?;
     Ok(ws)

@@ -75,6 +75,9 @@ pub const ROLLUP_RESYNC_EVERY: Duration = Duration::from_secs(300);
 /// How often the reservation resync runs by default.
 pub const RESYNC_EVERY: Duration = Duration::from_secs(60);
 
+/// How long a dispatcher's claim keeps other claimers off a node's `node_commands` row.
+pub const DISPATCH_CLAIM: Duration = Duration::from_secs(10);
+
 /// The lease the reservation reconciler runs under.
 pub const RESERVATIONS_LEASE: &str = "singleton:reservations";
 
@@ -342,9 +345,12 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
         tasks.push(tokio::spawn(dispatcher.run(stopped(stop_rx.clone()))));
     }
     if commands {
-        let commands =
+        let mut commands =
             queue::QueueWorker::new(db.clone(), options.owner.clone(), &queue::DISPATCH_KINDS)
                 .in_family("dispatch");
+        // A dispatch takes milliseconds: a run cut short (a lost lease) holds its nodes back
+        // for 10 s, not the reconcilers' 60 s.
+        commands.claim_for = DISPATCH_CLAIM;
         tasks.push(tokio::spawn(
             commands.run(options.queue_idle, stopped(stop_rx.clone())),
         ));

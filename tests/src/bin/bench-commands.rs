@@ -134,6 +134,18 @@ async fn burst(db: &Db, nodes: &Arc<Vec<String>>, label: &str, m: i64) -> f64 {
     m as f64 / elapsed.as_secs_f64()
 }
 
+/// The p50 of each leg, in ms: created → dispatched, dispatched → acknowledged, acknowledged →
+/// result.
+async fn legs(db: &Db, label: &str) -> (f64, f64, f64) {
+    sqlx::query_as(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM dispatched_at - created_at) * 1000),                 percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM started_at - dispatched_at) * 1000),                 percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - started_at) * 1000)            FROM commands WHERE idempotency_key LIKE $1",
+    )
+    .bind(format!("api:bench:{label}-%"))
+    .fetch_one(db.pool())
+    .await
+    .expect("legs")
+}
+
 /// `rate` commands a second for `seconds`; p50 and p99 latency.
 async fn steady(db: &Db, nodes: &Arc<Vec<String>>, label: &str, rate: f64, seconds: u64) {
     let total = (rate * seconds as f64) as i64;
@@ -158,8 +170,10 @@ async fn steady(db: &Db, nodes: &Arc<Vec<String>>, label: &str, rate: f64, secon
     }
     wait_done(db, label, total).await;
     let (p50, p99) = latency(db, label).await;
+    let (to_dispatch, to_ack, to_result) = legs(db, label).await;
     println!(
-        "  steady {rate:.0} commands/s for {seconds} s ({total}): runCommand → succeeded p50 {p50:.1} ms, p99 {p99:.1} ms"
+        "  steady {rate:.0} commands/s for {seconds} s ({total}): runCommand → succeeded p50 {p50:.1} ms, p99 {p99:.1} ms \
+         (p50 of each leg: created → dispatched {to_dispatch:.1} ms, → acknowledged {to_ack:.1} ms, → result {to_result:.1} ms)"
     );
 }
 
@@ -208,6 +222,21 @@ async fn main() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     println!("one dispatch process:");
     let one = burst(&db, &nodes, "one", m).await;
+    let (a, b, c) = legs(&db, "one").await;
+    println!(
+        "  (burst, p50 of each leg: created → dispatched {a:.0} ms, → acknowledged {b:.0} ms, → result {c:.0} ms)"
+    );
+    let slow: Vec<(f64, f64, f64, i32, i64)> = sqlx::query_as(
+        "SELECT extract(epoch FROM dispatched_at - created_at)::float8, extract(epoch FROM started_at - dispatched_at)::float8, \
+                extract(epoch FROM finished_at - started_at)::float8, attempts, session_epoch \
+           FROM commands WHERE idempotency_key LIKE 'api:bench:one-%' ORDER BY finished_at - created_at DESC LIMIT 5",
+    )
+    .fetch_all(db.pool())
+    .await
+    .expect("slowest");
+    println!(
+        "  (the slowest: [to dispatch s, to ack s, to result s, attempts, session epoch] {slow:?})"
+    );
     steady(&db, &nodes, "one-steady", (one / 2.0).max(1.0), 10).await;
 
     let _second = dispatcher(&worker, &test_db.url);
