@@ -141,6 +141,16 @@ pub struct EventFilter {
 pub const MAX_FILTER_ITEMS: usize = 100;
 
 impl EventFilter {
+    /// The events of one subject (an object's id), of `tenant`'s only when given: what a
+    /// follow-one-object subscription reads.
+    pub fn about(tenant_id: Option<TenantId>, subject: String) -> EventFilter {
+        EventFilter {
+            tenant_id,
+            types: vec![],
+            subjects: vec![subject],
+        }
+    }
+
     /// A filter from a client's `types` and `subjects`, checked at the door: at most
     /// [`MAX_FILTER_ITEMS`] of each, types dotted lowercase names, subjects ids of this API.
     pub fn parse(

@@ -98,6 +98,31 @@ impl<T> Page<T> {
     }
 }
 
+/// Appends the keyset condition, order and limit of `page` over the id column `key` (such as
+/// `r.id`) to a listing built with a `WHERE`, and fetches its page: the one home of the paging
+/// of every id-ordered listing.
+pub async fn fetch_page<'a, T>(
+    mut qb: sqlx::QueryBuilder<'a, sqlx::Postgres>,
+    key: &str,
+    page: &PageArgs,
+    db: &crate::db::Db,
+) -> Result<Page<T>>
+where
+    T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+{
+    if let Some(after) = &page.after {
+        qb.push(format!(" AND {key} > ")).push_bind(after.clone());
+    }
+    if let Some(before) = &page.before {
+        qb.push(format!(" AND {key} < ")).push_bind(before.clone());
+    }
+    let direction = if page.backward { "DESC" } else { "ASC" };
+    qb.push(format!(" ORDER BY {key} {direction} LIMIT "))
+        .push_bind(page.limit + 1);
+    let rows = qb.build_query_as().fetch_all(db.pool()).await?;
+    Ok(Page::from_rows(rows, page))
+}
+
 const CURSOR_PREFIX: &str = "k1:";
 
 /// The opaque cursor of a key.

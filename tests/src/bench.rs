@@ -113,3 +113,33 @@ pub async fn until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) 
     }
     started.elapsed()
 }
+
+/// Starts a simulated daemon for each of `nodes` (journal `j<n>`, reporting
+/// `observed_generation`) against the gateway on `port`; the switch that stops them all, and the
+/// count of sessions they opened (reconnections included).
+pub fn start_daemons(
+    port: u16,
+    nodes: &[String],
+    observed_generation: i64,
+) -> (
+    tokio::sync::watch::Sender<bool>,
+    std::sync::Arc<std::sync::atomic::AtomicI64>,
+) {
+    use std::sync::atomic::Ordering;
+    let opened = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    for (n, node) in nodes.iter().enumerate() {
+        let opened = opened.clone();
+        tokio::spawn(compute_sim::run_daemon(
+            daemon(port, node, &format!("j{n}"), observed_generation),
+            compute_sim::Behaviour::default(),
+            stopped.clone(),
+            move |_, event| {
+                if event.is_ok() {
+                    opened.fetch_add(1, Ordering::Relaxed);
+                }
+            },
+        ));
+    }
+    (stop, opened)
+}

@@ -149,3 +149,22 @@ pub fn require_operator(ctx: &Context<'_>) -> GqlResult<()> {
         )))
     }
 }
+
+/// The tenant a listing shows: a member's own, whatever `requested`; for an operator
+/// `requested` (checked), or every tenant when `None`. A member token without a tenant is
+/// `FORBIDDEN`.
+pub fn listing_tenant(
+    ctx: &Context<'_>,
+    requested: Option<String>,
+) -> GqlResult<Option<compute_domain::ids::TenantId>> {
+    match actor(ctx)?.visible_tenant() {
+        Ok(Some(own)) => Ok(Some(own.clone())),
+        Ok(None) => requested
+            .map(|t| compute_domain::ids::TenantId::parse("tenantId", &t))
+            .transpose()
+            .map_err(gql_error),
+        Err(_) => Err(gql_error(compute_domain::Error::Forbidden(
+            "your token names no tenant".into(),
+        ))),
+    }
+}

@@ -278,15 +278,10 @@ impl SubscriptionRoot {
             }
         };
         let cursor = start(ctx, after).await?;
-        let filter = EventFilter {
-            tenant_id: Some(tenant),
-            types: vec![],
-            subjects: vec![rid.to_string()],
-        };
         follow_object(
             ctx,
             cursor,
-            filter,
+            EventFilter::about(Some(tenant), rid.to_string()),
             |_| true,
             move || {
                 let (db, rid) = (db.clone(), rid.clone());
@@ -324,15 +319,10 @@ impl SubscriptionRoot {
             }));
         }
         let cursor = start(ctx, after).await?;
-        let filter = EventFilter {
-            tenant_id: None,
-            types: vec![],
-            subjects: vec![nid.to_string()],
-        };
         follow_object(
             ctx,
             cursor,
-            filter,
+            EventFilter::about(None, nid.to_string()),
             |_| true,
             move || {
                 let (db, nid) = (db.clone(), nid.clone());
@@ -370,15 +360,10 @@ impl SubscriptionRoot {
             }
         };
         let cursor = start(ctx, after).await?;
-        let filter = EventFilter {
-            tenant_id: Some(tenant),
-            types: vec![],
-            subjects: vec![iid.to_string()],
-        };
         follow_object(
             ctx,
             cursor,
-            filter,
+            EventFilter::about(Some(tenant), iid.to_string()),
             |_| true,
             move || {
                 let (db, iid) = (db.clone(), iid.clone());
@@ -416,15 +401,10 @@ impl SubscriptionRoot {
             }));
         }
         let cursor = start(ctx, after).await?;
-        let filter = EventFilter {
-            tenant_id: None,
-            types: vec![],
-            subjects: vec![cid.to_string()],
-        };
         follow_object(
             ctx,
             cursor,
-            filter,
+            EventFilter::about(None, cid.to_string()),
             |_| true,
             move || {
                 let (db, cid) = (db.clone(), cid.clone());

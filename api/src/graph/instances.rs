@@ -5,7 +5,7 @@ use async_graphql::connection::Connection;
 use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
-use compute_domain::ids::{AllocationId, InstanceId, ReservationId, TenantId};
+use compute_domain::ids::{AllocationId, InstanceId, ReservationId};
 use compute_domain::instances::{self as ins, InstanceFilter, InstanceRequest};
 
 use crate::graph::common::{connection, gql_id, page_request};
@@ -175,19 +175,7 @@ impl InstanceQuery {
             String,
         >,
     ) -> GqlResult<Connection<String, InstanceObj, InstanceCount>> {
-        let actor = actor(ctx)?;
-        let tenant = match actor.visible_tenant() {
-            Ok(Some(own)) => Some(own.clone()),
-            Ok(None) => tenant_id
-                .map(|t| TenantId::parse("tenantId", &t))
-                .transpose()
-                .map_err(gql_error)?,
-            Err(_) => {
-                return Err(gql_error(Error::Forbidden(
-                    "your token names no tenant".into(),
-                )));
-            }
-        };
+        let tenant = crate::graph::context::listing_tenant(ctx, tenant_id)?;
         let filter = InstanceFilter {
             tenant_id: tenant,
             reservation_id: reservation_id

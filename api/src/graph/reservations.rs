@@ -5,7 +5,7 @@ use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
 use chrono::{DateTime, Utc};
 use compute_domain::Error;
 use compute_domain::fleet::model::Window;
-use compute_domain::ids::{PoolId, ReservationId, TenantId};
+use compute_domain::ids::{PoolId, ReservationId};
 use compute_domain::page::PageRequest;
 use compute_domain::reservations::model::{AllocationInput, parse_request};
 use compute_domain::reservations::{self as rsv, ReservationFilter, commands};
@@ -266,19 +266,7 @@ impl ReservationQuery {
             String,
         >,
     ) -> GqlResult<Connection<String, ReservationObj, ReservationCount>> {
-        let actor = actor(ctx)?;
-        let tenant = match actor.visible_tenant() {
-            Ok(Some(own)) => Some(own.clone()),
-            Ok(None) => tenant_id
-                .map(|t| TenantId::parse("tenantId", &t))
-                .transpose()
-                .map_err(gql_error)?,
-            Err(_) => {
-                return Err(gql_error(Error::Forbidden(
-                    "your token names no tenant".into(),
-                )));
-            }
-        };
+        let tenant = crate::graph::context::listing_tenant(ctx, tenant_id)?;
         let filter = ReservationFilter {
             tenant_id: tenant,
             state: state.map(Into::into),

@@ -361,22 +361,7 @@ pub async fn list_instances(
     filter: &InstanceFilter,
     page: &PageArgs,
 ) -> Result<Page<Instance>> {
-    let mut qb = select(COLS, filter);
-    if let Some(after) = &page.after {
-        qb.push(" AND i.id > ").push_bind(after.clone());
-    }
-    if let Some(before) = &page.before {
-        qb.push(" AND i.id < ").push_bind(before.clone());
-    }
-    qb.push(if page.backward {
-        " ORDER BY i.id DESC"
-    } else {
-        " ORDER BY i.id"
-    })
-    .push(" LIMIT ")
-    .push_bind(page.limit + 1);
-    let rows = qb.build_query_as().fetch_all(db.pool()).await?;
-    Ok(Page::from_rows(rows, page))
+    crate::page::fetch_page(select(COLS, filter), "i.id", page, db).await
 }
 
 /// How many instances match.

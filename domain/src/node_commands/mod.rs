@@ -491,22 +491,7 @@ pub async fn list_commands(
     filter: &CommandFilter,
     page: &PageArgs,
 ) -> Result<Page<Command>> {
-    let mut qb = select(COLS, filter);
-    if let Some(after) = &page.after {
-        qb.push(" AND c.id > ").push_bind(after.clone());
-    }
-    if let Some(before) = &page.before {
-        qb.push(" AND c.id < ").push_bind(before.clone());
-    }
-    qb.push(if page.backward {
-        " ORDER BY c.id DESC"
-    } else {
-        " ORDER BY c.id"
-    })
-    .push(" LIMIT ")
-    .push_bind(page.limit + 1);
-    let rows = qb.build_query_as().fetch_all(db.pool()).await?;
-    Ok(Page::from_rows(rows, page))
+    crate::page::fetch_page(select(COLS, filter), "c.id", page, db).await
 }
 
 /// How many commands match.

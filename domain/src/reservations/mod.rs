@@ -178,22 +178,7 @@ pub async fn list_reservations(
     filter: &ReservationFilter,
     page: &PageArgs,
 ) -> Result<Page<Reservation>> {
-    let mut qb = select(RSV_COLS, filter);
-    if let Some(after) = &page.after {
-        qb.push(" AND r.id > ").push_bind(after.clone());
-    }
-    if let Some(before) = &page.before {
-        qb.push(" AND r.id < ").push_bind(before.clone());
-    }
-    qb.push(if page.backward {
-        " ORDER BY r.id DESC"
-    } else {
-        " ORDER BY r.id"
-    })
-    .push(" LIMIT ")
-    .push_bind(page.limit + 1);
-    let rows = qb.build_query_as().fetch_all(db.pool()).await?;
-    Ok(Page::from_rows(rows, page))
+    crate::page::fetch_page(select(RSV_COLS, filter), "r.id", page, db).await
 }
 
 /// How many reservations match.

@@ -19,15 +19,14 @@
 #![allow(clippy::print_stdout, reason = "a benchmark prints its figures")]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use compute_domain::db::Db;
 use compute_domain::idempotency::Actor;
 use compute_domain::ids::NodeId;
 use compute_domain::node_commands::{self as cmds, CommandRequest, Kind};
-use compute_sim::{Behaviour, run_daemon};
-use compute_tests::bench::{daemon, free_port, seed_nodes, sibling, spawn_gateway, until};
+use compute_tests::bench::{free_port, seed_nodes, sibling, spawn_gateway, start_daemons, until};
 
 fn dispatcher(binary: &std::path::Path, url: &str) -> tokio::process::Child {
     tokio::process::Command::new(binary)
@@ -194,21 +193,7 @@ async fn main() {
         .expect("generations");
     let port = free_port();
     let _gateway = spawn_gateway(&api, &test_db.url, port, "bench-gw").await;
-    let opened = Arc::new(AtomicI64::new(0));
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    for (g, node) in nodes.iter().enumerate() {
-        let opened = opened.clone();
-        tokio::spawn(run_daemon(
-            daemon(port, node, &format!("j{g}"), 1),
-            Behaviour::default(),
-            stopped.clone(),
-            move |_, event| {
-                if event.is_ok() {
-                    opened.fetch_add(1, Ordering::Relaxed);
-                }
-            },
-        ));
-    }
+    let (stop, opened) = start_daemons(port, &nodes, 1);
     let connect = until("every daemon connects", Duration::from_secs(600), || {
         opened.load(Ordering::Relaxed) >= n
     })

@@ -14,12 +14,10 @@
 
 #![allow(clippy::print_stdout, reason = "a benchmark prints its figures")]
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use compute_sim::{Behaviour, run_daemon};
-use compute_tests::bench::{daemon, free_port, seed_nodes, sibling, spawn_gateway, until};
+use compute_tests::bench::{free_port, seed_nodes, sibling, spawn_gateway, start_daemons, until};
 
 fn rss_kib(pid: u32) -> i64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -66,29 +64,13 @@ async fn main() {
     let binary = sibling("test-api");
     let test_db = compute_tests::test_db_with(4).await;
     let db = test_db.db.clone();
-    seed_nodes(&db, n).await;
+    let nodes = seed_nodes(&db, n).await;
     let port = free_port();
     let mut g1 = spawn_gateway(&binary, &test_db.url, port, "bench-g1").await;
     let pid = g1.id().unwrap_or(0);
     let idle_rss = rss_kib(pid);
 
-    let opened = Arc::new(AtomicI64::new(0));
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    for g in 1..=n {
-        let node = format!("node_{g:032x}");
-        let config = daemon(port, &node, &format!("j{g}"), 0);
-        let opened = opened.clone();
-        tokio::spawn(run_daemon(
-            config,
-            Behaviour::default(),
-            stopped.clone(),
-            move |_, event| {
-                if event.is_ok() {
-                    opened.fetch_add(1, Ordering::Relaxed);
-                }
-            },
-        ));
-    }
+    let (stop, opened) = start_daemons(port, &nodes, 0);
     let connect = until("every daemon connects", Duration::from_secs(600), || {
         opened.load(Ordering::Relaxed) >= n
     })

@@ -164,15 +164,31 @@ async fn command_torture_no_command_runs_twice_or_is_lost() {
         }
     }
     producer.await.expect("producer");
-    compute_tests::eventually("every command ends", Duration::from_secs(120), || async {
+    // Simulated time moves with the wall clock from here on, as real time would: a dispatcher's
+    // run that was cut short leaves its claims until they lapse (`DISPATCH_CLAIM`, 10 s), and
+    // with a frozen clock they never would.
+    let waited = std::time::Instant::now();
+    let mut moved = 0;
+    loop {
         let s = states(&app).await;
         let open: i64 = ["pending", "dispatched", "running"]
             .iter()
             .map(|k| s.get(*k).copied().unwrap_or(0))
             .sum();
-        (open == 0).then_some(())
-    })
-    .await;
+        if open == 0 {
+            break;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(120),
+            "commands still open after 120 s: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        app.db.advance_clock(1).await;
+        moved += 1;
+    }
+    eprintln!(
+        "command torture: the last commands ended {moved} s (simulated, as wall) after the producer"
+    );
     let elapsed = started.elapsed();
     for (_, (stop, _)) in running {
         let _ = stop.send(true);
@@ -312,7 +328,7 @@ async fn command_torture_no_command_runs_twice_or_is_lost() {
         "command torture: {} commands ({operators} operators', the rest apply_spec) over {NODES} nodes in {:.1} s; \
          journal resets {wiped}, a dispatcher SIGKILL; end states {counts:?}; failed JOURNAL_RESET {resets}; \
          dispatched more than once (to a newer session) {redispatched}; deliveries to daemons {deliveries}; \
-         violations {}\n",
+         the last ended {moved} s after the producer; violations {}\n",
         rows.len(),
         elapsed.as_secs_f64(),
         problems.len()
