@@ -162,6 +162,25 @@ pub struct Verifier {
     validation: Validation,
     clock: JwtClock,
     max_lifetime: std::time::Duration,
+    cache: AuthCache,
+}
+
+/// How long a verified token is remembered: within this, a token presented again is not
+/// verified again (its signature, its claims), but its expiry is still checked on every use.
+pub const AUTH_CACHE_SECONDS: i64 = 30;
+/// The most tokens remembered at once; past it, expired entries go, then all of them.
+pub const AUTH_CACHE_MAX: usize = 10_000;
+
+/// Verified tokens by the SHA-256 of the token (a bearer token is not kept in memory), each with
+/// the viewer it gave and until when (by the verifier's clock) it is trusted without a check.
+#[derive(Default)]
+struct AuthCache(std::sync::Mutex<std::collections::HashMap<[u8; 32], (Viewer, i64)>>);
+
+fn token_key(token: &str) -> [u8; 32] {
+    let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+    let mut key = [0u8; 32];
+    key.copy_from_slice(digest.as_ref());
+    key
 }
 
 /// The longest a token may still be valid when it is presented, unless `serve` is told
@@ -253,6 +272,7 @@ impl Verifier {
             validation,
             clock: wall_clock(),
             max_lifetime: DEFAULT_MAX_TOKEN_LIFETIME,
+            cache: AuthCache::default(),
         })
     }
 
@@ -273,8 +293,45 @@ impl Verifier {
         self.algorithm
     }
 
-    /// Verifies a token (without the `Bearer ` prefix).
+    /// Verifies a token (without the `Bearer ` prefix). A token verified within the last
+    /// [`AUTH_CACHE_SECONDS`] is answered from memory, its expiry checked again; refusals are
+    /// never remembered.
     pub fn verify(&self, token: &str) -> Result<Viewer, Error> {
+        let now = (self.clock)();
+        let leeway = LEEWAY_SECONDS as i64;
+        let key = token_key(token);
+        let mut cache = self.cache.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((viewer, trusted_until)) = cache.get(&key) {
+            if now < *trusted_until && viewer.expires_at + leeway >= now {
+                let mut v = viewer.clone();
+                v.valid_for =
+                    std::time::Duration::from_secs((v.expires_at + leeway - now).max(0) as u64);
+                return Ok(v);
+            }
+            cache.remove(&key);
+        }
+        drop(cache);
+        let viewer = self.verify_uncached(token)?;
+        let mut cache = self.cache.0.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= AUTH_CACHE_MAX {
+            cache.retain(|_, (v, until)| *until > now && v.expires_at + leeway >= now);
+            if cache.len() >= AUTH_CACHE_MAX {
+                cache.clear();
+            }
+        }
+        let until = (now + AUTH_CACHE_SECONDS).min(viewer.expires_at + leeway);
+        cache.insert(key, (viewer.clone(), until));
+        Ok(viewer)
+    }
+
+    /// How many verified tokens are remembered.
+    pub fn cached(&self) -> usize {
+        self.cache.0.lock().map(|c| c.len()).unwrap_or(0)
+    }
+
+    /// Verifies a token without the cache: its signature and every claim (benchmarks compare
+    /// the two).
+    pub fn verify_uncached(&self, token: &str) -> Result<Viewer, Error> {
         let header = jsonwebtoken::decode_header(token)
             .map_err(|_| unauthenticated("the bearer token is not a well-formed JWT"))?;
         if header.alg != self.algorithm {
@@ -440,6 +497,46 @@ mod tests {
         let v = Verifier::new(KeySource::Hs256(secret.clone()), DEV_ISSUER, DEV_AUDIENCE)
             .expect("verifier");
         (secret, v)
+    }
+
+    #[test]
+    fn a_remembered_token_still_expires_and_the_memory_is_bounded() {
+        let (secret, v) = verifier();
+        let offset = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+        let o = offset.clone();
+        let v = v.with_clock(std::sync::Arc::new(move || {
+            chrono::Utc::now().timestamp() + o.load(std::sync::atomic::Ordering::SeqCst)
+        }));
+        let token = mint_hs256(
+            &secret,
+            &dev_claims("alice", Some("acme"), &[Role::Member], 60),
+        )
+        .expect("mint");
+        let first = v.verify(&token).expect("valid");
+        assert_eq!(v.cached(), 1);
+        let again = v.verify(&token).expect("remembered");
+        assert_eq!((again.subject, again.tenant), (first.subject, first.tenant));
+        // Past its expiry (and the leeway), a remembered token is refused like any other.
+        offset.store(
+            60 + LEEWAY_SECONDS as i64 + 1,
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        assert!(
+            v.verify(&token)
+                .expect_err("expired")
+                .to_string()
+                .contains("expired")
+        );
+        assert_eq!(v.cached(), 0, "refusals are not remembered");
+        // A refused token is never remembered, and the memory stays bounded.
+        offset.store(0, std::sync::atomic::Ordering::SeqCst);
+        assert!(v.verify("not-a-jwt").is_err());
+        for i in 0..AUTH_CACHE_MAX + 5 {
+            let t =
+                mint_hs256(&secret, &dev_claims(&format!("u{i}"), None, &[], 60)).expect("mint");
+            v.verify(&t).expect("valid");
+        }
+        assert!(v.cached() <= AUTH_CACHE_MAX, "{}", v.cached());
     }
 
     #[test]
