@@ -495,26 +495,16 @@ pub async fn run_daemon(
                             match m {
                                 Some(Err(c)) => break Some(c),
                                 Some(Ok(message)) => {
+                                    let replies = daemon.on_message(&message);
+                                    // A command takes its time between `proceed` and its result.
                                     if message["type"] == "proceed" && !behaviour.command_time.is_zero() {
-                                        let replies = daemon.on_message(&message);
                                         tokio::select! {
                                             _ = stop.changed() => return,
                                             () = tokio::time::sleep(behaviour.command_time) => {}
                                         }
-                                        let mut failed = None;
-                                        for reply in replies {
-                                            if let Err(c) = session.send(reply).await {
-                                                failed = Some(c);
-                                                break;
-                                            }
-                                        }
-                                        if let Some(c) = failed {
-                                            break Some(c);
-                                        }
-                                        continue;
                                     }
                                     let mut failed = None;
-                                    for reply in daemon.on_message(&message) {
+                                    for reply in replies {
                                         if let Err(c) = session.send(reply).await {
                                             failed = Some(c);
                                             break;

@@ -168,3 +168,8 @@ pub fn listing_tenant(
         ))),
     }
 }
+
+/// Whether the caller may see an object of `tenant` (its own tenant's, or any as an operator).
+pub fn may_see(ctx: &Context<'_>, tenant: &compute_domain::ids::TenantId) -> GqlResult<bool> {
+    Ok(viewer(ctx)?.actor().is_some_and(|a| a.may_access(tenant)))
+}

@@ -11,7 +11,7 @@ use compute_domain::instances::{self as ins, InstanceFilter, InstanceRequest};
 use crate::graph::common::{connection, gql_id, page_request};
 use crate::graph::loaders::*;
 use crate::graph::reservations::ReservationObj;
-use crate::graph::{GqlResult, ReplayFlag, actor, db, gql_error, viewer};
+use crate::graph::{GqlResult, ReplayFlag, actor, db, gql_error};
 
 /// Where an instance is in its life (`docs/instances.md`).
 #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -111,9 +111,7 @@ impl InstanceObj {
 
 /// Whether the caller may see `i`.
 pub fn visible(ctx: &Context<'_>, i: &ins::Instance) -> GqlResult<bool> {
-    Ok(viewer(ctx)?
-        .actor()
-        .is_some_and(|a| a.may_access(&i.tenant_id)))
+    crate::graph::context::may_see(ctx, &i.tenant_id)
 }
 
 /// `totalCount` of the instances connection.

@@ -196,9 +196,7 @@ impl AllocationObj {
 
 /// Whether the caller may see `r`.
 pub fn visible(ctx: &Context<'_>, r: &rsv::Reservation) -> GqlResult<bool> {
-    Ok(viewer(ctx)?
-        .actor()
-        .is_some_and(|a| a.may_access(&r.tenant_id)))
+    crate::graph::context::may_see(ctx, &r.tenant_id)
 }
 
 /// `totalCount` of the reservations connection.

@@ -534,7 +534,7 @@ async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> 
                         let c = run
                             .map(|c| c.id.clone())
                             .ok_or_else(|| Error::internal("no run step"))?;
-                        if !cmds::cancel_in(conn, &c).await? {
+                        if cmds::cancel_in(conn, &c).await?.is_none() {
                             break;
                         }
                         false

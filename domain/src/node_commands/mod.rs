@@ -383,17 +383,7 @@ pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
     db.tx("cancel_command", TxKind::Write, |conn| {
         let id = id.clone();
         Box::pin(async move {
-            let cancelled = sqlx::query_as::<_, Command>(&format!(
-                "UPDATE commands AS c SET state = 'cancelled', finished_at = compute_now(), \
-                        version = c.version + 1, updated_at = compute_now() \
-                  WHERE c.id = $1 AND c.state = ANY($2) RETURNING {COLS}"
-            ))
-            .bind(&id)
-            .bind(stored_from(Action::Cancel))
-            .fetch_optional(&mut *conn)
-            .await?;
-            if let Some(c) = cancelled {
-                emit(conn, std::slice::from_ref(&c), EventType::CommandCancelled).await?;
+            if let Some(c) = cancel_in(conn, &id).await? {
                 return Ok(c);
             }
             match load(conn, &id).await? {
@@ -415,9 +405,10 @@ pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
     .await
 }
 
-/// Cancels `id` in the caller's transaction if it is still `pending` or `dispatched` (a
-/// workflow withdrawing a step it no longer needs); whether it did.
-pub async fn cancel_in(conn: &mut PgConnection, id: &CommandId) -> Result<bool> {
+/// Cancels `id` in the caller's transaction if it is still `pending` or `dispatched` (an
+/// operator, or a workflow withdrawing a step it no longer needs), with its event; the
+/// cancelled command, or `None` when it was not cancellable.
+pub async fn cancel_in(conn: &mut PgConnection, id: &CommandId) -> Result<Option<Command>> {
     let cancelled = sqlx::query_as::<_, Command>(&format!(
         "UPDATE commands AS c SET state = 'cancelled', finished_at = compute_now(), \
                 version = c.version + 1, updated_at = compute_now() \
@@ -427,13 +418,10 @@ pub async fn cancel_in(conn: &mut PgConnection, id: &CommandId) -> Result<bool> 
     .bind(stored_from(Action::Cancel))
     .fetch_optional(&mut *conn)
     .await?;
-    match cancelled {
-        Some(c) => {
-            emit(conn, std::slice::from_ref(&c), EventType::CommandCancelled).await?;
-            Ok(true)
-        }
-        None => Ok(false),
+    if let Some(c) = &cancelled {
+        emit(conn, std::slice::from_ref(c), EventType::CommandCancelled).await?;
     }
+    Ok(cancelled)
 }
 
 /// The commands of `workflow`, by their key.
