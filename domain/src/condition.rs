@@ -28,6 +28,18 @@ pub struct Condition {
     pub message: Option<String>,
     #[serde(default)]
     pub since: Option<DateTime<Utc>>,
+    /// For `Unschedulable`: how many nodes of the pool each reason ruled out (placement counts
+    /// them in the search that looked, `compute_place`); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub counts: Vec<ReasonCount>,
+}
+
+/// How many of something one reason accounts for, such as 12 nodes `NodeCordoned`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReasonCount {
+    /// A stable, machine-readable reason (`docs/reservations.md` lists placement's).
+    pub reason: String,
+    pub count: i64,
 }
 
 /// The `conditions` column of a row.

@@ -325,6 +325,9 @@ impl From<sqlx::Error> for Error {
         if unreachable || gone {
             return Error::Unavailable(Box::new(err));
         }
+        if let Some(e) = code.as_deref().and_then(|c| raised_by_our_sql(c, &err)) {
+            return e;
+        }
         match code.as_deref() {
             Some(SQLSTATE_LOCK_NOT_AVAILABLE) => Error::LockTimeout,
             Some(state @ (SQLSTATE_SERIALIZATION_FAILURE | SQLSTATE_DEADLOCK_DETECTED)) => {
@@ -336,6 +339,30 @@ impl From<sqlx::Error> for Error {
             _ => Error::Internal(Box::new(err)),
         }
     }
+}
+
+/// The client-facing error a SQL function of ours raised with a SQLSTATE of class `CP`
+/// (migration 0015): `CP400` bad input (`DETAIL` names the field), `CP404` not found, `CPQE0`
+/// quota exceeded, `CPKR0` an idempotency key reused, `CPIP0` one still in progress. The
+/// message is the function's, written for the client.
+fn raised_by_our_sql(code: &str, err: &sqlx::Error) -> Option<Error> {
+    if !code.starts_with("CP") {
+        return None;
+    }
+    let db = err.as_database_error()?;
+    let message = db.message().to_owned();
+    let pg = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>();
+    Some(match code {
+        "CP400" => Error::bad_input(
+            pg.and_then(|p| p.detail()).unwrap_or("input").to_owned(),
+            message,
+        ),
+        "CP404" => Error::from_code("NOT_FOUND", message),
+        "CPQE0" => Error::QuotaExceeded(message),
+        "CPKR0" => Error::IdempotencyKeyReused(message),
+        "CPIP0" => Error::IdempotencyInProgress(message),
+        _ => return None,
+    })
 }
 
 impl From<sqlx::migrate::MigrateError> for Error {

@@ -264,6 +264,9 @@ pub struct ConditionView {
     pub reason: Option<String>,
     pub message: Option<String>,
     pub since: Option<DateTime<Utc>>,
+    /// For `Unschedulable`: nodes ruled out per reason; absent when there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub counts: Vec<crate::condition::ReasonCount>,
 }
 
 impl From<&Condition> for ConditionView {
@@ -274,6 +277,7 @@ impl From<&Condition> for ConditionView {
             reason: c.reason.clone(),
             message: c.message.clone(),
             since: c.since,
+            counts: c.counts.clone(),
         }
     }
 }

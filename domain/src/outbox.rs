@@ -4,8 +4,11 @@
 //! change, so the event exists exactly when the change committed. The row's `txid` is the writing
 //! transaction's id and `seq` comes from a sequence; readers (subscriptions, SSE, webhooks) take
 //! rows only below the oldest running transaction, so nothing appears behind their cursor.
-//! `compute_emit` also sends a `NOTIFY compute_outbox` poke; it only wakes readers early, they
-//! poll anyway.
+//! After a process commits a change, its [`Poker`] sends a `NOTIFY compute_outbox` poke, at
+//! most one per [`POKE_INTERVAL`] however many transactions committed, from a transaction of its
+//! own: it only wakes readers early, they poll anyway. (Until migration 0015 `compute_emit`
+//! notified inside every writing transaction, and PostgreSQL takes one cluster-wide lock at the
+//! commit of a notifying transaction: every event-writing commit waited in one line.)
 
 use crate::events::EventType;
 use crate::ids::{EventId, TenantId};
@@ -14,8 +17,45 @@ use sqlx::PgConnection;
 
 use crate::error::Result;
 
-/// The channel of the poke `compute_emit` sends.
+/// The channel of the outbox poke.
 pub const NOTIFY_CHANNEL: &str = "compute_outbox";
+
+/// The shortest time between two pokes of one process: the most a poke waits for the one
+/// before it, and what bounds a process to 200 notifying transactions a second.
+pub const POKE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// Pokes the outbox readers of every process after this process committed a change
+/// ([`crate::db::Db`] calls [`Poker::poke`] after each writing commit). Pokes that arrive while
+/// one is being sent, or within [`POKE_INTERVAL`] of it, fold into one more.
+#[derive(Debug, Clone)]
+pub(crate) struct Poker(tokio::sync::mpsc::Sender<()>);
+
+impl Poker {
+    /// Starts the task that sends the pokes on `pool`; it ends when the last handle is dropped.
+    /// `None` outside a Tokio runtime.
+    pub(crate) fn start(pool: sqlx::PgPool) -> Option<Poker> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
+        runtime.spawn(async move {
+            while rx.recv().await.is_some() {
+                if let Err(e) = sqlx::query("SELECT pg_notify($1, '')")
+                    .bind(NOTIFY_CHANNEL)
+                    .execute(&pool)
+                    .await
+                {
+                    tracing::debug!(error = %e, "the outbox poke was not sent (readers poll anyway)");
+                }
+                tokio::time::sleep(POKE_INTERVAL).await;
+            }
+        });
+        Some(Poker(tx))
+    }
+
+    /// Asks for a poke; never waits.
+    pub(crate) fn poke(&self) {
+        let _ = self.0.try_send(());
+    }
+}
 
 /// An event to write.
 #[derive(Debug, Clone)]
@@ -379,7 +419,7 @@ pub async fn prune(
     Ok(deleted as u64)
 }
 
-/// Listens for the poke `compute_emit` sends and calls `on_poke` for each, until the listening
+/// Listens for the outbox pokes ([`Poker`]) and calls `on_poke` for each, until the listening
 /// connection fails (the error is returned; call again to reconnect).
 pub async fn listen_for_pokes(db: &crate::db::Db, on_poke: impl Fn()) -> crate::Result<()> {
     let mut listener = sqlx::postgres::PgListener::connect_with(db.pool()).await?;

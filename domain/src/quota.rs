@@ -9,7 +9,7 @@ use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{self, EventType, QuotaPayload, QuotaView};
 use crate::idempotency::Actor;
-use crate::ids::{PoolId, ScopeId, SiteId, TenantId};
+use crate::ids::{ScopeId, TenantId};
 use crate::outbox::{self, NewEvent};
 use crate::text_enum::text_enum;
 
@@ -168,94 +168,6 @@ pub async fn quotas_of(db: &Db, tenant: &TenantId) -> Result<Vec<Quota>> {
     )
     .fetch_all(db.pool())
     .await?)
-}
-
-/// Charges every quota row of the tenant on the pool and its site, all or nothing; returns the
-/// rows charged. Rows are locked in key order first (lock order: quota_usage before anything
-/// of the fleet). A missing row means no limit on that scope and resource.
-pub(crate) async fn charge(
-    conn: &mut PgConnection,
-    tenant: &TenantId,
-    pool_id: &PoolId,
-    site_id: &SiteId,
-    gpu: f64,
-    vcpu: i64,
-    memory: i64,
-) -> Result<Vec<Charge>> {
-    let (pool, site) = (
-        ScopeId::Pool(pool_id.clone()),
-        ScopeId::Site(site_id.clone()),
-    );
-    let want = [
-        (&pool, QuotaResource::Gpu, gpu),
-        (&pool, QuotaResource::Vcpu, vcpu as f64),
-        (&pool, QuotaResource::MemoryMib, memory as f64),
-        (&site, QuotaResource::Gpu, gpu),
-        (&site, QuotaResource::Vcpu, vcpu as f64),
-        (&site, QuotaResource::MemoryMib, memory as f64),
-    ];
-    let kinds: Vec<&str> = want.iter().map(|w| w.0.kind()).collect();
-    let ids: Vec<&str> = want.iter().map(|w| w.0.as_str()).collect();
-    let resources: Vec<&str> = want.iter().map(|w| w.1.as_str()).collect();
-    let amounts: Vec<f64> = want.iter().map(|w| w.2).collect();
-    // `locked` takes the rows FOR UPDATE in key order; the UPDATE then charges those whose limit
-    // allows it (re-reading each row's latest version). Fewer charged than locked: over quota.
-    let rows = sqlx::query!(
-        r#"WITH want AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::float8[]) AS w(scope_kind, scope_id, resource, amount)),
-         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q
-                      JOIN want w USING (scope_kind, scope_id, resource)
-                     WHERE q.tenant_id = $1 ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q),
-         charged AS (UPDATE quota_usage q SET used = q.used + w.amount::numeric, version = q.version + 1, updated_at = compute_now()
-                       FROM want w, locked l
-                      WHERE q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
-                        AND w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource
-                        AND q.used + w.amount::numeric <= q.max_amount
-                  RETURNING q.scope_kind, q.scope_id, q.resource)
-         SELECT l.scope_kind, l.scope_id AS "scope_id: ScopeId", l.resource AS "resource: QuotaResource", w.amount AS "amount!",
-                c.resource IS NOT NULL AS "charged!", q.used::float8 AS "used!", q.max_amount::float8 AS "max!"
-           FROM locked l
-           JOIN want w ON w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource
-           JOIN quota_usage q ON q.tenant_id = $1 AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
-           LEFT JOIN charged c ON c.scope_kind = l.scope_kind AND c.scope_id = l.scope_id AND c.resource = l.resource"#,
-        tenant.as_str(),
-        &kinds as &[&str],
-        &ids as &[&str],
-        &resources as &[&str],
-        &amounts,
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    if let Some(r) = rows.iter().find(|r| !r.charged) {
-        let (kind, id, amount, used, max) = (&r.scope_kind, &r.scope_id, r.amount, r.used, r.max);
-        let unit = match r.resource {
-            QuotaResource::Gpu => "GPUs",
-            QuotaResource::Vcpu => "vCPU",
-            QuotaResource::MemoryMib => "MiB of memory",
-        };
-        return Err(Error::QuotaExceeded(format!(
-            "quota exceeded: tenant {tenant} would hold {} of its {} {unit} on {kind} {id} (holds {}, asks {})",
-            amount_text(used + amount),
-            amount_text(max),
-            amount_text(used),
-            amount_text(amount),
-        )));
-    }
-    Ok(rows
-        .into_iter()
-        .filter(|r| r.amount > 0.0)
-        .map(|r| Charge {
-            scope_kind: r.scope_id.kind().to_owned(),
-            scope_id: r.scope_id,
-            resource: r.resource,
-            amount: r.amount,
-        })
-        .collect())
-}
-
-/// An amount as people write it: at most six decimals, no trailing zeros.
-fn amount_text(x: f64) -> String {
-    let s = format!("{x:.6}");
-    s.trim_end_matches('0').trim_end_matches('.').to_owned()
 }
 
 /// Gives back what a reservation charged, in key order.

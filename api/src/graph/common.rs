@@ -118,6 +118,20 @@ pub struct Condition {
     message: Option<String>,
     /// Since when it holds.
     since: Option<DateTime<Utc>>,
+    /// What the reason is made of, counted: for `Unschedulable`, how many nodes of the pool
+    /// each reason ruled out (`NodeCordoned`, `NodeUnreachable`, `TaintNotTolerated`,
+    /// `InsufficientGpus`, …; `docs/reservations.md`), largest first. Empty for other
+    /// conditions.
+    counts: Vec<ReasonCount>,
+}
+
+/// How many of something one reason accounts for, such as 12 nodes `NodeCordoned`.
+#[derive(SimpleObject)]
+pub struct ReasonCount {
+    /// A stable, machine-readable reason.
+    reason: String,
+    /// How many.
+    count: i64,
 }
 
 /// Conditions as the graph shows them.
@@ -130,6 +144,14 @@ pub fn conditions_of(stored: &[compute_domain::condition::Condition]) -> Vec<Con
             reason: c.reason.clone(),
             message: c.message.clone(),
             since: c.since,
+            counts: c
+                .counts
+                .iter()
+                .map(|r| ReasonCount {
+                    reason: r.reason.clone(),
+                    count: r.count,
+                })
+                .collect(),
         })
         .collect()
 }

@@ -112,6 +112,8 @@ pub struct Db {
     fence: Option<crate::leases::Fence>,
     /// The keys that seal sink secrets at rest; none stores them as they are (development).
     keyring: Option<std::sync::Arc<crate::secrets::Keyring>>,
+    /// Wakes the outbox readers after a writing commit (`outbox::Poker`).
+    poker: Option<crate::outbox::Poker>,
 }
 
 impl Db {
@@ -138,11 +140,13 @@ impl Db {
 
     /// Wraps an existing pool.
     pub fn from_pool(pool: PgPool) -> Db {
+        let poker = crate::outbox::Poker::start(pool.clone());
         Db {
             pool,
             metrics: crate::metrics::TxMetrics::default(),
             fence: None,
             keyring: None,
+            poker,
         }
     }
 
@@ -382,6 +386,11 @@ impl Db {
         }
         let value = body(&mut tx).await?;
         tx.commit().await?;
+        if !kind.read_only()
+            && let Some(poker) = &self.poker
+        {
+            poker.poke();
+        }
         Ok(value)
     }
 

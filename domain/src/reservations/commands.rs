@@ -16,19 +16,17 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 
 use super::model::{AllocationRequest, ReservationRequest};
-use super::placement::{Placement, place, record_placements, unschedulable};
+use super::placement::{Placement, place};
 use super::state::{Action, State, allowed_from};
-use super::{Allocation, Reservation, query_allocations, query_reservations};
+use super::{Reservation, query_reservations};
 use crate::condition::{Condition, ConditionStatus};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
-use crate::events::{self, EventType, ReservationPayload};
+use crate::events::EventType;
 use crate::fleet::model::BookingReason;
 use crate::idempotency::{self, Actor, Claim, Outcome};
-use crate::ids::{AllocationId, AtomName, PoolId, ReservationId, SiteId, TenantId};
-use crate::outbox::{self, NewEvent};
+use crate::ids::{AllocationId, AtomName, ReservationId, TenantId};
 use crate::quota;
-use crate::work_queue::WorkKind;
 
 /// How long a pending reservation waits before placement is tried again.
 pub const RETRY_SECONDS: i64 = 30;
@@ -59,36 +57,17 @@ async fn load(conn: &mut PgConnection, id: &ReservationId) -> Result<Reservation
     )
 }
 
-async fn allocations_of(conn: &mut PgConnection, id: &ReservationId) -> Result<Vec<Allocation>> {
-    Ok(query_allocations!(
-        "SELECT",
-        "FROM allocations a WHERE a.reservation_id = $1 ORDER BY a.ordinal",
-        id.as_str(),
-    )
-    .fetch_all(&mut *conn)
-    .await?)
-}
-
+/// Writes the reservation's event (`compute_reservation_changed`: its payload is built in SQL,
+/// the one definition) and has its reconciler look at it again (and set its next wake-up), in
+/// this transaction.
 async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: EventType) -> Result<()> {
-    let allocations = allocations_of(conn, &rsv.id).await?;
-    outbox::emit(
-        conn,
-        NewEvent {
-            event_type,
-            tenant_id: Some(&rsv.tenant_id),
-            subject: rsv.id.as_str(),
-            data: events::to_data(&ReservationPayload::of(rsv, &allocations))?,
-        },
-    )
-    .await?;
-    // Its reconciler looks at it again (and sets its next wake-up), in this transaction.
-    crate::work_queue::enqueue(
-        conn,
-        WorkKind::Reservation,
+    sqlx::query_scalar!(
+        r#"SELECT compute_reservation_changed($1, $2, $3) AS "event!""#,
         rsv.id.as_str(),
+        event_type.as_str(),
         crate::work_queue::SHARDS,
-        std::time::Duration::ZERO,
     )
+    .fetch_one(&mut *conn)
     .await?;
     Ok(())
 }
@@ -134,7 +113,10 @@ pub struct CreateStats {
 }
 
 /// Creates a reservation: charges quota, places every allocation or none, and records the
-/// response under the idempotency key, all in one transaction.
+/// response under the idempotency key, all in one transaction and one round trip inside it
+/// (`compute_create_reservation`, migration 0015, which follows the lock order and the
+/// idempotency rules of [`idempotency`]); the reservation is then read back in the same
+/// transaction.
 #[tracing::instrument(level = "debug", skip_all, fields(pool = %req.pool_id, subject = %actor.subject))]
 pub async fn create_reservation(
     db: &Db,
@@ -146,187 +128,95 @@ pub async fn create_reservation(
     let key = idempotency::parse_key("idempotencyKey", key)?;
     let fingerprint = json!(req);
     let rsv_id = ReservationId::generate();
-    let alloc_ids: Vec<AllocationId> = req
+    let allocations: Vec<serde_json::Value> = req
         .allocations
         .iter()
-        .map(|_| AllocationId::generate())
+        .map(|a| {
+            json!({
+                "id": AllocationId::generate(),
+                "gpu_kind": a.gpu_kind.as_str(),
+                "gpu_count": a.gpu_count,
+                "model": a.model,
+                "profile": a.profile,
+                "slots_per_gpu": a.slots_per_gpu,
+                "vcpu": a.vcpu,
+                "memory_mib": a.memory_mib,
+                "disk_gib": a.disk_gib,
+                "node_selector": a.node_selector,
+                "tolerations": a.tolerations,
+                "describe": a.describe(),
+            })
+        })
         .collect();
+    let allocations = serde_json::Value::Array(allocations);
+    let gpu = super::model::gpu_charge(&req.allocations);
+    let scope = actor.idempotency_scope();
     db.tx("create_reservation", TxKind::Write, |conn| {
-        let (actor, key, fingerprint, req, rsv_id, alloc_ids, tenant) = (
+        let (actor, key, fingerprint, req, rsv_id, allocations, tenant, scope) = (
             actor.clone(),
             key.clone(),
             fingerprint.clone(),
             req.clone(),
             rsv_id.clone(),
-            alloc_ids.clone(),
+            allocations.clone(),
             tenant.clone(),
+            scope.clone(),
         );
         Box::pin(async move {
-            match idempotency::claim(conn, &actor, &key, "createReservation", &fingerprint).await? {
-                Claim::New => {}
-                Claim::Refused(e) => return Ok(Err(e)),
-                Claim::Replay(response) => {
-                    let id = response["reservationId"]
-                        .as_str()
-                        .and_then(ReservationId::from_trusted)
-                        .ok_or_else(|| {
-                            Error::internal(
-                                "a stored createReservation response names no reservation",
-                            )
-                        })?;
-                    let value = load(conn, &id).await?;
-                    return Ok(Ok((
+            let outcome = sqlx::query_scalar!(
+                r#"SELECT compute_create_reservation($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+                                                     $13::float8::numeric, $14, $15, $16) AS "outcome!""#,
+                scope,
+                actor.subject,
+                key,
+                fingerprint,
+                tenant.as_str(),
+                actor.subject,
+                rsv_id.as_str(),
+                req.pool_id.as_str(),
+                req.starts_at,
+                req.ends_at,
+                START_GRACE_SECONDS as i32,
+                allocations,
+                gpu,
+                RETRY_SECONDS as i32,
+                crate::work_queue::SHARDS,
+                super::placement::SAMPLE,
+            )
+            .fetch_one(&mut *conn)
+            .await?;
+            let id = |v: &serde_json::Value| {
+                v["reservationId"]
+                    .as_str()
+                    .and_then(ReservationId::from_trusted)
+                    .ok_or_else(|| Error::internal(format!("createReservation answered {v}")))
+            };
+            match outcome["outcome"].as_str() {
+                Some("refused") => {
+                    let e = &outcome["error"];
+                    Ok(Err(Error::from_code(
+                        e["code"].as_str().unwrap_or_default(),
+                        e["message"].as_str().unwrap_or_default().to_owned(),
+                    )))
+                }
+                Some(replay @ ("replay" | "created")) => {
+                    let value = load(conn, &id(&outcome)?).await?;
+                    let replans = outcome["replans"].as_u64().unwrap_or(0) as usize;
+                    Ok(Ok((
                         Outcome {
                             value,
-                            replayed: true,
+                            replayed: replay == "replay",
                         },
-                        CreateStats::default(),
-                    )));
+                        CreateStats { replans },
+                    )))
                 }
+                _ => Err(Error::internal(format!(
+                    "compute_create_reservation answered {outcome}"
+                ))),
             }
-            let created = create_effect(conn, &actor, &tenant, &req, &rsv_id, &alloc_ids).await;
-            idempotency::settle(
-                conn,
-                &actor,
-                Some(&key),
-                created,
-                |(o, _)| json!({ "reservationId": o.value.id, "state": o.value.state }),
-            )
-            .await
         })
     })
     .await?
-}
-
-/// The effect of `create_reservation`, under the savepoint of its idempotency key.
-async fn create_effect(
-    conn: &mut PgConnection,
-    actor: &Actor,
-    tenant: &TenantId,
-    req: &ReservationRequest,
-    rsv_id: &ReservationId,
-    alloc_ids: &[AllocationId],
-) -> Result<(Outcome<Reservation>, CreateStats)> {
-    let pool = sqlx::query!(
-        r#"SELECT compute_now() AS "now!", site_id AS "site_id: SiteId", name FROM pools WHERE id = $1"#,
-        req.pool_id.as_str(),
-    )
-    .fetch_optional(&mut *conn)
-    .await?
-    .map(|p| (p.now, p.site_id, p.name));
-    let Some((now, site_id, pool_name)) = pool else {
-        return Err(Error::NotFound {
-            kind: "pool",
-            id: req.pool_id.to_string(),
-        });
-    };
-    let starts_at = req.starts_at.unwrap_or(now);
-    if starts_at < now - Duration::seconds(START_GRACE_SECONDS) {
-        return Err(Error::bad_input("startsAt", "`startsAt` is in the past"));
-    }
-    if req.ends_at <= starts_at {
-        return Err(Error::bad_input(
-            "endsAt",
-            "`endsAt` must be after the start",
-        ));
-    }
-    let gpu = super::model::gpu_charge(&req.allocations);
-    let vcpu: i64 = req.allocations.iter().map(|a| a.vcpu).sum();
-    let memory: i64 = req.allocations.iter().map(|a| a.memory_mib).sum();
-    let charged = quota::charge(conn, tenant, &req.pool_id, &site_id, gpu, vcpu, memory).await?;
-
-    sqlx::query!(
-        "INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at, \
-                       charge_gpu, charge_vcpu, charge_memory_mib, charged) \
-                     VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10)",
-        rsv_id.as_str(),
-        tenant.as_str(),
-        actor.subject,
-        req.pool_id.as_str(),
-        starts_at,
-        req.ends_at,
-        gpu as _,
-        vcpu,
-        memory,
-        Json(&charged) as _,
-    )
-    .execute(&mut *conn)
-    .await?;
-    let a = &req.allocations;
-    let ids: Vec<&str> = alloc_ids.iter().map(AllocationId::as_str).collect();
-    let kinds: Vec<&str> = a.iter().map(|x| x.gpu_kind.as_str()).collect();
-    let selectors: Vec<serde_json::Value> = a.iter().map(|x| json!(x.node_selector)).collect();
-    let tolerations: Vec<serde_json::Value> = a.iter().map(|x| json!(x.tolerations)).collect();
-    sqlx::query!(
-        "INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, model, profile, slots_per_gpu, \
-           vcpu, memory_mib, disk_gib, node_selector, tolerations) \
-         SELECT id, $2, ord - 1, k, c, m, p, s, v, mem, d, sel, tol \
-           FROM unnest($1::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::int[], $8::bigint[], $9::bigint[], \
-                       $10::bigint[], $11::jsonb[], $12::jsonb[]) WITH ORDINALITY \
-             AS t(id, k, c, m, p, s, v, mem, d, sel, tol, ord)",
-        &ids as &[&str],
-        rsv_id.as_str(),
-        &kinds as &[&str],
-        &a.iter().map(|x| x.gpu_count).collect::<Vec<i32>>(),
-        &a.iter().map(|x| x.model.clone()).collect::<Vec<Option<String>>>() as &[Option<String>],
-        &a.iter().map(|x| x.profile.clone()).collect::<Vec<Option<String>>>() as &[Option<String>],
-        &a.iter().map(|x| x.slots_per_gpu).collect::<Vec<Option<i32>>>() as &[Option<i32>],
-        &a.iter().map(|x| x.vcpu).collect::<Vec<i64>>(),
-        &a.iter().map(|x| x.memory_mib).collect::<Vec<i64>>(),
-        &a.iter().map(|x| x.disk_gib).collect::<Vec<i64>>(),
-        &selectors,
-        &tolerations,
-    )
-    .execute(&mut *conn)
-    .await?;
-
-    let pairs: Vec<(AllocationId, AllocationRequest)> = alloc_ids
-        .iter()
-        .cloned()
-        .zip(req.allocations.iter().cloned())
-        .collect();
-    let (placement, replans) = place(
-        conn,
-        (&req.pool_id, &pool_name),
-        &pairs,
-        (starts_at, req.ends_at),
-    )
-    .await?;
-    let (state, event) = match &placement {
-        Placement::Placed(placed) => {
-            record_placements(conn, placed).await?;
-            if starts_at <= now {
-                (State::Active, EventType::ReservationActive)
-            } else {
-                (State::Scheduled, EventType::ReservationScheduled)
-            }
-        }
-        Placement::Unschedulable(_) => (State::Pending, EventType::ReservationPending),
-    };
-    let conditions = match &placement {
-        Placement::Unschedulable(why) => vec![unschedulable(why.clone(), now)],
-        Placement::Placed(_) => Vec::new(),
-    };
-    let rsv = query_reservations!(
-        "UPDATE reservations r SET state = $2, conditions = $3,
-           next_attempt_at = CASE WHEN $2 = 'pending' THEN compute_now() + make_interval(secs => $4::float8) END
-         WHERE r.id = $1 RETURNING",
-        "",
-        rsv_id.as_str(),
-        state.as_str(),
-        Json(conditions) as _,
-        RETRY_SECONDS as f64,
-    )
-    .fetch_one(&mut *conn)
-    .await?;
-    emit(conn, &rsv, event).await?;
-    Ok((
-        Outcome {
-            value: rsv,
-            replayed: false,
-        },
-        CreateStats { replans },
-    ))
 }
 
 /// Locks a reservation the caller may act on (its tenant's; operators any), for `action`.
@@ -504,6 +394,7 @@ pub(crate) async fn fail_lost(db: &Db, id: &ReservationId) -> Result<()> {
                     reason: Some("NodeLost".into()),
                     message: Some(format!("its node {} was lost", hosts.join(", "))),
                     since: None,
+                    counts: Vec::new(),
                 }];
                 close_out(conn, &rsv, State::Failed, Some(condition)).await?;
                 Ok(())
@@ -527,23 +418,22 @@ pub(crate) async fn place_pending(
             // Lock order: the reservation row, then (no quota: a pending reservation already holds
             // its charge) the fleet rows in `place`.
             let rsv = sqlx::query!(
-                r#"SELECT r.pool_id AS "pool_id: PoolId", p.name, r.starts_at, r.ends_at, compute_now() AS "now!"
-                     FROM reservations r JOIN pools p ON p.id = r.pool_id
-                    WHERE r.id = $1 AND r.state = 'pending' FOR UPDATE OF r"#,
+                r#"SELECT r.starts_at, r.ends_at, compute_now() AS "now!"
+                     FROM reservations r WHERE r.id = $1 AND r.state = 'pending' FOR UPDATE OF r"#,
                 id.as_str(),
             )
             .fetch_optional(&mut *conn)
             .await?
-            .map(|r| (r.pool_id, r.name, r.starts_at, r.ends_at, r.now));
-            let Some((pool_id, pool_name, starts_at, ends_at, now)) = rsv else {
+            .map(|r| (r.starts_at, r.ends_at, r.now));
+            let Some((starts_at, ends_at, now)) = rsv else {
                 return Err(conflict(format!("reservation {id} is no longer pending")));
             };
             // A window that already started is placed from now on.
             let start = starts_at.max(now);
-            let (placement, _) = place(conn, (&pool_id, &pool_name), &allocations, (start, ends_at)).await?;
+            let describe: Vec<String> = allocations.iter().map(|(_, a)| a.describe()).collect();
+            let placement = place(conn, &id, (start, ends_at), &describe).await?;
             match placement {
-                Placement::Placed(placed) => {
-                    record_placements(conn, &placed).await?;
+                Placement::Placed => {
                     let state = if start <= now { State::Active } else { State::Scheduled };
                     // `startsAt` says when the reservation holds its devices from: placed after
                     // the start it asked for, it starts at its placement.
@@ -566,7 +456,7 @@ pub(crate) async fn place_pending(
                            next_attempt_at = compute_now() + make_interval(secs => $3::float8), updated_at = compute_now() \
                          WHERE r.id = $1",
                         id.as_str(),
-                        Json(vec![unschedulable(why, now)]) as _,
+                        Json(vec![why]) as _,
                         RETRY_SECONDS as f64,
                     )
                     .execute(&mut *conn)

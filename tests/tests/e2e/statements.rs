@@ -14,20 +14,21 @@ use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
 struct CountStatements(Arc<AtomicUsize>);
 
-/// Whether a logged statement is the outbox tailer's (it runs on the test's thread too, on its
-/// own schedule, and is not part of the query being measured).
+/// Whether a logged statement is the outbox tailer's or an outbox poke's (they run on the
+/// test's thread too, on their own schedule, and are not part of the query being measured).
 #[derive(Default)]
 struct IsTailer(bool);
 
 impl tracing::field::Visit for IsTailer {
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
         if field.name() == "db.statement" || field.name() == "summary" {
-            self.0 |= format!("{value:?}").contains("pg_snapshot_xmin");
+            let text = format!("{value:?}");
+            self.0 |= text.contains("pg_snapshot_xmin") || text.contains("pg_notify");
         }
     }
     fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
         if field.name() == "db.statement" || field.name() == "summary" {
-            self.0 |= value.contains("pg_snapshot_xmin");
+            self.0 |= value.contains("pg_snapshot_xmin") || value.contains("pg_notify");
         }
     }
 }
