@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 use crate::fleet::{CREATE_POOL, CREATE_SITE, REGISTER};
 
 pub const CREATE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { idempotentReplay placementRetries \
-    reservation { id state startsAt endsAt gpuCharge version conditions { type reason message } \
+    reservation { id state startsAt endsAt gpuCharge version conditions { type reason message counts { reason count } } \
     allocations { id gpuKind gpuCount atoms computeNodeId } } } }";
 const EXTEND: &str = "mutation($i: ExtendReservationInput!) { extendReservation(input: $i) { idempotentReplay reservation { id state endsAt version } } }";
 const RELEASE: &str = "mutation($i: ReservationActionInput!) { releaseReservation(input: $i) { reservation { id state endedAt version } } }";
@@ -225,6 +225,21 @@ async fn advance_reservations_share_an_atom_without_overlapping() {
     assert!(
         why.contains("no schedulable node in pool gpu has 2 H100 GPUs free"),
         "{why}"
+    );
+    // Why, node by node, counted by the search that looked: the untainted H100 node has its
+    // GPUs booked over the window, the tainted one is not tolerated, the A100 node has no H100.
+    assert!(
+        why.ends_with(
+            "0/3 nodes fit (2 without 2 H100 GPUs free over the window, 1 with an untolerated taint)"
+        ),
+        "{why}"
+    );
+    assert_eq!(
+        r["conditions"][0]["counts"],
+        json!([
+            { "reason": "InsufficientGpus", "count": 2 },
+            { "reason": "TaintNotTolerated", "count": 1 }
+        ])
     );
     assert_eq!(
         used(&app, "gpu").await,
