@@ -1,42 +1,280 @@
-//! Measures reservation throughput: creates and releases through the domain (no HTTP), with a
-//! number of concurrent clients, on a throwaway embedded PostgreSQL (or `DATABASE_URL`).
+//! The reservation hot path against its ceiling, in one process and one run (issue 15).
+//!
+//! A fleet of 1,250 nodes × 8 H100 (10,000 GPUs) in one pool, 100 tenants with quotas. Each
+//! request is 1 GPU now for an hour with 4 vCPU and 8 GiB, under a unique idempotency key, from
+//! a tenant in turn. At each client count (8 and 32 by default) it runs, on the same fleet
+//! reset to empty before each run:
+//!
+//! * **graphql**: `createReservation` through the API over HTTP (the real server, in this
+//!   process), the whole path: JWT, GraphQL, the transaction and `compute_create_reservation`;
+//! * **reference**: a hand-written single SQL function (`bench_reference_reserve`, below) doing
+//!   the same work a reservation needs, node choice included (idempotency row, quota guard, the
+//!   pool's key share, a free atom found from a random node, the node `FOR SHARE`, the booking,
+//!   the scalars, the allocation, an outbox row, the work queue, the key's response), called
+//!   straight from a client in one round trip.
+//!
+//! It prints, per run, reservations/s, p50 and p99, the SQL statements per request (counted
+//! from sqlx's statement log in a short calibration pass, not while timing) and PostgreSQL CPU
+//! per reservation (the server's processes, from `/proc`), and the ratio graphql / reference.
+//! Asserts nothing: a benchmark, not a test.
 //!
 //! ```sh
-//! cargo run --release -p compute-tests --bin bench-reservations -- [operations] [clients]
+//! cargo run --release -p compute-tests --bin bench-reservations -- [requests per run] [clients…]
 //! ```
-//!
-//! Prints transactions per second and latency percentiles; asserts nothing (a benchmark, not a
-//! test).
 
 use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use compute_api::auth::Role;
 use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
-use compute_domain::fleet::model::{AtomKind, Labels, Layout, PoolKind};
+use compute_domain::fleet::model::{Labels, Layout, PoolKind};
 use compute_domain::idempotency::Actor;
-use compute_domain::reservations::commands as rsv;
-use compute_domain::reservations::model::{AllocationRequest, ReservationRequest};
+use compute_domain::ids::ScopeId;
+use compute_domain::quota::{self, QuotaLimits};
 use futures_util::StreamExt;
+use serde_json::json;
+use tracing_subscriber::Layer;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+
+const NODES: usize = 1_250;
+const GPUS_PER_NODE: usize = 8;
+const TENANTS: usize = 100;
+
+/// Whether sqlx's statement log is counted (only in the calibration passes).
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static STATEMENTS: AtomicUsize = AtomicUsize::new(0);
+
+struct CountStatements;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CountStatements {
+    fn on_event(
+        &self,
+        _event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        STATEMENTS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The hand-written ceiling: the same work as a create, as one function, called in one round
+/// trip. Not the product's code; written here so the comparison cannot drift into measuring the
+/// product against itself.
+const REFERENCE: &str = r#"
+CREATE OR REPLACE FUNCTION bench_reference_reserve(p_tenant text, p_key text, p_pool text, p_ends timestamptz)
+    RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    v_id    text := compute_new_id('rsv');
+    v_alloc text := 'alc_' || replace(gen_random_uuid()::text, '-', '');
+    v_site  text;
+    v_now   timestamptz := compute_now();
+    v_atom  record;
+    v_start integer;
+    v_try   integer := 0;
+BEGIN
+    INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint)
+        VALUES (p_tenant, 'bench', p_key, 'reference', '{}');
+    SELECT site_id INTO v_site FROM pools WHERE id = p_pool FOR KEY SHARE;
+    UPDATE quota_usage SET used = used + 1, version = version + 1
+     WHERE tenant_id = p_tenant AND scope_kind = 'pool' AND scope_id = p_pool AND resource = 'gpu' AND used + 1 <= max_amount;
+    IF NOT FOUND THEN RAISE EXCEPTION 'over quota'; END IF;
+    INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at, charge_gpu, charge_vcpu, charge_memory_mib, charged)
+        VALUES (v_id, p_tenant, 'bench', p_pool, 'active', v_now, p_ends, 1, 4, 8192, '[]');
+    INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, vcpu, memory_mib, disk_gib)
+        VALUES (v_alloc, v_id, 0, 'gpu', 1, 4, 8192, 0);
+    LOOP
+        v_start := floor(random() * 1024)::integer;
+        SELECT a.name, a.device_id, d.node_id INTO v_atom
+          FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
+         WHERE n.pool_id = p_pool AND n.spread >= v_start AND compute_node_schedulable(n.lifecycle, n.reachability)
+           AND a.kind = 'gpu'
+           AND NOT EXISTS (SELECT 1 FROM device_bookings b WHERE b.atom = a.name AND b.during && tstzrange(v_now, p_ends))
+         ORDER BY n.spread LIMIT 1;
+        IF v_atom.name IS NULL THEN
+            SELECT a.name, a.device_id, d.node_id INTO v_atom
+              FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
+             WHERE n.pool_id = p_pool AND compute_node_schedulable(n.lifecycle, n.reachability) AND a.kind = 'gpu'
+               AND NOT EXISTS (SELECT 1 FROM device_bookings b WHERE b.atom = a.name AND b.during && tstzrange(v_now, p_ends))
+             ORDER BY n.spread LIMIT 1;
+        END IF;
+        IF v_atom.name IS NULL THEN RAISE EXCEPTION 'the fleet is full'; END IF;
+        PERFORM 1 FROM nodes WHERE id = v_atom.node_id FOR SHARE;
+        INSERT INTO device_bookings (atom, device_id, allocation_id, during)
+            VALUES (v_atom.name, v_atom.device_id, v_alloc, tstzrange(v_now, p_ends)) ON CONFLICT DO NOTHING;
+        EXIT WHEN FOUND;
+        v_try := v_try + 1;
+        IF v_try >= 3 THEN RAISE EXCEPTION 'lost three races'; END IF;
+    END LOOP;
+    UPDATE node_resources SET allocated = allocated + CASE resource WHEN 'vcpu' THEN 4 ELSE 8192 END
+     WHERE node_id = v_atom.node_id AND resource IN ('memory_mib', 'vcpu');
+    UPDATE allocations SET node_id = v_atom.node_id, atoms = ARRAY[v_atom.name] WHERE id = v_alloc;
+    PERFORM compute_emit('reservation.active', p_tenant, v_id, jsonb_build_object('id', v_id, 'atom', v_atom.name));
+    PERFORM compute_enqueue('reservation', ARRAY[v_id], 8);
+    UPDATE idempotency_keys SET response = jsonb_build_object('reservationId', v_id)
+     WHERE tenant_id = p_tenant AND subject = 'bench' AND key = p_key;
+    RETURN v_id;
+END
+$$;
+"#;
+
+const CREATE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state } } }";
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
+/// CPU seconds of the PostgreSQL server: the postmaster and its children (`/proc`, in ticks of
+/// 1/100 s).
+fn postgres_cpu(postmaster: u32) -> f64 {
+    let ticks = |stat: &str| -> Option<(u32, u64)> {
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        Some((
+            f.get(1)?.parse().ok()?,
+            f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?,
+        ))
+    };
+    let mut total = 0u64;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        if let Some((ppid, t)) = ticks(&stat)
+            && (pid == postmaster || ppid == postmaster)
+        {
+            total += t;
+        }
+    }
+    total as f64 / 100.0
+}
+
+struct Run {
+    rate: f64,
+    p50: Duration,
+    p99: Duration,
+    pending: usize,
+    cpu_ms: f64,
+}
+
+async fn reset(db: &compute_domain::db::Db) {
+    sqlx::raw_sql(
+        "TRUNCATE device_bookings, allocations, reservations, idempotency_keys, outbox, work_queue CASCADE;
+         UPDATE node_resources SET allocated = 0; UPDATE quota_usage SET used = 0;",
+    )
+    .execute(db.pool())
+    .await
+    .expect("reset");
+    sqlx::raw_sql("VACUUM ANALYZE")
+        .execute(db.pool())
+        .await
+        .expect("vacuum");
+}
+
+/// Runs `requests` requests from `clients` concurrent clients; `one(i)` makes request `i` and
+/// says whether it went pending.
+async fn run<F, Fut>(requests: usize, clients: usize, postmaster: u32, one: F) -> Run
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = bool> + Send,
+{
+    let one = Arc::new(one);
+    let next = Arc::new(AtomicUsize::new(0));
+    let cpu = postgres_cpu(postmaster);
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (one, next) = (one.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= requests {
+                        return out;
+                    }
+                    let t = Instant::now();
+                    let pending = one(i).await;
+                    out.push((t.elapsed(), pending));
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("a client"));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu = postgres_cpu(postmaster) - cpu;
+    let mut latencies: Vec<Duration> = all.iter().map(|x| x.0).collect();
+    latencies.sort();
+    Run {
+        rate: requests as f64 / elapsed,
+        p50: percentile(&latencies, 0.5),
+        p99: percentile(&latencies, 0.99),
+        pending: all.iter().filter(|x| x.1).count(),
+        cpu_ms: cpu * 1000.0 / requests as f64,
+    }
+}
+
 #[tokio::main]
 async fn main() {
-    compute_tests::init_logging();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_filter(filter))
+        .with(
+            CountStatements.with_filter(tracing_subscriber::filter::dynamic_filter_fn(
+                |meta, _| meta.target() == "sqlx::query" && COUNTING.load(Ordering::Relaxed),
+            )),
+        )
+        .init();
     let args: Vec<String> = std::env::args().collect();
-    let operations: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2000);
-    let clients: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(8);
-    let test_db = compute_tests::test_db_with(clients as u32 + 2).await;
-    let db = test_db.db.clone();
-    let actor = Actor::member(
-        "bench",
-        compute_domain::ids::TenantId::parse("tenant", "bench").expect("valid tenant"),
-    );
+    let requests: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3000);
+    let mut client_counts: Vec<usize> = args[2.min(args.len())..]
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    if client_counts.is_empty() {
+        client_counts = vec![8, 32];
+    }
+    let max_clients = client_counts.iter().copied().max().unwrap_or(8);
+    let test_db = compute_tests::test_db_with(max_clients as u32 + 8).await;
+    let app = Arc::new(compute_tests::spawn_app_on(test_db).await);
+    let db = app.db.db.clone();
+    sqlx::raw_sql(REFERENCE)
+        .execute(db.pool())
+        .await
+        .expect("the reference function");
+    let postmaster: u32 = sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+        .fetch_one(db.pool())
+        .await
+        .map(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s[s.rfind(')')? + 2..]
+                        .split_whitespace()
+                        .nth(1)?
+                        .parse()
+                        .ok()
+                })
+                .unwrap_or(0)
+        })
+        .expect("backend pid");
+
+    let seeding = Instant::now();
+    let operator = Actor::operator("bench");
     let site = commands::create_site(
         &db,
-        &actor,
+        &operator,
         NewSite {
             name: "bench".into(),
             region: None,
@@ -48,13 +286,13 @@ async fn main() {
     .value;
     let pool = commands::create_pool(
         &db,
-        &actor,
+        &operator,
         NewPool {
             site_id: site.id,
             name: "bench".into(),
             kind: PoolKind::BareMetal,
             lost_after_seconds: None,
-            vcpu_ratio: 4.0,
+            vcpu_ratio: 1.0,
             memory_ratio: 1.0,
             disk_ratio: 1.0,
         },
@@ -63,112 +301,177 @@ async fn main() {
     .await
     .expect("pool")
     .value;
-    for n in 0..50 {
-        commands::register_node(
+    futures_util::stream::iter(0..NODES)
+        .map(|n| {
+            let (db, pool_id) = (db.clone(), pool.id.clone());
+            async move {
+                commands::register_node(
+                    &db,
+                    NewNode {
+                        pool_id,
+                        hostname: format!("bench-{n}"),
+                        labels: Labels::new(),
+                        taints: vec![],
+                        vcpu: 256,
+                        memory_mib: 1 << 21,
+                        disk_gib: 10_000,
+                        devices: (0..GPUS_PER_NODE)
+                            .map(|g| NewDevice {
+                                uuid: compute_domain::fleet::model::GpuUuid::parse(
+                                    "uuid",
+                                    &format!("GPU-b{n}-{g}"),
+                                )
+                                .expect("a GPU uuid"),
+                                vendor: "nvidia".into(),
+                                model: "H100".into(),
+                                memory_mib: 81_559,
+                                layout: Layout::Exclusive,
+                            })
+                            .collect(),
+                    },
+                )
+                .await
+                .expect("node");
+            }
+        })
+        .buffer_unordered(4)
+        .collect::<Vec<()>>()
+        .await;
+    // Nodes come up connected, as a fleet in service does.
+    sqlx::query("UPDATE nodes SET reachability = 'connected'")
+        .execute(db.pool())
+        .await
+        .expect("connected");
+    let tenants: Vec<String> = (0..TENANTS).map(|t| format!("tenant-{t}")).collect();
+    for t in &tenants {
+        quota::set_quota(
             &db,
-            NewNode {
-                pool_id: pool.id.clone(),
-                hostname: format!("bench-{n}"),
-                labels: Labels::new(),
-                taints: vec![],
-                vcpu: 256,
-                memory_mib: 1 << 21,
-                disk_gib: 10_000,
-                devices: (0..8)
-                    .map(|g| NewDevice {
-                        uuid: compute_domain::fleet::model::GpuUuid::parse(
-                            "uuid",
-                            &format!("GPU-b{n}-{g}"),
-                        )
-                        .expect("a GPU uuid"),
-                        vendor: "nvidia".into(),
-                        model: "H100".into(),
-                        memory_mib: 81_559,
-                        layout: Layout::Exclusive,
-                    })
-                    .collect(),
+            &operator,
+            &compute_tests::tenant(t),
+            &ScopeId::Pool(pool.id.clone()),
+            QuotaLimits {
+                gpus: Some(100_000.0),
+                vcpu: Some(10_000_000),
+                memory_mib: Some(10_000_000_000),
             },
         )
         .await
-        .expect("node");
+        .expect("quota");
     }
-    let request = |_: usize| ReservationRequest {
-        pool_id: pool.id.clone(),
-        starts_at: None,
-        ends_at: chrono::Utc::now() + chrono::Duration::hours(1),
-        allocations: vec![AllocationRequest {
-            gpu_kind: AtomKind::Gpu,
-            gpu_count: 1,
-            model: None,
-            profile: None,
-            slots_per_gpu: None,
-            vcpu: 4,
-            memory_mib: 8192,
-            disk_gib: 10,
-            node_selector: Labels::new(),
-            tolerations: vec![],
-        }],
-    };
-    // Each client creates a reservation and releases it, so the fleet never fills up.
-    let started = Instant::now();
-    let latencies: Vec<(Duration, Duration, bool)> = futures_util::stream::iter(0..operations)
-        .map(|i| {
-            let (db, actor, req) = (db.clone(), actor.clone(), request(i));
-            async move {
-                let t = Instant::now();
-                let (outcome, _) = rsv::create_reservation(&db, &actor, req, &format!("bench-{i}"))
-                    .await
-                    .expect("create");
-                let created = t.elapsed();
-                let pending =
-                    outcome.value.state == compute_domain::reservations::state::State::Pending;
-                if pending {
-                    let why = outcome
-                        .value
-                        .conditions
-                        .first()
-                        .and_then(|c| c.message.clone())
-                        .unwrap_or_default();
-                    let _ = writeln!(std::io::stderr(), "pending: {why}");
-                }
-                let t = Instant::now();
-                if pending {
-                    rsv::cancel_reservation(&db, &actor, &outcome.value.id, None)
-                        .await
-                        .expect("cancel");
-                } else {
-                    rsv::release_reservation(&db, &actor, &outcome.value.id, None)
-                        .await
-                        .expect("release");
-                }
-                (created, t.elapsed(), pending)
-            }
-        })
-        .buffer_unordered(clients)
-        .collect()
-        .await;
-    let elapsed = started.elapsed();
-    let mut creates: Vec<Duration> = latencies.iter().map(|l| l.0).collect();
-    let mut releases: Vec<Duration> = latencies.iter().map(|l| l.1).collect();
-    let pending = latencies.iter().filter(|l| l.2).count();
-    creates.sort();
-    releases.sort();
+    let tokens: Arc<Vec<String>> = Arc::new(
+        tenants
+            .iter()
+            .map(|t| app.token(&format!("bench@{t}"), Some(t), &[Role::Member]))
+            .collect(),
+    );
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "{operations} creates + {operations} releases, {clients} clients, 50 nodes × 8 GPUs: {:.2} s\n\
-         throughput: {:.0} transactions/s ({:.0} reservations/s created and released)\n\
-         create  p50 {:?}  p90 {:?}  p99 {:?}\n\
-         release p50 {:?}  p90 {:?}  p99 {:?}\n\
-         pending (3 placement attempts lost races): {pending}",
-        elapsed.as_secs_f64(),
-        (2 * operations) as f64 / elapsed.as_secs_f64(),
-        operations as f64 / elapsed.as_secs_f64(),
-        percentile(&creates, 0.5),
-        percentile(&creates, 0.9),
-        percentile(&creates, 0.99),
-        percentile(&releases, 0.5),
-        percentile(&releases, 0.9),
-        percentile(&releases, 0.99),
+        "fleet: {NODES} nodes × {GPUS_PER_NODE} H100 = {} GPUs in one pool, {TENANTS} tenants (seeded in {:.1} s); \
+         {requests} requests per run, each 1 GPU now for 1 h with 4 vCPU and 8 GiB, unique keys",
+        NODES * GPUS_PER_NODE,
+        seeding.elapsed().as_secs_f64()
     );
+    drop(out);
+
+    let ends_at = (chrono::Utc::now() + chrono::Duration::hours(1)).to_rfc3339();
+    let pool_id = pool.id.to_string();
+    let graphql = {
+        let (app, tokens, pool_id, ends_at) = (
+            app.clone(),
+            tokens.clone(),
+            pool_id.clone(),
+            ends_at.clone(),
+        );
+        move |run: usize| {
+            let (app, tokens, pool_id, ends_at) = (
+                app.clone(),
+                tokens.clone(),
+                pool_id.clone(),
+                ends_at.clone(),
+            );
+            move |i: usize| {
+                let (app, tokens, pool_id, ends_at) = (
+                    app.clone(),
+                    tokens.clone(),
+                    pool_id.clone(),
+                    ends_at.clone(),
+                );
+                async move {
+                    let vars = json!({ "i": {
+                        "poolId": pool_id, "endsAt": ends_at,
+                        "allocations": [{ "gpuCount": 1, "model": "H100", "vcpu": 4, "memoryMib": 8192 }],
+                        "idempotencyKey": format!("g{run}-{i}"),
+                    }});
+                    let (status, body) =
+                        app.graphql(CREATE, vars, Some(&tokens[i % TENANTS])).await;
+                    assert!(
+                        status == 200 && body.get("errors").is_none(),
+                        "createReservation failed: {body}"
+                    );
+                    body["data"]["createReservation"]["reservation"]["state"] == "PENDING"
+                }
+            }
+        }
+    };
+    let reference = {
+        let (db, pool_id, tenants) = (db.clone(), pool_id.clone(), tenants.clone());
+        move |run: usize| {
+            let (db, pool_id, tenants) = (db.clone(), pool_id.clone(), tenants.clone());
+            move |i: usize| {
+                let (db, pool_id, tenant) =
+                    (db.clone(), pool_id.clone(), tenants[i % TENANTS].clone());
+                async move {
+                    sqlx::query("SELECT bench_reference_reserve($1, $2, $3, compute_now() + interval '1 hour')")
+                        .bind(tenant)
+                        .bind(format!("r{run}-{i}"))
+                        .bind(pool_id)
+                        .execute(db.pool())
+                        .await
+                        .expect("the reference");
+                    false
+                }
+            }
+        }
+    };
+
+    // Statements per request, counted in a short pass of each (not timed).
+    reset(&db).await;
+    let statements =
+        |before: usize, n: usize| (STATEMENTS.load(Ordering::Relaxed) - before) as f64 / n as f64;
+    COUNTING.store(true, Ordering::Relaxed);
+    let before = STATEMENTS.load(Ordering::Relaxed);
+    run(100, 1, postmaster, graphql(1000)).await;
+    let graphql_statements = statements(before, 100);
+    let before = STATEMENTS.load(Ordering::Relaxed);
+    run(100, 1, postmaster, reference(1000)).await;
+    let reference_statements = statements(before, 100);
+    COUNTING.store(false, Ordering::Relaxed);
+
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "SQL statements per request (sent by the client; BEGIN and COMMIT included): graphql {graphql_statements:.1}, reference {reference_statements:.1}\n\n\
+         clients  path       reservations/s   p50        p99        pending  PostgreSQL CPU/reservation"
+    );
+    drop(out);
+    for (k, &clients) in client_counts.iter().enumerate() {
+        reset(&db).await;
+        let g = run(requests, clients, postmaster, graphql(k)).await;
+        reset(&db).await;
+        let r = run(requests, clients, postmaster, reference(k)).await;
+        let mut out = std::io::stdout().lock();
+        for (name, x) in [("graphql", &g), ("reference", &r)] {
+            let _ = writeln!(
+                out,
+                "{clients:>7}  {name:<9}  {:>14.0}   {:>8.1?}  {:>8.1?}  {:>7}  {:.2} ms",
+                x.rate, x.p50, x.p99, x.pending, x.cpu_ms
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{clients:>7}  ratio graphql / reference: {:.2}",
+            g.rate / r.rate
+        );
+    }
 }

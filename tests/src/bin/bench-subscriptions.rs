@@ -208,7 +208,12 @@ async fn main() {
     let rss_connected = rss_kib(pid);
     println!("{:.1} s", opened.elapsed().as_secs_f64());
 
-    let writer = sqlx::PgPool::connect(&test_db.url).await.expect("writer");
+    // The writer is a process of the product's kind: its transactions go through `Db::tx`, which
+    // pokes the outbox readers after each commit (at most once per 5 ms), as the API and the
+    // workers do. The events carry no NOTIFY themselves (migration 0015).
+    let writer = compute_domain::db::Db::connect(&test_db.url, &Default::default())
+        .await
+        .expect("writer");
     let per_tenant: Vec<usize> = (0..tenants)
         .map(|t| (0..subscribers).filter(|i| i % tenants == t).count())
         .collect();
@@ -223,10 +228,19 @@ async fn main() {
     for n in 0..total_events {
         tick.tick().await;
         sent_at[n].store(start.elapsed().as_micros() as u64, Ordering::Relaxed);
-        sqlx::query("SELECT compute_emit('bench.tick', $1, $2, '{}')")
-            .bind(format!("t{}", n % tenants))
-            .bind(format!("e{n}"))
-            .execute(&writer)
+        let (tenant, subject) = (format!("t{}", n % tenants), format!("e{n}"));
+        writer
+            .tx("bench_emit", compute_domain::db::TxKind::Write, |c| {
+                let (tenant, subject) = (tenant.clone(), subject.clone());
+                Box::pin(async move {
+                    sqlx::query("SELECT compute_emit('bench.tick', $1, $2, '{}')")
+                        .bind(tenant)
+                        .bind(subject)
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(())
+                })
+            })
             .await
             .expect("emit");
         if n % rate == 0 {
