@@ -117,6 +117,8 @@ BEGIN
     RETURN v_id;
 END
 $$;
+-- As the product's functions do (migration 0015): keep the generic plans, not re-plan each call.
+ALTER FUNCTION bench_reference_reserve(text, text, text, timestamptz) SET plan_cache_mode = force_generic_plan;
 "#;
 
 const CREATE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state } } }";
