@@ -569,3 +569,8 @@ $fn$;
 ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION compute_create_reservation(text, text, text, jsonb, text, text, text, text, timestamptz, timestamptz, integer,
                                           jsonb, numeric, integer, integer, integer) SET plan_cache_mode = force_generic_plan;
+
+-- The create is called as a statement of its own (no BEGIN … COMMIT around it: one round trip),
+-- so it carries the lock timeout of a write transaction (compute_domain::db::TxKind::Write).
+ALTER FUNCTION compute_create_reservation(text, text, text, jsonb, text, text, text, text, timestamptz, timestamptz, integer,
+                                          jsonb, numeric, integer, integer, integer) SET lock_timeout = '2000ms';

@@ -165,6 +165,9 @@ struct Run {
     p99: Duration,
     pending: usize,
     cpu_ms: f64,
+    /// Commits, rollbacks and deadlocks during the run (the statistics lag by up to half a
+    /// second: indicative).
+    transactions: (i64, i64, i64),
 }
 
 async fn reset(db: &compute_domain::db::Db) {
@@ -191,6 +194,7 @@ where
     let one = Arc::new(one);
     let next = Arc::new(AtomicUsize::new(0));
     let cpu = postgres_cpu(postmaster);
+    let stats = database_stats(&DB.get().expect("set").clone()).await;
     let started = Instant::now();
     let tasks: Vec<_> = (0..clients)
         .map(|_| {
@@ -215,6 +219,8 @@ where
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = postgres_cpu(postmaster) - cpu;
+    let after = database_stats(&DB.get().expect("set").clone()).await;
+    let transactions = (after.0 - stats.0, after.1 - stats.1, after.2 - stats.2);
     let mut latencies: Vec<Duration> = all.iter().map(|x| x.0).collect();
     latencies.sort();
     Run {
@@ -223,7 +229,21 @@ where
         p99: percentile(&latencies, 0.99),
         pending: all.iter().filter(|x| x.1).count(),
         cpu_ms: cpu * 1000.0 / requests as f64,
+        transactions,
     }
+}
+
+/// The benchmark's database, for [`database_stats`].
+static DB: std::sync::OnceLock<compute_domain::db::Db> = std::sync::OnceLock::new();
+
+/// Commits, rollbacks and deadlocks of the database so far (`pg_stat_database`).
+async fn database_stats(db: &compute_domain::db::Db) -> (i64, i64, i64) {
+    sqlx::query_as::<_, (i64, i64, i64)>(
+        "SELECT xact_commit, xact_rollback, deadlocks FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(db.pool())
+    .await
+    .expect("pg_stat_database")
 }
 
 #[tokio::main]
@@ -251,6 +271,7 @@ async fn main() {
     let test_db = compute_tests::test_db_with(max_clients as u32 + 8).await;
     let app = Arc::new(compute_tests::spawn_app_on(test_db).await);
     let db = app.db.db.clone();
+    let _ = DB.set(db.clone());
     sqlx::raw_sql(REFERENCE)
         .execute(db.pool())
         .await
@@ -466,8 +487,15 @@ async fn main() {
         for (name, x) in [("graphql", &g), ("reference", &r)] {
             let _ = writeln!(
                 out,
-                "{clients:>7}  {name:<9}  {:>14.0}   {:>8.1?}  {:>8.1?}  {:>7}  {:.2} ms",
-                x.rate, x.p50, x.p99, x.pending, x.cpu_ms
+                "{clients:>7}  {name:<9}  {:>14.0}   {:>8.1?}  {:>8.1?}  {:>7}  {:.2} ms  (commits {}, rollbacks {}, deadlocks {})",
+                x.rate,
+                x.p50,
+                x.p99,
+                x.pending,
+                x.cpu_ms,
+                x.transactions.0,
+                x.transactions.1,
+                x.transactions.2
             );
         }
         let _ = writeln!(

@@ -351,6 +351,17 @@ async fn mig_instances_slots_tolerations_and_selectors_place_where_they_should()
         )
         .await;
     assert_eq!(d["createReservation"]["reservation"]["state"], "PENDING");
+    // Each node of the pool is counted once, by the first reason that rules it out (ties by
+    // reason name).
+    assert_eq!(
+        d["createReservation"]["reservation"]["conditions"][0]["counts"],
+        json!([
+            { "reason": "InsufficientGpus", "count": 1 },
+            { "reason": "NodeCordoned", "count": 1 },
+            { "reason": "TaintNotTolerated", "count": 1 }
+        ]),
+        "{d}"
+    );
 }
 
 #[tokio::test]
