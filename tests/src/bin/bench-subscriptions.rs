@@ -95,6 +95,10 @@ async fn main() {
     let mut server = tokio::process::Command::new(&binary)
         .args(["serve", "--listen", &addr.to_string()])
         .env("DATABASE_URL", &test_db.url)
+        // The transport limits (docs/security.md) default to 1,024 connections and a few streams
+        // per identity; this benchmark opens `subscribers` connections for `tenants` identities.
+        .env("COMPUTE_MAX_CONNECTIONS", (subscribers + 64).to_string())
+        .env("COMPUTE_MAX_STREAMS_PER_IDENTITY", subscribers.to_string())
         .env("COMPUTE_JWT_HS256_SECRET", compute_tests::TEST_SECRET)
         .env("COMPUTE_JWT_ISSUER", compute_tests::TEST_ISSUER)
         .env("COMPUTE_JWT_AUDIENCE", compute_tests::TEST_AUDIENCE)
