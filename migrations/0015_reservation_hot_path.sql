@@ -141,6 +141,32 @@ CREATE FUNCTION compute_amount_text(p numeric) RETURNS text
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     AS $$ SELECT CASE WHEN p::text LIKE '%.%' THEN rtrim(rtrim(round(p, 6)::text, '0'), '.') ELSE p::text END $$;
 
+-- The atoms of node p_node that allocation p_alloc could book over [p_from, p_to): of a
+-- schedulable device, of the kind, model, profile and slot count asked for, existing at p_from,
+-- and booked by nobody over the window (probed through the exclusion constraint's index on
+-- (atom, during)); ordered by GPU, then ordinal; NULL when none. The one definition placement's
+-- search and its count of reasons both read. PL/pgSQL so a session keeps its plan (generic:
+-- its caller, compute_place, sets plan_cache_mode for the call).
+CREATE FUNCTION compute_free_atoms(p_node text, p_alloc allocations, p_from timestamptz, p_to timestamptz)
+    RETURNS text[]
+    LANGUAGE plpgsql STABLE
+    AS $fn$
+DECLARE
+    v_free text[];
+BEGIN
+    SELECT array_agg(a.name ORDER BY d.id, a.ordinal) INTO v_free
+      FROM devices d JOIN device_atoms a ON a.device_id = d.id
+     WHERE d.node_id = p_node AND compute_device_schedulable(d.health, d.quarantined)
+       AND a.kind = p_alloc.gpu_kind
+       AND (p_alloc.model IS NULL OR d.model = p_alloc.model)
+       AND (p_alloc.profile IS NULL OR a.profile = p_alloc.profile)
+       AND (p_alloc.slots_per_gpu IS NULL OR (d.layout->>'slots')::int = p_alloc.slots_per_gpu)
+       AND a.created_at <= p_from
+       AND NOT EXISTS (SELECT 1 FROM device_bookings b WHERE b.atom = a.name AND b.during && tstzrange(p_from, p_to));
+    RETURN v_free;
+END
+$fn$;
+
 -- Places every allocation of reservation p_id over [p_from, p_to), or none.
 --
 -- For each allocation (in ordinal order), the search walks the pool's nodes from a random point
@@ -214,15 +240,7 @@ BEGIN
                       ORDER BY n.spread)
                 LOOP
                     CONTINUE WHEN v_cand.id = ANY(v_excluded);
-                    SELECT array_agg(a.name ORDER BY d.id, a.ordinal) INTO v_cand_free
-                      FROM devices d JOIN device_atoms a ON a.device_id = d.id
-                     WHERE d.node_id = v_cand.id AND compute_device_schedulable(d.health, d.quarantined)
-                       AND a.kind = v_alloc.gpu_kind
-                       AND (v_alloc.model IS NULL OR d.model = v_alloc.model)
-                       AND (v_alloc.profile IS NULL OR a.profile = v_alloc.profile)
-                       AND (v_alloc.slots_per_gpu IS NULL OR (d.layout->>'slots')::int = v_alloc.slots_per_gpu)
-                       AND a.created_at <= p_from
-                       AND NOT EXISTS (SELECT 1 FROM device_bookings b WHERE b.atom = a.name AND b.during && v_window);
+                    v_cand_free := compute_free_atoms(v_cand.id, v_alloc, p_from, p_to);
                     CONTINUE WHEN coalesce(cardinality(v_cand_free), 0) < v_alloc.gpu_count;
                     CONTINUE WHEN EXISTS (SELECT 1 FROM node_resources r
                                    JOIN (VALUES ('vcpu', v_alloc.vcpu), ('memory_mib', v_alloc.memory_mib), ('disk_gib', v_alloc.disk_gib)) v(res, need)
@@ -351,14 +369,7 @@ BEGIN
                 WHEN n.reachability = 'lost' THEN 'NodeLost'
                 WHEN NOT n.labels @> v_alloc.node_selector THEN 'NodeSelectorMismatch'
                 WHEN NOT (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations)) THEN 'TaintNotTolerated'
-                WHEN (SELECT count(*) FROM devices d JOIN device_atoms a ON a.device_id = d.id
-                       WHERE d.node_id = n.id AND compute_device_schedulable(d.health, d.quarantined)
-                         AND a.kind = v_alloc.gpu_kind
-                         AND (v_alloc.model IS NULL OR d.model = v_alloc.model)
-                         AND (v_alloc.profile IS NULL OR a.profile = v_alloc.profile)
-                         AND (v_alloc.slots_per_gpu IS NULL OR (d.layout->>'slots')::int = v_alloc.slots_per_gpu)
-                         AND a.created_at <= p_from
-                         AND NOT EXISTS (SELECT 1 FROM device_bookings b WHERE b.atom = a.name AND b.during && v_window))
+                WHEN coalesce(cardinality(compute_free_atoms(n.id, v_alloc, p_from, p_to)), 0)
                       < v_alloc.gpu_count THEN 'InsufficientGpus'
                 WHEN EXISTS (SELECT 1 FROM node_resources r WHERE r.node_id = n.id AND r.resource = 'vcpu'
                                 AND v_alloc.vcpu > 0 AND r.allocated + v_alloc.vcpu > floor(r.allocatable * r.ratio)) THEN 'InsufficientVcpu'
@@ -569,8 +580,3 @@ $fn$;
 ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION compute_create_reservation(text, text, text, jsonb, text, text, text, text, timestamptz, timestamptz, integer,
                                           jsonb, numeric, integer, integer, integer) SET plan_cache_mode = force_generic_plan;
-
--- The create is called as a statement of its own (no BEGIN … COMMIT around it: one round trip),
--- so it carries the lock timeout of a write transaction (compute_domain::db::TxKind::Write).
-ALTER FUNCTION compute_create_reservation(text, text, text, jsonb, text, text, text, text, timestamptz, timestamptz, integer,
-                                          jsonb, numeric, integer, integer, integer) SET lock_timeout = '2000ms';

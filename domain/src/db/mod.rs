@@ -262,24 +262,7 @@ impl Db {
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
-        self.run(name, kind, self.fence.as_ref(), false, body).await
-    }
-
-    /// Runs `body`, one statement that is a whole change by itself (a call of a SQL function
-    /// such as `compute_create_reservation`), on a pooled connection without `BEGIN` and
-    /// `COMMIT`: one round trip instead of three, and the statement's locks are held for its own
-    /// duration only. It is its own transaction (READ COMMITTED, the server's default); its lock
-    /// timeout is the function's (`SET lock_timeout` in its definition), its statement timeout
-    /// the connection's. Retries of deadlocks and serialization failures, metrics and the poke
-    /// after a write are those of [`Db::tx`]. A fenced handle runs it in a fenced transaction.
-    pub async fn single<T, F>(&self, name: &'static str, kind: TxKind, body: F) -> Result<T>
-    where
-        T: Send,
-        F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
-    {
-        let single = self.fence.is_none();
-        self.run(name, kind, self.fence.as_ref(), single, body)
-            .await
+        self.run(name, kind, self.fence.as_ref(), body).await
     }
 
     /// This handle with every transaction fenced by `fence`: the first statement of each checks
@@ -299,7 +282,6 @@ impl Db {
         name: &'static str,
         kind: TxKind,
         fence: Option<&crate::leases::Fence>,
-        single: bool,
         body: F,
     ) -> Result<T>
     where
@@ -309,7 +291,7 @@ impl Db {
         let span = tracing::debug_span!("tx", tx.name = name, tx.kind = kind.label());
         let started = std::time::Instant::now();
         let result = self
-            .run_in_span(name, kind, fence, single, body)
+            .run_in_span(name, kind, fence, body)
             .instrument(span)
             .await;
         let labels = crate::metrics::TxLabels {
@@ -337,7 +319,6 @@ impl Db {
         name: &'static str,
         kind: TxKind,
         fence: Option<&crate::leases::Fence>,
-        single: bool,
         mut body: F,
     ) -> Result<T>
     where
@@ -346,7 +327,7 @@ impl Db {
     {
         let mut attempt = 1;
         loop {
-            match self.try_tx(kind, fence, single, &mut body).await {
+            match self.try_tx(kind, fence, &mut body).await {
                 Err(Error::Contention { sqlstate, .. }) if attempt < MAX_ATTEMPTS => {
                     debug!(
                         tx.name = name,
@@ -387,29 +368,18 @@ impl Db {
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
-        self.run(name, kind, Some(fence), false, body).await
+        self.run(name, kind, Some(fence), body).await
     }
 
     async fn try_tx<T, F>(
         &self,
         kind: TxKind,
         fence: Option<&crate::leases::Fence>,
-        single: bool,
         body: &mut F,
     ) -> Result<T>
     where
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T>,
     {
-        if single {
-            let mut conn = self.pool.acquire().await?;
-            let value = body(&mut conn).await?;
-            if !kind.read_only()
-                && let Some(poker) = &self.poker
-            {
-                poker.poke();
-            }
-            return Ok(value);
-        }
         let mut tx = self.pool.begin_with(kind.begin_statement()).await?;
         if let Some(fence) = fence {
             crate::leases::check(&mut tx, fence).await?;

@@ -113,10 +113,10 @@ pub struct CreateStats {
 }
 
 /// Creates a reservation: charges quota, places every allocation or none, and records the
-/// response under the idempotency key, all in one statement that is its own transaction, one
-/// round trip (`compute_create_reservation`, migration 0015, which follows the lock order and
-/// the idempotency rules of [`idempotency`]; [`Db::single`]). The reservation is then read
-/// back: as it is now, which a concurrent release may already have ended.
+/// response under the idempotency key, all in one transaction and one round trip inside it
+/// (`compute_create_reservation`, migration 0015, which follows the lock order and the
+/// idempotency rules of [`idempotency`]); the reservation is then read back in the same
+/// transaction.
 #[tracing::instrument(level = "debug", skip_all, fields(pool = %req.pool_id, subject = %actor.subject))]
 pub async fn create_reservation(
     db: &Db,
@@ -151,74 +151,72 @@ pub async fn create_reservation(
     let allocations = serde_json::Value::Array(allocations);
     let gpu = super::model::gpu_charge(&req.allocations);
     let scope = actor.idempotency_scope();
-    let outcome = db
-        .single("create_reservation", TxKind::Write, |conn| {
-            let (actor, key, fingerprint, req, rsv_id, allocations, tenant, scope) = (
-                actor.clone(),
-                key.clone(),
-                fingerprint.clone(),
-                req.clone(),
-                rsv_id.clone(),
-                allocations.clone(),
-                tenant.clone(),
-                scope.clone(),
-            );
-            Box::pin(async move {
-                Ok(sqlx::query_scalar!(
-                    r#"SELECT compute_create_reservation($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+    db.tx("create_reservation", TxKind::Write, |conn| {
+        let (actor, key, fingerprint, req, rsv_id, allocations, tenant, scope) = (
+            actor.clone(),
+            key.clone(),
+            fingerprint.clone(),
+            req.clone(),
+            rsv_id.clone(),
+            allocations.clone(),
+            tenant.clone(),
+            scope.clone(),
+        );
+        Box::pin(async move {
+            let outcome = sqlx::query_scalar!(
+                r#"SELECT compute_create_reservation($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
                                                      $13::float8::numeric, $14, $15, $16) AS "outcome!""#,
-                    scope,
-                    actor.subject,
-                    key,
-                    fingerprint,
-                    tenant.as_str(),
-                    actor.subject,
-                    rsv_id.as_str(),
-                    req.pool_id.as_str(),
-                    req.starts_at,
-                    req.ends_at,
-                    START_GRACE_SECONDS as i32,
-                    allocations,
-                    gpu,
-                    RETRY_SECONDS as i32,
-                    crate::work_queue::SHARDS,
-                    super::placement::SAMPLE,
-                )
-                .fetch_one(&mut *conn)
-                .await?)
-            })
+                scope,
+                actor.subject,
+                key,
+                fingerprint,
+                tenant.as_str(),
+                actor.subject,
+                rsv_id.as_str(),
+                req.pool_id.as_str(),
+                req.starts_at,
+                req.ends_at,
+                START_GRACE_SECONDS as i32,
+                allocations,
+                gpu,
+                RETRY_SECONDS as i32,
+                crate::work_queue::SHARDS,
+                super::placement::SAMPLE,
+            )
+            .fetch_one(&mut *conn)
+            .await?;
+            let id = |v: &serde_json::Value| {
+                v["reservationId"]
+                    .as_str()
+                    .and_then(ReservationId::from_trusted)
+                    .ok_or_else(|| Error::internal(format!("createReservation answered {v}")))
+            };
+            match outcome["outcome"].as_str() {
+                Some("refused") => {
+                    let e = &outcome["error"];
+                    Ok(Err(Error::from_code(
+                        e["code"].as_str().unwrap_or_default(),
+                        e["message"].as_str().unwrap_or_default().to_owned(),
+                    )))
+                }
+                Some(replay @ ("replay" | "created")) => {
+                    let value = load(conn, &id(&outcome)?).await?;
+                    let replans = outcome["replans"].as_u64().unwrap_or(0) as usize;
+                    Ok(Ok((
+                        Outcome {
+                            value,
+                            replayed: replay == "replay",
+                        },
+                        CreateStats { replans },
+                    )))
+                }
+                _ => Err(Error::internal(format!(
+                    "compute_create_reservation answered {outcome}"
+                ))),
+            }
         })
-        .await?;
-    match outcome["outcome"].as_str() {
-        Some("refused") => {
-            let e = &outcome["error"];
-            Err(Error::from_code(
-                e["code"].as_str().unwrap_or_default(),
-                e["message"].as_str().unwrap_or_default().to_owned(),
-            ))
-        }
-        Some(replay @ ("replay" | "created")) => {
-            let id = outcome["reservationId"]
-                .as_str()
-                .and_then(ReservationId::from_trusted)
-                .ok_or_else(|| Error::internal(format!("createReservation answered {outcome}")))?;
-            let value = super::get_reservations(db, std::slice::from_ref(&id))
-                .await?
-                .pop()
-                .ok_or_else(|| Error::internal(format!("reservation {id} is gone")))?;
-            let replans = outcome["replans"].as_u64().unwrap_or(0) as usize;
-            Ok((
-                Outcome {
-                    value,
-                    replayed: replay == "replay",
-                },
-                CreateStats { replans },
-            ))
-        }
-        _ => Err(Error::internal(format!(
-            "compute_create_reservation answered {outcome}"
-        ))),
-    }
+    })
+    .await?
 }
 
 /// Locks a reservation the caller may act on (its tenant's; operators any), for `action`.
