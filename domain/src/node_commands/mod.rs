@@ -808,7 +808,10 @@ pub struct Reopened {
 /// In the transaction that opens session `epoch` of `node` (after its `node_sessions` row is
 /// written): the commands dispatched to or running in older sessions go back to `pending`,
 /// except, when the daemon comes with a journal other than `previous` (it lost its memory), the
-/// ones that are not retry-safe: those fail with `JOURNAL_RESET`. Wakes the node's dispatcher.
+/// ones that are not retry-safe: those fail with `JOURNAL_RESET`, and so do the pending ones that
+/// were sent to another journal before an earlier reconnection put them back (the command
+/// torture found one: sent to journal A, requeued when the daemon came back with A, then
+/// dispatched to journal B after a wipe: it could have run twice). Wakes the node's dispatcher.
 pub async fn on_session_open(
     conn: &mut PgConnection,
     node: &NodeId,
@@ -823,12 +826,15 @@ pub async fn on_session_open(
             "UPDATE commands AS c SET state = 'failed', error_code = 'JOURNAL_RESET', \
                     error_message = 'the daemon came back with a new journal (it lost its memory): this command may or may not have run, and is not safe to run again', \
                     finished_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
-              WHERE c.node_id = $1 AND c.state = ANY($2) AND c.session_epoch < $3 AND NOT c.retry_safe \
+              WHERE c.node_id = $1 AND c.state = ANY($2) AND NOT c.retry_safe \
+                AND CASE WHEN c.state = 'pending' THEN c.journal_id IS DISTINCT FROM $4 AND c.journal_id IS NOT NULL \
+                         ELSE c.session_epoch < $3 END \
               RETURNING {COLS}"
         ))
         .bind(node)
         .bind(stored_from(Action::JournalReset))
         .bind(epoch)
+        .bind(journal)
         .fetch_all(&mut *conn)
         .await?;
         emit(conn, &failed, EventType::CommandFailed).await?;

@@ -48,7 +48,8 @@ pub enum Action {
     /// retry-safe.
     Requeue,
     /// A new session whose daemon lost its journal fails what was in flight and is not
-    /// retry-safe (`JOURNAL_RESET`).
+    /// retry-safe (`JOURNAL_RESET`), and what was sent to the lost journal and put back to
+    /// `pending` by an earlier reconnection.
     JournalReset,
     /// The node was retired (`NODE_RETIRED`).
     Abandon,
@@ -83,6 +84,7 @@ pub const TRANSITIONS: &[(Action, State, State)] = &[
     (Action::Cancel, Dispatched, Cancelled),
     (Action::Requeue, Dispatched, Pending),
     (Action::Requeue, Running, Pending),
+    (Action::JournalReset, Pending, Failed),
     (Action::JournalReset, Dispatched, Failed),
     (Action::JournalReset, Running, Failed),
     (Action::Abandon, Pending, Failed),
