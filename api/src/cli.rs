@@ -182,6 +182,17 @@ pub struct DatabaseArgs {
     /// Maximum connections of the pool.
     #[arg(long, env = "COMPUTE_DB_MAX_CONNECTIONS", default_value_t = 16)]
     pub db_max_connections: u32,
+    /// DATABASE_URL is a transaction pooler (PgBouncer 1.21 or later with `pool_mode =
+    /// transaction` and `max_prepared_statements` above 0): no startup options are sent (set
+    /// `statement_timeout` on the role instead), `LISTEN` connects to --listen-database-url, and
+    /// migrations are refused (they need a session of their own: run them on PostgreSQL itself).
+    #[arg(long, env = "COMPUTE_DB_POOLED")]
+    pub db_pooled: bool,
+    /// PostgreSQL itself, for the `LISTEN` connections (outbox and command wake-ups) when
+    /// DATABASE_URL is a transaction pooler. Without it they listen on DATABASE_URL, and behind a
+    /// pooler hear nothing: readers then wait for their polls (up to a second).
+    #[arg(long, env = "COMPUTE_LISTEN_DATABASE_URL", hide_env_values = true)]
+    pub listen_database_url: Option<Secret>,
     /// Log format.
     #[arg(long, env = "COMPUTE_LOG_FORMAT", value_enum, default_value = "pretty")]
     pub log_format: LogFormat,
@@ -407,16 +418,22 @@ pub struct Database {
 }
 
 /// Connects to `DATABASE_URL`, or starts the embedded server from the data directory.
-pub async fn open_database(
-    url: Option<&Secret>,
-    data_dir: &Path,
-    max_connections: u32,
-) -> Result<Database> {
+pub async fn open_database(args: &DatabaseArgs, max_connections: u32) -> Result<Database> {
     let settings = PoolSettings {
         max_connections,
+        statement_timeout: if args.db_pooled {
+            None
+        } else {
+            PoolSettings::default().statement_timeout
+        },
+        listen_url: args
+            .listen_database_url
+            .as_ref()
+            .map(|u| u.expose().to_owned()),
         ..PoolSettings::default()
     };
-    match url {
+    let data_dir = args.data_dir.as_path();
+    match args.database_url.as_ref() {
         Some(url) => Ok(Database {
             db: Db::connect(url.expose(), &settings).await?,
             embedded: None,
@@ -496,12 +513,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     init_logging(args.database.log_format);
     let verifier = verifier_from(&args.jwt)?
         .with_max_lifetime(Duration::from_secs(args.limits.max_token_lifetime_seconds));
-    let database = open_database(
-        args.database.database_url.as_ref(),
-        &args.database.data_dir,
-        args.database.db_max_connections,
-    )
-    .await?;
+    let database = open_database(&args.database, args.database.db_max_connections).await?;
+    if args.migrate && args.database.db_pooled {
+        return Err(pooled_migration());
+    }
     if args.migrate || database.embedded.is_some() {
         database.db.migrate().await?;
     } else {
@@ -557,7 +572,18 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
 pub async fn dev(args: DevArgs) -> Result<()> {
     init_logging(args.log_format);
     let started = Instant::now();
-    let database = open_database(None, &args.data_dir, 16).await?;
+    let database = open_database(
+        &DatabaseArgs {
+            database_url: None,
+            data_dir: args.data_dir.clone(),
+            db_max_connections: 16,
+            db_pooled: false,
+            listen_database_url: None,
+            log_format: args.log_format,
+        },
+        16,
+    )
+    .await?;
     database.db.migrate().await?;
     compute_domain::fleet::demo::seed_if_empty(&database.db).await?;
     let keyring = Keyring::from_config(Some(&data_dir_key(&args.data_dir)?), None)?;
@@ -742,6 +768,17 @@ async fn dev_simulator(
     }
 }
 
+/// Migrations hold a session advisory lock (sqlx's migrator) across statements, which a
+/// transaction pooler cannot keep: they run on PostgreSQL itself.
+fn pooled_migration() -> Error {
+    Error::bad_input(
+        "db-pooled",
+        "migrations need a session of their own (an advisory lock held across statements), \
+         which a transaction pooler cannot keep: run `compute-api migrate` with DATABASE_URL \
+         pointing at PostgreSQL itself",
+    )
+}
+
 /// `compute-api migrate`.
 pub async fn migrate(args: MigrateArgs) -> Result<()> {
     let MigrateArgs {
@@ -749,7 +786,10 @@ pub async fn migrate(args: MigrateArgs) -> Result<()> {
         runtime_role,
     } = args;
     init_logging(args.log_format);
-    let database = open_database(args.database_url.as_ref(), &args.data_dir, 2).await?;
+    if args.db_pooled {
+        return Err(pooled_migration());
+    }
+    let database = open_database(&args, 2).await?;
     database.db.migrate().await?;
     let status = database.db.migration_status().await?;
     info!(
@@ -767,12 +807,7 @@ pub async fn migrate(args: MigrateArgs) -> Result<()> {
 /// `compute-api reseal-secrets`.
 pub async fn reseal_secrets(args: ResealArgs) -> Result<()> {
     init_logging(args.database.log_format);
-    let database = open_database(
-        args.database.database_url.as_ref(),
-        &args.database.data_dir,
-        2,
-    )
-    .await?;
+    let database = open_database(&args.database, 2).await?;
     let keyring = args.secrets.keyring(
         database
             .embedded

@@ -112,7 +112,7 @@ impl Metrics {
             None,
             move || vec![("", clock.last_reading().skew_ms as f64 / 1000.0)],
         );
-        let stream: [StreamMetric; 6] = [
+        let stream: [StreamMetric; 7] = [
             (
                 "compute_subscriptions_open",
                 "Subscriptions open now, on every transport.",
@@ -136,6 +136,12 @@ impl Metrics {
                 "Reads of the outbox by this process's tailer.",
                 Sampled::Counter,
                 |t| t.stats().polls.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "compute_outbox_tailer_pokes",
+                "Writers' pokes this process's tailer heard on its LISTEN connection (none behind a transaction pooler without --listen-database-url: then only its polls read the outbox).",
+                Sampled::Counter,
+                |t| t.stats().pokes.load(Ordering::Relaxed) as f64,
             ),
             (
                 "compute_outbox_tailer_events",

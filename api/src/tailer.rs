@@ -90,6 +90,9 @@ pub struct StreamStats {
     pub fallbacks: AtomicU64,
     /// Outbox reads the tailer made.
     pub polls: AtomicU64,
+    /// Writers' pokes the tailer heard (`LISTEN`); none behind a transaction pooler without a
+    /// direct `LISTEN` connection (`--listen-database-url`), where only its polls read.
+    pub pokes: AtomicU64,
     /// Events the tailer read.
     pub read: AtomicU64,
     /// `compute_now()` minus the time of the newest event the tailer has read, in
@@ -347,7 +350,11 @@ impl Tailer {
 /// Listens for the writers' pokes and wakes the tailer; reconnects after a failure.
 async fn listen(db: Db, tailer: Tailer) {
     loop {
-        if let Err(e) = outbox::listen_for_pokes(&db, || tailer.poke()).await {
+        let heard = || {
+            tailer.0.stats.pokes.fetch_add(1, Ordering::Relaxed);
+            tailer.poke();
+        };
+        if let Err(e) = outbox::listen_for_pokes(&db, heard).await {
             warn!(error = %e, "outbox tailer: lost the LISTEN connection; polling only until it is back");
         }
         tokio::time::sleep(Duration::from_secs(1)).await;

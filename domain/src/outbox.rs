@@ -422,7 +422,7 @@ pub async fn prune(
 /// Listens for the outbox pokes ([`Poker`]) and calls `on_poke` for each, until the listening
 /// connection fails (the error is returned; call again to reconnect).
 pub async fn listen_for_pokes(db: &crate::db::Db, on_poke: impl Fn()) -> crate::Result<()> {
-    let mut listener = sqlx::postgres::PgListener::connect_with(db.pool()).await?;
+    let mut listener = db.listener().await?;
     listener.listen(NOTIFY_CHANNEL).await?;
     tracing::debug!("listening for outbox pokes");
     loop {

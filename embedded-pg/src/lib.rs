@@ -30,6 +30,8 @@ use std::time::{Duration, Instant};
 use sqlx::Connection;
 use tracing::{info, warn};
 
+pub mod pgbouncer;
+
 /// Why the embedded server could not be started or used, in words for the operator.
 #[derive(Debug)]
 pub struct Error(String);
@@ -161,6 +163,11 @@ impl EmbeddedPostgres {
     /// The loopback port the server listens on.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The password of [`SUPERUSER`] (a pooler in front logs in with it).
+    pub fn password(&self) -> &str {
+        &self.password
     }
 
     /// The data directory (the parent of the cluster directory).
@@ -484,7 +491,7 @@ fn spawn_server(
     // Its own process group: a Ctrl-C in the terminal reaches this process, which drains its
     // requests and then stops the server, instead of the server dying under them.
     cmd.process_group(0);
-    die_with_parent(&mut cmd);
+    die_with_parent(&mut cmd, libc::SIGINT);
 
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
     let (exit_tx, exit_rx) = mpsc::channel::<String>();
@@ -541,16 +548,16 @@ fn spawn_server(
     }
 }
 
-/// Asks the kernel to send the child SIGINT (PostgreSQL's fast shutdown) when the thread that
-/// spawned it exits, which includes this whole process dying. It is set after the change of user,
-/// which would otherwise clear it.
+/// Asks the kernel to send the child `sig` (SIGINT is PostgreSQL's fast shutdown) when the thread
+/// that spawned it exits, which includes this whole process dying. It is set after the change of
+/// user, which would otherwise clear it.
 #[expect(unsafe_code, reason = "pre_exec and prctl have no safe wrapper in std")]
-fn die_with_parent(cmd: &mut Command) {
+fn die_with_parent(cmd: &mut Command, sig: libc::c_int) {
     // SAFETY: the closure runs in the forked child before exec and only calls prctl(2), which is
     // async-signal-safe and touches no memory of the parent.
     unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGINT) != 0 {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, sig) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())

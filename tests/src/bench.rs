@@ -37,18 +37,29 @@ pub async fn spawn_gateway(
     port: u16,
     id: &str,
 ) -> tokio::process::Child {
+    spawn_api(
+        binary,
+        &[("DATABASE_URL", url.to_owned())],
+        port,
+        &["--gateway-only", "--gateway-id", id],
+    )
+    .await
+}
+
+/// A `compute-api serve` process on `port` with the environment `env` (the database's,
+/// [`crate::TestDb::process_env`]) and more `serve` arguments, ready; it accepts the tests'
+/// tokens.
+pub async fn spawn_api(
+    binary: &std::path::Path,
+    env: &[(&'static str, String)],
+    port: u16,
+    args: &[&str],
+) -> tokio::process::Child {
     let child = tokio::process::Command::new(binary)
-        .args([
-            "serve",
-            "--gateway-only",
-            "--gateway-id",
-            id,
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--max-connections",
-            "20000",
-        ])
-        .env("DATABASE_URL", url)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--max-connections", "20000"])
+        .args(args)
+        .envs(env.iter().cloned())
         .env("COMPUTE_JWT_HS256_SECRET", crate::TEST_SECRET)
         .env("COMPUTE_JWT_ISSUER", crate::TEST_ISSUER)
         .env("COMPUTE_JWT_AUDIENCE", crate::TEST_AUDIENCE)
@@ -57,7 +68,7 @@ pub async fn spawn_gateway(
         .stdout(std::process::Stdio::null())
         .kill_on_drop(true)
         .spawn()
-        .expect("start a gateway");
+        .expect("start an API process");
     let http = reqwest::Client::new();
     let ready = format!("http://127.0.0.1:{port}/readyz");
     for _ in 0..600 {
@@ -71,7 +82,7 @@ pub async fn spawn_gateway(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("the gateway did not become ready");
+    panic!("the API process did not become ready");
 }
 
 /// Seeds `n` bare nodes (`node_<g as 32 hex digits>`, g from 1) in one pool; their ids.

@@ -7,6 +7,10 @@
 //!   `CREATE DATABASE … TEMPLATE`, named after the test, so tests run in parallel and never
 //!   share state.
 //! * A failing test keeps its database and prints how to reach it.
+//! * With `COMPUTE_TEST_PGBOUNCER=1` (and no `DATABASE_URL`), the tests' connections go through a
+//!   PgBouncer in transaction pooling mode in front of the embedded cluster (`TestDb::url` is the
+//!   pooler's, `TestDb::direct_url` the server's; processes a test starts get
+//!   [`TestDb::process_env`]); migrations and `LISTEN` go to the server itself.
 
 pub mod bench;
 pub mod sqlscan;
@@ -19,6 +23,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use compute_api::auth::{Claims, KeySource, Role, Secret, Verifier};
 use compute_api::server::Server;
 use compute_domain::db::{Db, MIGRATOR, PoolSettings};
+use compute_embedded_pg::pgbouncer::{PgBouncer, PgBouncerOptions};
 use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres, process_alive, quote_ident};
 use serde_json::Value;
 use sqlx::Connection;
@@ -30,10 +35,19 @@ struct Cluster {
     admin_url: String,
     /// Builds the URL of another database on the same server.
     base: url_base::Base,
+    /// The same through the pooler, when the run goes through one.
+    pooled: Option<url_base::Base>,
     template: String,
+    /// Keeps the pooler alive for the whole run (dropped before the server).
+    _pooler: Option<PgBouncer>,
     /// Keeps the embedded server alive for the whole run.
     _embedded: Option<EmbeddedPostgres>,
     description: String,
+}
+
+/// Whether this run's connections go through PgBouncer (`COMPUTE_TEST_PGBOUNCER=1`).
+pub fn through_pgbouncer() -> bool {
+    std::env::var("COMPUTE_TEST_PGBOUNCER").is_ok_and(|v| v == "1" || v == "true")
 }
 
 mod url_base {
@@ -113,8 +127,10 @@ async fn start_cluster() -> compute_domain::Result<Cluster> {
             Ok(Cluster {
                 admin_url: url.clone(),
                 base,
+                pooled: None,
                 template,
                 _embedded: None,
+                _pooler: None,
                 description: "the server of DATABASE_URL".into(),
             })
         }
@@ -134,9 +150,29 @@ async fn start_cluster() -> compute_domain::Result<Cluster> {
             let base = url_base::Base::parse(&admin_url);
             let template = "compute_template".to_owned();
             prepare_template(&admin_url, &base, &template, false).await?;
+            let pooler = if through_pgbouncer() {
+                Some(
+                    PgBouncer::start(PgBouncerOptions {
+                        dir: dir.join("pgbouncer"),
+                        upstream_port: pg.port(),
+                        user: compute_embedded_pg::SUPERUSER.to_owned(),
+                        password: pg.password().to_owned(),
+                        pool_size: 20,
+                        max_client_conn: 2000,
+                    })
+                    .await
+                    .map_err(compute_domain::Error::internal)?,
+                )
+            } else {
+                None
+            };
             Ok(Cluster {
                 admin_url,
                 base,
+                pooled: pooler
+                    .as_ref()
+                    .map(|p| url_base::Base::parse(&p.url("postgres"))),
+                _pooler: pooler,
                 template,
                 description: format!(
                     "the embedded cluster in {} (kept until the next test run; start it with \
@@ -230,7 +266,10 @@ pub fn test_keyring() -> Option<Arc<compute_domain::secrets::Keyring>> {
 /// A migrated database of one's own.
 pub struct TestDb {
     pub name: String,
+    /// What the system connects to: PostgreSQL, or the pooler in front of it.
     pub url: String,
+    /// PostgreSQL itself (the same as `url` without a pooler).
+    pub direct_url: String,
     pub db: Db,
     external: bool,
 }
@@ -286,22 +325,37 @@ pub async fn test_db_with(max_connections: u32) -> TestDb {
         }
     }
     let _ = admin.close().await;
-    let url = cluster.base.url(&name);
-    let db = Db::connect(
-        &url,
-        &PoolSettings {
-            max_connections,
-            ..PoolSettings::default()
-        },
-    )
-    .await
-    .expect("connect to the test database")
-    .with_keyring(test_keyring());
+    let direct_url = cluster.base.url(&name);
+    let url = match &cluster.pooled {
+        Some(pooled) => pooled.url(&name),
+        None => direct_url.clone(),
+    };
+    let db = Db::connect(&url, &pool_settings(max_connections, &url, &direct_url))
+        .await
+        .expect("connect to the test database")
+        .with_keyring(test_keyring());
     TestDb {
         name,
         url,
+        direct_url,
         db,
         external: cluster._embedded.is_none(),
+    }
+}
+
+/// The pool's settings for `url`; behind a pooler (`url` is not `direct_url`): no startup
+/// options, and `LISTEN` on the server itself, as `compute-api serve --db-pooled` connects.
+fn pool_settings(max_connections: u32, url: &str, direct_url: &str) -> PoolSettings {
+    let pooled = url != direct_url;
+    PoolSettings {
+        max_connections,
+        statement_timeout: if pooled {
+            None
+        } else {
+            PoolSettings::default().statement_timeout
+        },
+        listen_url: pooled.then(|| direct_url.to_owned()),
+        ..PoolSettings::default()
     }
 }
 
@@ -318,12 +372,98 @@ pub async fn test_db_at(url: &str, name: &str, migrate: bool) -> TestDb {
     TestDb {
         name: name.to_owned(),
         url: url.to_owned(),
+        direct_url: url.to_owned(),
         db,
         external: false,
     }
 }
 
+/// The environment a `compute-api` or `compute-worker` process needs to reach a database at
+/// `url`: `DATABASE_URL`, and when `url` is a pooler in front of `direct_url`,
+/// `COMPUTE_DB_POOLED` and `COMPUTE_LISTEN_DATABASE_URL`.
+pub fn process_env(url: &str, direct_url: &str) -> Vec<(&'static str, String)> {
+    let mut env = vec![("DATABASE_URL", url.to_owned())];
+    if url != direct_url {
+        env.push(("COMPUTE_DB_POOLED", "true".to_owned()));
+        env.push(("COMPUTE_LISTEN_DATABASE_URL", direct_url.to_owned()));
+    }
+    env
+}
+
+/// A database reached through a PgBouncer of its own (transaction pooling).
+pub struct PooledDb {
+    /// The database through the pooler.
+    pub url: String,
+    /// The database on the server itself.
+    pub direct_url: String,
+    pub pooler: PgBouncer,
+    database: String,
+}
+
+impl PooledDb {
+    /// See [`process_env`].
+    pub fn process_env(&self) -> Vec<(&'static str, String)> {
+        process_env(&self.url, &self.direct_url)
+    }
+
+    /// What the pooler did for this database so far.
+    pub async fn stats(&self) -> compute_embedded_pg::pgbouncer::PoolerStats {
+        self.pooler
+            .stats(&self.database)
+            .await
+            .expect("the pooler's admin console")
+    }
+}
+
+/// Starts a PgBouncer (transaction pooling, `pool_size` server connections) in front of
+/// `db`'s server, for `db`'s database. Builds PgBouncer with `scripts/pgbouncer-build` when
+/// none of 1.21 or later is found.
+pub async fn pgbouncer_for(db: &TestDb, pool_size: u32) -> PooledDb {
+    if compute_embedded_pg::pgbouncer::find_binary().is_err() {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/pgbouncer-build");
+        let status = std::process::Command::new(&script)
+            .status()
+            .expect("run scripts/pgbouncer-build");
+        assert!(status.success(), "scripts/pgbouncer-build failed");
+    }
+    // postgres://user:password@127.0.0.1:port/database
+    let rest = db.direct_url.split_once("://").expect("a URL").1;
+    let (credentials, rest) = rest.rsplit_once('@').expect("user@host");
+    let (user, password) = credentials.split_once(':').expect("user:password");
+    let (host_port, database) = rest.split_once('/').expect("host/database");
+    let database = database.split('?').next().unwrap_or(database).to_owned();
+    let port = host_port
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .expect("a port");
+    let dir = test_root()
+        .join(std::process::id().to_string())
+        .join(format!("pgbouncer-{database}"));
+    let pooler = PgBouncer::start(PgBouncerOptions {
+        dir,
+        upstream_port: port,
+        user: user.to_owned(),
+        password: password.to_owned(),
+        pool_size,
+        max_client_conn: 2000,
+    })
+    .await
+    .expect("start PgBouncer");
+    PooledDb {
+        url: pooler.url(&database),
+        direct_url: db.direct_url.clone(),
+        pooler,
+        database,
+    }
+}
+
 impl TestDb {
+    /// See [`process_env`].
+    pub fn process_env(&self) -> Vec<(&'static str, String)> {
+        process_env(&self.url, &self.direct_url)
+    }
+
     /// Switches this database to simulated time at `start` (RFC 3339).
     pub async fn use_sim_clock(&self, start: &str) {
         sqlx::query("SELECT compute_use_sim_clock($1::timestamptz)")

@@ -24,6 +24,12 @@ pub struct Args {
     /// Connections of the database pool.
     #[arg(long, env = "COMPUTE_DB_MAX_CONNECTIONS", default_value_t = 8)]
     pub db_max_connections: u32,
+    /// DATABASE_URL is a transaction pooler (PgBouncer 1.21 or later with `pool_mode =
+    /// transaction` and `max_prepared_statements` above 0): no startup options are sent; set
+    /// `statement_timeout` on the role instead. The workers keep no session state (leases are
+    /// rows, locks are transactions'), so nothing else changes.
+    #[arg(long, env = "COMPUTE_DB_POOLED")]
+    pub db_pooled: bool,
     /// Address of the worker's own `/healthz` and `/metrics`.
     #[arg(long, env = "COMPUTE_WORKER_LISTEN", default_value = "127.0.0.1:9091")]
     pub listen: SocketAddr,
@@ -89,6 +95,11 @@ pub async fn main() -> ExitCode {
         &args.database_url,
         &PoolSettings {
             max_connections: args.db_max_connections.max(2),
+            statement_timeout: if args.db_pooled {
+                None
+            } else {
+                PoolSettings::default().statement_timeout
+            },
             ..PoolSettings::default()
         },
     )

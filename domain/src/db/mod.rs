@@ -91,6 +91,11 @@ pub struct PoolSettings {
     /// parameter: behind PgBouncer, allow it with `ignore_startup_parameters = options`, or set
     /// it on the role instead and pass `None`.
     pub statement_timeout: Option<Duration>,
+    /// Where `LISTEN` connects when `url` is a transaction pooler (PgBouncer's transaction mode
+    /// hands a session's server connection to others between transactions, so a `LISTEN` through
+    /// it hears nothing): PostgreSQL itself. `None` listens on `url`. The listeners are
+    /// wake-ups only: without one, readers fall back to their polls.
+    pub listen_url: Option<String>,
 }
 
 impl Default for PoolSettings {
@@ -99,6 +104,7 @@ impl Default for PoolSettings {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
             statement_timeout: Some(Duration::from_secs(30)),
+            listen_url: None,
         }
     }
 }
@@ -114,6 +120,8 @@ pub struct Db {
     keyring: Option<std::sync::Arc<crate::secrets::Keyring>>,
     /// Wakes the outbox readers after a writing commit (`outbox::Poker`).
     poker: Option<crate::outbox::Poker>,
+    /// Where `LISTEN` connects, when not through the pool ([`PoolSettings::listen_url`]).
+    listen_url: Option<std::sync::Arc<str>>,
 }
 
 impl Db {
@@ -135,7 +143,18 @@ impl Db {
             .acquire_timeout(settings.acquire_timeout)
             .connect_with(options)
             .await?;
-        Ok(Db::from_pool(pool))
+        let mut db = Db::from_pool(pool);
+        db.listen_url = settings.listen_url.as_deref().map(std::sync::Arc::from);
+        Ok(db)
+    }
+
+    /// A connection for `LISTEN` of its own: on [`PoolSettings::listen_url`] when set (PostgreSQL
+    /// itself, past a transaction pooler), else with the pool's options.
+    pub async fn listener(&self) -> Result<sqlx::postgres::PgListener> {
+        Ok(match &self.listen_url {
+            Some(url) => sqlx::postgres::PgListener::connect(url).await?,
+            None => sqlx::postgres::PgListener::connect_with(&self.pool).await?,
+        })
     }
 
     /// Wraps an existing pool.
@@ -147,6 +166,7 @@ impl Db {
             fence: None,
             keyring: None,
             poker,
+            listen_url: None,
         }
     }
 

@@ -866,7 +866,7 @@ pub async fn generation_observed(conn: &mut PgConnection, node: &NodeId) -> Resu
 /// gateway id; returns when the connection fails (the caller reconnects; its polling covers the
 /// gap).
 pub async fn listen_for_pokes(db: &Db, on_poke: impl Fn(&str)) -> Result<()> {
-    let mut listener = sqlx::postgres::PgListener::connect_with(db.pool()).await?;
+    let mut listener = db.listener().await?;
     listener.listen(NOTIFY_CHANNEL).await?;
     loop {
         let n = listener.recv().await?;

@@ -16,10 +16,16 @@
 //! It prints, per run, reservations/s, p50 and p99, the SQL statements per request (counted
 //! from sqlx's statement log in a short calibration pass, not while timing) and PostgreSQL CPU
 //! per reservation (the server's processes, from `/proc`), and the ratio graphql / reference.
+//! With `scale-out` among the arguments it then puts PgBouncer (transaction pooling, 20 server
+//! connections) in front of the database and runs the graphql path again against one, then two,
+//! `compute-api serve` processes (this package's `test-api` build), the requests spread over
+//! them in turn: reservations/s with one and with two API processes.
+//!
 //! Asserts nothing: a benchmark, not a test.
 //!
 //! ```sh
-//! cargo run --release -p compute-tests --bin bench-reservations -- [requests per run] [clients…]
+//! cargo build --release -p compute-tests
+//! target/release/bench-reservations [requests per run] [clients…] [scale-out]
 //! ```
 
 use std::io::Write;
@@ -260,6 +266,7 @@ async fn main() {
         .init();
     let args: Vec<String> = std::env::args().collect();
     let requests: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3000);
+    let scale_out = args.iter().any(|a| a == "scale-out");
     let mut client_counts: Vec<usize> = args[2.min(args.len())..]
         .iter()
         .filter_map(|s| s.parse().ok())
@@ -503,5 +510,88 @@ async fn main() {
             "{clients:>7}  ratio graphql / reference: {:.2}",
             g.rate / r.rate
         );
+    }
+    if !scale_out {
+        return;
+    }
+    // The same graphql requests over HTTP to separate API processes, through PgBouncer.
+    let pooled = compute_tests::pgbouncer_for(&app.db, 20).await;
+    let binary = compute_tests::bench::sibling("test-api");
+    let http = reqwest::Client::new();
+    let _ = writeln!(
+        std::io::stdout().lock(),
+        "\nthrough PgBouncer {} (transaction pooling, 20 server connections), `compute-api serve` processes, requests spread over them in turn:\n\
+         processes  clients  reservations/s   p50        p99        pending  PostgreSQL CPU/reservation",
+        compute_embedded_pg::pgbouncer::find_binary()
+            .map(|b| b.display().to_string())
+            .unwrap_or_default()
+    );
+    for processes in [1usize, 2] {
+        let mut apis = Vec::new();
+        let mut bases = Vec::new();
+        for _ in 0..processes {
+            let port = compute_tests::bench::free_port();
+            apis.push(
+                compute_tests::bench::spawn_api(&binary, &pooled.process_env(), port, &[]).await,
+            );
+            bases.push(format!("http://127.0.0.1:{port}/graphql"));
+        }
+        let bases = Arc::new(bases);
+        for (k, &clients) in client_counts.iter().enumerate() {
+            reset(&db).await;
+            let (http, bases, tokens, pool_id, ends_at) = (
+                http.clone(),
+                bases.clone(),
+                tokens.clone(),
+                pool_id.clone(),
+                ends_at.clone(),
+            );
+            let run_id = 100 * processes + k;
+            let over_http = move |i: usize| {
+                let (http, bases, tokens, pool_id, ends_at) = (
+                    http.clone(),
+                    bases.clone(),
+                    tokens.clone(),
+                    pool_id.clone(),
+                    ends_at.clone(),
+                );
+                async move {
+                    let vars = json!({ "i": {
+                        "poolId": pool_id, "endsAt": ends_at,
+                        "allocations": [{ "gpuCount": 1, "model": "H100", "vcpu": 4, "memoryMib": 8192 }],
+                        "idempotencyKey": format!("p{run_id}-{i}"),
+                    }});
+                    let body: serde_json::Value = http
+                        .post(&bases[i % bases.len()])
+                        .bearer_auth(&tokens[i % TENANTS])
+                        .json(&json!({ "query": CREATE, "variables": vars }))
+                        .send()
+                        .await
+                        .expect("the API answers")
+                        .json()
+                        .await
+                        .expect("JSON");
+                    assert!(
+                        body.get("errors").is_none(),
+                        "createReservation failed: {body}"
+                    );
+                    body["data"]["createReservation"]["reservation"]["state"] == "PENDING"
+                }
+            };
+            let x = run(requests, clients, postmaster, over_http).await;
+            let _ = writeln!(
+                std::io::stdout().lock(),
+                "{processes:>9}  {clients:>7}  {:>14.0}   {:>8.1?}  {:>8.1?}  {:>7}  {:.2} ms  (commits {}, rollbacks {}, deadlocks {})",
+                x.rate,
+                x.p50,
+                x.p99,
+                x.pending,
+                x.cpu_ms,
+                x.transactions.0,
+                x.transactions.1,
+                x.transactions.2
+            );
+        }
+        drop(apis);
     }
 }

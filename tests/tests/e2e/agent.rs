@@ -578,10 +578,16 @@ async fn a_sigkilled_gateway_leaves_its_nodes_disconnected_and_they_reconnect_el
         d["createReservation"]["reservation"]["state"], "ACTIVE",
         "{d}"
     );
-    let (mut g1, base1) =
-        crate::crash::start_api_with(&app.db.url, &["--gateway-only", "--gateway-id", "g1"]).await;
-    let (_g2, base2) =
-        crate::crash::start_api_with(&app.db.url, &["--gateway-only", "--gateway-id", "g2"]).await;
+    let (mut g1, base1) = crate::crash::start_api_with(
+        &app.db.process_env(),
+        &["--gateway-only", "--gateway-id", "g1"],
+    )
+    .await;
+    let (_g2, base2) = crate::crash::start_api_with(
+        &app.db.process_env(),
+        &["--gateway-only", "--gateway-id", "g2"],
+    )
+    .await;
     let res = app
         .http
         .post(format!("{base1}/graphql"))

@@ -587,7 +587,7 @@ pub fn dispatch_process(app: &TestApp) -> tokio::process::Child {
             "--listen",
             &format!("127.0.0.1:{port}"),
         ])
-        .env("DATABASE_URL", &app.db.url)
+        .envs(app.db.process_env())
         .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
         .env("RUST_LOG", "warn")
         .kill_on_drop(true)

@@ -11,14 +11,14 @@ use serde_json::{Value, json};
 
 use crate::reservations::{CREATE, input, pool};
 
-/// A real `compute-api serve` process on `database_url`; its base URL once `/readyz` says ready.
-async fn start_api(database_url: &str) -> (tokio::process::Child, String) {
-    start_api_with(database_url, &[]).await
+/// A real `compute-api serve` process on `db`; its base URL once `/readyz` says ready.
+async fn start_api(db: &compute_tests::TestDb) -> (tokio::process::Child, String) {
+    start_api_with(&db.process_env(), &[]).await
 }
 
 /// [`start_api`] with more `serve` arguments.
 pub(crate) async fn start_api_with(
-    database_url: &str,
+    env: &[(&'static str, String)],
     extra: &[&str],
 ) -> (tokio::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -30,7 +30,7 @@ pub(crate) async fn start_api_with(
     args.extend_from_slice(extra);
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_test-api"))
         .args(&args)
-        .env("DATABASE_URL", database_url)
+        .envs(env.iter().cloned())
         .env("COMPUTE_JWT_HS256_SECRET", TEST_SECRET)
         .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
         .env("COMPUTE_JWT_ISSUER", TEST_ISSUER)
@@ -87,7 +87,7 @@ async fn an_api_killed_mid_stream_leaves_each_key_exactly_one_effect() {
     )
     .await;
     let member = app.member("acme");
-    let (mut first, base) = start_api(&app.db.url).await;
+    let (mut first, base) = start_api(&app.db).await;
     let http = reqwest::Client::new();
     let request = |k: usize| input(&p.pool, &format!("crash-{k}"), json!([{ "gpuCount": 1 }]));
 
@@ -119,7 +119,7 @@ async fn an_api_killed_mid_stream_leaves_each_key_exactly_one_effect() {
     );
 
     // A new process; every client retries its key.
-    let (_second, base) = start_api(&app.db.url).await;
+    let (_second, base) = start_api(&app.db).await;
     let mut after: HashMap<usize, Result<String, String>> = HashMap::new();
     for k in 0..KEYS {
         let body = post(&http, &base, &member, request(k))

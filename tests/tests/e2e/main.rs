@@ -18,6 +18,7 @@ mod outbox;
 mod outbox_reader;
 mod reservations;
 mod restart;
+mod scale_out;
 mod statements;
 mod subscriptions;
 mod torture;

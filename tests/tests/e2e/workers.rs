@@ -511,7 +511,7 @@ fn worker_process(app: &TestApp) -> tokio::process::Child {
             &format!("127.0.0.1:{port}"),
             "--webhooks-allow-private",
         ])
-        .env("DATABASE_URL", &app.db.url)
+        .envs(app.db.process_env())
         .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
         .env("RUST_LOG", "warn")
         .kill_on_drop(true)
