@@ -13,6 +13,7 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use sqlx::Connection;
@@ -52,9 +53,16 @@ pub struct PoolerStats {
 }
 
 /// A running PgBouncer. Dropping it stops it.
+///
+/// The child belongs to a keeper thread that lives as long as the handle: the kernel's
+/// parent-death signal (`PR_SET_PDEATHSIG`, so no pooler outlives this process) fires when the
+/// *thread* that spawned the child exits, and the thread that asks for a pooler may be a test's,
+/// which ends long before the run.
 #[derive(Debug)]
 pub struct PgBouncer {
-    child: Child,
+    stop: Option<mpsc::Sender<()>>,
+    keeper: Option<std::thread::JoinHandle<()>>,
+    exited: std::sync::Mutex<mpsc::Receiver<String>>,
     port: u16,
     user: String,
     password: String,
@@ -130,11 +138,11 @@ impl PgBouncer {
         }
         cmd.process_group(0);
         die_with_parent(&mut cmd, libc::SIGKILL);
-        let child = cmd
-            .spawn()
-            .map_err(|e| Error::new(format!("cannot start {}: {e}", binary.display())))?;
-        let mut pooler = PgBouncer {
-            child,
+        let (stop, exited, keeper) = keep(cmd, &binary)?;
+        let pooler = PgBouncer {
+            stop: Some(stop),
+            keeper: Some(keeper),
+            exited: std::sync::Mutex::new(exited),
             port,
             user: options.user.clone(),
             password: options.password.clone(),
@@ -193,11 +201,16 @@ impl PgBouncer {
         &self.dir
     }
 
-    async fn wait_ready(&mut self, log_path: &Path) -> Result<()> {
+    async fn wait_ready(&self, log_path: &Path) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(30);
         let url = self.url("postgres");
         loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
+            let exited = self
+                .exited
+                .lock()
+                .map_err(|_| Error::new("poisoned"))?
+                .try_recv();
+            if let Ok(status) = exited {
                 return Err(Error::new(format!(
                     "PgBouncer exited during start-up ({status}); last lines of {}:\n{}",
                     log_path.display(),
@@ -225,9 +238,62 @@ impl PgBouncer {
 
 impl Drop for PgBouncer {
     fn drop(&mut self) {
-        // It keeps nothing: no need for its safe shutdown.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        drop(self.stop.take());
+        if let Some(keeper) = self.keeper.take() {
+            let _ = keeper.join();
+        }
+    }
+}
+
+type Kept = (
+    mpsc::Sender<()>,
+    mpsc::Receiver<String>,
+    std::thread::JoinHandle<()>,
+);
+
+/// Spawns `cmd` from a keeper thread that owns the child until told to stop (or dropped), then
+/// kills it (it keeps nothing: no need for its safe shutdown). The receiver hears of an exit.
+fn keep(mut cmd: Command, binary: &Path) -> Result<Kept> {
+    let (stop_tx, stop_rx) = mpsc::channel::<()>();
+    let (exit_tx, exit_rx) = mpsc::channel::<String>();
+    let (spawned_tx, spawned_rx) = mpsc::channel::<std::io::Result<()>>();
+    let keeper = std::thread::Builder::new()
+        .name("pgbouncer".into())
+        .spawn(move || {
+            let mut child: Child = match cmd.spawn() {
+                Ok(child) => {
+                    let _ = spawned_tx.send(Ok(()));
+                    child
+                }
+                Err(e) => {
+                    let _ = spawned_tx.send(Err(e));
+                    return;
+                }
+            };
+            loop {
+                match stop_rx.recv_timeout(Duration::from_millis(200)) {
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        if let Ok(Some(status)) = child.try_wait() {
+                            let _ = exit_tx.send(status.to_string());
+                            return;
+                        }
+                    }
+                    Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return;
+                    }
+                }
+            }
+        })
+        .map_err(Error::new)?;
+    match spawned_rx.recv() {
+        Ok(Ok(())) => Ok((stop_tx, exit_rx, keeper)),
+        Ok(Err(e)) => Err(Error::new(format!(
+            "cannot start {}: {e}",
+            binary.display()
+        ))),
+        Err(_) => Err(Error::new("the PgBouncer keeper thread died")),
     }
 }
 

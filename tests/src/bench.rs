@@ -154,3 +154,86 @@ pub fn start_daemons(
     }
     (stop, opened)
 }
+
+/// Builds a GPU fleet through the product's own commands: one site, `pools` bare-metal pools,
+/// each with `nodes_per_pool` nodes (`p<pool>-n<node>`) of 256 vCPU, 2 TiB memory, 10 TB disk
+/// and `gpus_per_node` whole H100s, registered four at a time. Returns the pools' ids. Shared by
+/// the benchmarks and the statement-count test, so they measure the same fleet.
+pub async fn gpu_fleet(
+    db: &compute_domain::db::Db,
+    pools: usize,
+    nodes_per_pool: usize,
+    gpus_per_node: usize,
+) -> Vec<compute_domain::ids::PoolId> {
+    use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
+    use compute_domain::fleet::model::{GpuUuid, Labels, Layout, PoolKind};
+    use futures_util::StreamExt;
+    let operator = compute_domain::idempotency::Actor::operator("bench");
+    let site = commands::create_site(
+        db,
+        &operator,
+        NewSite {
+            name: "fleet".into(),
+            region: None,
+        },
+        None,
+    )
+    .await
+    .expect("site")
+    .value;
+    let mut ids = Vec::new();
+    for p in 0..pools {
+        let pool = commands::create_pool(
+            db,
+            &operator,
+            NewPool {
+                site_id: site.id.clone(),
+                name: format!("pool-{p}"),
+                kind: PoolKind::BareMetal,
+                lost_after_seconds: None,
+                vcpu_ratio: 1.0,
+                memory_ratio: 1.0,
+                disk_ratio: 1.0,
+            },
+            None,
+        )
+        .await
+        .expect("pool")
+        .value;
+        futures_util::stream::iter(0..nodes_per_pool)
+            .map(|n| {
+                let (db, pool_id) = (db.clone(), pool.id.clone());
+                async move {
+                    commands::register_node(
+                        &db,
+                        NewNode {
+                            pool_id,
+                            hostname: format!("p{p}-n{n}"),
+                            labels: Labels::new(),
+                            taints: vec![],
+                            vcpu: 256,
+                            memory_mib: 1 << 21,
+                            disk_gib: 10_000,
+                            devices: (0..gpus_per_node)
+                                .map(|g| NewDevice {
+                                    uuid: GpuUuid::parse("uuid", &format!("GPU-p{p}-n{n}-g{g}"))
+                                        .expect("a GPU uuid"),
+                                    vendor: "nvidia".into(),
+                                    model: "H100".into(),
+                                    memory_mib: 81_559,
+                                    layout: Layout::Exclusive,
+                                })
+                                .collect(),
+                        },
+                    )
+                    .await
+                    .expect("node");
+                }
+            })
+            .buffer_unordered(4)
+            .collect::<Vec<()>>()
+            .await;
+        ids.push(pool.id);
+    }
+    ids
+}

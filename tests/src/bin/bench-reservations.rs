@@ -34,12 +34,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use compute_api::auth::Role;
-use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
-use compute_domain::fleet::model::{Labels, Layout, PoolKind};
 use compute_domain::idempotency::Actor;
 use compute_domain::ids::ScopeId;
 use compute_domain::quota::{self, QuotaLimits};
-use futures_util::StreamExt;
 use serde_json::json;
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
@@ -302,71 +299,9 @@ async fn main() {
 
     let seeding = Instant::now();
     let operator = Actor::operator("bench");
-    let site = commands::create_site(
-        &db,
-        &operator,
-        NewSite {
-            name: "bench".into(),
-            region: None,
-        },
-        None,
-    )
-    .await
-    .expect("site")
-    .value;
-    let pool = commands::create_pool(
-        &db,
-        &operator,
-        NewPool {
-            site_id: site.id,
-            name: "bench".into(),
-            kind: PoolKind::BareMetal,
-            lost_after_seconds: None,
-            vcpu_ratio: 1.0,
-            memory_ratio: 1.0,
-            disk_ratio: 1.0,
-        },
-        None,
-    )
-    .await
-    .expect("pool")
-    .value;
-    futures_util::stream::iter(0..NODES)
-        .map(|n| {
-            let (db, pool_id) = (db.clone(), pool.id.clone());
-            async move {
-                commands::register_node(
-                    &db,
-                    NewNode {
-                        pool_id,
-                        hostname: format!("bench-{n}"),
-                        labels: Labels::new(),
-                        taints: vec![],
-                        vcpu: 256,
-                        memory_mib: 1 << 21,
-                        disk_gib: 10_000,
-                        devices: (0..GPUS_PER_NODE)
-                            .map(|g| NewDevice {
-                                uuid: compute_domain::fleet::model::GpuUuid::parse(
-                                    "uuid",
-                                    &format!("GPU-b{n}-{g}"),
-                                )
-                                .expect("a GPU uuid"),
-                                vendor: "nvidia".into(),
-                                model: "H100".into(),
-                                memory_mib: 81_559,
-                                layout: Layout::Exclusive,
-                            })
-                            .collect(),
-                    },
-                )
-                .await
-                .expect("node");
-            }
-        })
-        .buffer_unordered(4)
-        .collect::<Vec<()>>()
-        .await;
+    let pool_id = compute_tests::bench::gpu_fleet(&db, 1, NODES, GPUS_PER_NODE)
+        .await
+        .remove(0);
     // Nodes come up connected, as a fleet in service does.
     sqlx::query("UPDATE nodes SET reachability = 'connected'")
         .execute(db.pool())
@@ -378,7 +313,7 @@ async fn main() {
             &db,
             &operator,
             &compute_tests::tenant(t),
-            &ScopeId::Pool(pool.id.clone()),
+            &ScopeId::Pool(pool_id.clone()),
             QuotaLimits {
                 gpus: Some(100_000.0),
                 vcpu: Some(10_000_000),
@@ -405,7 +340,7 @@ async fn main() {
     drop(out);
 
     let ends_at = (chrono::Utc::now() + chrono::Duration::hours(1)).to_rfc3339();
-    let pool_id = pool.id.to_string();
+    let pool_id = pool_id.to_string();
     let graphql = {
         let (app, tokens, pool_id, ends_at) = (
             app.clone(),

@@ -4,9 +4,6 @@
 
 use std::sync::Arc;
 
-use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
-use compute_domain::fleet::model::{Labels, Layout, PoolKind};
-use compute_domain::idempotency::Actor;
 use compute_tests::TestApp;
 use serde_json::json;
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
@@ -56,68 +53,7 @@ impl<S: tracing::Subscriber> Layer<S> for CountStatements {
 }
 
 async fn fleet_of(app: &TestApp, nodes: usize) {
-    let db = &app.db.db;
-    let actor = Actor::operator("test");
-    let site = commands::create_site(
-        db,
-        &actor,
-        NewSite {
-            name: "big".into(),
-            region: None,
-        },
-        None,
-    )
-    .await
-    .expect("site")
-    .value;
-    for p in 0..2 {
-        let pool = commands::create_pool(
-            db,
-            &actor,
-            NewPool {
-                site_id: site.id.clone(),
-                name: format!("pool-{p}"),
-                kind: PoolKind::BareMetal,
-                lost_after_seconds: None,
-                vcpu_ratio: 1.0,
-                memory_ratio: 1.0,
-                disk_ratio: 1.0,
-            },
-            None,
-        )
-        .await
-        .expect("pool")
-        .value;
-        for n in 0..nodes / 2 {
-            commands::register_node(
-                db,
-                NewNode {
-                    pool_id: pool.id.clone(),
-                    hostname: format!("p{p}-n{n}"),
-                    labels: Labels::new(),
-                    taints: vec![],
-                    vcpu: 128,
-                    memory_mib: 1 << 20,
-                    disk_gib: 1000,
-                    devices: (0..8)
-                        .map(|g| NewDevice {
-                            uuid: compute_domain::fleet::model::GpuUuid::parse(
-                                "uuid",
-                                &format!("GPU-p{p}-n{n}-g{g}"),
-                            )
-                            .expect("a GPU uuid"),
-                            vendor: "nvidia".into(),
-                            model: "H100".into(),
-                            memory_mib: 81_559,
-                            layout: Layout::Exclusive,
-                        })
-                        .collect(),
-                },
-            )
-            .await
-            .expect("node");
-        }
-    }
+    compute_tests::bench::gpu_fleet(&app.db.db, 2, nodes / 2, 8).await;
 }
 
 const TREE: &str = "{ sites(first: 10) { edges { node { id name pools(first: 100) { totalCount edges { node { id name \
