@@ -574,7 +574,9 @@ pub async fn resources_by_nodes(db: &Db, node_ids: &[NodeId]) -> Result<Vec<Node
         NodeResource,
         r#"SELECT r.node_id AS "node_id: _", r.resource AS "resource: _", r.allocatable, r.ratio::float8 AS "ratio!",
                   r.allocated
-             FROM node_resources r WHERE r.node_id = ANY($1) ORDER BY r.node_id, r.resource"#,
+             FROM unnest($1::text[]) AS k(id)
+            CROSS JOIN LATERAL (SELECT * FROM node_resources x WHERE x.node_id = k.id OFFSET 0) r
+            ORDER BY r.node_id, r.resource"#,
         &ids as &[&str],
     )
     .fetch_all(db.pool())
@@ -637,7 +639,12 @@ pub async fn devices_by_nodes(db: &Db, node_ids: &[NodeId]) -> Result<Vec<Device
     let ids: Vec<&str> = node_ids.iter().map(NodeId::as_str).collect();
     Ok(query_devices!(
         "SELECT",
-        "FROM devices d WHERE d.node_id = ANY($1) ORDER BY d.node_id, d.id",
+        // One index probe per id (a lateral subquery the planner cannot flatten: `OFFSET 0`).
+        // With `= ANY($1)` or a plain join, a plan made for the ids at hand scans every device
+        // of the fleet: 8 ms instead of 2.5 for 100 nodes of 2,250 (`bench-fleet`).
+        "FROM unnest($1::text[]) AS k(id)
+         CROSS JOIN LATERAL (SELECT * FROM devices x WHERE x.node_id = k.id OFFSET 0) d
+         ORDER BY d.node_id, d.id",
         &ids as &[&str],
     )
     .fetch_all(db.pool())
@@ -651,7 +658,9 @@ pub async fn atoms_by_devices(db: &Db, device_ids: &[DeviceId]) -> Result<Vec<At
         Atom,
         r#"SELECT a.name AS "name: _", a.device_id AS "device_id: _", a.kind AS "kind: _", a.ordinal, a.profile,
                   a.share_num, a.share_den
-             FROM device_atoms a WHERE a.device_id = ANY($1) ORDER BY a.device_id, a.ordinal"#,
+             FROM unnest($1::text[]) AS k(id)
+            CROSS JOIN LATERAL (SELECT * FROM device_atoms x WHERE x.device_id = k.id OFFSET 0) a
+            ORDER BY a.device_id, a.ordinal"#,
         &ids as &[&str],
     )
     .fetch_all(db.pool())
