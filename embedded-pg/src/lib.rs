@@ -493,11 +493,40 @@ fn spawn_server(
     cmd.process_group(0);
     die_with_parent(&mut cmd, libc::SIGINT);
 
+    keep(cmd, "postgres", |child| {
+        // Fast shutdown; killed if it ignores that for 30 s.
+        signal(child.id(), libc::SIGINT);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() > deadline => {
+                    warn!("embedded PostgreSQL ignored fast shutdown for 30 s; killing it");
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        info!("embedded PostgreSQL stopped");
+    })
+}
+
+/// Spawns `cmd` from a keeper thread that owns the child until told to stop (or until the sender
+/// is dropped), then runs `stop` on it. The receiver hears of an exit the keeper did not ask
+/// for. A thread of its own because the parent-death signal ([`die_with_parent`]) fires when the
+/// *thread* that spawned the child ends, and callers (tests) may ask from short-lived threads.
+fn keep(
+    mut cmd: Command,
+    name: &'static str,
+    stop: impl FnOnce(&mut std::process::Child) + Send + 'static,
+) -> Result<Spawned> {
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
     let (exit_tx, exit_rx) = mpsc::channel::<String>();
     let (spawned_tx, spawned_rx) = mpsc::channel::<std::io::Result<()>>();
     let keeper = std::thread::Builder::new()
-        .name("embedded-postgres".into())
+        .name(format!("keeper-{name}"))
         .spawn(move || {
             let mut child = match cmd.spawn() {
                 Ok(child) => {
@@ -513,28 +542,14 @@ fn spawn_server(
                 match stop_rx.recv_timeout(Duration::from_millis(200)) {
                     Err(mpsc::RecvTimeoutError::Timeout) => {
                         if let Ok(Some(status)) = child.try_wait() {
-                            warn!(%status, "embedded PostgreSQL exited");
+                            warn!(%status, "{name} exited");
                             let _ = exit_tx.send(status.to_string());
                             return;
                         }
                     }
                     // Told to stop, or the handle is gone.
                     Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-                        signal(child.id(), libc::SIGINT);
-                        let deadline = Instant::now() + Duration::from_secs(30);
-                        loop {
-                            match child.try_wait() {
-                                Ok(Some(_)) | Err(_) => break,
-                                Ok(None) if Instant::now() > deadline => {
-                                    warn!("embedded PostgreSQL ignored fast shutdown for 30 s; killing it");
-                                    let _ = child.kill();
-                                    let _ = child.wait();
-                                    break;
-                                }
-                                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                            }
-                        }
-                        info!("embedded PostgreSQL stopped");
+                        stop(&mut child);
                         return;
                     }
                 }
@@ -543,8 +558,8 @@ fn spawn_server(
         .map_err(Error::new)?;
     match spawned_rx.recv() {
         Ok(Ok(())) => Ok((stop_tx, exit_rx, keeper)),
-        Ok(Err(e)) => Err(Error::new(format!("cannot start postgres: {e}"))),
-        Err(_) => Err(Error::new("the embedded PostgreSQL keeper thread died")),
+        Ok(Err(e)) => Err(Error::new(format!("cannot start {name}: {e}"))),
+        Err(_) => Err(Error::new(format!("the {name} keeper thread died"))),
     }
 }
 

@@ -12,14 +12,14 @@ use std::fs;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use sqlx::Connection;
 use tracing::info;
 
-use crate::{Error, Result, die_with_parent, free_port, log_tail, run_as_user};
+use crate::{Error, Result, die_with_parent, free_port, keep, log_tail, run_as_user};
 
 /// The oldest PgBouncer that carries prepared statements in transaction mode.
 pub const MIN_VERSION: (u32, u32) = (1, 21);
@@ -138,7 +138,11 @@ impl PgBouncer {
         }
         cmd.process_group(0);
         die_with_parent(&mut cmd, libc::SIGKILL);
-        let (stop, exited, keeper) = keep(cmd, &binary)?;
+        // It keeps nothing: no need for its safe shutdown.
+        let (stop, exited, keeper) = keep(cmd, "pgbouncer", |child| {
+            let _ = child.kill();
+            let _ = child.wait();
+        })?;
         let pooler = PgBouncer {
             stop: Some(stop),
             keeper: Some(keeper),
@@ -242,58 +246,6 @@ impl Drop for PgBouncer {
         if let Some(keeper) = self.keeper.take() {
             let _ = keeper.join();
         }
-    }
-}
-
-type Kept = (
-    mpsc::Sender<()>,
-    mpsc::Receiver<String>,
-    std::thread::JoinHandle<()>,
-);
-
-/// Spawns `cmd` from a keeper thread that owns the child until told to stop (or dropped), then
-/// kills it (it keeps nothing: no need for its safe shutdown). The receiver hears of an exit.
-fn keep(mut cmd: Command, binary: &Path) -> Result<Kept> {
-    let (stop_tx, stop_rx) = mpsc::channel::<()>();
-    let (exit_tx, exit_rx) = mpsc::channel::<String>();
-    let (spawned_tx, spawned_rx) = mpsc::channel::<std::io::Result<()>>();
-    let keeper = std::thread::Builder::new()
-        .name("pgbouncer".into())
-        .spawn(move || {
-            let mut child: Child = match cmd.spawn() {
-                Ok(child) => {
-                    let _ = spawned_tx.send(Ok(()));
-                    child
-                }
-                Err(e) => {
-                    let _ = spawned_tx.send(Err(e));
-                    return;
-                }
-            };
-            loop {
-                match stop_rx.recv_timeout(Duration::from_millis(200)) {
-                    Err(mpsc::RecvTimeoutError::Timeout) => {
-                        if let Ok(Some(status)) = child.try_wait() {
-                            let _ = exit_tx.send(status.to_string());
-                            return;
-                        }
-                    }
-                    Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        return;
-                    }
-                }
-            }
-        })
-        .map_err(Error::new)?;
-    match spawned_rx.recv() {
-        Ok(Ok(())) => Ok((stop_tx, exit_rx, keeper)),
-        Ok(Err(e)) => Err(Error::new(format!(
-            "cannot start {}: {e}",
-            binary.display()
-        ))),
-        Err(_) => Err(Error::new("the PgBouncer keeper thread died")),
     }
 }
 
