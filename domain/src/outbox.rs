@@ -25,7 +25,7 @@ pub const NOTIFY_CHANNEL: &str = "compute_outbox";
 /// quiet spell is poked at once; under load, changes within this interval share one poke (and
 /// every listening process one read of the outbox), which at 5 ms cost about one notifying
 /// transaction and one read per listener for each reservation (`bench-reservations`).
-pub const POKE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(25);
+pub const POKE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// Pokes the outbox readers of every process after this process committed a change
 /// ([`crate::db::Db`] calls [`Poker::poke`] after each writing commit). Pokes that arrive while
