@@ -134,13 +134,31 @@ async fn command_torture_no_command_runs_twice_or_is_lost() {
     });
 
     // The dispatcher, SIGKILLed once part-way; meanwhile, every 300 ms three daemons are wiped
-    // and come back with a new journal.
+    // and come back with a new journal. Two of the three are nodes with a command that is not
+    // retry-safe in flight (dispatched or running) when there are any, so every run puts resets
+    // in the middle of such commands (left to chance, a CI run once wiped 90 daemons and hit
+    // none); the third is drawn from the node list.
     let mut first = dispatch_process(&app);
     let mut wiped = 0;
     for round in 0..30usize {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        for k in 0..3 {
-            let node = nodes[(round * 37 + k * 61) % nodes.len()].clone();
+        let mut targets: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT node_id FROM commands
+              WHERE state IN ('dispatched', 'running') AND NOT retry_safe
+              LIMIT 2",
+        )
+        .fetch_all(app.db.db.pool())
+        .await
+        .expect("nodes with commands in flight");
+        let mut k = 0;
+        while targets.len() < 3 {
+            let drawn = nodes[(round * 37 + k * 61) % nodes.len()].clone();
+            if !targets.contains(&drawn) {
+                targets.push(drawn);
+            }
+            k += 1;
+        }
+        for (k, node) in targets.into_iter().enumerate() {
             // The old daemon is gone (wiped) before the new one starts.
             if let Some((stop, task)) = running.remove(&node) {
                 let _ = stop.send(true);
