@@ -650,6 +650,8 @@ pub async fn dev(args: DevArgs) -> Result<()> {
             metrics: Some(registry),
             // `dev` is for trying the system on one machine, receivers included.
             webhooks_allow_private: true,
+            usage_every: std::time::Duration::from_secs(5),
+            usage_window_seconds: None,
         },
         async move {
             let _ = workers_stopped.await;

@@ -41,6 +41,7 @@ pub fn router(app: AppState) -> Router {
                 "/graphql/stream",
                 get(crate::transport::sse::get).post(crate::transport::sse::post),
             )
+            .route("/usage.csv", get(crate::transport::csv::get))
     };
     api.route("/agent", get(crate::transport::agent::get))
         .route("/healthz", get(crate::ops::health::healthz))

@@ -78,6 +78,8 @@ text_enum!(
         InstanceStopping = "instance.stopping",
         InstanceStopped = "instance.stopped",
         InstanceFailed = "instance.failed",
+        UsageWindowClosed = "usage.window_closed",
+        UsageWindowAdjusted = "usage.window_adjusted",
     }
 );
 
@@ -93,6 +95,7 @@ pub enum Family {
     EventSink,
     Command,
     Instance,
+    Usage,
 }
 
 impl EventType {
@@ -106,6 +109,7 @@ impl EventType {
             Some("quota") => Family::Quota,
             Some("command") => Family::Command,
             Some("instance") => Family::Instance,
+            Some("usage") => Family::Usage,
             _ => Family::EventSink,
         }
     }
@@ -759,10 +763,48 @@ pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
             pool: read::<ReservationRef>(data).map(|r| r.pool_id),
             node: None,
         },
-        Family::Site | Family::Quota | Family::EventSink | Family::Command | Family::Instance => {
-            Concerns::default()
-        }
+        Family::Site
+        | Family::Quota
+        | Family::EventSink
+        | Family::Command
+        | Family::Instance
+        | Family::Usage => Concerns::default(),
     }
+}
+
+/// `usage.*`: one usage record of a window (`usage.window_closed`: the window's record;
+/// `usage.window_adjusted`: a difference found after it closed). Built in SQL
+/// (`compute_usage_payload`, migration 0016), read back with this type by the contract test.
+/// Amounts are exact decimal strings (at most six decimals), never floats; `key` is the record's
+/// idempotency key (`cmp:<allocationId>:<windowStart>`, `…:adj:<n>` for an adjustment).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UsagePayload {
+    pub usage: UsageView,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UsageView {
+    pub key: String,
+    /// `window` or `adjustment`.
+    pub kind: String,
+    pub allocation_id: AllocationId,
+    pub reservation_id: ReservationId,
+    pub tenant_id: TenantId,
+    pub pool_id: PoolId,
+    pub window_start: DateTime<Utc>,
+    pub window_end: DateTime<Utc>,
+    pub model: String,
+    pub gpu_kind: AtomKind,
+    pub profile: Option<String>,
+    pub atoms: i32,
+    pub booked_seconds: String,
+    pub gpu_seconds: String,
+    pub vcpu_seconds: String,
+    pub memory_mib_seconds: String,
+    pub disk_gib_seconds: String,
+    pub created_at: DateTime<Utc>,
 }
 
 /// A payload as the JSON an event stores.

@@ -25,6 +25,7 @@ pub mod secrets;
 pub mod sessions;
 pub mod sinks;
 mod text_enum;
+pub mod usage;
 pub mod work_queue;
 
 pub use error::{Error, ErrorCode, Result};

@@ -55,6 +55,13 @@ pub struct Args {
     /// only secrets stored unsealed can be delivered with.
     #[arg(long, env = "COMPUTE_SECRETS_KEY", hide_env_values = true)]
     pub secrets_key: Option<String>,
+    /// Seconds between two passes of the usage meter (closing usage windows for billing).
+    #[arg(long, env = "COMPUTE_USAGE_EVERY", default_value_t = 10.0)]
+    pub usage_every_seconds: f64,
+    /// Sets the length of the usage windows opened from now on (60 to 86400 s; the meter keeps
+    /// the length it has when not given; the default is 3600). Give every worker the same value.
+    #[arg(long, env = "COMPUTE_USAGE_WINDOW_SECONDS")]
+    pub usage_window_seconds: Option<i32>,
     /// Former keys, comma-separated, still accepted during a rotation.
     #[arg(long, env = "COMPUTE_SECRETS_OLD_KEYS", hide_env_values = true)]
     pub secrets_old_keys: Option<String>,
@@ -191,6 +198,8 @@ pub async fn main() -> ExitCode {
         queue_idle: Duration::from_millis(200),
         metrics: Some(registry.clone()),
         webhooks_allow_private: args.webhooks_allow_private,
+        usage_every: Duration::from_secs_f64(args.usage_every_seconds.max(0.05)),
+        usage_window_seconds: args.usage_window_seconds,
     };
     tracing::info!(listen = %args.listen, "worker /healthz and /metrics");
     let server = axum::serve(listener, crate::http::router(registry));

@@ -10,6 +10,8 @@
 //!
 //! Each request: `POST <url>` with the event as JSON (`id`, `type`, `tenantId`, `subject`,
 //! `time`, `data`), and the headers `Compute-Event-Id`, `Compute-Event-Type`,
+//! `Idempotency-Key` (what a receiver deduplicates on: a usage record's key
+//! `cmp:<allocationId>:<windowStart>…` for `usage.*` events, the event id for every other),
 //! `Compute-Timestamp` (seconds since the epoch) and `Compute-Signature: v1=<hex>`, the
 //! HMAC-SHA256 of `<timestamp>.<body>` under the sink's secret. A 2xx answer is a delivery.
 
@@ -375,6 +377,17 @@ async fn deliver_batch(
     Ok(Ok(delivered as usize))
 }
 
+/// What a receiver deduplicates `event` on: a usage record's key (billing systems key on the
+/// window, which one record describes however often it is delivered), else the event's id.
+pub fn idempotency_key(event: &Event) -> &str {
+    event
+        .event_type
+        .starts_with("usage.")
+        .then(|| event.data["usage"]["key"].as_str())
+        .flatten()
+        .unwrap_or(event.id.as_str())
+}
+
 async fn post(http: &Webhooks, url: &str, secret: &str, event: &Event) -> Result<(), String> {
     let target = reqwest::Url::parse(url).map_err(|_| crate::egress::UNREACHABLE.to_owned())?;
     if let Some(why) = crate::egress::refusal(&target, http.allow_private) {
@@ -388,6 +401,7 @@ async fn post(http: &Webhooks, url: &str, secret: &str, event: &Event) -> Result
         .header("Content-Type", "application/json")
         .header("Compute-Event-Id", event.id.as_str())
         .header("Compute-Event-Type", &event.event_type)
+        .header("Idempotency-Key", idempotency_key(event))
         .header("Compute-Timestamp", timestamp.to_string())
         .header("Compute-Signature", signature(secret, timestamp, &body))
         .body(body)

@@ -172,3 +172,66 @@ async fn renew(
         }
     }
 }
+
+/// A singleton lease held pass by pass: acquired or renewed at the start of each pass (the
+/// reconcilers' way, for work that runs in short passes rather than under [`HeldLease::bound`]).
+/// Logs when it is gained and lost.
+#[derive(Debug, Clone)]
+pub struct PassLease {
+    db: Db,
+    name: &'static str,
+    owner: String,
+    fence: Option<Fence>,
+}
+
+impl PassLease {
+    /// The lease `name` for `owner`, not held yet.
+    pub fn new(db: Db, name: &'static str, owner: impl Into<String>) -> PassLease {
+        PassLease {
+            db,
+            name,
+            owner: owner.into(),
+            fence: None,
+        }
+    }
+
+    /// Acquires or renews the lease; the fence when this process holds it.
+    pub async fn keep(&mut self) -> compute_domain::Result<Option<Fence>> {
+        let fence = match &self.fence {
+            Some(f) if leases::renew(&self.db, f, TTL).await? => Some(f.clone()),
+            _ => leases::acquire(&self.db, self.name, &self.owner, TTL).await?,
+        };
+        match (&self.fence, &fence) {
+            (None, Some(f)) => info!(
+                lease.name = self.name,
+                lease.epoch = f.epoch,
+                "lease acquired"
+            ),
+            (Some(f), None) => warn!(
+                lease.name = self.name,
+                lease.epoch = f.epoch,
+                "lease lost; work stops"
+            ),
+            _ => {}
+        }
+        self.fence = fence;
+        Ok(self.fence.clone())
+    }
+
+    /// The database the lease lives in (unfenced).
+    pub fn db(&self) -> &Db {
+        &self.db
+    }
+
+    /// Whether the lease was held at the last [`PassLease::keep`].
+    pub fn is_held(&self) -> bool {
+        self.fence.is_some()
+    }
+
+    /// Gives the lease up (on shutdown).
+    pub async fn release(&mut self) {
+        if let Some(f) = self.fence.take() {
+            let _ = leases::release(&self.db, &f).await;
+        }
+    }
+}

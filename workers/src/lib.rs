@@ -5,6 +5,8 @@
 //!   shard leases `shard:<kind>:<n>` and runs the reconcilers of the keys enqueued in them:
 //!   `reservation` (start, expire, retry one reservation) and `pool_capacity` (keep one pool's
 //!   rollup true).
+//! - [`usage::UsageMeter`]: under `singleton:usage`, closes usage windows for billing and
+//!   checks reservation changes against them (`docs/usage.md`).
 //! - [`Reconciler`]: under `singleton:reservations`, the resync: every pass looks for any
 //!   reservation whose time has come however it was missed (a lost queue row only costs time),
 //!   every 5 minutes it enqueues every pool for its rollup check, and hourly it prunes
@@ -29,12 +31,13 @@ pub mod egress;
 pub mod http;
 pub mod lease;
 pub mod queue;
+pub mod usage;
 
 use std::future::Future;
 use std::time::Duration;
 
 use compute_domain::db::Db;
-use compute_domain::leases::{self, Fence, RENEW_EVERY, TTL};
+use compute_domain::leases::RENEW_EVERY;
 use compute_domain::reservations::reconcile;
 use compute_domain::{Result, idempotency};
 use tracing::{info, warn};
@@ -97,9 +100,7 @@ pub struct Pass {
 /// The reservation reconciler of one process.
 #[derive(Debug, Clone)]
 pub struct Reconciler {
-    db: Db,
-    owner: String,
-    fence: Option<Fence>,
+    lease: lease::PassLease,
     last_rollup_resync: Option<tokio::time::Instant>,
 }
 
@@ -107,48 +108,25 @@ impl Reconciler {
     /// A reconciler for this process; `owner` names it in the lease (host and pid, say).
     pub fn new(db: Db, owner: impl Into<String>) -> Self {
         Reconciler {
-            db,
-            owner: owner.into(),
-            fence: None,
+            lease: lease::PassLease::new(db, RESERVATIONS_LEASE, owner),
             last_rollup_resync: None,
         }
     }
 
     /// Acquires or renews the lease; returns whether this process holds it.
     pub async fn keep_lease(&mut self) -> Result<bool> {
-        let fence = match &self.fence {
-            Some(f) if leases::renew(&self.db, f, TTL).await? => Some(f.clone()),
-            _ => leases::acquire(&self.db, RESERVATIONS_LEASE, &self.owner, TTL).await?,
-        };
-        match (&self.fence, &fence) {
-            (None, Some(f)) => info!(
-                lease.name = RESERVATIONS_LEASE,
-                lease.epoch = f.epoch,
-                "lease acquired"
-            ),
-            (Some(f), None) => warn!(
-                lease.name = RESERVATIONS_LEASE,
-                lease.epoch = f.epoch,
-                "lease lost; work stops"
-            ),
-            _ => {}
-        }
-        self.fence = fence;
-        Ok(self.fence.is_some())
+        Ok(self.lease.keep().await?.is_some())
     }
 
     /// One pass: if this process holds the lease, retry pending reservations, start and expire
     /// them, fail those on lost nodes.
     pub async fn pass(&mut self) -> Result<Pass> {
-        if !self.keep_lease().await? {
-            return Ok(Pass::default());
-        }
         // Every transaction of the pass checks the lease first (`Db::fenced`): a reconciler
         // whose lease was taken mid-pass writes nothing more.
-        let Some(fence) = self.fence.clone() else {
+        let Some(fence) = self.lease.keep().await? else {
             return Ok(Pass::default());
         };
-        let db = self.db.fenced(&fence);
+        let db = self.lease.db().fenced(&fence);
         if self
             .last_rollup_resync
             .is_none_or(|t| t.elapsed() >= ROLLUP_RESYNC_EVERY)
@@ -186,9 +164,7 @@ impl Reconciler {
 
     /// Gives the lease up (on shutdown).
     pub async fn release(&mut self) {
-        if let Some(f) = self.fence.take() {
-            let _ = leases::release(&self.db, &f).await;
-        }
+        self.lease.release().await;
     }
 
     /// Runs passes every `every` until `stop` resolves; prunes idempotency keys and outbox
@@ -224,13 +200,14 @@ impl Reconciler {
                         Ok(_) => {}
                         Err(e) => warn!(error = %e, "reconciler pass failed"),
                     }
-                    if self.fence.is_some() && last_prune.elapsed() > Duration::from_secs(3600) {
+                    if self.lease.is_held() && last_prune.elapsed() > Duration::from_secs(3600) {
                         last_prune = tokio::time::Instant::now();
-                        match idempotency::prune(&self.db, idempotency::RETENTION_HOURS).await {
+                        let db = self.lease.db();
+                        match idempotency::prune(db, idempotency::RETENTION_HOURS).await {
                             Ok(n) => info!(idempotency.pruned = n, "idempotency keys pruned"),
                             Err(e) => warn!(error = %e, "pruning idempotency keys failed"),
                         }
-                        match compute_domain::sinks::prune_outbox(&self.db, compute_domain::outbox::RETENTION, HARD_MAX_AGE).await {
+                        match compute_domain::sinks::prune_outbox(db, compute_domain::outbox::RETENTION, HARD_MAX_AGE).await {
                             Ok(n) => info!(outbox.pruned = n, "outbox events past the retention window pruned"),
                             Err(e) => warn!(error = %e, "pruning the outbox failed"),
                         }
@@ -257,6 +234,10 @@ pub struct Options {
     pub metrics: Option<compute_domain::metrics::Registry>,
     /// Whether webhooks may target private, loopback and link-local addresses ([`egress`]).
     pub webhooks_allow_private: bool,
+    /// How often the usage meter looks for due windows.
+    pub usage_every: Duration,
+    /// The usage window length to set at start-up (the meter keeps its own otherwise).
+    pub usage_window_seconds: Option<i32>,
 }
 
 /// The counters of one worker process, for its `/metrics`.
@@ -339,6 +320,20 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
         tasks.push(tokio::spawn(
             Reconciler::new(db.clone(), options.owner.clone())
                 .run(options.resync_every, stopped(stop_rx.clone())),
+        ));
+        if let Some(seconds) = options.usage_window_seconds {
+            match compute_domain::usage::set_window(&db, seconds).await {
+                Ok(true) => info!(
+                    usage.window_seconds = seconds,
+                    "usage windows opened from now on last {seconds} s"
+                ),
+                Ok(false) => {}
+                Err(e) => warn!(error = %e, "the usage window length was not changed"),
+            }
+        }
+        tasks.push(tokio::spawn(
+            usage::UsageMeter::new(db.clone(), options.owner.clone())
+                .run(options.usage_every, stopped(stop_rx.clone())),
         ));
     }
     if outbox {

@@ -24,6 +24,7 @@ pub mod loaders;
 pub mod node;
 pub mod reservations;
 pub mod sinks;
+pub mod usage;
 
 pub use context::{
     GqlError, GqlResult, ReplayFlag, actor, db, gql_error, require_operator, viewer,
@@ -42,6 +43,7 @@ pub struct Query(
     sinks::SinkQuery,
     commands::CommandQuery,
     instances::InstanceQuery,
+    usage::UsageQuery,
 );
 
 /// The root of every mutation.

@@ -10,7 +10,7 @@ use chrono::{Duration, Utc};
 use compute_domain::actor::Actor;
 use compute_domain::events::{
     CommandPayload, DevicePayload, EventSinkPayload, EventType, Family, InstancePayload,
-    NodePayload, PoolPayload, QuotaPayload, ReservationPayload, SitePayload,
+    NodePayload, PoolPayload, QuotaPayload, ReservationPayload, SitePayload, UsagePayload,
 };
 use compute_domain::fleet::commands::{
     self as fleet, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
@@ -97,6 +97,7 @@ fn read_back(t: EventType, data: &Value) -> Result<(), String> {
         Family::EventSink => serde_json::from_value::<EventSinkPayload>(data.clone()).map(|_| ()),
         Family::Command => serde_json::from_value::<CommandPayload>(data.clone()).map(|_| ()),
         Family::Instance => serde_json::from_value::<InstancePayload>(data.clone()).map(|_| ()),
+        Family::Usage => serde_json::from_value::<UsagePayload>(data.clone()).map(|_| ()),
     };
     ok.map_err(|e| format!("{t}: {e}: {data}"))
 }
@@ -570,6 +571,35 @@ async fn every_event_payload_keeps_its_documented_shape() {
     compute_domain::sessions::liveness_pass(db)
         .await
         .expect("lost");
+
+    // Usage: the windows the scenario's bookings held are closed (usage.window_closed); then a
+    // booking inside a closed window is corrected in SQL and announced as a reservation change,
+    // as a late change would be, and the meter's check adjusts the window (usage.window_adjusted).
+    t.advance_clock(2 * 3600).await;
+    let pass = compute_domain::usage::meter_pass(db, 1000)
+        .await
+        .expect("the meter closes the windows");
+    assert!(pass.records > 0, "{pass:?}");
+    sqlx::query(
+        "WITH one AS (SELECT b.id, a.reservation_id FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id
+                       JOIN usage_records u ON u.allocation_id = a.id AND u.seq = 0
+                      WHERE upper(b.during) - lower(b.during) > interval '2 minutes' ORDER BY b.id LIMIT 1),
+              cut AS (UPDATE device_bookings b SET during = tstzrange(lower(b.during), lower(b.during) + interval '1 minute')
+                        FROM one WHERE b.id = one.id RETURNING one.reservation_id)
+         SELECT compute_emit('reservation.' || r.state, r.tenant_id, r.id, compute_reservation_payload(r.id))
+           FROM reservations r JOIN cut ON cut.reservation_id = r.id",
+    )
+    .execute(db.pool())
+    .await
+    .expect("a correction inside a closed window");
+    let pass = compute_domain::usage::settle(
+        db,
+        std::time::Duration::from_millis(20),
+        std::time::Duration::from_secs(30),
+    )
+    .await
+    .expect("the meter adjusts");
+    assert!(pass.checked > 0, "{pass:?}");
 
     // Every type was written; each reads back as its public type; shapes match the snapshot.
     let rows: Vec<(String, Value)> =

@@ -23,5 +23,6 @@ mod statements;
 mod subscriptions;
 mod torture;
 mod transactions;
+mod usage;
 mod websocket;
 mod workers;

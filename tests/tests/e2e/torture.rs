@@ -252,6 +252,11 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
     db.use_sim_clock(T0).await;
     let app = spawn_app_on(db).await;
     let (pool, nodes, devices) = build_fleet(&app).await;
+    // The usage meter runs beside the clients with one-minute windows, so windows close while
+    // reservations start, grow and end around them.
+    compute_domain::usage::set_window(&app.db.db, 60)
+        .await
+        .expect("usage windows of a minute");
     let url = app.url("/graphql");
     let op_token = app.operator();
     let tokens: Vec<String> = TENANTS.iter().map(|t| app.member(t)).collect();
@@ -528,6 +533,12 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                     )
                     .await,
                 ),
+                (
+                    "usage meter",
+                    compute_domain::usage::meter_pass(db, 100)
+                        .await
+                        .map(|p| p.records + p.checked),
+                ),
             ];
             let (mismatched,): (i64,) = sqlx::query_as(ROLLUP_MISMATCHES)
                 .fetch_one(db.pool())
@@ -587,6 +598,13 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
     tally
         .violations
         .extend(broken.into_iter().map(|b| format!("invariant broken: {b}")));
+    let (checks, broken) = check_usage(&app).await;
+    for (what, n) in checks {
+        tally.checked(&what, n);
+    }
+    tally
+        .violations
+        .extend(broken.into_iter().map(|b| format!("usage: {b}")));
     let total: u64 = tally
         .counts
         .iter()
@@ -657,6 +675,86 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
             > 0,
         "{report}"
     );
+}
+
+/// After the run: time moves past every booking's end, the meter closes every window, and then,
+/// in SQL of the check's own, every allocation's billed seconds equal its booked time exactly,
+/// no window is billed twice for one allocation, and each record has its one event.
+async fn check_usage(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>) {
+    let db = &app.db.db;
+    let (last_end,): (Option<f64>,) = sqlx::query_as(
+        "SELECT extract(epoch FROM max(upper(during)) - compute_now())::float8 FROM device_bookings WHERE allocation_id IS NOT NULL",
+    )
+    .fetch_one(db.pool())
+    .await
+    .expect("last booking");
+    app.db
+        .advance_clock(last_end.unwrap_or(0.0).max(0.0) as i64 + 180)
+        .await;
+    let settled = compute_domain::usage::settle(
+        db,
+        std::time::Duration::from_millis(20),
+        std::time::Duration::from_secs(120),
+    )
+    .await
+    .expect("the meter catches up");
+    assert!(
+        !settled.more,
+        "the meter caught up within 120 s: {settled:?}"
+    );
+    let mut broken = Vec::new();
+    let wrong: Vec<(String, String, String)> = sqlx::query_as(
+        "WITH booked AS (SELECT allocation_id, sum(extract(epoch FROM upper(during) - lower(during))) / count(*) AS s
+                           FROM device_bookings WHERE allocation_id IS NOT NULL GROUP BY 1),
+              billed AS (SELECT allocation_id, sum(booked_seconds) AS s FROM usage_records GROUP BY 1)
+         SELECT coalesce(k.allocation_id, b.allocation_id), coalesce(b.s, 0)::text, coalesce(k.s, 0)::text
+           FROM booked k FULL JOIN billed b USING (allocation_id)
+          WHERE coalesce(b.s, 0) <> coalesce(k.s, 0)",
+    )
+    .fetch_all(db.pool())
+    .await
+    .expect("billed against booked");
+    for (a, billed, booked) in &wrong {
+        broken.push(format!("{a} billed {billed} s, booked {booked} s"));
+    }
+    let (allocations, records, adjustments, windows, doubled, events): (i64, i64, i64, i64, i64, i64) =
+        sqlx::query_as(
+            "SELECT (SELECT count(DISTINCT allocation_id) FROM usage_records),
+                    (SELECT count(*) FROM usage_records),
+                    (SELECT count(*) FROM usage_records WHERE kind = 'adjustment'),
+                    (SELECT count(*) FROM usage_periods WHERE closed),
+                    (SELECT count(*) - count(DISTINCT (allocation_id, window_start)) FROM usage_records WHERE kind = 'window'),
+                    (SELECT count(DISTINCT data->'usage'->>'key') FROM outbox WHERE type LIKE 'usage.%')",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("usage counts");
+    if doubled != 0 {
+        broken.push(format!("{doubled} windows billed twice for one allocation"));
+    }
+    if events != records {
+        broken.push(format!("{records} records but {events} usage events"));
+    }
+    if allocations == 0 {
+        broken.push("nothing was billed".into());
+    }
+    (
+        vec![
+            (
+                format!(
+                    "usage: allocations billed exactly their booked seconds (of {allocations})"
+                ),
+                (allocations as u64).saturating_sub(wrong.len() as u64),
+            ),
+            ("usage: one-minute windows closed".into(), windows as u64),
+            (
+                "usage: records (adjustments among them)".into(),
+                records as u64,
+            ),
+            ("usage: adjustments".into(), adjustments as u64),
+        ],
+        broken,
+    )
 }
 
 /// Every invariant, in SQL written for the check, not borrowed from the code under test. Returns

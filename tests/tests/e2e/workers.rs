@@ -471,8 +471,16 @@ async fn receive(
         Some(h("compute-event-id").as_str()),
         "the id header is the event's id"
     );
-    if h("compute-event-type") == "test.tick" {
-        r.got.lock().expect("got").push(h("compute-event-id"));
+    // Receivers deduplicate on Idempotency-Key: a usage record's key, else the event's id.
+    let usage = h("compute-event-type").starts_with("usage.");
+    let key = if usage {
+        v["data"]["usage"]["key"].as_str().unwrap_or("").to_owned()
+    } else {
+        h("compute-event-id")
+    };
+    assert_eq!(h("idempotency-key"), key, "the idempotency key header");
+    if h("compute-event-type") == "test.tick" || usage {
+        r.got.lock().expect("got").push(key);
     }
     axum::http::StatusCode::NO_CONTENT
 }
@@ -1055,6 +1063,50 @@ async fn deliver_until(db: compute_domain::db::Db, owner: &str, receiver: &Recei
     .unwrap_or_else(|_| panic!("{owner} delivers {n} ticks"));
     let _ = stop.send(());
     running.await.expect("the dispatcher stops");
+}
+
+/// Billing receives each closed usage window through a webhook sink, with the window's key as the
+/// idempotency key to deduplicate on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_windows_reach_a_billing_webhook_keyed_by_their_window() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T09:20:00Z").await;
+    let p = crate::reservations::pool(&app).await;
+    let (receiver, url) = start_receiver(Duration::ZERO).await;
+    let acme = app.member("acme");
+    let d = app
+        .ok(
+            &acme,
+            CREATE_SINK,
+            json!({ "i": { "url": url, "types": ["usage.window_closed", "usage.window_adjusted"] } }),
+        )
+        .await;
+    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    app.ok(
+        &acme,
+        crate::reservations::CREATE,
+        json!({ "i": { "poolId": p.pool, "endsAt": "2031-01-01T11:20:00Z",
+                       "allocations": [{ "gpuCount": 1 }], "idempotencyKey": "bill" } }),
+    )
+    .await;
+    app.db.advance_clock(3 * 3600).await;
+    let pass = compute_domain::usage::settle(&app.db.db, Duration::from_millis(20), WAIT)
+        .await
+        .expect("the meter");
+    assert_eq!((pass.windows_closed, pass.records), (3, 3), "{pass:?}");
+    deliver_until(app.db.db.clone(), "dispatcher-usage", &receiver, 3).await;
+    let mut got = receiver.got.lock().expect("got").clone();
+    got.sort();
+    let mut keys: Vec<String> = sqlx::query_scalar("SELECT key FROM usage_records")
+        .fetch_all(app.db.db.pool())
+        .await
+        .expect("keys");
+    keys.sort();
+    assert_eq!(got, keys, "each window's record, keyed by its window");
+    assert!(keys.iter().all(|k| k.starts_with("cmp:alc_")), "{keys:?}");
 }
 
 #[tokio::test]

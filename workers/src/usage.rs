@@ -1,0 +1,108 @@
+//! The usage meter (`--role reconcile`): closes usage windows and checks reservation changes
+//! against them, under `singleton:usage` (`compute_domain::usage`, `docs/usage.md`).
+//!
+//! A pass keeps the lease, then runs the meter's transactions, each fenced, in slices of
+//! [`SLICE`] transactions with the lease renewed between slices, until nothing is due: a worker
+//! catching up after an outage works through the missed windows in order in one pass, logging
+//! its progress. A pass cut short (a kill, a lost lease) loses at most the transaction in flight,
+//! which rolls back; the next holder goes on from the meter's row.
+
+use std::future::Future;
+use std::time::Duration;
+
+use compute_domain::Result;
+use compute_domain::db::Db;
+use compute_domain::usage::{self, MeterPass};
+use tracing::{info, warn};
+
+use crate::lease::PassLease;
+
+/// The lease the meter runs under.
+pub const USAGE_LEASE: &str = "singleton:usage";
+
+/// How often the meter looks for due windows by default.
+pub const USAGE_EVERY: Duration = Duration::from_secs(10);
+
+/// Transactions run between two renewals of the lease.
+pub const SLICE: u64 = 50;
+
+/// The usage meter of one process.
+#[derive(Debug, Clone)]
+pub struct UsageMeter {
+    lease: PassLease,
+}
+
+impl UsageMeter {
+    /// A meter for this process; `owner` names it in the lease.
+    pub fn new(db: Db, owner: impl Into<String>) -> UsageMeter {
+        UsageMeter {
+            lease: PassLease::new(db, USAGE_LEASE, owner),
+        }
+    }
+
+    /// One pass: if this process holds the lease, everything due, in order. Returns what it did
+    /// (all zero when another process holds the lease).
+    pub async fn pass(&mut self) -> Result<MeterPass> {
+        let mut total = MeterPass::default();
+        loop {
+            let Some(fence) = self.lease.keep().await? else {
+                return Ok(total);
+            };
+            let db = self.lease.db().fenced(&fence);
+            let slice = usage::meter_pass(&db, SLICE).await?;
+            total.windows_closed += slice.windows_closed;
+            total.records += slice.records;
+            total.checked += slice.checked;
+            total.batches += slice.batches;
+            if !slice.more {
+                return Ok(total);
+            }
+            if let Ok(m) = usage::meter(self.lease.db()).await {
+                info!(
+                    usage.windows_closed = total.windows_closed,
+                    usage.records = total.records,
+                    usage.closed_through = ?m.closed_through,
+                    "usage meter catching up"
+                );
+            }
+        }
+    }
+
+    /// Gives the lease up (on shutdown).
+    pub async fn release(&mut self) {
+        self.lease.release().await;
+    }
+
+    /// Runs passes every `every` until `stop` resolves. A pass that fails is logged and the loop
+    /// goes on.
+    pub async fn run(mut self, every: Duration, stop: impl Future<Output = ()>) {
+        tokio::pin!(stop);
+        let mut ticker = tokio::time::interval(every);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = &mut stop => {
+                    self.release().await;
+                    info!("usage meter stopped");
+                    return;
+                }
+                _ = ticker.tick() => {
+                    let pass = tokio::select! {
+                        () = &mut stop => { self.release().await; return; }
+                        pass = self.pass() => pass,
+                    };
+                    match pass {
+                        Ok(p) if p.windows_closed + p.records + p.checked > 0 => info!(
+                            usage.windows_closed = p.windows_closed,
+                            usage.records = p.records,
+                            usage.checked = p.checked,
+                            "usage meter pass"
+                        ),
+                        Ok(_) => {}
+                        Err(e) => warn!(error = %e, "usage meter pass failed"),
+                    }
+                }
+            }
+        }
+    }
+}
