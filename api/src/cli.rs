@@ -258,12 +258,86 @@ pub struct ServeArgs {
     pub secrets: SecretsArgs,
     #[command(flatten)]
     pub gateway: GatewayArgs,
+    #[command(flatten)]
+    pub frontends: FrontendArgs,
     /// Apply pending migrations at start. Without it, `serve` on DATABASE_URL expects them
     /// applied (`compute-api migrate`, as the schema's owner) and refuses to start otherwise, so
     /// it can run as a role that cannot change the schema. The embedded database is always
     /// migrated.
     #[arg(long, env = "COMPUTE_MIGRATE")]
     pub migrate: bool,
+}
+
+/// What browser frontends need (`docs/frontends.md`): CORS and persisted operations.
+#[derive(Debug, Args)]
+pub struct FrontendArgs {
+    /// A browser origin allowed to call the API (CORS), such as `https://console.example.com`;
+    /// repeat it (or separate with commas) for several. None by default: no browser page on
+    /// another origin may call the API.
+    #[arg(
+        long = "cors-origin",
+        env = "COMPUTE_CORS_ORIGINS",
+        value_delimiter = ','
+    )]
+    pub cors_origins: Vec<String>,
+    /// A manifest of persisted operations (Apollo's persisted query manifest, or a JSON object
+    /// of SHA-256 → document): clients may send a hash instead of a document.
+    #[arg(long, env = "COMPUTE_PERSISTED_MANIFEST")]
+    pub persisted_manifest: Option<PathBuf>,
+    /// Run only the manifest's operations (trusted documents): any other document is refused
+    /// with `PERSISTED_QUERY_REQUIRED`, and automatic persisted queries register nothing.
+    #[arg(long, env = "COMPUTE_PERSISTED_ONLY", requires = "persisted_manifest")]
+    pub persisted_only: bool,
+}
+
+impl FrontendArgs {
+    /// The persisted documents and the allowed origins, checked.
+    pub fn load(&self) -> Result<(crate::persisted::Persisted, Vec<axum::http::HeaderValue>)> {
+        let persisted = match &self.persisted_manifest {
+            None => crate::persisted::Persisted::automatic(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    Error::bad_input(
+                        "persisted-manifest",
+                        format!("cannot read {}: {e}", path.display()),
+                    )
+                })?;
+                let p = crate::persisted::Persisted::from_manifest(&text, self.persisted_only)
+                    .map_err(|why| {
+                        Error::bad_input("persisted-manifest", format!("{}: {why}", path.display()))
+                    })?;
+                info!(
+                    manifest = %path.display(),
+                    operations = p.manifest_len(),
+                    persisted_only = p.only(),
+                    "persisted operations loaded"
+                );
+                p
+            }
+        };
+        Ok((persisted, cors_origins(&self.cors_origins)?))
+    }
+}
+
+/// Origins as CORS compares them: `scheme://host[:port]`, nothing else.
+fn cors_origins(origins: &[String]) -> Result<Vec<axum::http::HeaderValue>> {
+    origins
+        .iter()
+        .map(|o| o.trim().trim_end_matches('/'))
+        .filter(|o| !o.is_empty())
+        .map(|o| {
+            let ok = (o.starts_with("https://") || o.starts_with("http://"))
+                && !o["http://".len()..].contains('/');
+            if !ok {
+                return Err(Error::bad_input(
+                    "cors-origin",
+                    format!("`{o}` is not an origin: give scheme://host[:port], such as https://console.example.com"),
+                ));
+            }
+            axum::http::HeaderValue::from_str(o)
+                .map_err(|_| Error::bad_input("cors-origin", format!("`{o}` is not an origin")))
+        })
+        .collect()
 }
 
 /// The published limits (`docs/security.md`); each flag's default is `Limits::default()`'s.
@@ -550,6 +624,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     } else {
         info!(listen = %args.listen, gateway = %gateway.id, "serving GraphQL at /graphql and the node-daemon gateway at /agent");
     }
+    let (persisted, cors) = args.frontends.load()?;
     let registry = compute_domain::metrics::Registry::default();
     db.register_metrics(&registry);
     Server::with_limits(
@@ -561,6 +636,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     )
     .await?
     .with_gateway(gateway, args.gateway.gateway_only)
+    .with_frontends(persisted, cors)
     .run(listener, shutdown_signal())
     .await
     .map_err(Error::internal)?;
@@ -612,13 +688,22 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     // One registry for the process: the API's metrics, the workers' and the transactions'.
     let registry = compute_domain::metrics::Registry::default();
     db.register_metrics(&registry);
+    // `dev` serves pages of its own origin, which browsers may call it from.
+    let own = [
+        format!("http://{addr}"),
+        format!("http://localhost:{}", addr.port()),
+    ];
     let server = Server::with_registry(
         db.clone(),
         verifier,
         crate::tailer::StreamConfig::default(),
         registry.clone(),
     )
-    .await?;
+    .await?
+    .with_frontends(
+        crate::persisted::Persisted::automatic(),
+        cors_origins(&own)?,
+    );
     let pg = database.embedded.as_ref();
     let mut out = std::io::stdout().lock();
     let _ = writeln!(

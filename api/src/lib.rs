@@ -16,6 +16,7 @@ pub mod graph;
 pub mod limits;
 pub mod metrics;
 pub mod ops;
+pub mod persisted;
 pub mod server;
 pub mod state;
 pub mod tailer;

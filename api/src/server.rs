@@ -43,6 +43,28 @@ pub fn router(app: AppState) -> Router {
             )
             .route("/usage.csv", get(crate::transport::csv::get))
     };
+    // Browsers may call the API from the allowed origins only (none by default): a preflight is
+    // answered, and the answers carry `Access-Control-Allow-Origin` for those origins. Bearer
+    // tokens travel in a header, never in cookies, so credentials are not allowed.
+    let api = if app.cors_origins.is_empty() {
+        api
+    } else {
+        use axum::http::{Method, header};
+        api.layer(
+            tower_http::cors::CorsLayer::new()
+                .allow_origin(tower_http::cors::AllowOrigin::list(
+                    app.cors_origins.iter().cloned(),
+                ))
+                .allow_methods([Method::GET, Method::POST])
+                .allow_headers([
+                    header::AUTHORIZATION,
+                    header::CONTENT_TYPE,
+                    header::ACCEPT,
+                    header::HeaderName::from_static("last-event-id"),
+                ])
+                .max_age(Duration::from_secs(600)),
+        )
+    };
     api.route("/agent", get(crate::transport::agent::get))
         .route("/healthz", get(crate::ops::health::healthz))
         .route("/readyz", get(crate::ops::health::readyz))
@@ -208,9 +230,25 @@ impl Server {
             verifier,
             metrics,
             registry,
+            persisted: Arc::new(crate::persisted::Persisted::automatic()),
+            cors_origins: Vec::new(),
             shutdown,
         });
         Ok(Server { app, shutdown_tx })
+    }
+
+    /// This server with the persisted documents of `persisted` (a manifest, `--persisted-only`)
+    /// and the browser origins of `cors_origins` allowed (CORS).
+    pub fn with_frontends(
+        mut self,
+        persisted: crate::persisted::Persisted,
+        cors_origins: Vec<axum::http::HeaderValue>,
+    ) -> Server {
+        self.app.configure(|inner| {
+            inner.persisted = Arc::new(persisted);
+            inner.cors_origins = cors_origins;
+        });
+        self
     }
 
     /// This server with a gateway of `config`, serving only `/agent` (and `/healthz`, `/readyz`,

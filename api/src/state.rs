@@ -36,6 +36,10 @@ pub struct Inner {
     pub gateway: crate::gateway::Gateway,
     /// Serve `/agent` and the operational endpoints only (`serve --gateway-only`).
     pub gateway_only: bool,
+    /// The documents known by hash: APQ, and the manifest of `--persisted-only`.
+    pub persisted: std::sync::Arc<crate::persisted::Persisted>,
+    /// The origins allowed to call the API from a browser (CORS); none by default.
+    pub cors_origins: Vec<axum::http::HeaderValue>,
     /// Turns `true` when the server begins to shut down.
     pub shutdown: watch::Receiver<bool>,
 }

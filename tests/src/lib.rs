@@ -600,6 +600,25 @@ pub async fn spawn_app_with_limits(limits: compute_api::limits::Limits) -> TestA
     .await
 }
 
+/// Starts the API on a fresh database with persisted operations `persisted` and the browser
+/// origins `cors` allowed.
+pub async fn spawn_app_for_frontends(
+    persisted: compute_api::persisted::Persisted,
+    cors: &[&str],
+) -> TestApp {
+    let origins = cors
+        .iter()
+        .map(|o| axum::http::HeaderValue::from_str(o).expect("an origin"))
+        .collect();
+    start_app_configured(
+        Arc::new(test_db().await),
+        compute_api::tailer::StreamConfig::default(),
+        compute_api::limits::Limits::default(),
+        |s| s.with_frontends(persisted, origins),
+    )
+    .await
+}
+
 /// A second API process (as far as the database can tell) on the database of `other`.
 pub async fn spawn_app_sharing(other: &TestApp) -> TestApp {
     start_app(
@@ -615,6 +634,15 @@ async fn start_app(
     stream: compute_api::tailer::StreamConfig,
     limits: compute_api::limits::Limits,
 ) -> TestApp {
+    start_app_configured(db, stream, limits, |s| s).await
+}
+
+async fn start_app_configured(
+    db: Arc<TestDb>,
+    stream: compute_api::tailer::StreamConfig,
+    limits: compute_api::limits::Limits,
+    configure: impl FnOnce(Server) -> Server,
+) -> TestApp {
     init_logging();
     let jwt_offset = Arc::new(std::sync::atomic::AtomicI64::new(0));
     let offset = jwt_offset.clone();
@@ -629,9 +657,11 @@ async fn start_app(
     }));
     let registry = compute_domain::metrics::Registry::default();
     db.db.register_metrics(&registry);
-    let server = Server::with_limits(db.db.clone(), verifier, stream, limits, registry)
-        .await
-        .expect("server state");
+    let server = configure(
+        Server::with_limits(db.db.clone(), verifier, stream, limits, registry)
+            .await
+            .expect("server state"),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

@@ -51,6 +51,7 @@ const API_ROOMS: &[(&str, u8)] = &[
     ("auth", 0),
     ("tailer", 0),
     ("limits", 0),
+    ("persisted", 0),
     ("metrics", 1),
     ("graph", 1),
     ("gateway", 1),

@@ -3,7 +3,8 @@
 //! * `POST /graphql` takes `application/json` bodies; `GET /graphql` takes the parameters in the
 //!   query string and runs queries only (a mutation over GET is `405` with `Allow: POST`).
 //! * The response media type follows `Accept`: `application/graphql-response+json` (preferred
-//!   on a tie) or `application/json`; no `Accept` counts as `application/json`; neither
+//!   on a tie) or `application/json`; no `Accept`, and a wildcard (`*/*`, `application/*`), count
+//!   as `application/json`, which the specification asks of a server for legacy clients; neither
 //!   acceptable is `406`.
 //! * With `application/graphql-response+json`, a request error (the document does not parse or
 //!   validate, so there is no `data`) is `400`; with `application/json` it is `200`, as the
@@ -29,8 +30,8 @@ use tracing::Instrument;
 use crate::auth::Viewer;
 use crate::state::AppState;
 use crate::transport::{
-    BAD_REQUEST, GetParams, PARSE_FAILED, authenticate, has_json_body, operation_type, peer_of,
-    prepare, read_body, request_from_body, response_json, set_code,
+    BAD_REQUEST, GetParams, PARSE_FAILED, Refused, authenticate, has_json_body, operation_type,
+    peer_of, prepare, read_body, request_from_body, response_json, set_code,
 };
 
 /// The two response media types of the specification.
@@ -72,7 +73,8 @@ pub fn negotiate(accept: Option<&HeaderValue>) -> Option<MediaType> {
         let candidates: &[MediaType] = match essence.as_str() {
             "application/graphql-response+json" => &[MediaType::GraphqlResponseJson],
             "application/json" => &[MediaType::Json],
-            "*/*" | "application/*" => &[MediaType::GraphqlResponseJson],
+            // A client that takes anything is a legacy client: the specification's SHOULD.
+            "*/*" | "application/*" => &[MediaType::Json],
             _ => &[],
         };
         for &m in candidates {
@@ -106,6 +108,24 @@ fn error_response(status: StatusCode, media: MediaType, code: &str, message: &st
         body.to_string(),
     )
         .into_response()
+}
+
+/// A request refused before it parsed: a malformed one is `400` with `BAD_REQUEST`; a persisted
+/// query that cannot run is a GraphQL request error with its code (`400` with
+/// `application/graphql-response+json`, `200` with `application/json`, as for any request error).
+fn refusal(media: MediaType, refused: Refused) -> Response {
+    match refused {
+        Refused::Malformed(message) => {
+            error_response(StatusCode::BAD_REQUEST, media, BAD_REQUEST, &message)
+        }
+        Refused::Persisted(r) => {
+            let status = match media {
+                MediaType::GraphqlResponseJson => StatusCode::BAD_REQUEST,
+                MediaType::Json => StatusCode::OK,
+            };
+            error_response(status, media, r.code, &r.message)
+        }
+    }
 }
 
 fn unauthorized(media: MediaType, message: &str) -> Response {
@@ -152,11 +172,9 @@ pub async fn post(State(app): State<AppState>, req: Request) -> Response {
             "POST /graphql takes a JSON body: Content-Type: application/json",
         );
     }
-    let request = match request_from_body(&body) {
+    let request = match request_from_body(&app.persisted, &body) {
         Ok(r) => r,
-        Err(message) => {
-            return error_response(StatusCode::BAD_REQUEST, media, BAD_REQUEST, &message);
-        }
+        Err(refused) => return refusal(media, refused),
     };
     let viewer = match authenticate(&app, &headers) {
         Ok(v) => v,
@@ -198,12 +216,9 @@ pub async fn get(State(app): State<AppState>, req: Request) -> Response {
     let Some(media) = negotiate(parts.headers.get(header::ACCEPT)) else {
         return not_acceptable();
     };
-    let request = params.into_request();
-    let request = match request {
+    let request = match params.into_request(&app.persisted) {
         Ok(r) => r,
-        Err(message) => {
-            return error_response(StatusCode::BAD_REQUEST, media, BAD_REQUEST, &message);
-        }
+        Err(refused) => return refusal(media, refused),
     };
     let viewer = match authenticate(&app, &parts.headers) {
         Ok(v) => v,
@@ -344,7 +359,7 @@ mod tests {
     #[test]
     fn negotiation_follows_the_specification() {
         use MediaType::{GraphqlResponseJson as Gql, Json};
-        let table: [(Option<&str>, Option<MediaType>); 10] = [
+        let table: [(Option<&str>, Option<MediaType>); 12] = [
             (None, Some(Json)),
             (Some(""), Some(Json)),
             (Some("application/json"), Some(Json)),
@@ -361,7 +376,9 @@ mod tests {
                 Some("application/json, application/graphql-response+json"),
                 Some(Gql),
             ),
-            (Some("*/*"), Some(Gql)),
+            (Some("*/*"), Some(Json)),
+            (Some("application/*"), Some(Json)),
+            (Some("*/*, application/graphql-response+json"), Some(Gql)),
             (Some("text/html"), None),
             (Some("application/json;q=0"), None),
         ];

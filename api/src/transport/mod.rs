@@ -97,11 +97,30 @@ struct PostBody {
     extensions: Option<Value>,
 }
 
+/// Why a request cannot run before it is parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// Not a GraphQL request (`BAD_REQUEST`): a malformed body or field.
+    Malformed(String),
+    /// A GraphQL request whose persisted query cannot run: a request error with its code.
+    Persisted(crate::persisted::Refusal),
+}
+
+impl From<String> for Refused {
+    fn from(message: String) -> Refused {
+        Refused::Malformed(message)
+    }
+}
+
 /// The GraphQL request in a POST body, or why it is not one.
-pub fn request_from_body(body: &[u8]) -> Result<async_graphql::Request, String> {
+pub fn request_from_body(
+    persisted: &crate::persisted::Persisted,
+    body: &[u8],
+) -> Result<async_graphql::Request, Refused> {
     let body: PostBody = serde_json::from_slice(body)
         .map_err(|e| format!("the body is not a GraphQL request object: {e}"))?;
     build_request(
+        persisted,
         body.query,
         body.operation_name,
         body.variables,
@@ -128,7 +147,10 @@ impl GetParams {
     }
 
     /// The GraphQL request they hold (`variables` and `extensions` are JSON texts).
-    pub fn into_request(self) -> Result<async_graphql::Request, String> {
+    pub fn into_request(
+        self,
+        persisted: &crate::persisted::Persisted,
+    ) -> Result<async_graphql::Request, Refused> {
         let json = |name: &str, raw: Option<String>| -> Result<Option<Value>, String> {
             raw.map(|s| {
                 serde_json::from_str::<Value>(&s).map_err(|e| format!("`{name}` is not JSON: {e}"))
@@ -138,6 +160,7 @@ impl GetParams {
         let variables = json("variables", self.variables)?;
         let extensions = json("extensions", self.extensions)?;
         build_request(
+            persisted,
             self.query.map(Value::String),
             self.operation_name.map(Value::String),
             variables,
@@ -146,32 +169,51 @@ impl GetParams {
     }
 }
 
-/// A GraphQL request from its four fields, each checked for its JSON type.
+/// A GraphQL request from its four fields, each checked for its JSON type; a persisted query
+/// (`extensions.persistedQuery`) is resolved here, on every transport (`crate::persisted`).
 pub fn build_request(
+    persisted: &crate::persisted::Persisted,
     query: Option<Value>,
     operation_name: Option<Value>,
     variables: Option<Value>,
     extensions: Option<Value>,
-) -> Result<async_graphql::Request, String> {
+) -> Result<async_graphql::Request, Refused> {
     let query = match query {
-        Some(Value::String(q)) => q,
-        Some(_) => return Err("`query` must be a string".into()),
-        None => return Err("the request has no `query`".into()),
+        Some(Value::String(q)) => Some(q),
+        Some(Value::Null) | None => None,
+        Some(_) => return Err(Refused::Malformed("`query` must be a string".into())),
+    };
+    let extensions = match extensions {
+        Some(e @ Value::Object(_)) => Some(e),
+        Some(Value::Null) | None => None,
+        Some(_) => {
+            return Err(Refused::Malformed("`extensions` must be an object".into()));
+        }
+    };
+    let resolved = persisted
+        .resolve(query.as_deref(), extensions.as_ref())
+        .map_err(|e| match e {
+            crate::persisted::Unresolved::Malformed(why) => Refused::Malformed(why),
+            crate::persisted::Unresolved::Refused(r) => Refused::Persisted(r),
+        })?;
+    let query = match resolved {
+        Some(document) => document.to_string(),
+        None => query.ok_or_else(|| Refused::Malformed("the request has no `query`".into()))?,
     };
     let mut request = async_graphql::Request::new(query);
     match operation_name {
         Some(Value::String(name)) => request = request.operation_name(name),
         Some(Value::Null) | None => {}
-        Some(_) => return Err("`operationName` must be a string".into()),
+        Some(_) => {
+            return Err(Refused::Malformed(
+                "`operationName` must be a string".into(),
+            ));
+        }
     }
     match variables {
         Some(v @ Value::Object(_)) => request = request.variables(Variables::from_json(v)),
         Some(Value::Null) | None => {}
-        Some(_) => return Err("`variables` must be an object".into()),
-    }
-    match extensions {
-        Some(Value::Object(_)) | Some(Value::Null) | None => {}
-        Some(_) => return Err("`extensions` must be an object".into()),
+        Some(_) => return Err(Refused::Malformed("`variables` must be an object".into())),
     }
     Ok(request)
 }
@@ -289,6 +331,9 @@ pub fn static_code(code: Option<&str>) -> &'static str {
             BAD_REQUEST,
             crate::graph::door::LIMIT_EXCEEDED,
             crate::graph::door::TIMEOUT,
+            crate::persisted::NOT_FOUND,
+            crate::persisted::HASH_MISMATCH,
+            crate::persisted::REQUIRED,
         ])
         .find(|c| Some(*c) == code)
         .unwrap_or("OTHER")

@@ -66,7 +66,7 @@ pub async fn respond_to_post(
             "a POST takes a JSON body: Content-Type: application/json",
         );
     }
-    let request = crate::transport::request_from_body(body);
+    let request = crate::transport::request_from_body(&app.persisted, body);
     respond(app, peer, headers, request, false).await
 }
 
@@ -74,7 +74,9 @@ pub async fn respond_to_post(
 pub async fn get(State(app): State<AppState>, req: Request) -> Response {
     let (parts, _) = req.into_parts();
     let peer = crate::transport::peer_of(&parts.extensions);
-    let request = crate::transport::GetParams::from_uri(&parts.uri).and_then(|p| p.into_request());
+    let request = crate::transport::GetParams::from_uri(&parts.uri)
+        .map_err(crate::transport::Refused::Malformed)
+        .and_then(|p| p.into_request(&app.persisted));
     respond(app, peer, &parts.headers, request, true).await
 }
 
@@ -92,7 +94,7 @@ async fn respond(
     app: AppState,
     peer: Option<Peer>,
     headers: &HeaderMap,
-    request: Result<async_graphql::Request, String>,
+    request: Result<async_graphql::Request, crate::transport::Refused>,
     is_get: bool,
 ) -> Response {
     let viewer = match crate::transport::authenticate(&app, headers) {
@@ -107,7 +109,12 @@ async fn respond(
     };
     let mut request = match request {
         Ok(r) => r,
-        Err(message) => return failed(StatusCode::OK, BAD_REQUEST, &message),
+        Err(crate::transport::Refused::Malformed(message)) => {
+            return failed(StatusCode::OK, BAD_REQUEST, &message);
+        }
+        Err(crate::transport::Refused::Persisted(r)) => {
+            return failed(StatusCode::OK, r.code, &r.message);
+        }
     };
     match operation_type(&app, &mut request) {
         Err(e) => {

@@ -413,13 +413,24 @@ impl Conn {
                 }
             }
         }
-        let request = build_request(
+        let request = match build_request(
+            &self.app.persisted,
             payload.get("query").cloned(),
             payload.get("operationName").cloned(),
             payload.get("variables").cloned(),
             payload.get("extensions").cloned(),
-        )
-        .map_err(invalid)?;
+        ) {
+            Ok(r) => r,
+            Err(crate::transport::Refused::Malformed(why)) => return Err(invalid(why)),
+            // A persisted query that cannot run fails the operation, not the connection.
+            Err(crate::transport::Refused::Persisted(r)) => {
+                let errors = json!([{ "message": r.message, "extensions": { "code": r.code } }]);
+                return self
+                    .send_out(&id, Out::Error(errors))
+                    .await
+                    .map_err(|_| End::Gone);
+            }
+        };
         if self.ops.len() >= self.app.tailer.config().max_operations {
             let errors = json!([{
                 "message": format!("at most {} operations may run at once on one connection", self.app.tailer.config().max_operations),

@@ -9,6 +9,7 @@ mod crash;
 mod embedded;
 mod event_contract;
 mod fleet;
+mod frontends;
 mod graphql_http;
 mod health;
 mod hostile;

@@ -1,0 +1,318 @@
+//! What browser frontends need from the API, over the real transports: CORS with an allowlist
+//! (preflight, allowed and refused origins), automatic persisted queries over POST and GET (an
+//! unknown hash, a hash that is not its text's), and trusted documents (`--persisted-only`: a
+//! registered operation runs by hash or text, anything else is refused, over HTTP and WebSocket).
+
+use compute_api::persisted::{Persisted, sha256_hex};
+use compute_tests::{TestApp, spawn_app, spawn_app_for_frontends};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+const CONSOLE: &str = "https://console.example.com";
+
+async fn preflight(app: &TestApp, origin: &str) -> reqwest::Response {
+    app.http
+        .request(reqwest::Method::OPTIONS, app.url("/graphql"))
+        .header("Origin", origin)
+        .header("Access-Control-Request-Method", "POST")
+        .header(
+            "Access-Control-Request-Headers",
+            "authorization,content-type",
+        )
+        .send()
+        .await
+        .expect("preflight")
+}
+
+fn header(res: &reqwest::Response, name: &str) -> Option<String> {
+    res.headers()
+        .get(name)
+        .map(|v| v.to_str().expect("text").to_owned())
+}
+
+#[tokio::test]
+async fn cors_answers_the_listed_origins_only() {
+    let app = spawn_app_for_frontends(Persisted::automatic(), &[CONSOLE]).await;
+    let res = preflight(&app, CONSOLE).await;
+    assert!(res.status().is_success(), "{}", res.status());
+    assert_eq!(
+        header(&res, "access-control-allow-origin").as_deref(),
+        Some(CONSOLE)
+    );
+    let methods = header(&res, "access-control-allow-methods").unwrap_or_default();
+    assert!(
+        methods.contains("POST") && methods.contains("GET"),
+        "{methods}"
+    );
+    let headers = header(&res, "access-control-allow-headers")
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    assert!(
+        headers.contains("authorization") && headers.contains("content-type"),
+        "{headers}"
+    );
+    assert_eq!(
+        header(&res, "access-control-allow-credentials"),
+        None,
+        "bearer tokens, no cookies"
+    );
+    assert!(header(&res, "access-control-max-age").is_some());
+    assert!(
+        header(&res, "vary")
+            .unwrap_or_default()
+            .to_ascii_lowercase()
+            .contains("origin")
+    );
+
+    // Another origin's preflight gets no permission.
+    let res = preflight(&app, "https://evil.example.com").await;
+    assert_eq!(header(&res, "access-control-allow-origin"), None);
+
+    // The request itself: the allowed origin may read the answer; another may not.
+    for (origin, allowed) in [(CONSOLE, true), ("https://evil.example.com", false)] {
+        let res = app
+            .http
+            .post(app.url("/graphql"))
+            .header("Origin", origin)
+            .json(&json!({ "query": "{ __typename }" }))
+            .send()
+            .await
+            .expect("post");
+        assert_eq!(res.status(), 200);
+        assert_eq!(
+            header(&res, "access-control-allow-origin").is_some(),
+            allowed,
+            "{origin}"
+        );
+    }
+
+    // Without --cors-origin no origin is allowed.
+    let plain = spawn_app().await;
+    let res = preflight(&plain, CONSOLE).await;
+    assert_eq!(header(&res, "access-control-allow-origin"), None);
+}
+
+async fn post(app: &TestApp, accept: &str, body: Value) -> (u16, Value) {
+    let res = app
+        .http
+        .post(app.url("/graphql"))
+        .header("Accept", accept)
+        .bearer_auth(app.member("acme"))
+        .json(&body)
+        .send()
+        .await
+        .expect("post");
+    let status = res.status().as_u16();
+    (status, res.json().await.expect("json"))
+}
+
+fn persisted(hash: &str) -> Value {
+    json!({ "persistedQuery": { "version": 1, "sha256Hash": hash } })
+}
+
+#[tokio::test]
+async fn automatic_persisted_queries_over_post_and_get() {
+    let app = spawn_app().await;
+    let query = "query Who { viewer { subject tenantId } }";
+    let hash = sha256_hex(query);
+
+    // The hash alone first: not known yet. A request error: 200 for application/json, 400 for
+    // application/graphql-response+json, with the code clients look for.
+    for (accept, status) in [
+        ("application/json", 200),
+        ("application/graphql-response+json", 400),
+    ] {
+        let (s, body) = post(&app, accept, json!({ "extensions": persisted(&hash) })).await;
+        assert_eq!(s, status, "{accept}: {body}");
+        assert_eq!(
+            body["errors"][0]["extensions"]["code"],
+            "PERSISTED_QUERY_NOT_FOUND"
+        );
+        assert_eq!(body["errors"][0]["message"], "PersistedQueryNotFound");
+        assert!(body.get("data").is_none(), "{body}");
+    }
+    // A hash that is not the text's registers nothing.
+    let (_, body) = post(
+        &app,
+        "application/json",
+        json!({ "query": "{ __typename }", "extensions": persisted(&hash) }),
+    )
+    .await;
+    assert_eq!(
+        body["errors"][0]["extensions"]["code"],
+        "PERSISTED_QUERY_HASH_MISMATCH"
+    );
+    let (_, body) = post(
+        &app,
+        "application/json",
+        json!({ "extensions": persisted(&hash) }),
+    )
+    .await;
+    assert_eq!(
+        body["errors"][0]["extensions"]["code"],
+        "PERSISTED_QUERY_NOT_FOUND"
+    );
+    // The text with its hash runs and registers it; then the hash alone runs, over GET too.
+    let (s, body) = post(
+        &app,
+        "application/json",
+        json!({ "query": query, "extensions": persisted(&hash) }),
+    )
+    .await;
+    assert_eq!(
+        (s, &body["data"]["viewer"]["subject"]),
+        (200, &json!("alice@acme")),
+        "{body}"
+    );
+    let (_, body) = post(
+        &app,
+        "application/json",
+        json!({ "extensions": persisted(&hash) }),
+    )
+    .await;
+    assert_eq!(body["data"]["viewer"]["tenantId"], "acme", "{body}");
+    let res = app
+        .http
+        .get(app.url("/graphql"))
+        .query(&[
+            ("extensions", persisted(&hash).to_string()),
+            ("operationName", "Who".into()),
+        ])
+        .bearer_auth(app.member("globex"))
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(res.status(), 200);
+    let body: Value = res.json().await.expect("json");
+    assert_eq!(
+        body["data"]["viewer"]["tenantId"], "globex",
+        "each caller's own answer: {body}"
+    );
+    // A malformed persistedQuery is the caller's mistake.
+    let (s, body) = post(
+        &app,
+        "application/json",
+        json!({ "extensions": { "persistedQuery": { "version": 1, "sha256Hash": "abc" } } }),
+    )
+    .await;
+    assert_eq!(
+        (s, body["errors"][0]["extensions"]["code"].as_str()),
+        (400, Some("BAD_REQUEST"))
+    );
+}
+
+#[tokio::test]
+async fn persisted_only_runs_the_manifest_and_refuses_everything_else() {
+    let registered = "query Who { viewer { subject } }";
+    let hash = sha256_hex(registered);
+    let manifest = json!({ "format": "apollo-persisted-query-manifest", "version": 1,
+        "operations": [{ "id": hash, "name": "Who", "type": "query", "body": registered }] });
+    let app = spawn_app_for_frontends(
+        Persisted::from_manifest(&manifest.to_string(), true).expect("manifest"),
+        &[],
+    )
+    .await;
+    let (_, body) = post(
+        &app,
+        "application/json",
+        json!({ "extensions": persisted(&hash) }),
+    )
+    .await;
+    assert_eq!(body["data"]["viewer"]["subject"], "alice@acme", "{body}");
+    let (_, body) = post(&app, "application/json", json!({ "query": registered })).await;
+    assert_eq!(
+        body["data"]["viewer"]["subject"], "alice@acme",
+        "its text runs too: {body}"
+    );
+    let other = "{ viewer { subject tenantId } }";
+    for body in [
+        json!({ "query": other }),
+        json!({ "query": other, "extensions": persisted(&sha256_hex(other)) }),
+    ] {
+        let (s, answer) = post(&app, "application/graphql-response+json", body).await;
+        assert_eq!(s, 400);
+        assert_eq!(
+            answer["errors"][0]["extensions"]["code"],
+            "PERSISTED_QUERY_REQUIRED"
+        );
+    }
+    let (_, body) = post(
+        &app,
+        "application/json",
+        json!({ "extensions": persisted(&sha256_hex(other)) }),
+    )
+    .await;
+    assert_eq!(
+        body["errors"][0]["extensions"]["code"],
+        "PERSISTED_QUERY_NOT_FOUND"
+    );
+    // Nothing was registered by the refused request.
+    let (_, body) = post(
+        &app,
+        "application/json",
+        json!({ "extensions": persisted(&sha256_hex(other)) }),
+    )
+    .await;
+    assert_eq!(
+        body["errors"][0]["extensions"]["code"],
+        "PERSISTED_QUERY_NOT_FOUND"
+    );
+
+    // Over graphql-transport-ws: the operation fails, the connection stays.
+    let mut req = format!("ws://{}/graphql", app.addr)
+        .into_client_request()
+        .expect("request");
+    req.headers_mut().insert(
+        "Sec-WebSocket-Protocol",
+        "graphql-transport-ws".parse().expect("header"),
+    );
+    let (mut ws, _) = tokio_tungstenite::connect_async(req)
+        .await
+        .expect("upgrade");
+    let send = |v: Value| Message::Text(v.to_string().into());
+    ws.send(send(json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {}", app.member("acme")) } })))
+        .await
+        .expect("init");
+    let ack = loop {
+        let Some(Ok(Message::Text(t))) = ws.next().await else {
+            panic!("the connection closed");
+        };
+        let v: Value = serde_json::from_str(t.as_str()).expect("json");
+        if v["type"] != "ping" {
+            break v;
+        }
+    };
+    assert_eq!(ack["type"], "connection_ack");
+    ws.send(send(json!({ "id": "1", "type": "subscribe", "payload": { "query": "subscription { events { id } }" } })))
+        .await
+        .expect("subscribe");
+    ws.send(send(
+        json!({ "id": "2", "type": "subscribe", "payload": { "extensions": persisted(&hash) } }),
+    ))
+    .await
+    .expect("subscribe by hash");
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let Some(Ok(Message::Text(t))) = ws.next().await else {
+            panic!("the connection closed");
+        };
+        let v: Value = serde_json::from_str(t.as_str()).expect("json");
+        if v["type"] != "ping" {
+            seen.push(v);
+        }
+    }
+    let refused = seen
+        .iter()
+        .find(|m| m["id"] == "1")
+        .expect("an answer to 1");
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(
+        refused["payload"][0]["extensions"]["code"],
+        "PERSISTED_QUERY_REQUIRED"
+    );
+    let ran: Vec<&Value> = seen.iter().filter(|m| m["id"] == "2").collect();
+    assert_eq!(ran[0]["type"], "next", "{seen:?}");
+    assert_eq!(ran[0]["payload"]["data"]["viewer"]["subject"], "alice@acme");
+}
