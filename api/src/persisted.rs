@@ -272,10 +272,17 @@ mod tests {
             "a request cannot register another document under a hash"
         );
         assert_eq!(
-            p.resolve(Some(q), Some(&ext(&h))).expect("resolves").as_deref(),
+            p.resolve(Some(q), Some(&ext(&h)))
+                .expect("resolves")
+                .as_deref(),
             Some(q)
         );
-        assert_eq!(p.resolve(None, Some(&ext(&h))).expect("resolves").as_deref(), Some(q));
+        assert_eq!(
+            p.resolve(None, Some(&ext(&h)))
+                .expect("resolves")
+                .as_deref(),
+            Some(q)
+        );
         assert_eq!(p.resolve(Some(q), None).expect("resolves"), None);
         assert_eq!(
             code(p.resolve(
@@ -293,8 +300,17 @@ mod tests {
         let manifest = json!({ "format": "apollo-persisted-query-manifest", "version": 1,
             "operations": [{ "id": h, "name": "Hello", "type": "query", "body": q }] });
         let p = Persisted::from_manifest(&manifest.to_string(), true).expect("manifest");
-        assert_eq!(p.resolve(None, Some(&ext(&h))).expect("resolves").as_deref(), Some(q));
-        assert_eq!(p.resolve(Some(q), None).expect("resolves"), None, "its text runs too");
+        assert_eq!(
+            p.resolve(None, Some(&ext(&h)))
+                .expect("resolves")
+                .as_deref(),
+            Some(q)
+        );
+        assert_eq!(
+            p.resolve(Some(q), None).expect("resolves"),
+            None,
+            "its text runs too"
+        );
         let other = "{ viewer { subject } }";
         assert_eq!(code(p.resolve(Some(other), None)), REQUIRED);
         assert_eq!(
