@@ -189,6 +189,15 @@ pub struct Meter {
     pub closed_through: Option<DateTime<Utc>>,
 }
 
+/// Seconds from the end of the last closed window to now (`None` before the meter first ran).
+pub async fn lag_seconds(db: &Db) -> Result<Option<i64>> {
+    Ok(sqlx::query_scalar(
+        "SELECT extract(epoch FROM compute_now() - closed_through)::bigint FROM usage_meter",
+    )
+    .fetch_one(db.pool())
+    .await?)
+}
+
 /// Reads the meter's row.
 pub async fn meter(db: &Db) -> Result<Meter> {
     let (window_seconds, closed_through): (i32, Option<DateTime<Utc>>) =

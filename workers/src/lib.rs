@@ -245,6 +245,7 @@ pub struct Options {
 pub struct Stats {
     pub queue: std::sync::Arc<queue::QueueStats>,
     pub dispatch: std::sync::Arc<dispatch::DispatchStats>,
+    pub usage: std::sync::Arc<usage::UsageStats>,
 }
 
 impl Stats {
@@ -282,6 +283,35 @@ impl Stats {
             None,
             move || vec![("", d.delivered.load(Relaxed) as f64)],
         );
+        let u = self.usage.clone();
+        registry.sample(
+            "compute_usage_windows_closed",
+            "Usage windows this process closed (docs/usage.md).",
+            Sampled::Counter,
+            None,
+            move || vec![("", u.windows_closed.load(Relaxed) as f64)],
+        );
+        let u = self.usage.clone();
+        registry.sample(
+            "compute_usage_records",
+            "Usage records this process wrote, by how: closing a window, or checking a change against closed windows (adjustments).",
+            Sampled::Counter,
+            Some("by"),
+            move || {
+                vec![
+                    ("window", u.records.load(Relaxed) as f64),
+                    ("check", u.checked.load(Relaxed) as f64),
+                ]
+            },
+        );
+        let u = self.usage.clone();
+        registry.sample(
+            "compute_usage_lag_seconds",
+            "Seconds from the end of the last closed usage window to now, at this process's last meter pass (-1 before one): above an hour plus a minute, billing is behind.",
+            Sampled::Gauge,
+            None,
+            move || vec![("", u.lag_seconds.load(Relaxed) as f64)],
+        );
         let d = self.dispatch.clone();
         registry.sample(
             "compute_webhook_failures",
@@ -305,10 +335,12 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
     let queue = queue::QueueWorker::new(db.clone(), options.owner.clone(), &options.kinds);
     let dispatcher = dispatch::Dispatcher::new(db.clone(), options.owner.clone())
         .allowing_private_targets(options.webhooks_allow_private);
+    let meter = usage::UsageMeter::new(db.clone(), options.owner.clone());
     if let Some(registry) = &options.metrics {
         Stats {
             queue: queue.stats(),
             dispatch: dispatcher.stats(),
+            usage: meter.stats(),
         }
         .register(registry);
     }
@@ -332,8 +364,7 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
             }
         }
         tasks.push(tokio::spawn(
-            usage::UsageMeter::new(db.clone(), options.owner.clone())
-                .run(options.usage_every, stopped(stop_rx.clone())),
+            meter.run(options.usage_every, stopped(stop_rx.clone())),
         ));
     }
     if outbox {

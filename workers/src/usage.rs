@@ -8,6 +8,9 @@
 //! which rolls back; the next holder goes on from the meter's row.
 
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::time::Duration;
 
 use compute_domain::Result;
@@ -26,18 +29,41 @@ pub const USAGE_EVERY: Duration = Duration::from_secs(10);
 /// Transactions run between two renewals of the lease.
 pub const SLICE: u64 = 50;
 
+/// What one process's meter has done, for its `/metrics`.
+#[derive(Debug, Default)]
+pub struct UsageStats {
+    pub windows_closed: AtomicU64,
+    pub records: AtomicU64,
+    pub checked: AtomicU64,
+    /// Seconds from the end of the last closed window to the database's now, at the last pass
+    /// of the process that holds the lease (-1 before one; a window is closed 60 s after its
+    /// end at the earliest, so this stays between the grace and a window plus the grace).
+    pub lag_seconds: AtomicI64,
+}
+
 /// The usage meter of one process.
 #[derive(Debug, Clone)]
 pub struct UsageMeter {
     lease: PassLease,
+    stats: Arc<UsageStats>,
 }
 
 impl UsageMeter {
     /// A meter for this process; `owner` names it in the lease.
     pub fn new(db: Db, owner: impl Into<String>) -> UsageMeter {
+        let stats = UsageStats {
+            lag_seconds: AtomicI64::new(-1),
+            ..UsageStats::default()
+        };
         UsageMeter {
             lease: PassLease::new(db, USAGE_LEASE, owner),
+            stats: Arc::new(stats),
         }
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> Arc<UsageStats> {
+        self.stats.clone()
     }
 
     /// One pass: if this process holds the lease, everything due, in order. Returns what it did
@@ -54,17 +80,22 @@ impl UsageMeter {
             total.records += slice.records;
             total.checked += slice.checked;
             total.batches += slice.batches;
+            self.stats
+                .windows_closed
+                .fetch_add(slice.windows_closed, Relaxed);
+            self.stats.records.fetch_add(slice.records, Relaxed);
+            self.stats.checked.fetch_add(slice.checked, Relaxed);
+            let lag = usage::lag_seconds(self.lease.db()).await?;
+            self.stats.lag_seconds.store(lag.unwrap_or(-1), Relaxed);
             if !slice.more {
                 return Ok(total);
             }
-            if let Ok(m) = usage::meter(self.lease.db()).await {
-                info!(
-                    usage.windows_closed = total.windows_closed,
-                    usage.records = total.records,
-                    usage.closed_through = ?m.closed_through,
-                    "usage meter catching up"
-                );
-            }
+            info!(
+                usage.windows_closed = total.windows_closed,
+                usage.records = total.records,
+                usage.lag_seconds = lag,
+                "usage meter catching up"
+            );
         }
     }
 

@@ -108,7 +108,9 @@ BEGIN
             VALUES (v_atom.name, v_atom.device_id, v_alloc, tstzrange(v_now, p_ends)) ON CONFLICT DO NOTHING;
         EXIT WHEN FOUND;
         v_try := v_try + 1;
-        IF v_try >= 3 THEN RAISE EXCEPTION 'lost three races'; END IF;
+        -- At 32 clients, random starts that fall close together pick the same first free atom;
+        -- three lost races in a row happened once in 3,000 requests and ended a run.
+        IF v_try >= 8 THEN RAISE EXCEPTION 'lost eight races'; END IF;
     END LOOP;
     UPDATE node_resources SET allocated = allocated + CASE resource WHEN 'vcpu' THEN 4 ELSE 8192 END
      WHERE node_id = v_atom.node_id AND resource IN ('memory_mib', 'vcpu');

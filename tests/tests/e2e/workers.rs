@@ -999,9 +999,13 @@ async fn a_worker_serves_its_metrics_and_health() {
         &[compute_domain::work_queue::WorkKind::Noop],
     );
     assert_eq!(drain(&mut w).await, 3);
+    // The usage meter's first pass starts it at the window of now (no bookings yet).
+    let mut meter = compute_workers::usage::UsageMeter::new(db.clone(), "worker-m");
+    meter.pass().await.expect("meter pass");
     let stats = compute_workers::Stats {
         queue: w.stats(),
         dispatch: compute_workers::dispatch::Dispatcher::new(db, "worker-m").stats(),
+        usage: meter.stats(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -1031,6 +1035,21 @@ async fn a_worker_serves_its_metrics_and_health() {
     assert!(
         text.lines()
             .any(|l| l == "compute_work_items_total{outcome=\"done\"} 3"),
+        "{text}"
+    );
+    let lag: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("compute_usage_lag_seconds "))
+        .unwrap_or_else(|| panic!("the usage lag: {text}"))
+        .parse()
+        .expect("a number");
+    assert!(
+        (0.0..3600.0).contains(&lag),
+        "now is inside the first open window: {lag}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l == "compute_usage_records_total{by=\"window\"} 0"),
         "{text}"
     );
     assert_eq!(
