@@ -16,6 +16,54 @@ pub const TTL: Duration = Duration::from_secs(15);
 /// How often a holder renews.
 pub const RENEW_EVERY: Duration = Duration::from_secs(5);
 
+/// Every lease name, built here and nowhere else: `shard:<kind>:<n>`, `singleton:<name>` (and
+/// `singleton:<family>:<owner>` presence leases), `singleton:outbox-dispatch:<sink id>`,
+/// `gateway:<id>`.
+pub mod name {
+    /// The reservation reconciler's (resync, liveness, pruning).
+    pub const RESERVATIONS: &str = "singleton:reservations";
+    /// The usage meter's.
+    pub const USAGE: &str = "singleton:usage";
+
+    /// Shard `n` of the work-queue kind `kind`.
+    pub fn shard(kind: &str, n: i32) -> String {
+        format!("shard:{kind}:{n}")
+    }
+
+    /// The presence lease of `owner` among the processes of `family` (`worker` for the queue,
+    /// `dispatcher` for webhooks): `singleton:<family>:<owner>`, the owner's characters outside
+    /// `[a-z0-9_-]` written `-`.
+    pub fn presence(family: &str, owner: &str) -> String {
+        let clean: String = owner
+            .to_ascii_lowercase()
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect();
+        format!("{}{clean}", presence_prefix(family))
+    }
+
+    /// What every presence lease of `family` starts with (to count the live ones).
+    pub fn presence_prefix(family: &str) -> String {
+        format!("singleton:{family}:")
+    }
+
+    /// The lease of one webhook sink's delivery.
+    pub fn outbox_dispatch(sink: &str) -> String {
+        format!("singleton:outbox-dispatch:{sink}")
+    }
+
+    /// A gateway's lease.
+    pub fn gateway(id: &str) -> String {
+        format!("gateway:{id}")
+    }
+}
+
 /// A held lease: what a fenced transaction proves it still holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fence {

@@ -43,9 +43,9 @@ pub const OUTAGE_THRESHOLD: Duration = Duration::from_secs(30);
 /// A gateway's lease lives this long without renewal (other leases live 15 s).
 pub const GATEWAY_TTL: Duration = Duration::from_secs(20);
 
-/// The lease a gateway holds: `gateway:<id>`.
+/// The lease a gateway holds: `gateway:<id>` ([`crate::leases::name::gateway`]).
 pub fn gateway_lease(gateway: &str) -> String {
-    format!("gateway:{gateway}")
+    crate::leases::name::gateway(gateway)
 }
 
 text_enum!(

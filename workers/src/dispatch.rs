@@ -170,9 +170,12 @@ impl Dispatcher {
             )
             .await?;
         }
-        let live = compute_domain::leases::count_live(&self.db, "singleton:dispatcher:")
-            .await?
-            .max(1) as usize;
+        let live = compute_domain::leases::count_live(
+            &self.db,
+            &compute_domain::leases::name::presence_prefix("dispatcher"),
+        )
+        .await?
+        .max(1) as usize;
         let share = (sinks::count_active(&self.db).await? as usize)
             .div_ceil(live)
             .max(1);
@@ -192,7 +195,7 @@ impl Dispatcher {
             if self.tasks.contains_key(&id) {
                 continue;
             }
-            let name = format!("singleton:outbox-dispatch:{id}");
+            let name = compute_domain::leases::name::outbox_dispatch(id.as_str());
             if let Some(lease) = HeldLease::acquire(&self.db, &name, &self.owner).await? {
                 info!(sink = %id, "delivering an event sink");
                 let (stop, stopped) = watch::channel(false);

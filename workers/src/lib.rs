@@ -82,7 +82,7 @@ pub const RESYNC_EVERY: Duration = Duration::from_secs(60);
 pub const DISPATCH_CLAIM: Duration = Duration::from_secs(10);
 
 /// The lease the reservation reconciler runs under.
-pub const RESERVATIONS_LEASE: &str = "singleton:reservations";
+pub const RESERVATIONS_LEASE: &str = compute_domain::leases::name::RESERVATIONS;
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

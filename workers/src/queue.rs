@@ -64,18 +64,7 @@ pub struct QueueWorker {
 /// The presence lease of `owner` among the processes of `family` (`worker` for the queue,
 /// `dispatcher` for webhooks): `singleton:<family>:<owner>`.
 pub fn presence_lease(family: &str, owner: &str) -> String {
-    let clean: String = owner
-        .to_ascii_lowercase()
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect();
-    format!("singleton:{family}:{clean}")
+    compute_domain::leases::name::presence(family, owner)
 }
 
 /// Runs the reconciler of `kind` for `key`; returns when the key is due again, if ever.
@@ -196,9 +185,11 @@ impl QueueWorker {
             self.shards.remove(&k);
             self.stats.lease_losses.fetch_add(1, Ordering::Relaxed);
         }
-        let live =
-            compute_domain::leases::count_live(&self.db, &format!("singleton:{}:", self.family))
-                .await?;
+        let live = compute_domain::leases::count_live(
+            &self.db,
+            &compute_domain::leases::name::presence_prefix(self.family),
+        )
+        .await?;
         let live = live.max(1) as i32;
         let share = (SHARDS + live - 1) / live;
         // Start looking at a place that depends on the owner, so workers do not all race for
@@ -235,7 +226,7 @@ impl QueueWorker {
                 if self.shards.contains_key(&(kind, n)) {
                     continue;
                 }
-                let name = format!("shard:{kind}:{n}");
+                let name = compute_domain::leases::name::shard(kind.as_str(), n);
                 if let Some(lease) = HeldLease::acquire(&self.db, &name, &self.owner).await? {
                     self.shards.insert((kind, n), lease);
                     held += 1;

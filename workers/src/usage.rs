@@ -21,7 +21,7 @@ use tracing::{info, warn};
 use crate::lease::PassLease;
 
 /// The lease the meter runs under.
-pub const USAGE_LEASE: &str = "singleton:usage";
+pub const USAGE_LEASE: &str = compute_domain::leases::name::USAGE;
 
 /// How often the meter looks for due windows by default.
 pub const USAGE_EVERY: Duration = Duration::from_secs(10);
