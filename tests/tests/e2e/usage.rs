@@ -425,7 +425,8 @@ async fn a_change_that_commits_after_its_window_closed_is_an_adjustment() {
     );
     app.until_lock_waiters(1).await;
     // 10:01:00: the 09:00 window closes with the booking still to 12:20.
-    let pass = step(&app, &mut meter, 70).await;
+    // The worker's pass only: settling would wait on the horizon while the release waits on us.
+    let pass = step_once(&app, &mut meter, 70).await;
     assert_eq!((pass.windows_closed, pass.records), (1, 1), "{pass:?}");
     holder.commit().await.expect("let the release go");
     let d = release.await.expect("release task");
@@ -609,8 +610,9 @@ async fn a_sigkilled_meter_and_its_successor_write_each_window_once() {
     app.db.advance_clock(day + 180).await;
 
     let mut first = meter_process(&app);
+    // Killed early in its catch-up (1,440 windows), so the kill lands mid-way whatever the load.
     compute_tests::eventually("the first worker closes windows", WAIT, || async {
-        (closed_periods(&app).await >= 300).then_some(())
+        (closed_periods(&app).await >= 100).then_some(())
     })
     .await;
     first.kill().await.expect("SIGKILL");
