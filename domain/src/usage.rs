@@ -372,46 +372,18 @@ async fn fetch_groups(
         .await?)
 }
 
-/// A usage record as the CSV export writes it (amounts as exact decimal text).
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub struct Record {
-    pub key: String,
-    pub kind: String,
-    pub tenant_id: String,
-    pub pool_id: String,
-    pub reservation_id: String,
-    pub allocation_id: String,
-    pub window_start: DateTime<Utc>,
-    pub window_end: DateTime<Utc>,
-    pub model: String,
-    pub gpu_kind: String,
-    pub profile: Option<String>,
-    pub atoms: i32,
-    pub booked_seconds: String,
-    pub gpu_seconds: String,
-    pub vcpu_seconds: String,
-    pub memory_mib_seconds: String,
-    pub disk_gib_seconds: String,
-    pub created_at: DateTime<Utc>,
-}
-
 /// `q`'s records in `(window_start, key)` order, at most `limit` after `after` (the last record
-/// of the previous page).
+/// of the previous page), each as its events carry it (`compute_usage_payload`, the one
+/// definition of a record's public shape).
 pub async fn records(
     db: &Db,
     q: &ReportQuery,
     after: Option<(DateTime<Utc>, String)>,
     limit: i64,
-) -> Result<Vec<Record>> {
+) -> Result<Vec<crate::events::UsageView>> {
     let (after_start, after_key) = after.unzip();
-    Ok(sqlx::query_as::<_, Record>(
-        "SELECT u.key, u.kind, u.tenant_id, u.pool_id, u.reservation_id, u.allocation_id, u.window_start,
-                u.window_end, u.model, u.gpu_kind, u.profile, u.atoms,
-                compute_amount_text(u.booked_seconds) AS booked_seconds, compute_amount_text(u.gpu_seconds) AS gpu_seconds,
-                compute_amount_text(u.vcpu_seconds) AS vcpu_seconds,
-                compute_amount_text(u.memory_mib_seconds) AS memory_mib_seconds,
-                compute_amount_text(u.disk_gib_seconds) AS disk_gib_seconds, u.created_at
-           FROM usage_records u
+    let rows: Vec<sqlx::types::Json<crate::events::UsagePayload>> = sqlx::query_scalar(
+        "SELECT compute_usage_payload(u) FROM usage_records u
           WHERE u.window_start >= $1 AND u.window_start < $2 AND ($3::text IS NULL OR u.tenant_id = $3)
             AND ($4::timestamptz IS NULL OR (u.window_start, u.key) > ($4, $5))
           ORDER BY u.window_start, u.key
@@ -424,5 +396,6 @@ pub async fn records(
     .bind(after_key)
     .bind(limit)
     .fetch_all(db.pool())
-    .await?)
+    .await?;
+    Ok(rows.into_iter().map(|r| r.0.usage).collect())
 }

@@ -9,7 +9,8 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, SecondsFormat, Utc};
-use compute_domain::usage::{self, Record, ReportQuery};
+use compute_domain::events::UsageView;
+use compute_domain::usage::{self, ReportQuery};
 use compute_domain::{Error, ErrorCode};
 use serde::Deserialize;
 
@@ -124,6 +125,7 @@ async fn export(
                 };
                 let last = rows.len() < PAGE as usize;
                 let next = rows.last().map(|r| (r.window_start, r.key.clone()));
+
                 let mut text = String::with_capacity(rows.len() * 200);
                 for r in &rows {
                     line(&mut text, r);
@@ -139,19 +141,19 @@ async fn export(
 }
 
 /// One record as a CSV line (RFC 4180: a field with a comma, quote or line break is quoted).
-fn line(out: &mut String, r: &Record) {
+fn line(out: &mut String, r: &UsageView) {
     let time = |t: &DateTime<Utc>| t.to_rfc3339_opts(SecondsFormat::AutoSi, true);
     let fields: [&str; 18] = [
         &r.key,
         &r.kind,
-        &r.tenant_id,
-        &r.pool_id,
-        &r.reservation_id,
-        &r.allocation_id,
+        r.tenant_id.as_str(),
+        r.pool_id.as_str(),
+        r.reservation_id.as_str(),
+        r.allocation_id.as_str(),
         &time(&r.window_start),
         &time(&r.window_end),
         &r.model,
-        &r.gpu_kind,
+        r.gpu_kind.as_str(),
         r.profile.as_deref().unwrap_or(""),
         &r.atoms.to_string(),
         &r.booked_seconds,
