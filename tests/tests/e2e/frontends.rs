@@ -5,10 +5,9 @@
 
 use compute_api::persisted::{Persisted, sha256_hex};
 use compute_tests::{TestApp, spawn_app, spawn_app_for_frontends};
-use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
-use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+use crate::subscriptions::{connect, init, next_msg, send};
 
 const CONSOLE: &str = "https://console.example.com";
 
@@ -251,47 +250,21 @@ async fn persisted_only_runs_the_manifest_and_refuses_everything_else() {
     );
 
     // Over graphql-transport-ws: the operation fails, the connection stays.
-    let mut req = format!("ws://{}/graphql", app.addr)
-        .into_client_request()
-        .expect("request");
-    req.headers_mut().insert(
-        "Sec-WebSocket-Protocol",
-        "graphql-transport-ws".parse().expect("header"),
-    );
-    let (mut ws, _) = tokio_tungstenite::connect_async(req)
-        .await
-        .expect("upgrade");
-    let send = |v: Value| Message::Text(v.to_string().into());
-    ws.send(send(json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {}", app.member("acme")) } })))
-        .await
-        .expect("init");
-    let ack = loop {
-        let Some(Ok(Message::Text(t))) = ws.next().await else {
-            panic!("the connection closed");
-        };
-        let v: Value = serde_json::from_str(t.as_str()).expect("json");
-        if v["type"] != "ping" {
-            break v;
-        }
-    };
-    assert_eq!(ack["type"], "connection_ack");
-    ws.send(send(json!({ "id": "1", "type": "subscribe", "payload": { "query": "subscription { events { id } }" } })))
-        .await
-        .expect("subscribe");
-    ws.send(send(
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    init(&mut ws, &app.member("acme")).await;
+    send(
+        &mut ws,
+        json!({ "id": "1", "type": "subscribe", "payload": { "query": "subscription { events { id } }" } }),
+    )
+    .await;
+    send(
+        &mut ws,
         json!({ "id": "2", "type": "subscribe", "payload": { "extensions": persisted(&hash) } }),
-    ))
-    .await
-    .expect("subscribe by hash");
+    )
+    .await;
     let mut seen = Vec::new();
     while seen.len() < 3 {
-        let Some(Ok(Message::Text(t))) = ws.next().await else {
-            panic!("the connection closed");
-        };
-        let v: Value = serde_json::from_str(t.as_str()).expect("json");
-        if v["type"] != "ping" {
-            seen.push(v);
-        }
+        seen.push(next_msg(&mut ws).await);
     }
     let refused = seen
         .iter()

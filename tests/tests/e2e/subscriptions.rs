@@ -13,12 +13,12 @@ use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
-type Ws =
+pub(crate) type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-async fn connect(app: &TestApp, protocol: &str) -> Ws {
+pub(crate) async fn connect(app: &TestApp, protocol: &str) -> Ws {
     let mut req = format!("ws://{}/graphql", app.addr)
         .into_client_request()
         .expect("request");
@@ -30,14 +30,14 @@ async fn connect(app: &TestApp, protocol: &str) -> Ws {
         .0
 }
 
-async fn send(ws: &mut Ws, v: Value) {
+pub(crate) async fn send(ws: &mut Ws, v: Value) {
     ws.send(Message::Text(v.to_string().into()))
         .await
         .expect("send");
 }
 
 /// The next text message, skipping the server's keep-alive pings.
-async fn next_msg(ws: &mut Ws) -> Value {
+pub(crate) async fn next_msg(ws: &mut Ws) -> Value {
     tokio::time::timeout(WAIT, async {
         loop {
             match ws.next().await.expect("a message").expect("no error") {
@@ -75,7 +75,7 @@ async fn close_of(ws: &mut Ws) -> (u16, String) {
     .expect("a close within 30 s")
 }
 
-async fn init(ws: &mut Ws, token: &str) {
+pub(crate) async fn init(ws: &mut Ws, token: &str) {
     send(ws, json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } })).await;
     assert_eq!(next_msg(ws).await["type"], "connection_ack");
 }

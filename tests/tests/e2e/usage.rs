@@ -710,16 +710,9 @@ async fn a_disconnected_node_keeps_billing_and_a_lost_one_stops_when_its_reserva
     .await;
     // h100-a's daemon connects, a reservation lands there, the daemon goes away.
     let node = p.nodes[0].clone();
-    let session = compute_sim::Session::open(&compute_sim::DaemonConfig {
-        url: app.agent_url(),
-        token: app.node_token(&node),
-        node_id: node.clone(),
-        daemon_version: "sim/1".into(),
-        journal_id: "j1".into(),
-        observed_generation: 0,
-    })
-    .await
-    .expect("open");
+    let session = compute_sim::Session::open(&crate::commands::daemon_config(&app, &node, "j1", 0))
+        .await
+        .expect("open");
     let (_, on_a) = reserve(
         &app,
         &acme,
