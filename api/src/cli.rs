@@ -42,6 +42,9 @@ pub enum Command {
     Migrate(MigrateArgs),
     /// Print the GraphQL schema (SDL).
     Schema,
+    /// Print the web console's GraphQL operations as Apollo's persisted query manifest (the
+    /// binary trusts them already; for a gateway or CDN that needs the list).
+    ConsoleManifest,
     /// Print a development JWT signed with the key `dev` keeps in its data directory.
     Token(TokenArgs),
     /// Seal every sink secret under the current secrets key (after setting a key for the first
@@ -284,9 +287,10 @@ pub struct FrontendArgs {
     /// of SHA-256 → document): clients may send a hash instead of a document.
     #[arg(long, env = "COMPUTE_PERSISTED_MANIFEST")]
     pub persisted_manifest: Option<PathBuf>,
-    /// Run only the manifest's operations (trusted documents): any other document is refused
-    /// with `PERSISTED_QUERY_REQUIRED`, and automatic persisted queries register nothing.
-    #[arg(long, env = "COMPUTE_PERSISTED_ONLY", requires = "persisted_manifest")]
+    /// Run only the manifest's operations and the console's (trusted documents): any other
+    /// document is refused with `PERSISTED_QUERY_REQUIRED`, and automatic persisted queries
+    /// register nothing. Without a manifest, only the console's operations run.
+    #[arg(long, env = "COMPUTE_PERSISTED_ONLY")]
     pub persisted_only: bool,
 }
 
@@ -294,6 +298,10 @@ impl FrontendArgs {
     /// The persisted documents and the allowed origins, checked.
     pub fn load(&self) -> Result<(crate::persisted::Persisted, Vec<axum::http::HeaderValue>)> {
         let persisted = match &self.persisted_manifest {
+            None if self.persisted_only => {
+                crate::persisted::Persisted::from_manifest("{}", true)
+                    .map_err(|why| Error::bad_input("persisted-only", why))?
+            }
             None => crate::persisted::Persisted::automatic(),
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| {
@@ -703,13 +711,15 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     .with_frontends(
         crate::persisted::Persisted::automatic(),
         cors_origins(&own)?,
-    );
+    )
+    .with_dev_token(&token);
     let pg = database.embedded.as_ref();
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
         "\nBetter Compute is running (ready in {:.1} s).\n\
-         \n  GraphiQL   http://{addr}/graphql\n  Ready      http://{addr}/readyz\n  Metrics    http://{addr}/metrics\
+         \n  Console    http://{addr}/   (Sign in: \"Use the development token\")\
+         \n  GraphiQL   http://{addr}/graphiql\n  Ready      http://{addr}/readyz\n  Metrics    http://{addr}/metrics\
          \n  Data       {} ({}, port {})\n\
          \nA development token (roles operator and member, tenant \"dev\", valid 30 days).\
          \nIn GraphiQL, open Headers and paste:\n\n  {{\"Authorization\": \"Bearer {token}\"}}\n\
@@ -950,6 +960,11 @@ pub async fn main() -> std::process::ExitCode {
             let _ = write!(std::io::stdout().lock(), "{}", crate::graph::sdl());
             Ok(())
         }
+        Command::ConsoleManifest => serde_json::to_string_pretty(&crate::console::manifest())
+            .map_err(Error::internal)
+            .map(|manifest| {
+                let _ = writeln!(std::io::stdout().lock(), "{manifest}");
+            }),
         Command::ResealSecrets(args) => reseal_secrets(args).await,
         Command::Token(args) => token(args).map(|t| {
             let _ = writeln!(std::io::stdout().lock(), "{t}");

@@ -6,11 +6,12 @@
 //!
 //! Rooms, each importing only the rooms before it (checked by the `api_rooms_form_no_cycle`
 //! static test; `ARCHITECTURE.md` states the rules):
-//! `auth`, `limits`, `tailer`, `metrics` (leaves) → `graph` → `state` → `transport`, `ops` → `server` →
-//! `cli`.
+//! `auth`, `limits`, `tailer`, `persisted` (leaves) → `metrics`, `graph`, `gateway`, `console` →
+//! `state` → `transport`, `ops` → `server` → `cli`.
 
 pub mod auth;
 pub mod cli;
+pub mod console;
 pub mod gateway;
 pub mod graph;
 pub mod limits;

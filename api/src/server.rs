@@ -43,6 +43,17 @@ pub fn router(app: AppState) -> Router {
             )
             .route("/usage.csv", get(crate::transport::csv::get))
     };
+    // The console and GraphiQL (`docs/console.md`): same-origin pages, outside CORS.
+    let pages = if app.gateway_only {
+        Router::new()
+    } else {
+        use crate::transport::console;
+        Router::new()
+            .route("/", get(console::index))
+            .route("/graphiql", get(console::graphiql))
+            .route("/console/dev-token", get(console::dev_token))
+            .route("/console/{*path}", get(console::file))
+    };
     // Browsers may call the API from the allowed origins only (none by default): a preflight is
     // answered, and the answers carry `Access-Control-Allow-Origin` for those origins. Bearer
     // tokens travel in a header, never in cookies, so credentials are not allowed.
@@ -65,7 +76,8 @@ pub fn router(app: AppState) -> Router {
                 .max_age(Duration::from_secs(600)),
         )
     };
-    api.route("/agent", get(crate::transport::agent::get))
+    api.merge(pages)
+        .route("/agent", get(crate::transport::agent::get))
         .route("/healthz", get(crate::ops::health::healthz))
         .route("/readyz", get(crate::ops::health::readyz))
         .route("/metrics", get(crate::ops::health::metrics))
@@ -230,7 +242,11 @@ impl Server {
             verifier,
             metrics,
             registry,
-            persisted: Arc::new(crate::persisted::Persisted::automatic()),
+            persisted: Arc::new(
+                crate::persisted::Persisted::automatic()
+                    .with_trusted(crate::console::operations().iter().map(|o| o.body.clone())),
+            ),
+            dev_token: None,
             cors_origins: Vec::new(),
             shutdown,
         });
@@ -244,10 +260,20 @@ impl Server {
         persisted: crate::persisted::Persisted,
         cors_origins: Vec<axum::http::HeaderValue>,
     ) -> Server {
+        // The console's operations ship with the binary: trusted, in `--persisted-only` too.
+        let persisted =
+            persisted.with_trusted(crate::console::operations().iter().map(|o| o.body.clone()));
         self.app.configure(|inner| {
             inner.persisted = Arc::new(persisted);
             inner.cors_origins = cors_origins;
         });
+        self
+    }
+
+    /// This server handing `token` to the console's one-click sign-in (`compute-api dev`).
+    pub fn with_dev_token(mut self, token: &str) -> Server {
+        self.app
+            .configure(|inner| inner.dev_token = Some(Arc::from(token)));
         self
     }
 

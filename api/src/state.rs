@@ -38,6 +38,8 @@ pub struct Inner {
     pub gateway_only: bool,
     /// The documents known by hash: APQ, and the manifest of `--persisted-only`.
     pub persisted: std::sync::Arc<crate::persisted::Persisted>,
+    /// The development token the console's one-click sign-in fetches (`compute-api dev` only).
+    pub dev_token: Option<std::sync::Arc<str>>,
     /// The origins allowed to call the API from a browser (CORS); none by default.
     pub cors_origins: Vec<axum::http::HeaderValue>,
     /// Turns `true` when the server begins to shut down.

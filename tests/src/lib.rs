@@ -13,6 +13,7 @@
 //!   [`TestDb::process_env`]); migrations and `LISTEN` go to the server itself.
 
 pub mod bench;
+pub mod cdp;
 pub mod sqlscan;
 
 use std::net::SocketAddr;

@@ -55,6 +55,7 @@ const API_ROOMS: &[(&str, u8)] = &[
     ("metrics", 1),
     ("graph", 1),
     ("gateway", 1),
+    ("console", 1),
     ("state", 2),
     ("transport", 3),
     ("ops", 3),

@@ -29,7 +29,7 @@ use async_graphql::extensions::{
     NextValidation,
 };
 use async_graphql::parser::types::{
-    Directive, ExecutableDocument, FragmentDefinition, Selection, SelectionSet,
+    Directive, DocumentOperations, ExecutableDocument, FragmentDefinition, Selection, SelectionSet,
 };
 use async_graphql::{Name, Positioned, Response, ServerError, ServerResult, ValidationResult};
 use compute_domain::ErrorCode;
@@ -225,8 +225,16 @@ impl Extension for DoorExtension {
         }
         // Parsed here, once, so the bounds are checked before async-graphql's own walks (depth,
         // directives, validation) expand any fragment; the parsed document is handed on.
+        let name = request.operation_name.clone();
         let doc = request.parsed_query()?;
         self.check_document(doc)?;
+        // A document of several operations runs the one `operationName` names; only that one
+        // (and the fragments it reaches) is validated and costed, so the variables of the
+        // others need no values. GraphiQL sends the whole editor, and generated clients
+        // (graphql_client) a whole file, with the name of one operation.
+        if let Some(selected) = selected_operation(doc, name.as_deref()) {
+            request.set_parsed_query(selected);
+        }
         next.run(ctx, request).await
     }
 
@@ -306,6 +314,45 @@ impl Extension for DoorExtension {
             )]),
         }
     }
+}
+
+/// The document reduced to the operation `name` names and the fragments it reaches; `None` when
+/// there is nothing to reduce (one operation, no name, or a name no operation has: async-graphql
+/// then answers as the specification says).
+fn selected_operation(doc: &ExecutableDocument, name: Option<&str>) -> Option<ExecutableDocument> {
+    let DocumentOperations::Multiple(ops) = &doc.operations else {
+        return None;
+    };
+    let name = name?;
+    if ops.len() < 2 {
+        return None;
+    }
+    let (key, op) = ops.iter().find(|(k, _)| k.as_str() == name)?;
+    fn spreads(set: &SelectionSet, out: &mut Vec<Name>) {
+        for item in &set.items {
+            match &item.node {
+                Selection::Field(f) => spreads(&f.node.selection_set.node, out),
+                Selection::FragmentSpread(s) => out.push(s.node.fragment_name.node.clone()),
+                Selection::InlineFragment(i) => spreads(&i.node.selection_set.node, out),
+            }
+        }
+    }
+    let mut todo = Vec::new();
+    spreads(&op.node.selection_set.node, &mut todo);
+    let mut fragments = HashMap::new();
+    while let Some(f) = todo.pop() {
+        if fragments.contains_key(&f) {
+            continue;
+        }
+        if let Some(def) = doc.fragments.get(&f) {
+            spreads(&def.node.selection_set.node, &mut todo);
+            fragments.insert(f, def.clone());
+        }
+    }
+    Some(ExecutableDocument {
+        operations: DocumentOperations::Multiple(HashMap::from([(key.clone(), op.clone())])),
+        fragments,
+    })
 }
 
 impl DoorExtension {

@@ -15,14 +15,14 @@
 //!   `Accept: text/event-stream` the request goes to `sse` instead.
 //! * A bad bearer token is `401` with `UNAUTHENTICATED`; no token is an anonymous caller, who may
 //!   introspect but reads nothing else.
-//! * `GET /graphql` from a browser (HTML accepted, no `query`) serves GraphiQL, and a WebSocket
+//! * `GET /graphql` from a browser (HTML accepted, no `query`) serves GraphiQL (the vendored page
+//!   of `/graphiql`, see `console`), and a WebSocket
 //!   upgrade on it serves subscriptions (see `ws`).
 
-use async_graphql::http::GraphiQLSource;
 use async_graphql::parser::types::OperationType;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use compute_domain::ErrorCode;
 use serde_json::json;
 use tracing::Instrument;
@@ -204,14 +204,7 @@ pub async fn get(State(app): State<AppState>, req: Request) -> Response {
         }
     };
     if params.query.is_none() && accepts_html(&parts.headers) {
-        return Html(
-            GraphiQLSource::build()
-                .endpoint("/graphql")
-                .subscription_endpoint("/graphql")
-                .title("Better Compute")
-                .finish(),
-        )
-        .into_response();
+        return crate::transport::console::graphiql(parts.headers).await;
     }
     let Some(media) = negotiate(parts.headers.get(header::ACCEPT)) else {
         return not_acceptable();

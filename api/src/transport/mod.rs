@@ -4,6 +4,7 @@
 //! query string, and the checks of a GraphQL request's fields.
 
 pub mod agent;
+pub mod console;
 pub mod csv;
 pub mod http;
 pub mod sse;

@@ -279,3 +279,144 @@ async fn persisted_only_runs_the_manifest_and_refuses_everything_else() {
     assert_eq!(ran[0]["type"], "next", "{seen:?}");
     assert_eq!(ran[0]["payload"]["data"]["viewer"]["subject"], "alice@acme");
 }
+
+#[tokio::test]
+async fn the_console_runs_under_persisted_only_by_hash_and_nothing_else_does() {
+    // No manifest at all: only the console's operations, which ship with the binary.
+    let app = spawn_app_for_frontends(
+        Persisted::from_manifest("{}", true).expect("an empty manifest"),
+        &[],
+    )
+    .await;
+    let ops = compute_api::console::operations();
+    let viewer = ops
+        .iter()
+        .find(|o| o.name == "ConsoleViewer")
+        .expect("ConsoleViewer");
+    // As the console sends it: GET, the hash only.
+    let url = format!(
+        "{}?operationName=ConsoleViewer&extensions={}",
+        app.url("/graphql"),
+        json!({ "persistedQuery": { "version": 1, "sha256Hash": viewer.hash } })
+    );
+    let body: Value = reqwest::Client::new()
+        .get(url)
+        .bearer_auth(app.member("acme"))
+        .send()
+        .await
+        .expect("GET")
+        .json()
+        .await
+        .expect("JSON");
+    assert_eq!(body["data"]["viewer"]["tenantId"], "acme", "{body}");
+    // The module the console imports carries the same hashes the server trusts.
+    let module = reqwest::get(app.url("/console/operations.js"))
+        .await
+        .expect("GET")
+        .text()
+        .await
+        .expect("text");
+    for op in ops {
+        assert!(module.contains(&op.hash), "{} missing", op.name);
+    }
+    // Anything else is refused.
+    let (_, body) = post(
+        &app,
+        "application/json",
+        json!({ "query": "{ viewer { subject } }" }),
+    )
+    .await;
+    assert_eq!(
+        body["errors"][0]["extensions"]["code"],
+        "PERSISTED_QUERY_REQUIRED"
+    );
+}
+
+#[tokio::test]
+async fn the_console_is_served_with_validators_caching_and_a_strict_policy() {
+    let app = spawn_app().await;
+    let http = reqwest::Client::new();
+    let page = http.get(app.url("/")).send().await.expect("GET /");
+    assert_eq!(page.status(), 200);
+    assert_eq!(
+        header(&page, "content-type").as_deref(),
+        Some("text/html; charset=utf-8")
+    );
+    let csp = header(&page, "content-security-policy").expect("a CSP");
+    assert!(csp.contains("script-src 'self';"), "{csp}");
+    assert!(csp.contains("connect-src 'self'"), "{csp}");
+    assert!(
+        !csp.contains("unsafe"),
+        "the console allows nothing inline: {csp}"
+    );
+    assert_eq!(header(&page, "cache-control").as_deref(), Some("no-cache"));
+    let etag = header(&page, "etag").expect("an ETag");
+    assert!(page.text().await.expect("text").contains("/console/app.js"));
+    // Revalidation: the same ETag is a 304 with no body.
+    let again = http
+        .get(app.url("/"))
+        .header("If-None-Match", &etag)
+        .send()
+        .await
+        .expect("GET /");
+    assert_eq!(again.status(), 304);
+    assert!(again.bytes().await.expect("body").is_empty());
+    let stale = http
+        .get(app.url("/"))
+        .header("If-None-Match", "\"not-it\"")
+        .send()
+        .await
+        .expect("GET /");
+    assert_eq!(stale.status(), 200);
+    // A versioned vendor file is cached for good; a module is revalidated.
+    let vendor = http
+        .get(app.url("/console/vendor/graphiql-3.8.3/graphiql.min.js"))
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(
+        header(&vendor, "cache-control").as_deref(),
+        Some("public, max-age=31536000, immutable")
+    );
+    assert_eq!(
+        header(&vendor, "content-type").as_deref(),
+        Some("text/javascript; charset=utf-8")
+    );
+    let module = http
+        .get(app.url("/console/app.js"))
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(
+        header(&module, "cache-control").as_deref(),
+        Some("no-cache")
+    );
+    assert_eq!(
+        header(&module, "x-content-type-options").as_deref(),
+        Some("nosniff")
+    );
+    // GraphiQL, from the binary, with its own policy; `GET /graphql` from a browser is it too.
+    let graphiql = http.get(app.url("/graphiql")).send().await.expect("GET");
+    let policy = header(&graphiql, "content-security-policy").expect("a CSP");
+    assert!(policy.contains("script-src 'self';"), "{policy}");
+    let html = graphiql.text().await.expect("text");
+    assert!(html.contains("/console/vendor/graphiql-3.8.3/graphiql.min.js"));
+    assert!(!html.contains("https://"), "no CDN: {html}");
+    let browser = http
+        .get(app.url("/graphql"))
+        .header("Accept", "text/html")
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(browser.text().await.expect("text"), html);
+    // No such file, no path escape, and no development token from `serve`.
+    for path in [
+        "/console/nope.js",
+        "/console/../Cargo.toml",
+        "/console/index.html",
+        "/console/dev-token",
+    ] {
+        let res = http.get(app.url(path)).send().await.expect("GET");
+        assert_eq!(res.status(), 404, "{path}");
+    }
+}

@@ -310,3 +310,55 @@ async fn one_callers_bad_input_never_changes_another_callers_results() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_document_of_several_operations_runs_the_named_one_without_the_others_variables() {
+    // As GraphiQL sends its whole editor, and generated clients their whole file.
+    let app = spawn_app().await;
+    let document = "query Sites($first: Int!) { sites(first: $first) { totalCount } }\n\
+                    query Time { serverTime ...Me }\n\
+                    fragment Me on Query { viewer { subject } }\n\
+                    fragment Unused on Query { serverTime }";
+    let ask = |name: &str| {
+        let body = json!({ "query": document, "operationName": name }).to_string();
+        let app = &app;
+        async move {
+            let res = app
+                .http
+                .post(app.url("/graphql"))
+                .bearer_auth(app.operator())
+                .header("Content-Type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .expect("POST");
+            parse(&res.text().await.expect("body"))
+        }
+    };
+    let time = ask("Time").await;
+    assert!(time["errors"].is_null(), "{time}");
+    assert_eq!(time["data"]["viewer"]["subject"], "root@ops");
+    assert!(time["data"]["serverTime"].is_string());
+    // The named operation's own variables are still required.
+    let sites = ask("Sites").await;
+    assert_eq!(sites["data"], Value::Null, "{sites}");
+    assert!(
+        sites["errors"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("first")),
+        "{sites}"
+    );
+    // A name no operation has, and no name, are errors as the specification says.
+    for name in [Some("Nope"), None] {
+        let body = match name {
+            Some(n) => json!({ "query": document, "operationName": n }),
+            None => json!({ "query": document }),
+        };
+        let (_, _, text) = post(&app, Some(GQL), &body.to_string()).await;
+        let v = parse(&text);
+        assert!(
+            v["errors"].is_array() && v["data"].is_null(),
+            "{name:?}: {v}"
+        );
+    }
+}

@@ -5,6 +5,7 @@ mod auth;
 mod clock;
 mod command_torture;
 mod commands;
+mod console;
 mod crash;
 mod embedded;
 mod event_contract;
