@@ -152,7 +152,8 @@ function eventsView(root) {
     h('p', { class: 'muted' }, ctx.isOperator() ? 'Every event of the fleet (you are an operator).' : `The events of tenant ${ctx.viewer.tenantId}.`),
     list);
   const item = (e) => h('li', { dataset: { type: e.type, id: e.id } },
-    h('time', { datetime: e.time }, fmtTime(e.time)), h('span', { class: 'mono type' }, e.type), h('span', { class: 'mono' }, e.subject),
+    h('time', { datetime: e.time }, fmtTime(e.time)), h('span', { class: 'mono type' }, e.type),
+    h('span', {}, h('span', { class: 'mono' }, e.subject), summary(e.payload)),
     e.tenantId ? h('span', { class: 'chip' }, e.tenantId) : null,
     h('details', {}, h('summary', {}, 'data'), h('pre', {}, JSON.stringify(e.data, null, 2))));
   const draw = () => {
@@ -169,6 +170,24 @@ function eventsView(root) {
   };
   if (live) showStatus({ state: live.state, reconnects: live.reconnects, cursor: live.cursor });
   return { onEvent: () => ctx.debounce('events', draw, 100), onStatus: showStatus };
+}
+
+/// One line from an event's typed payload (`Event.payload`).
+function summary(p) {
+  if (!p) return null;
+  const line = (...parts) => h('span', { class: 'muted summary' }, ` ${parts.filter(Boolean).join(' · ')}`);
+  switch (p.__typename) {
+    case 'ReservationEventPayload':
+      return line(p.reservation.state, `${fmtTime(p.reservation.startsAt)} → ${fmtTime(p.reservation.endsAt)}`);
+    case 'NodeEventPayload':
+      return line(p.node.hostname, p.node.reachability, p.node.cordoned ? `cordoned${p.node.cordonReason ? `: ${p.node.cordonReason}` : ''}` : null);
+    case 'DeviceEventPayload':
+      return line(p.device.model, p.device.health, p.device.quarantined ? 'quarantined' : null);
+    case 'CommandEventPayload':
+      return line(p.command.kind, p.command.state);
+    default:
+      return null;
+  }
 }
 
 function operatorView(root) {

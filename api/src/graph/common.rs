@@ -134,6 +134,28 @@ pub struct ReasonCount {
     count: i64,
 }
 
+/// Conditions as an event carried them (`Event.payload`), as the graph shows them.
+pub fn conditions_of_views(views: &[compute_domain::events::ConditionView]) -> Vec<Condition> {
+    views
+        .iter()
+        .map(|c| Condition {
+            r#type: c.kind.clone(),
+            status: c.status.as_str().to_owned(),
+            reason: c.reason.clone(),
+            message: c.message.clone(),
+            since: c.since,
+            counts: c
+                .counts
+                .iter()
+                .map(|r| ReasonCount {
+                    reason: r.reason.clone(),
+                    count: r.count,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
 /// Conditions as the graph shows them.
 pub fn conditions_of(stored: &[compute_domain::condition::Condition]) -> Vec<Condition> {
     stored

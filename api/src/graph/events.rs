@@ -116,9 +116,23 @@ impl EventObj {
     async fn time(&self) -> DateTime<Utc> {
         self.0.time
     }
-    /// What changed, as it is after the change.
+    /// What changed, as it is after the change: the payload as untyped JSON, as webhooks
+    /// carry it (`docs/webhooks.md`). `payload` is the same, typed.
     async fn data(&self) -> Json<serde_json::Value> {
         Json(self.0.data.clone())
+    }
+    /// What changed, typed by the event's family: select the members you need, such as
+    /// `... on ReservationEventPayload { reservation { id state } }`. The same fields as
+    /// `data`, so code generators give subscribers types. Null for an event type this server
+    /// does not know (one written by a newer version during a rolling upgrade); `data` still
+    /// has it.
+    async fn payload(&self) -> GqlResult<Option<crate::graph::payloads::EventPayload>> {
+        crate::graph::payloads::payload(&self.0.event_type, &self.0.data).map_err(|why| {
+            gql_error(compute_domain::Error::internal(format!(
+                "event {} ({}) does not read as its payload type: {why}",
+                self.0.id, self.0.event_type
+            )))
+        })
     }
 }
 

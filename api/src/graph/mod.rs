@@ -22,6 +22,7 @@ pub mod fleet;
 pub mod instances;
 pub mod loaders;
 pub mod node;
+pub mod payloads;
 pub mod reservations;
 pub mod sinks;
 pub mod usage;

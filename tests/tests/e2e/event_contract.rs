@@ -617,6 +617,12 @@ async fn every_event_payload_keeps_its_documented_shape() {
         if let Err(e) = read_back(t, data) {
             problems.push(e);
         }
+        // `Event.payload`, the typed union, reads every event too.
+        match compute_api::graph::payloads::payload(ty, data) {
+            Ok(Some(_)) => {}
+            Ok(None) => problems.push(format!("{ty}: Event.payload is null")),
+            Err(e) => problems.push(format!("{ty}: Event.payload: {e}")),
+        }
         let s = shape(data);
         let merged = match shapes.get(ty) {
             Some(old) => merge(old, &s),

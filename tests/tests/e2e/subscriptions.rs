@@ -1068,3 +1068,36 @@ async fn the_instance_subscription_is_its_tenants_only() {
         "{msg}"
     );
 }
+
+#[tokio::test]
+async fn event_payloads_are_typed_by_family_and_match_their_data() {
+    let app = spawn_app().await;
+    let after = now(&app).await;
+    let operator = app.operator();
+    let query = "subscription($after: String) { events(after: $after, types: [\"site.created\", \"test.tick\"]) { \
+        type data payload { __typename ... on SiteEventPayload { site { id name region version } } } } }";
+    let mut ws = subscribe(&app, &operator, "p", query, json!({ "after": after })).await;
+    app.ok(
+        &operator,
+        "mutation { createSite(input: { name: \"typed-1\", region: \"eu-north\" }) { site { id } } }",
+        json!({}),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    let e = event_of(&msg);
+    assert_eq!(e["type"], "site.created", "{msg}");
+    let p = &e["payload"];
+    assert_eq!(p["__typename"], "SiteEventPayload", "{msg}");
+    assert_eq!(p["site"]["name"], "typed-1");
+    assert_eq!(p["site"]["region"], "eu-north");
+    assert_eq!(p["site"]["id"], e["data"]["site"]["id"], "the same as data");
+    assert_eq!(p["site"]["version"], e["data"]["site"]["version"]);
+    // A type this build does not know has a null payload, and its data.
+    emit(&app, None, &["x"]).await;
+    let msg = next_msg(&mut ws).await;
+    let e = event_of(&msg);
+    assert_eq!(e["type"], "test.tick", "{msg}");
+    assert!(e["payload"].is_null(), "{msg}");
+    assert!(msg["payload"]["errors"].is_null(), "{msg}");
+    assert_eq!(e["data"]["n"], "x");
+}

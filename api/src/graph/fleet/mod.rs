@@ -532,7 +532,12 @@ async fn node_connection(
     ))
 }
 
-fn labels_of(labels: &m::Labels) -> Vec<Label> {
+/// A taint as the graph shows it.
+pub(crate) fn taint(key: String, value: String, effect: TaintEffect) -> Taint {
+    Taint { key, value, effect }
+}
+
+pub(crate) fn labels_of(labels: &m::Labels) -> Vec<Label> {
     labels
         .iter()
         .map(|(k, v)| Label {
