@@ -69,6 +69,13 @@ export async function gql(name, variables) {
   const op = ops[name];
   if (!op) throw new ApiError(`the console has no operation ${name}`, 'INTERNAL');
   let json = await send(op, name, variables, false);
+  // Over this caller's query budget: wait as long as the server says, twice at most.
+  for (let i = 0; i < 2 && rateLimited(json) !== null; i++) {
+    const seconds = rateLimited(json);
+    window.dispatchEvent(new CustomEvent('compute:rate-limited', { detail: { seconds, name } }));
+    await new Promise((r) => setTimeout(r, seconds * 1000));
+    json = await send(op, name, variables, false);
+  }
   const first = json.errors && json.errors[0];
   // A server that does not know the console's hash (a different build behind a proxy): send the
   // text once, as automatic persisted queries do.
@@ -80,6 +87,12 @@ export async function gql(name, variables) {
     throw new ApiError(e.message, e.extensions && e.extensions.code, json.errors);
   }
   return json.data;
+}
+
+function rateLimited(json) {
+  const e = json.errors && json.errors[0];
+  if (!e || !e.extensions || e.extensions.code !== 'RATE_LIMITED') return null;
+  return Math.min(60, Math.max(1, Number(e.extensions.retryAfterSeconds) || 5));
 }
 
 /// A mutation that carries an idempotency key in its input: retried with the same variables (so

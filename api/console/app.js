@@ -28,6 +28,9 @@ const ctx = {
     return !!this.viewer && this.viewer.roles.includes('OPERATOR');
   },
 };
+window.addEventListener('compute:rate-limited', (e) => {
+  toast(`Over this token's query budget for the minute: ${e.detail.name} is retried in ${e.detail.seconds} s.`, 'error');
+});
 window.addEventListener('beforeunload', () => sessionStorage.setItem('compute.prefs', JSON.stringify(ctx.prefs)));
 
 let live = null;
@@ -82,10 +85,10 @@ async function signIn(problem) {
     start();
   });
   clear(main, form);
-  // `compute-api dev` hands out its development token; `serve` answers 404.
+  // `compute-api dev` hands out its development token; `serve` answers 204 (none).
   try {
     const r = await fetch('/console/dev-token');
-    if (r.ok) {
+    if (r.status === 200) {
       const { token: devToken } = await r.json();
       form.querySelector('.actions').append(h('button', {
         type: 'button', id: 'dev-sign-in', onclick: () => {

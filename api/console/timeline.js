@@ -9,6 +9,9 @@ import { h, clear, fmtTime, fmtSpan, toLocalInput, errorText, toast, virtualList
 const SPANS = [3, 6, 12, 24, 48, 168].map((hours) => hours * 3600e3);
 const ROW = 24;
 const LIVE_STATES = ['PENDING', 'SCHEDULED', 'ACTIVE'];
+/// Pools up to this many nodes show a row for every atom; larger ones show the booked atoms
+/// (listing 8,000 free rows would cost a minute's query budget and help nobody).
+const ALL_ROWS_UP_TO = 100;
 
 async function allPages(name, variables, pick, limit = 2000) {
   const out = [];
@@ -98,21 +101,41 @@ export function timelineView(root, ctx) {
     spanLabel.textContent = `± ${fmtSpan(state.span)}`;
     range.textContent = `${fmtTime(new Date(from).toISOString())} → ${fmtTime(new Date(to).toISOString())}`;
     if (!atomsOf[state.poolId]) {
-      const nodes = await allPages('ConsolePoolNodes', { poolId: state.poolId, first: 100 }, (d) => d.computeNodes, 5000);
+      const page = (await gql('ConsolePoolAtoms', { poolId: state.poolId, first: ALL_ROWS_UP_TO })).computeNodes;
       const atoms = [];
-      for (const n of nodes) {
-        n.devices.forEach((d, i) => {
-          d.atoms.forEach((a, j) => {
-            const label = `${n.hostname} · ${d.model.split('-')[0]} #${i}${a.kind === 'GPU' ? '' : ` ${a.kind.toLowerCase()} ${j}`}`;
-            atoms.push({ name: a.name, kind: a.kind, model: d.model, hostname: n.hostname, label });
+      if (page.totalCount <= ALL_ROWS_UP_TO) {
+        for (const n of page.nodes) {
+          n.devices.forEach((d, i) => {
+            d.atoms.forEach((a, j) => {
+              const label = `${n.hostname} · ${d.model.split('-')[0]} #${i}${a.kind === 'GPU' ? '' : ` ${a.kind.toLowerCase()} ${j}`}`;
+              atoms.push({ name: a.name, kind: a.kind, model: d.model, hostname: n.hostname, label });
+            });
           });
-        });
+        }
       }
-      atomsOf = { [state.poolId]: atoms };
+      const pool = ctx.pools().find((p) => p.id === state.poolId);
+      const total = (pool ? pool.capacity : []).reduce((n, c) => n + c.total, 0);
+      atomsOf = { [state.poolId]: { atoms, all: page.totalCount <= ALL_ROWS_UP_TO, nodes: page.totalCount, total } };
     }
-    const atoms = atomsOf[state.poolId];
+    const known = atomsOf[state.poolId];
     const window = { start: new Date(from).toISOString(), end: new Date(to).toISOString() };
     const reservations = await allPages('ConsoleReservations', { poolId: state.poolId, window, first: 100 }, (d) => d.reservations);
+    // A large pool's rows are the atoms booked in view, named from the allocations.
+    let atoms = known.atoms;
+    if (!known.all) {
+      const seen = new Map();
+      for (const r of reservations) {
+        for (const a of r.allocations) {
+          for (const name of a.atoms) {
+            if (!seen.has(name)) {
+              const host = a.computeNode ? a.computeNode.hostname : '?';
+              seen.set(name, { name, kind: a.gpuKind, model: a.model, hostname: host, label: `${host} · ${name.replace(/^GPU-/, '').slice(-12)}` });
+            }
+          }
+        }
+      }
+      atoms = [...seen.values()].sort((x, y) => x.label.localeCompare(y.label, undefined, { numeric: true }));
+    }
     const byAtom = new Map();
     const placed = [];
     for (const r of reservations) {
@@ -129,7 +152,11 @@ export function timelineView(root, ctx) {
     const rows = [...atoms].sort((a, b) => (byAtom.has(b.name) ? 1 : 0) - (byAtom.has(a.name) ? 1 : 0));
     const pct = (t) => Math.max(0, Math.min(100, (100 * (t - from)) / (to - from)));
     const nowPct = pct(Date.now());
-    const axis = h('div', { class: 'gantt-axis' }, h('span', { class: 'gantt-label' }, `${atoms.length} atoms · ${new Set(placed.map((p) => p.r.id)).size} reservations in view`),
+    const inView = new Set(placed.map((p) => p.r.id)).size;
+    const heading = known.all
+      ? `${atoms.length} atoms · ${inView} reservations in view`
+      : `${atoms.length} booked atoms of ${known.total} (${known.nodes} nodes) · ${inView} reservations in view`;
+    const axis = h('div', { class: 'gantt-axis' }, h('span', { class: 'gantt-label', title: known.all ? '' : 'A pool of more than 100 nodes lists the atoms booked in view; every atom is free where no row shows it.' }, heading),
       h('span', { class: 'gantt-track' }, ticks(from, to)));
     const list = virtualList(rows, ROW, (atom) => {
       const track = h('span', { class: 'gantt-track', dataset: { atom: atom.name } });
@@ -171,7 +198,7 @@ export function timelineView(root, ctx) {
       const v = placed.filter(({ r }) => Date.parse(r.startsAt) <= t && t < Date.parse(r.endsAt)).length;
       points.push({ t, v });
     }
-    clear(capacity, areaChart(points, atoms.length, from, to));
+    clear(capacity, areaChart(points, known.all ? atoms.length : known.total, from, to));
     const waiting = reservations.filter((r) => r.state === 'PENDING');
     clear(pending, waiting.length ? waiting.map((r) => h('div', { class: 'pending-row', dataset: { reservation: r.id } },
       h('button', { type: 'button', class: 'link', onclick: () => showDetails(r) }, r.id), ` ${fmtTime(r.startsAt)} → ${fmtTime(r.endsAt)} `,
@@ -226,7 +253,8 @@ function ticks(from, to) {
   const span = to - from;
   const step = [3600e3, 3 * 3600e3, 6 * 3600e3, 12 * 3600e3, 24 * 3600e3].find((s) => span / s <= 12) || 48 * 3600e3;
   const out = [];
-  for (let t = Math.ceil(from / step) * step; t < to; t += step) {
+  // The last tick's label would run past the chart's edge.
+  for (let t = Math.ceil(from / step) * step; t < to - span * 0.04; t += step) {
     const tick = h('span', { class: 'gantt-tick' }, new Date(t).toLocaleString(undefined, step >= 24 * 3600e3 ? { month: 'short', day: 'numeric' } : { hour: '2-digit', minute: '2-digit' }));
     tick.style.left = `${(100 * (t - from)) / span}%`;
     out.push(tick);

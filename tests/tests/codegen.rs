@@ -43,6 +43,14 @@ pub struct ConsolePoolNodes;
     query_path = "../api/console/operations.graphql",
     response_derives = "Debug"
 )]
+pub struct ConsolePoolAtoms;
+
+#[derive(GraphQLQuery)]
+#[graphql(
+    schema_path = "../schema.graphql",
+    query_path = "../api/console/operations.graphql",
+    response_derives = "Debug"
+)]
 pub struct ConsoleReservations;
 
 #[derive(GraphQLQuery)]
@@ -153,6 +161,7 @@ const GENERATED: &[&str] = &[
     "ConsoleViewer",
     "ConsoleFleet",
     "ConsolePoolNodes",
+    "ConsolePoolAtoms",
     "ConsoleReservations",
     "ConsoleReservationCounts",
     "ConsoleQuotas",

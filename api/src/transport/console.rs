@@ -33,7 +33,8 @@ pub async fn file(Path(path): Path<String>, headers: HeaderMap) -> Response {
 }
 
 /// `GET /console/dev-token`: the development token, for the console's one-click sign-in under
-/// `compute-api dev` (which prints the same token at start). `404` from `serve`.
+/// `compute-api dev` (which prints the same token at start). `204 No Content` from `serve`: there
+/// is none, which the page asks about on every sign-in, so it is not an error.
 pub async fn dev_token(State(app): State<AppState>) -> Response {
     match &app.dev_token {
         Some(token) => (
@@ -41,7 +42,11 @@ pub async fn dev_token(State(app): State<AppState>) -> Response {
             axum::Json(serde_json::json!({ "token": token.as_ref() })),
         )
             .into_response(),
-        None => StatusCode::NOT_FOUND.into_response(),
+        None => (
+            StatusCode::NO_CONTENT,
+            [(header::CACHE_CONTROL, "no-store")],
+        )
+            .into_response(),
     }
 }
 

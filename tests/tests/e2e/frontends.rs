@@ -414,9 +414,15 @@ async fn the_console_is_served_with_validators_caching_and_a_strict_policy() {
         "/console/nope.js",
         "/console/../Cargo.toml",
         "/console/index.html",
-        "/console/dev-token",
     ] {
         let res = http.get(app.url(path)).send().await.expect("GET");
         assert_eq!(res.status(), 404, "{path}");
     }
+    let token = http
+        .get(app.url("/console/dev-token"))
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(token.status(), 204, "serve has no development token");
+    assert!(token.bytes().await.expect("body").is_empty());
 }
