@@ -8,7 +8,7 @@ import { h, clear, bar, sizeBars, capacityLabel, virtualList, barChart, errorTex
 const NODE_PAGE = 100;
 
 export function fleetView(root, ctx) {
-  const state = { window: null, open: new Set(ctx.prefs.openPools || []) };
+  const state = { window: null, open: new Set(ctx.prefs.openPools || []), lists: new Map() };
   const from = h('input', { type: 'datetime-local', id: 'fleet-from' });
   const to = h('input', { type: 'datetime-local', id: 'fleet-to' });
   const mode = h('select', { id: 'fleet-window' }, h('option', { value: 'now' }, 'Now'), h('option', { value: 'window' }, 'Over a window'));
@@ -50,9 +50,7 @@ export function fleetView(root, ctx) {
           gql('ConsoleReservationCounts', { window: state.window }),
         ]);
         drawFleet(fleet);
-        clear(counts, barChart(['pending', 'scheduled', 'active', 'released', 'cancelled', 'expired'].map((k) => ({
-          label: k, value: byState[k].totalCount, cls: k,
-        }))));
+        clear(counts, stateChart(byState));
       } catch (e) {
         clear(body, h('p', { class: 'error' }, errorText(e)));
       } finally {
@@ -63,6 +61,7 @@ export function fleetView(root, ctx) {
   }
 
   function drawFleet(data) {
+    state.lists.clear();
     const sites = data.sites.nodes;
     if (!sites.length) {
       clear(body, h('p', { class: 'muted' }, 'No sites yet. An operator creates them with createSite.'));
@@ -85,6 +84,7 @@ export function fleetView(root, ctx) {
     toggle.addEventListener('click', () => {
       if (state.open.has(pool.id)) {
         state.open.delete(pool.id);
+        state.lists.delete(pool.id);
         clear(nodes);
         toggle.textContent = 'Show nodes';
       } else {
@@ -113,16 +113,30 @@ export function fleetView(root, ctx) {
         if (!c.pageInfo.hasNextPage || all.length >= 5000) break;
         after = c.pageInfo.endCursor;
       }
-      const counts = {};
-      for (const n of all) counts[n.reachability] = (counts[n.reachability] || 0) + 1;
+      const list = virtualList(all, 34, nodeRow, 420);
       clear(box,
-        h('div', { class: 'node-summary' }, `${total} nodes: `,
-          Object.entries(counts).map(([k, v]) => h('span', { class: `badge ${k.toLowerCase()}` }, `${v} ${k}`)),
-          ` · ${all.filter((n) => n.cordoned).length} cordoned`),
+        summaryOf(all, total),
         h('div', { class: 'node-head' }, h('span', {}, 'Node'), h('span', {}, 'Liveness'), h('span', {}, 'GPUs'), h('span', {}, 'vCPU'), h('span', {}, 'Memory'), h('span', {}, 'Scheduling')),
-        virtualList(all, 34, nodeRow, 420));
+        list);
+      state.lists.set(pool.id, { byId: new Map(all.map((n) => [n.id, n])), list, summary: box.querySelector('.node-summary'), all, total });
     } catch (e) {
       clear(box, h('p', { class: 'error' }, errorText(e)));
+    }
+  }
+
+  // A node's event updates its row in place from the event's typed payload: no page of nodes
+  // is read again, however often nodes connect and disconnect.
+  function patchNode(node) {
+    for (const open of state.lists.values()) {
+      const n = open.byId.get(node.id);
+      if (!n) continue;
+      n.reachability = node.reachability;
+      n.cordoned = node.cordoned;
+      n.cordonReason = node.cordonReason;
+      open.list.refresh();
+      const summary = summaryOf(open.all, open.total);
+      open.summary.replaceWith(summary);
+      open.summary = summary;
     }
   }
 
@@ -130,9 +144,49 @@ export function fleetView(root, ctx) {
   return {
     refresh: load,
     onEvent(event) {
-      if (/^(node|device|reservation|pool|site)\./.test(event.type)) ctx.debounce('fleet', load, 800);
+      const p = event.payload;
+      if (p && p.__typename === 'NodeEventPayload' && event.type !== 'node.registered' && event.type !== 'node.retired') {
+        patchNode(p.node);
+        return;
+      }
+      // Capacity moved (a reservation, a device, a pool): the sites and pools, not the nodes.
+      if (/^(device|reservation|pool|site)\./.test(event.type)) ctx.debounce('fleet-capacity', refreshCapacity, 1000);
+      if (/^node\.(registered|retired)$/.test(event.type)) ctx.debounce('fleet', load, 1000);
     },
   };
+
+  async function refreshCapacity() {
+    try {
+      const fleet = await gql('ConsoleFleet', { window: state.window });
+      for (const site of fleet.sites.nodes) {
+        const card = body.querySelector(`.site[data-site="${site.id}"] > .caps`);
+        if (card) clear(card, site.capacity.map((c) => bar(capacityLabel(c), c.booked, c.total)));
+        for (const pool of site.pools.nodes) {
+          const caps = body.querySelector(`.pool[data-pool="${pool.id}"] > .caps`);
+          if (caps) clear(caps, pool.capacity.map((c) => bar(capacityLabel(c), c.booked, c.total)));
+        }
+      }
+      sizeBars(body);
+      const byState = await gql('ConsoleReservationCounts', { window: state.window });
+      clear(counts, stateChart(byState));
+    } catch (e) {
+      // The next event tries again; the page keeps what it shows.
+    }
+  }
+}
+
+function stateChart(byState) {
+  return barChart(['pending', 'scheduled', 'active', 'released', 'cancelled', 'expired'].map((k) => ({
+    label: k, value: byState[k].totalCount, cls: k,
+  })));
+}
+
+function summaryOf(all, total) {
+  const counts = {};
+  for (const n of all) counts[n.reachability] = (counts[n.reachability] || 0) + 1;
+  return h('div', { class: 'node-summary' }, `${total} nodes: `,
+    Object.entries(counts).map(([k, v]) => h('span', { class: `badge ${k.toLowerCase()}` }, `${v} ${k}`)),
+    ` · ${all.filter((n) => n.cordoned).length} cordoned`);
 }
 
 function resource(n, kind) {

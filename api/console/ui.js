@@ -116,6 +116,11 @@ export function virtualList(items, rowHeight, render, height = 480) {
   outer.addEventListener('scroll', () => requestAnimationFrame(draw));
   requestAnimationFrame(draw);
   setTimeout(draw, 0);
+  // Redraws the rows in view after their items changed in place.
+  outer.refresh = () => {
+    drawn = '';
+    draw();
+  };
   return outer;
 }
 

@@ -1,5 +1,6 @@
 //! The web console and GraphiQL in a real headless Chromium against a real `compute-api dev` on
-//! a throwaway data directory: sign in, the demonstration fleet, a reservation made through the
+//! a throwaway data directory: sign in, the demonstration fleet (a node's liveness changing on
+//! the page as its events arrive), a reservation made through the
 //! form with two clicks that appears once on the timeline through the live stream, its
 //! cancellation, the event stream across a reconnect, the operator's page, GraphiQL running a
 //! query and a subscription; no request to any host but the server, no script error, no
@@ -132,7 +133,29 @@ async fn the_console_reserves_once_through_the_form_and_shows_it_live_in_a_real_
         WAIT,
     )
     .await;
+    // Liveness changes live: stop one node's simulated daemon (`dev` reads `sim-stopped` every
+    // second) and its row turns DISCONNECTED from the event, without a reload.
+    b.eval("window.__notReloaded = true").await;
+    let host = b
+        .eval("document.querySelector('.node-row').dataset.hostname")
+        .await;
+    let host = host.as_str().expect("a hostname").to_owned();
+    std::fs::write(dev.data.join("sim-stopped"), format!("{host}\n")).expect("stop a daemon");
+    b.wait_for(
+        &format!(
+            "document.querySelector('.node-row[data-hostname=\"{host}\"] .badge.disconnected')"
+        ),
+        WAIT,
+    )
+    .await;
+    assert_eq!(b.eval("window.__notReloaded === true").await, true);
     b.screenshot(&shot("2-fleet")).await;
+    std::fs::write(dev.data.join("sim-stopped"), "").expect("start it again");
+    b.wait_for(
+        &format!("document.querySelector('.node-row[data-hostname=\"{host}\"] .badge.connected')"),
+        WAIT,
+    )
+    .await;
 
     // The timeline, and the form beside it. A marker on `window` shows the page is never
     // reloaded: what appears, appears through the subscription.
