@@ -76,11 +76,15 @@ export function fleetView(root, ctx) {
 
   function poolCard(pool) {
     const nodes = h('div', { class: 'nodes' });
-    const toggle = h('button', { type: 'button', class: 'link', dataset: { pool: pool.id } }, state.open.has(pool.id) ? 'Hide nodes' : 'Show nodes');
+    // Nodes are for operators (the API says FORBIDDEN to members); members see capacity.
+    const toggle = ctx.isOperator()
+      ? h('button', { type: 'button', class: 'link', dataset: { pool: pool.id } }, state.open.has(pool.id) ? 'Hide nodes' : 'Show nodes')
+      : h('span', { class: 'muted' }, '');
     const card = h('div', { class: 'pool', dataset: { pool: pool.id } },
       h('h3', {}, pool.name, h('span', { class: 'tag' }, pool.kind), toggle),
       h('div', { class: 'caps' }, pool.capacity.length ? pool.capacity.map((c) => bar(capacityLabel(c), c.booked, c.total)) : h('span', { class: 'muted' }, 'no devices')),
       nodes);
+    if (!ctx.isOperator()) return card;
     toggle.addEventListener('click', () => {
       if (state.open.has(pool.id)) {
         state.open.delete(pool.id);

@@ -101,9 +101,13 @@ export function timelineView(root, ctx) {
     spanLabel.textContent = `± ${fmtSpan(state.span)}`;
     range.textContent = `${fmtTime(new Date(from).toISOString())} → ${fmtTime(new Date(to).toISOString())}`;
     if (!atomsOf[state.poolId]) {
-      const page = (await gql('ConsolePoolAtoms', { poolId: state.poolId, first: ALL_ROWS_UP_TO })).computeNodes;
+      // Nodes are for operators; a member's timeline shows the atoms its reservations hold.
+      const page = ctx.isOperator()
+        ? (await gql('ConsolePoolAtoms', { poolId: state.poolId, first: ALL_ROWS_UP_TO })).computeNodes
+        : { totalCount: null, nodes: [] };
       const atoms = [];
-      if (page.totalCount <= ALL_ROWS_UP_TO) {
+      const all = page.totalCount !== null && page.totalCount <= ALL_ROWS_UP_TO;
+      if (all) {
         for (const n of page.nodes) {
           n.devices.forEach((d, i) => {
             d.atoms.forEach((a, j) => {
@@ -115,7 +119,7 @@ export function timelineView(root, ctx) {
       }
       const pool = ctx.pools().find((p) => p.id === state.poolId);
       const total = (pool ? pool.capacity : []).reduce((n, c) => n + c.total, 0);
-      atomsOf = { [state.poolId]: { atoms, all: page.totalCount <= ALL_ROWS_UP_TO, nodes: page.totalCount, total } };
+      atomsOf = { [state.poolId]: { atoms, all, nodes: page.totalCount, total } };
     }
     const known = atomsOf[state.poolId];
     const window = { start: new Date(from).toISOString(), end: new Date(to).toISOString() };
@@ -128,7 +132,7 @@ export function timelineView(root, ctx) {
         for (const a of r.allocations) {
           for (const name of a.atoms) {
             if (!seen.has(name)) {
-              const host = a.computeNode ? a.computeNode.hostname : '?';
+              const host = a.computeNode ? a.computeNode.hostname : (a.computeNodeId || '?').slice(-8);
               seen.set(name, { name, kind: a.gpuKind, model: a.model, hostname: host, label: `${host} · ${name.replace(/^GPU-/, '').slice(-12)}` });
             }
           }
@@ -155,7 +159,7 @@ export function timelineView(root, ctx) {
     const inView = new Set(placed.map((p) => p.r.id)).size;
     const heading = known.all
       ? `${atoms.length} atoms · ${inView} reservations in view`
-      : `${atoms.length} booked atoms of ${known.total} (${known.nodes} nodes) · ${inView} reservations in view`;
+      : `${atoms.length} booked atoms of ${known.total}${known.nodes === null ? '' : ` (${known.nodes} nodes)`} · ${inView} reservations in view`;
     const axis = h('div', { class: 'gantt-axis' }, h('span', { class: 'gantt-label', title: known.all ? '' : 'A pool of more than 100 nodes lists the atoms booked in view; every atom is free where no row shows it.' }, heading),
       h('span', { class: 'gantt-track' }, ticks(from, to)));
     const list = virtualList(rows, ROW, (atom) => {

@@ -21,7 +21,7 @@ use crate::error::Result;
 pub const NOTIFY_CHANNEL: &str = "compute_outbox";
 
 /// The shortest time between two pokes of one process: the most a poke waits for the one
-/// before it, and what bounds a process to 40 notifying transactions a second. A change after a
+/// before it, and what bounds a process to 200 notifying transactions a second. A change after a
 /// quiet spell is poked at once; under load, changes within this interval share one poke (and
 /// every listening process one read of the outbox), which at 5 ms cost about one notifying
 /// transaction and one read per listener for each reservation (`bench-reservations`).
