@@ -233,12 +233,15 @@ impl Browser {
     }
 
     /// Clicks the centre of the first element matching `selector` with real mouse events,
-    /// `times` times in a row (a double click is `2`).
+    /// `times` times in a row (a double click is `2`), once it is shown (a hidden element has
+    /// no box to click).
     pub async fn click(&self, selector: &str, times: u32) {
         let sel = serde_json::to_string(selector).expect("json");
         self.wait_for(
-            &format!("document.querySelector({sel})"),
-            Duration::from_secs(20),
+            &format!(
+                "(e => e && e.getClientRects().length > 0 && !e.disabled)(document.querySelector({sel}))"
+            ),
+            Duration::from_secs(30),
         )
         .await;
         let at = self

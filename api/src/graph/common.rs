@@ -156,24 +156,12 @@ pub fn conditions_of_views(views: &[compute_domain::events::ConditionView]) -> V
         .collect()
 }
 
-/// Conditions as the graph shows them.
+/// Conditions as the graph shows them (through the events' view of a condition, so the two
+/// cannot drift).
 pub fn conditions_of(stored: &[compute_domain::condition::Condition]) -> Vec<Condition> {
-    stored
+    let views: Vec<_> = stored
         .iter()
-        .map(|c| Condition {
-            r#type: c.kind.clone(),
-            status: c.status.as_str().to_owned(),
-            reason: c.reason.clone(),
-            message: c.message.clone(),
-            since: c.since,
-            counts: c
-                .counts
-                .iter()
-                .map(|r| ReasonCount {
-                    reason: r.reason.clone(),
-                    count: r.count,
-                })
-                .collect(),
-        })
-        .collect()
+        .map(compute_domain::events::ConditionView::from)
+        .collect();
+    conditions_of_views(&views)
 }

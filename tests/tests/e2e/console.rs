@@ -441,6 +441,34 @@ async fn the_console_reserves_once_through_the_form_and_shows_it_live_in_a_real_
     );
     b.screenshot(&shot("8-member")).await;
 
+    // Over the quota just set (2 GPUs in that pool): the form says QUOTA_EXCEEDED, and nothing
+    // was booked.
+    let quota_pool = pool["pools"]["nodes"][0]["id"]
+        .as_str()
+        .expect("a pool")
+        .to_owned();
+    b.eval("window.location.hash = '#/reserve'").await;
+    b.wait_for("document.querySelector('#reserve-form')", WAIT)
+        .await;
+    b.fill("#reserve-pool", &quota_pool).await;
+    b.fill("#reserve-count", "3").await;
+    b.click("#reserve-submit", 1).await;
+    b.wait_for(
+        "(document.querySelector('#reserve-result .outcome.error') || {dataset: {}}).dataset.code === 'QUOTA_EXCEEDED'",
+        WAIT,
+    )
+    .await;
+    let shown = b
+        .eval("document.querySelector('#reserve-result .outcome').textContent")
+        .await;
+    assert!(
+        shown.to_string().starts_with("\"QUOTA_EXCEEDED: "),
+        "{shown}"
+    );
+    b.screenshot(&shot("9-quota-exceeded")).await;
+    let mine = graphql(&dev, &member, RESERVATIONS, json!({})).await;
+    assert_eq!(mine["reservations"]["totalCount"], 0, "{mine}");
+
     // Nothing but the server was asked for anything.
     let urls = b.urls.lock().expect("lock").clone();
     assert!(urls.len() > 10, "{urls:?}");
