@@ -775,16 +775,29 @@ async fn sse_streams_and_resumes_with_last_event_id() {
     let (status, _) = SseStream::open(&app, "nope", body, None).await;
     assert_eq!(status, 401);
     // A token that expires while the stream is open ends it: UNAUTHENTICATED, then complete.
-    // (The verifier's clock is moved to the token's last second, so it ends at once.)
-    let late_token = app.token("late", Some("acme"), &[Role::Member]);
-    app.move_jwt_clock(3600 + 5);
-    let (status, mut late) = SseStream::open(
-        &app,
-        &late_token,
-        json!({ "query": EVENTS, "variables": { "types": ["test.tick"] } }),
-        None,
-    )
-    .await;
+    // (The verifier's clock is moved to the token's last second, so it ends at once. That
+    // second is the last only while the wall clock stays in the second the token was made in:
+    // an open that a tick split found the token already expired, and is made again.)
+    let mut moved = 0;
+    let (status, mut late) = loop {
+        app.move_jwt_clock(-moved);
+        let made = chrono::Utc::now().timestamp();
+        let mut c = compute_tests::claims("late", Some("acme"), &[Role::Member], 3600);
+        (c.iat, c.nbf, c.exp) = (Some(made), Some(made - 5), made + 3600);
+        let late_token = compute_tests::mint(c);
+        app.move_jwt_clock(3600 + 5);
+        moved = 3600 + 5;
+        let opened = SseStream::open(
+            &app,
+            &late_token,
+            json!({ "query": EVENTS, "variables": { "types": ["test.tick"] } }),
+            None,
+        )
+        .await;
+        if chrono::Utc::now().timestamp() == made {
+            break opened;
+        }
+    };
     assert_eq!(status, 200);
     let e = late.next().await;
     let v: Value = serde_json::from_str(&e.data).expect("json");
