@@ -161,7 +161,10 @@ export function fleetView(root, ctx) {
 
   async function refreshCapacity() {
     try {
-      const fleet = await gql('ConsoleFleet', { window: state.window });
+      const [fleet, byState] = await Promise.all([
+        gql('ConsoleFleet', { window: state.window }),
+        gql('ConsoleReservationCounts', { window: state.window }),
+      ]);
       for (const site of fleet.sites.nodes) {
         const card = body.querySelector(`.site[data-site="${site.id}"] > .caps`);
         if (card) clear(card, site.capacity.map((c) => bar(capacityLabel(c), c.booked, c.total)));
@@ -171,7 +174,6 @@ export function fleetView(root, ctx) {
         }
       }
       sizeBars(body);
-      const byState = await gql('ConsoleReservationCounts', { window: state.window });
       clear(counts, stateChart(byState));
     } catch (e) {
       // The next event tries again; the page keeps what it shows.

@@ -71,7 +71,7 @@ export function bar(label, booked, total, title) {
   const level = pct >= 90 ? 'full' : pct >= 60 ? 'busy' : 'ok';
   return h('div', { class: 'cap', title: title || `${booked} of ${total} booked` },
     h('span', { class: 'cap-label' }, label),
-    h('span', { class: 'cap-track' }, h('span', { class: `cap-fill ${level}`, style: null, dataset: { pct: Math.round(pct) } })),
+    h('span', { class: 'cap-track' }, h('span', { class: `cap-fill ${level}`, dataset: { pct: Math.round(pct) } })),
     h('span', { class: 'cap-num' }, `${total - booked} free / ${total}`));
 }
 

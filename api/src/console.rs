@@ -214,6 +214,11 @@ static OPERATIONS_MODULE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// The console's documents, which the server trusts as persisted operations in every mode.
+pub fn documents() -> impl Iterator<Item = String> {
+    operations().iter().map(|op| op.body.clone())
+}
+
 /// The console's operations as Apollo's persisted query manifest (`compute-api
 /// console-manifest`), the format `--persisted-manifest` reads.
 pub fn manifest() -> serde_json::Value {

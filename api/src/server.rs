@@ -243,8 +243,7 @@ impl Server {
             metrics,
             registry,
             persisted: Arc::new(
-                crate::persisted::Persisted::automatic()
-                    .with_trusted(crate::console::operations().iter().map(|o| o.body.clone())),
+                crate::persisted::Persisted::automatic().with_trusted(crate::console::documents()),
             ),
             dev_token: None,
             cors_origins: Vec::new(),
@@ -261,8 +260,7 @@ impl Server {
         cors_origins: Vec<axum::http::HeaderValue>,
     ) -> Server {
         // The console's operations ship with the binary: trusted, in `--persisted-only` too.
-        let persisted =
-            persisted.with_trusted(crate::console::operations().iter().map(|o| o.body.clone()));
+        let persisted = persisted.with_trusted(crate::console::documents());
         self.app.configure(|inner| {
             inner.persisted = Arc::new(persisted);
             inner.cors_origins = cors_origins;

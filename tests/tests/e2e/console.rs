@@ -29,10 +29,7 @@ impl Drop for Dev {
 
 /// `compute-api dev` on a free port and a new data directory.
 async fn start_dev() -> Dev {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port");
+    let port = compute_tests::bench::free_port();
     let data = std::env::temp_dir().join(format!("compute-console-{}-{port}", std::process::id()));
     let _ = std::fs::remove_dir_all(&data);
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_test-api"))
