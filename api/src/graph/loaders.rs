@@ -123,6 +123,27 @@ children!(
     fleet::atoms_by_devices,
     device_id
 );
+/// The atoms of one node's devices, in device then ordinal order: read beside the node's devices
+/// rather than after them (one round trip less for a page of nodes).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AtomsOfNode(pub NodeId);
+
+impl Loader<AtomsOfNode> for FleetLoader {
+    type Value = Vec<Atom>;
+    type Error = async_graphql::Error;
+
+    async fn load(&self, keys: &[AtomsOfNode]) -> LoadResult<AtomsOfNode, Vec<Atom>> {
+        let rows = fleet::atoms_by_nodes(&self.db, &ids(keys, |k| &k.0))
+            .await
+            .map_err(gql_error)?;
+        let mut out: HashMap<AtomsOfNode, Vec<Atom>> =
+            keys.iter().map(|k| (k.clone(), Vec::new())).collect();
+        for (node, atom) in rows {
+            out.entry(AtomsOfNode(node)).or_default().push(atom);
+        }
+        Ok(out)
+    }
+}
 children!(
     ResourcesOfNode(NodeId),
     NodeResource,

@@ -77,9 +77,11 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>, door: door::Door) ->
          any offset; outputs are in UTC. Every time the API compares against is `compute_now()` \
          (see `serverTime`).",
     )
-    .extension(async_graphql::extensions::Tracing)
     // The door bounds documents before validation and prices them after it (its own cost
-    // limit replaces async-graphql's uncoded one).
+    // limit replaces async-graphql's uncoded one). It is the only extension: async-graphql's
+    // `Tracing` opened a span around every object field (with the default `info` filter, each
+    // one formatted its path), which cost a page of 1,700 objects more than its SQL; each
+    // request has one span of its own instead (`transport::request_span`).
     .extension(door)
     .limit_depth(32);
     if let Some((db, tailer)) = services {

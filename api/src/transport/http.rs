@@ -327,18 +327,13 @@ fn request_error_status(response: &async_graphql::Response) -> StatusCode {
 /// Serializes a response per the specification, giving every error a code.
 fn render(app: &AppState, media: MediaType, mut response: async_graphql::Response) -> Response {
     let request_error = prepare(app, &mut response);
-    let body = response_json(&response, request_error);
+    let body = response_json(&response, request_error).text();
     let status = if request_error && media == MediaType::GraphqlResponseJson {
         request_error_status(&response)
     } else {
         StatusCode::OK
     };
-    (
-        status,
-        [(header::CONTENT_TYPE, media.content_type())],
-        body.to_string(),
-    )
-        .into_response()
+    (status, [(header::CONTENT_TYPE, media.content_type())], body).into_response()
 }
 
 #[cfg(test)]

@@ -18,7 +18,6 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use compute_domain::ErrorCode;
-use serde_json::json;
 
 use crate::auth::{Viewer, bearer};
 use crate::state::AppState;
@@ -305,19 +304,37 @@ pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
 }
 
 /// The JSON of a prepared response: `data` unless it is a request error, `errors` and
-/// `extensions` when there are any.
-pub fn response_json(response: &async_graphql::Response, request_error: bool) -> Value {
-    let mut body = serde_json::Map::new();
-    if !request_error {
-        body.insert("data".into(), json!(response.data));
+/// `extensions` when there are any. It borrows the response and serializes it where it lies:
+/// a page of thousands of fields is written once, not copied into a `serde_json::Value` first.
+pub fn response_json(response: &async_graphql::Response, request_error: bool) -> ResponseJson<'_> {
+    ResponseJson {
+        data: (!request_error).then_some(&response.data),
+        errors: &response.errors,
+        extensions: &response.extensions,
     }
-    if !response.errors.is_empty() {
-        body.insert("errors".into(), json!(response.errors));
+}
+
+/// A prepared response as the specification shapes it ([`response_json`]); its keys in the
+/// order `data`, `errors`, `extensions`.
+#[derive(serde::Serialize)]
+pub struct ResponseJson<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<&'a async_graphql::Value>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    errors: &'a [ServerError],
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    extensions: &'a std::collections::BTreeMap<String, async_graphql::Value>,
+}
+
+impl ResponseJson<'_> {
+    /// The response as JSON text.
+    pub fn text(&self) -> String {
+        // Serializing these types cannot fail: their maps have string keys.
+        serde_json::to_string(self).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "a GraphQL response did not serialize");
+            r#"{"errors":[{"message":"the response could not be serialized","extensions":{"code":"INTERNAL"}}]}"#.to_owned()
+        })
     }
-    if !response.extensions.is_empty() {
-        body.insert("extensions".into(), json!(response.extensions));
-    }
-    Value::Object(body)
 }
 
 /// Maps a code seen in a response back to its static name, for the metrics label.

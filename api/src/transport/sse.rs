@@ -224,7 +224,7 @@ async fn stream_events(
         if let Some(cursor) = streaming.decorate(&mut response) {
             event = event.id(cursor.encode());
         }
-        let data = response_json(&response, request_error).to_string();
+        let data = response_json(&response, request_error).text();
         if tx.send(event.data(data)).await.is_err() {
             return;
         }

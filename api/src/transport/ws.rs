@@ -117,7 +117,9 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
 
 /// What an operation's task hands to the connection.
 enum Out {
-    Next(Value),
+    /// The payload, as JSON text (serialized once, where the response lies).
+    Next(String),
+    /// The errors, as a JSON array.
     Error(Value),
     Complete,
 }
@@ -270,10 +272,16 @@ impl Conn {
 
     async fn send_out(&mut self, id: &str, out: Out) -> Result<(), axum::Error> {
         let message = match (self.protocol, out) {
-            (Protocol::TransportWs, Out::Next(p)) => {
-                json!({ "id": id, "type": "next", "payload": p })
+            // The payload is already JSON: the frame is written around it, not parsed again.
+            (protocol, Out::Next(payload)) => {
+                let kind = match protocol {
+                    Protocol::TransportWs => "next",
+                    Protocol::Legacy => "data",
+                };
+                let id = Value::from(id);
+                let frame = format!(r#"{{"id":{id},"type":"{kind}","payload":{payload}}}"#);
+                return self.sink.send(Message::Text(frame.into())).await;
             }
-            (Protocol::Legacy, Out::Next(p)) => json!({ "id": id, "type": "data", "payload": p }),
             (_, Out::Error(p)) => json!({ "id": id, "type": "error", "payload": p }),
             (_, Out::Complete) => json!({ "id": id, "type": "complete" }),
         };
@@ -494,7 +502,7 @@ async fn operation(
         }
         first = false;
         streaming.decorate(&mut response);
-        let payload = response_json(&response, request_error);
+        let payload = response_json(&response, request_error).text();
         if out.send((id.clone(), Out::Next(payload))).await.is_err() {
             return;
         }

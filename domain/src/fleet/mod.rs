@@ -667,6 +667,39 @@ pub async fn atoms_by_devices(db: &Db, device_ids: &[DeviceId]) -> Result<Vec<At
     .await?)
 }
 
+/// The atoms of each node's devices, by device then ordinal, each with its node: a page of nodes
+/// reads its atoms beside its devices, in parallel, instead of after them.
+pub async fn atoms_by_nodes(db: &Db, node_ids: &[NodeId]) -> Result<Vec<(NodeId, Atom)>> {
+    let ids: Vec<&str> = node_ids.iter().map(NodeId::as_str).collect();
+    let rows = sqlx::query!(
+        r#"SELECT d.node_id AS "node_id!: NodeId", a.name AS "name!: AtomName", a.device_id AS "device_id!: DeviceId",
+                  a.kind AS "kind!: AtomKind", a.ordinal AS "ordinal!", a.profile, a.share_num AS "share_num!",
+                  a.share_den AS "share_den!"
+             FROM unnest($1::text[]) AS k(id)
+            CROSS JOIN LATERAL (SELECT x.id, x.node_id FROM devices x WHERE x.node_id = k.id OFFSET 0) d
+            CROSS JOIN LATERAL (SELECT * FROM device_atoms y WHERE y.device_id = d.id OFFSET 0) a
+            ORDER BY a.device_id, a.ordinal"#,
+        &ids as &[&str],
+    )
+    .fetch_all(db.pool())
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let atom = Atom {
+                name: r.name,
+                device_id: r.device_id,
+                kind: r.kind,
+                ordinal: r.ordinal,
+                profile: r.profile,
+                share_num: r.share_num,
+                share_den: r.share_den,
+            };
+            (r.node_id, atom)
+        })
+        .collect())
+}
+
 /// Filters of the atoms connection.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct AtomFilter {

@@ -491,25 +491,32 @@ async fn prefetch_nodes(
             Ok(None)
         }
     };
-    let (devices, resources) = futures_util::future::try_join(devices, resources).await?;
+    // A node's atoms are read by node, beside its devices, not after them: the three statements
+    // run at once on three connections.
+    let atoms = async {
+        if want_atoms {
+            loaders
+                .load_many(node_ids().map(AtomsOfNode))
+                .await
+                .map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let (devices, resources, atoms) =
+        futures_util::future::try_join3(devices, resources, atoms).await?;
     let devices: HashMap<NodeId, Vec<fleet::Device>> =
         devices.into_iter().map(|(k, v)| (k.0, v)).collect();
-    let atoms = if want_atoms {
-        let ids = devices
-            .values()
-            .flatten()
-            .map(|d| AtomsOfDevice(d.id.clone()));
-        Some(
-            loaders
-                .load_many(ids)
-                .await?
-                .into_iter()
-                .map(|(k, v)| (k.0, v))
-                .collect(),
-        )
-    } else {
-        None
-    };
+    let atoms = atoms.map(|by_node| {
+        let mut by_device: HashMap<DeviceId, Vec<fleet::Atom>> = HashMap::new();
+        for atom in by_node.into_values().flatten() {
+            by_device
+                .entry(atom.device_id.clone())
+                .or_default()
+                .push(atom);
+        }
+        by_device
+    });
     Ok(Some(Arc::new(NodeSubtree {
         devices,
         atoms,
