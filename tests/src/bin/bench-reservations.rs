@@ -122,8 +122,10 @@ BEGIN
     RETURN v_id;
 END
 $$;
--- As the product's functions do (migration 0015): keep the generic plans, not re-plan each call.
+-- As the product's functions do (migrations 0015 and 0017): keep the generic plans, not re-plan
+-- each call, and make them index plans whatever the tables' sizes when they were made.
 ALTER FUNCTION bench_reference_reserve(text, text, text, timestamptz) SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION bench_reference_reserve(text, text, text, timestamptz) SET enable_seqscan = off;
 "#;
 
 const CREATE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state } } }";
