@@ -63,6 +63,27 @@ async fn the_response_media_type_follows_accept() {
     assert_eq!(s, 406);
 }
 
+/// The specification's response fields come in the order the selection set asks for them (a
+/// serializer through a sorted map would write `alpha`, `mid`, `zeta`), and `data` before
+/// `extensions`.
+#[tokio::test]
+async fn response_fields_follow_the_selection_order() {
+    let app = spawn_app().await;
+    let q = r#"{"query":"{ zeta: __typename alpha: __typename mid: __typename }"}"#;
+    let (s, _, body) = post(&app, Some(GQL), q).await;
+    assert_eq!(s, 200, "{body}");
+    let at = |key: &str| {
+        body.find(&format!("\"{key}\""))
+            .unwrap_or_else(|| panic!("{key} in {body}"))
+    };
+    assert!(
+        at("zeta") < at("alpha") && at("alpha") < at("mid"),
+        "fields in selection order: {body}"
+    );
+    assert!(at("data") < at("extensions"), "data first: {body}");
+    assert_eq!(parse(&body)["data"]["mid"], "Query");
+}
+
 #[tokio::test]
 async fn request_errors_are_400_with_graphql_response_json_and_200_with_json() {
     let app = spawn_app().await;
