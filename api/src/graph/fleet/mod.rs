@@ -436,8 +436,8 @@ impl ComputeNodeObj {
     }
 }
 
-/// The devices, atoms and resources of a page of nodes, loaded breadth-first: one statement per
-/// level for the whole page.
+/// The devices, atoms and resources of a page of nodes, loaded for the whole page at once: one
+/// statement each, all three keyed by node and run in parallel.
 #[derive(Default)]
 pub struct NodeSubtree {
     devices: HashMap<NodeId, Vec<fleet::Device>>,
@@ -445,8 +445,8 @@ pub struct NodeSubtree {
     resources: Option<HashMap<NodeId, Vec<fleet::NodeResource>>>,
 }
 
-/// Loads, for a page of nodes, the children the query selects below them, a level at a time
-/// through the loaders (so sibling pages batch together too). Resolving each node's children
+/// Loads, for a page of nodes, the children the query selects below them, keyed by node through
+/// the loaders (so sibling pages batch together too). Resolving each node's children
 /// separately would leave the batching to timing: lists longer than 32 are polled in slices, and
 /// a slice that comes late misses the batch.
 async fn prefetch_nodes(
