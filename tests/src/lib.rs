@@ -12,6 +12,11 @@
 //!   pooler's, `TestDb::direct_url` the server's; processes a test starts get
 //!   [`TestDb::process_env`]); migrations and `LISTEN` go to the server itself.
 
+/// The allocator the API and the workers run on (their `main.rs`): the benchmarks and test
+/// servers here host them in process, so they measure what production runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 pub mod bench;
 pub mod cdp;
 pub mod sqlscan;
