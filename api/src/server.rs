@@ -224,7 +224,10 @@ impl Server {
         let (shutdown_tx, shutdown) = watch::channel(false);
         let tailer = Tailer::new(db.clone(), stream);
         let metrics = Metrics::new(&registry, &db, &clock, &tailer);
-        let door = graph::door::Door::new(limits.clone(), {
+        let schema = graph::build(Some((db.clone(), tailer.clone())));
+        let costs = graph::cost::CostModel::from_sdl(&schema.sdl())
+            .map_err(|e| compute_domain::Error::internal(e.to_string()))?;
+        let door = graph::door::Door::new(limits.clone(), costs, {
             let metrics = metrics.clone();
             std::sync::Arc::new(move |reason| metrics.record_refusal(reason))
         });
@@ -233,7 +236,8 @@ impl Server {
         let app = AppState::new(Inner {
             gateway,
             gateway_only: false,
-            schema: graph::build(Some((db.clone(), tailer.clone())), door),
+            schema,
+            door,
             limits,
             streams: crate::limits::Streams::default(),
             tailer,

@@ -177,10 +177,8 @@ fn every_schema_element_has_a_real_description() {
     const QUERY: &str = "{ __schema { types { name kind description \
         fields(includeDeprecated: true) { name description args { name description } } \
         inputFields { name description } enumValues(includeDeprecated: true) { name description } } } }";
-    let schema = compute_api::graph::build(None, Default::default());
-    // The schema bounds each execution with a timer (the request deadline).
+    let schema = compute_api::graph::build(None);
     let response = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
         .build()
         .expect("runtime")
         .block_on(schema.execute(QUERY));

@@ -217,7 +217,6 @@ impl CommandQuery {
     /// Commands of every node, oldest first (`last:` for the newest), filtered (operators
     /// only).
     #[allow(clippy::too_many_arguments)]
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn commands(
         &self,
         ctx: &Context<'_>,

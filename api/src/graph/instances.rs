@@ -153,7 +153,6 @@ impl InstanceQuery {
 
     /// Instances: a member's own tenant's; an operator's of every tenant, or of `tenantId`.
     #[allow(clippy::too_many_arguments)]
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn instances(
         &self,
         ctx: &Context<'_>,

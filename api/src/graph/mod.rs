@@ -16,6 +16,7 @@ use crate::auth::Role;
 pub mod commands;
 pub mod common;
 pub mod context;
+pub mod cost;
 pub mod door;
 pub mod events;
 pub mod fleet;
@@ -65,7 +66,7 @@ pub fn with_loaders(request: async_graphql::Request, db: &Db) -> async_graphql::
 
 /// Builds the schema with the shared services every resolver reads. Without a database (for
 /// printing the SDL) no resolver can run.
-pub fn build(services: Option<(Db, crate::tailer::Tailer)>, door: door::Door) -> ApiSchema {
+pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
     let mut builder = Schema::build(
         Query::default(),
         Mutation::default(),
@@ -77,12 +78,10 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>, door: door::Door) ->
          any offset; outputs are in UTC. Every time the API compares against is `compute_now()` \
          (see `serverTime`).",
     )
-    // The door bounds documents before validation and prices them after it (its own cost
-    // limit replaces async-graphql's uncoded one). It is the only extension: async-graphql's
-    // `Tracing` opened a span around every object field (with the default `info` filter, each
-    // one formatted its path), which cost a page of 1,700 objects more than its SQL; each
-    // request has one span of its own instead (`transport::request_span`).
-    .extension(door)
+    // No extension: with one, async-graphql resolves every field through its extension chain
+    // (a registry lookup and a boxed future per field, two formatted type names per list
+    // item). The door (`door`) bounds and prices documents in the transports instead, and
+    // each request has one span (`transport::request_span`), not one per field.
     .limit_depth(32);
     if let Some((db, tailer)) = services {
         // The data loaders are not here: each request gets its own (`with_loaders`), so a batch
@@ -94,7 +93,7 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>, door: door::Door) ->
 
 /// The SDL of the schema, as `compute-api schema` prints it and `schema.graphql` holds it.
 pub fn sdl() -> String {
-    build(None, door::Door::default()).sdl()
+    build(None).sdl()
 }
 
 /// The core queries: who is calling, and what time it is.

@@ -115,9 +115,7 @@ impl ReservationObj {
             .ok_or_else(|| gql_error(Error::internal("a reservation without its pool")))
     }
     /// Its allocations, in order.
-    #[graphql(
-        complexity = "crate::graph::door::list_cost(compute_domain::reservations::model::MAX_ALLOCATIONS, child_complexity)"
-    )]
+    // Priced by its entry in `graph::cost::RULES`.
     async fn allocations(&self, ctx: &Context<'_>) -> GqlResult<Vec<AllocationObj>> {
         Ok(loaders_of(ctx)?
             .load_one(AllocationsOfReservation(self.0.id.clone()))
@@ -239,7 +237,6 @@ impl ReservationQuery {
 
     /// Reservations: a member's own tenant's; an operator's of every tenant, or of `tenantId`.
     #[allow(clippy::too_many_arguments)]
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn reservations(
         &self,
         ctx: &Context<'_>,

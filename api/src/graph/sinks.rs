@@ -149,7 +149,6 @@ pub struct SinkQuery;
 #[Object]
 impl SinkQuery {
     /// The caller's event sinks (an operator sees every sink), by id.
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn event_sinks(
         &self,
         ctx: &Context<'_>,

@@ -286,6 +286,10 @@ async fn execute(
         }
         Ok(_) => {}
     }
+    let admission = match app.door.admit(&mut request, viewer.as_ref(), peer) {
+        Ok(a) => a,
+        Err(e) => return render(app, media, async_graphql::Response::from_errors(vec![e])),
+    };
     let span = super::request_span("http", &request, viewer.as_ref());
     if let Some(viewer) = viewer {
         request = request.data(viewer);
@@ -295,7 +299,12 @@ async fn execute(
     }
     let replay = crate::graph::ReplayFlag::default();
     request = crate::graph::with_loaders(request.data(replay.clone()), &app.db);
-    let mut response = app.schema.execute(request).instrument(span).await;
+    let mut response = app
+        .door
+        .within_deadline(app.schema.execute(request))
+        .instrument(span)
+        .await;
+    app.door.finish(&admission, &mut response);
     if replay.is_set() {
         response.extensions.insert(
             "idempotentReplay".into(),

@@ -240,6 +240,54 @@ pub fn operation_type(
     })
 }
 
+/// The responses of a request on a streaming transport (WebSocket, SSE), given what the door
+/// said of it ([`crate::graph::door::Door::admit`], called before the request's viewer moved
+/// into its stream): its refusal as the one response; a query or mutation's one response within
+/// the request deadline; a subscription's responses as long as it runs. A request async-graphql
+/// refuses is refunded ([`crate::graph::door::Door::settle`]).
+pub fn execute_streaming(
+    app: &AppState,
+    mut request: async_graphql::Request,
+    admitted: async_graphql::ServerResult<crate::graph::door::Admission>,
+) -> futures_util::stream::BoxStream<'static, async_graphql::Response> {
+    use futures_util::StreamExt;
+    let admission = match admitted {
+        Ok(a) => a,
+        Err(e) => {
+            return futures_util::stream::once(std::future::ready(
+                async_graphql::Response::from_errors(vec![e]),
+            ))
+            .boxed();
+        }
+    };
+    let subscription = matches!(
+        operation_type(app, &mut request),
+        Ok(Some(OperationType::Subscription))
+    );
+    let door = app.door.clone();
+    let mut responses = app.schema.execute_stream(request);
+    if subscription {
+        let mut first = true;
+        responses
+            .map(move |r| {
+                if std::mem::take(&mut first) {
+                    door.settle(&admission, &r);
+                }
+                r
+            })
+            .boxed()
+    } else {
+        futures_util::stream::once(async move {
+            let r = door
+                .within_deadline(async move { responses.next().await.unwrap_or_default() })
+                .await;
+            door.settle(&admission, &r);
+            r
+        })
+        .boxed()
+    }
+}
+
 /// The span of one GraphQL request on `transport`: a request id, the operation's name and the
 /// caller. Every log line of the request (an `INTERNAL` error's included) carries it.
 pub fn request_span(

@@ -164,7 +164,7 @@ async fn respond(
     }
     let keep_alive = app.tailer.config().keep_alive;
     let (tx, mut rx) = mpsc::channel::<SseEvent>(16);
-    tokio::spawn(run(app, request, viewer, tx, place));
+    tokio::spawn(run(app, request, viewer, peer, tx, place));
     let events = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok::<_, Infallible>);
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(keep_alive))
@@ -177,11 +177,12 @@ async fn run(
     app: AppState,
     request: async_graphql::Request,
     viewer: Option<Viewer>,
+    peer: Option<Peer>,
     tx: mpsc::Sender<SseEvent>,
     place: StreamGuard,
 ) {
     let span = super::request_span("sse", &request, viewer.as_ref());
-    stream_events(app, request, viewer, tx)
+    stream_events(app, request, viewer, peer, tx)
         .instrument(span)
         .await;
     drop(place);
@@ -191,15 +192,17 @@ async fn stream_events(
     app: AppState,
     request: async_graphql::Request,
     viewer: Option<Viewer>,
+    peer: Option<Peer>,
     tx: mpsc::Sender<SseEvent>,
 ) {
     let expires = viewer.as_ref().map_or(
         std::time::Duration::from_secs(100 * 365 * 24 * 3600),
         Viewer::valid_for,
     );
-    let request = crate::graph::with_loaders(request, &app.db);
+    let mut request = crate::graph::with_loaders(request, &app.db);
+    let admitted = app.door.admit(&mut request, viewer.as_ref(), peer);
     let (request, streaming) = Streaming::attach(request, viewer);
-    let mut responses = app.schema.execute_stream(request);
+    let mut responses = crate::transport::execute_streaming(&app, request, admitted);
     let expiry = tokio::time::sleep(expires);
     tokio::pin!(expiry);
     let mut shutdown = app.shutdown.clone();

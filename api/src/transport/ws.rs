@@ -489,9 +489,11 @@ async fn operation(
     viewer: Option<Viewer>,
     out: mpsc::Sender<(String, Out)>,
 ) {
-    let request = crate::graph::with_loaders(request, &app.db);
+    let mut request = crate::graph::with_loaders(request, &app.db);
+    // A WebSocket's anonymous callers share one budget: its peer is not known here.
+    let admitted = app.door.admit(&mut request, viewer.as_ref(), None);
     let (request, streaming) = Streaming::attach(request, viewer);
-    let mut responses = app.schema.execute_stream(request);
+    let mut responses = super::execute_streaming(&app, request, admitted);
     let mut first = true;
     while let Some(mut response) = responses.next().await {
         let request_error = prepare(&app, &mut response);

@@ -454,6 +454,24 @@ async fn each_request_reports_its_cost_and_an_identity_spends_a_budget() {
     let bob = app.token("bob@acme", Some("acme"), &[Role::Member]);
     let (_, body) = app.graphql(q, json!({}), Some(&bob)).await;
     assert!(body.get("errors").is_none(), "{body}");
+    // A document async-graphql refuses costs nothing: the door priced it (41) before validation
+    // and gives the points back. Charged, Bob would have 69 - 41 - 11 = 17 left, not 58.
+    let (_, body) = app
+        .graphql(
+            "{ sites(first: 40) { totalCountt } }",
+            json!({}),
+            Some(&bob),
+        )
+        .await;
+    assert_eq!(
+        body["errors"][0]["extensions"]["code"], "GRAPHQL_VALIDATION_FAILED",
+        "{body}"
+    );
+    assert!(body["extensions"].get("cost").is_none(), "{body}");
+    let (_, body) = app
+        .graphql("{ sites(first: 10) { totalCount } }", json!({}), Some(&bob))
+        .await;
+    refilled(&body["extensions"]["cost"]["remaining"], 58);
     let readme = "{ sites(first: 5) { edges { node { name pools(first: 5) { edges { node { name kind \
         capacity { model kind profile total free } \
         computeNodes(first: 10) { edges { node { hostname devices { model mode atoms { name } } } } } } } } } } } }";

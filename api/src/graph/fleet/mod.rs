@@ -237,7 +237,6 @@ impl SiteObj {
         self.0.updated_at
     }
     /// The site's pools.
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn pools(
         &self,
         ctx: &Context<'_>,
@@ -346,7 +345,6 @@ impl PoolObj {
             .ok_or_else(|| gql_error(Error::internal("a pool without its site")))
     }
     /// The pool's compute nodes, retired ones included (operators only).
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn compute_nodes(
         &self,
         ctx: &Context<'_>,
@@ -646,7 +644,6 @@ impl ComputeNodeObj {
     }
     /// Commands to this node's daemon, oldest first (`last:` for the newest). Operators only.
     #[allow(clippy::too_many_arguments)]
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn commands(
         &self,
         ctx: &Context<'_>,
@@ -744,9 +741,7 @@ impl ComputeNodeObj {
             .collect()
     }
     /// Its GPUs.
-    #[graphql(
-        complexity = "crate::graph::door::list_cost(crate::graph::door::OPERATOR_LIST, child_complexity)"
-    )]
+    // Priced by its entry in `graph::cost::RULES`.
     async fn devices(&self, ctx: &Context<'_>) -> GqlResult<Vec<DeviceObj>> {
         if let Some(tree) = &self.1
             && let Some(devices) = tree.devices.get(&self.0.id)
@@ -917,9 +912,7 @@ impl DeviceObj {
     }
     /// Its bookable atoms, by the atom rule: the GPU itself in exclusive mode, else only its MIG
     /// instances or slots.
-    #[graphql(
-        complexity = "crate::graph::door::list_cost(crate::graph::door::OPERATOR_LIST, child_complexity)"
-    )]
+    // Priced by its entry in `graph::cost::RULES`.
     async fn atoms(&self, ctx: &Context<'_>) -> GqlResult<Vec<AtomObj>> {
         if let Some(atoms) = &self.1 {
             return Ok(atoms.iter().cloned().map(AtomObj).collect());
@@ -1060,7 +1053,7 @@ impl FleetQuery {
 
     /// Many objects by their global ids, in order; `null` for each id that does not exist or is
     /// not visible to the caller.
-    #[graphql(complexity = "crate::graph::door::list_cost(ids.len().min(100), child_complexity)")]
+    // Priced by its entry in `graph::cost::RULES`.
     async fn nodes(
         &self,
         ctx: &Context<'_>,
@@ -1082,7 +1075,6 @@ impl FleetQuery {
     }
 
     /// All sites.
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn sites(
         &self,
         ctx: &Context<'_>,
@@ -1111,7 +1103,6 @@ impl FleetQuery {
 
     /// Pools, optionally of one site or kind.
     #[allow(clippy::too_many_arguments)]
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn pools(
         &self,
         ctx: &Context<'_>,
@@ -1151,7 +1142,6 @@ impl FleetQuery {
 
     /// Compute nodes (operators only). Retired nodes are left out unless `includeRetired`.
     #[allow(clippy::too_many_arguments)]
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn compute_nodes(
         &self,
         ctx: &Context<'_>,
@@ -1198,7 +1188,6 @@ impl FleetQuery {
 
     /// GPUs (operators only).
     #[allow(clippy::too_many_arguments)]
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn devices(
         &self,
         ctx: &Context<'_>,
@@ -1249,7 +1238,6 @@ impl FleetQuery {
 
     /// Bookable atoms (operators only).
     #[allow(clippy::too_many_arguments)]
-    #[graphql(complexity = "crate::graph::door::page_cost(first, last, child_complexity)")]
     async fn atoms(
         &self,
         ctx: &Context<'_>,
