@@ -623,10 +623,17 @@ impl Budgets {
             buckets
                 .retain(|_, b| b.points + now.duration_since(b.at).as_secs_f64() * rate < capacity);
         }
-        let bucket = buckets.entry(key.to_owned()).or_insert(Bucket {
-            points: capacity,
-            at: now,
-        });
+        // Looked up by `&str` first: a known identity's request allocates no key.
+        if !buckets.contains_key(key) {
+            buckets.insert(
+                key.to_owned(),
+                Bucket {
+                    points: capacity,
+                    at: now,
+                },
+            );
+        }
+        let bucket = buckets.get_mut(key).expect("inserted above");
         let refilled =
             (bucket.points + now.duration_since(bucket.at).as_secs_f64() * rate).min(capacity);
         let cost = cost as f64;

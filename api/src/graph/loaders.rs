@@ -28,13 +28,13 @@ pub type Loaders = DataLoader<FleetLoader, NoCache>;
 /// The request's loaders as `ctx`'s field uses them ([`Batch`]); `INTERNAL` only when a transport
 /// ran a request without them (a bug of ours: every transport calls `graph::with_loaders`).
 pub fn loaders_of<'a>(ctx: &'a async_graphql::Context<'_>) -> GqlResult<Batch<'a>> {
-    let loaders = ctx.data::<Loaders>().map_err(|_| {
+    let loaders = ctx.data::<RequestLoaders>().map_err(|_| {
         crate::graph::gql_error(compute_domain::Error::internal(
             "the request was run without its data loaders",
         ))
     })?;
     Ok(Batch {
-        loaders,
+        loaders: loaders.get(),
         once: resolved_once(ctx),
     })
 }
@@ -109,9 +109,34 @@ impl Batch<'_> {
     }
 }
 
-/// Builds the loader; needs a Tokio runtime.
-pub fn loaders(db: Db) -> Loaders {
-    DataLoader::with_cache(FleetLoader { db }, tokio::spawn, NoCache)
+/// A request's loaders, made when a field first asks for them: a request that loads nothing
+/// (`{ __typename }`, a mutation) does not build and drop a data loader.
+pub struct RequestLoaders {
+    db: Db,
+    loaders: std::sync::OnceLock<Loaders>,
+}
+
+impl RequestLoaders {
+    /// The loaders; the first call builds them (it needs a Tokio runtime: batches are spawned).
+    fn get(&self) -> &Loaders {
+        self.loaders.get_or_init(|| {
+            DataLoader::with_cache(
+                FleetLoader {
+                    db: self.db.clone(),
+                },
+                tokio::spawn,
+                NoCache,
+            )
+        })
+    }
+}
+
+/// A request's loaders over `db`, built on first use.
+pub fn loaders(db: Db) -> RequestLoaders {
+    RequestLoaders {
+        db,
+        loaders: std::sync::OnceLock::new(),
+    }
 }
 
 type LoadResult<K, V> = Result<HashMap<K, V>, async_graphql::Error>;
