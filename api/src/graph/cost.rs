@@ -161,12 +161,13 @@ impl CostModel {
                         .into_iter()
                         .map(|f| {
                             let f = f.node;
+                            // The named type under the lists (`[Device!]!` returns `Device`).
                             let mut ty = &f.ty.node;
-                            while let BaseType::List(inner) = &ty.base {
-                                ty = inner;
-                            }
-                            let BaseType::Named(returns) = &ty.base else {
-                                unreachable!("the loop above ends at a named type")
+                            let returns = loop {
+                                match &ty.base {
+                                    BaseType::List(inner) => ty = inner,
+                                    BaseType::Named(name) => break name.clone(),
+                                }
                             };
                             let listed = RULES
                                 .iter()
@@ -179,13 +180,7 @@ impl CostModel {
                             let rule = listed.or(connection.then_some(Rule::Page {
                                 default: DEFAULT_PAGE,
                             }));
-                            (
-                                f.name.node,
-                                FieldInfo {
-                                    returns: returns.clone(),
-                                    rule,
-                                },
-                            )
+                            (f.name.node, FieldInfo { returns, rule })
                         })
                         .collect();
                     model.types.insert(type_name, TypeInfo { object, fields });

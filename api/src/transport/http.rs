@@ -294,9 +294,6 @@ async fn execute(
     if let Some(viewer) = viewer {
         request = request.data(viewer);
     }
-    if let Some(peer) = peer {
-        request = request.data(peer);
-    }
     let replay = crate::graph::ReplayFlag::default();
     request = crate::graph::with_loaders(request.data(replay.clone()), &app.db);
     let mut response = app

@@ -159,9 +159,6 @@ async fn respond(
             &format!("too many streams: at most {max} per identity"),
         );
     };
-    if let Some(peer) = peer {
-        request = request.data(peer);
-    }
     let keep_alive = app.tailer.config().keep_alive;
     let (tx, mut rx) = mpsc::channel::<SseEvent>(16);
     tokio::spawn(run(app, request, viewer, peer, tx, place));
