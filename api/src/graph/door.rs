@@ -240,15 +240,12 @@ impl Door {
     /// has no data and only errors of the request, none of them the deadline's): a document
     /// that does not validate costs nothing. Whether it refunded.
     pub fn settle(&self, admission: &Admission, response: &Response) -> bool {
-        let refused = response.data == async_graphql::Value::Null
-            && !response.errors.is_empty()
-            && response.errors.iter().all(|e| {
-                e.path.is_empty()
-                    && !e
-                        .extensions
-                        .as_ref()
-                        .and_then(|x| x.get("limit"))
-                        .is_some_and(|l| *l == async_graphql::Value::from("timeout"))
+        let refused = is_request_error(response)
+            && !response.errors.iter().any(|e| {
+                e.extensions
+                    .as_ref()
+                    .and_then(|x| x.get("limit"))
+                    .is_some_and(|l| *l == async_graphql::Value::from("timeout"))
             });
         if refused {
             self.budgets.refund(
@@ -260,6 +257,14 @@ impl Door {
         }
         refused
     }
+}
+
+/// Whether `response` is a request error: no `data`, because the document did not parse or
+/// validate or the operation could not start (every error is the request's, none a field's).
+pub fn is_request_error(response: &Response) -> bool {
+    response.data == async_graphql::Value::Null
+        && !response.errors.is_empty()
+        && response.errors.iter().all(|e| e.path.is_empty())
 }
 
 /// The coded error of a refusal at a published limit: `extensions.code` by reason,

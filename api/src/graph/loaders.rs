@@ -110,7 +110,7 @@ impl Batch<'_> {
 }
 
 /// A request's loaders, made when a field first asks for them: a request that loads nothing
-/// (`{ __typename }`, a mutation) does not build and drop a data loader.
+/// through them (`{ __typename }`, say) does not build and drop a data loader.
 pub struct RequestLoaders {
     db: Db,
     loaders: std::sync::OnceLock<Loaders>,

@@ -326,9 +326,7 @@ pub fn code_of(e: &ServerError) -> Option<String> {
 /// counts them, and says whether it is a request error: no `data`, because the document did not
 /// parse or validate or the operation could not start.
 pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
-    let request_error = response.data == async_graphql::Value::Null
-        && !response.errors.is_empty()
-        && response.errors.iter().all(|e| e.path.is_empty());
+    let request_error = crate::graph::door::is_request_error(response);
     for e in &mut response.errors {
         if !has_code(e) {
             if request_error {
