@@ -406,8 +406,10 @@ pub struct Taint {
     effect: TaintEffect,
 }
 
-/// One scalar resource of a node.
+/// One scalar resource of a node. Its fields are resolved one after the other (`serial`): none
+/// reads anything, and a set of concurrent futures per object cost more than the fields.
 #[derive(SimpleObject)]
+#[graphql(serial)]
 pub struct NodeResource {
     /// Which resource.
     resource: ResourceKind,
@@ -423,6 +425,20 @@ pub struct NodeResource {
     free: i64,
 }
 
+impl From<fleet::NodeResource> for NodeResource {
+    fn from(r: fleet::NodeResource) -> Self {
+        let limit = (r.allocatable as f64 * r.ratio).floor() as i64;
+        NodeResource {
+            resource: r.resource.into(),
+            allocatable: r.allocatable,
+            ratio: r.ratio,
+            limit,
+            allocated: r.allocated,
+            free: limit - r.allocated,
+        }
+    }
+}
+
 /// A machine in a pool (`nodes` in SQL), with its subtree when the connection that returned it
 /// loaded it ahead (see [`prefetch_nodes`]).
 pub struct ComputeNodeObj(pub fleet::Node, pub Option<Arc<NodeSubtree>>);
@@ -435,12 +451,13 @@ impl ComputeNodeObj {
 }
 
 /// The devices, atoms and resources of a page of nodes, loaded for the whole page at once: one
-/// statement each, all three keyed by node and run in parallel.
+/// statement each, all three keyed by node and run in parallel. Each node's children are built
+/// once, as the graph's objects, and shared with its fields (`Arc<[…]>`): a page of 800 GPUs is
+/// not copied again to be resolved.
 #[derive(Default)]
 pub struct NodeSubtree {
-    devices: HashMap<NodeId, Vec<fleet::Device>>,
-    atoms: Option<HashMap<DeviceId, Vec<fleet::Atom>>>,
-    resources: Option<HashMap<NodeId, Vec<fleet::NodeResource>>>,
+    devices: HashMap<NodeId, Arc<[DeviceObj]>>,
+    resources: Option<HashMap<NodeId, Arc<[NodeResource]>>>,
 }
 
 /// Loads, for a page of nodes, the children the query selects below them, keyed by node through
@@ -503,22 +520,35 @@ async fn prefetch_nodes(
     };
     let (devices, resources, atoms) =
         futures_util::future::try_join3(devices, resources, atoms).await?;
-    let devices: HashMap<NodeId, Vec<fleet::Device>> =
-        devices.into_iter().map(|(k, v)| (k.0, v)).collect();
-    let atoms = atoms.map(|by_node| {
-        let mut by_device: HashMap<DeviceId, Vec<fleet::Atom>> = HashMap::new();
+    let mut atoms = atoms.map(|by_node| {
+        let mut by_device: HashMap<DeviceId, Vec<AtomObj>> = HashMap::new();
         for atom in by_node.into_values().flatten() {
             by_device
                 .entry(atom.device_id.clone())
                 .or_default()
-                .push(atom);
+                .push(AtomObj(atom));
         }
         by_device
     });
+    let devices = devices
+        .into_iter()
+        .map(|(node, devices)| {
+            let objects = devices.into_iter().map(|d| {
+                let own = atoms
+                    .as_mut()
+                    .map(|a| a.remove(&d.id).unwrap_or_default().into());
+                DeviceObj(d, own)
+            });
+            (node.0, objects.collect())
+        })
+        .collect();
     Ok(Some(Arc::new(NodeSubtree {
         devices,
-        atoms,
-        resources: resources.map(|r| r.into_iter().map(|(k, v)| (k.0, v)).collect()),
+        resources: resources.map(|r| {
+            r.into_iter()
+                .map(|(k, v)| (k.0, v.into_iter().map(NodeResource::from).collect()))
+                .collect()
+        }),
     })))
 }
 
@@ -717,44 +747,28 @@ impl ComputeNodeObj {
             .ok_or_else(|| gql_error(Error::internal("a node without its pool")))
     }
     /// vCPU, memory and disk.
-    async fn resources(&self, ctx: &Context<'_>) -> GqlResult<Vec<NodeResource>> {
-        let prefetched = self.1.as_ref().and_then(|t| t.resources.as_ref());
-        let rows = match prefetched {
-            Some(r) => r.get(&self.0.id).cloned().unwrap_or_default(),
-            None => loaders_of(ctx)?
-                .load_one(ResourcesOfNode(self.0.id.clone()))
-                .await?
-                .unwrap_or_default(),
-        };
-        rows.into_iter()
-            .map(|r| {
-                let limit = (r.allocatable as f64 * r.ratio).floor() as i64;
-                Ok(NodeResource {
-                    resource: r.resource.into(),
-                    allocatable: r.allocatable,
-                    ratio: r.ratio,
-                    limit,
-                    allocated: r.allocated,
-                    free: limit - r.allocated,
-                })
-            })
-            .collect()
+    async fn resources(&self, ctx: &Context<'_>) -> GqlResult<Arc<[NodeResource]>> {
+        if let Some(prefetched) = self.1.as_ref().and_then(|t| t.resources.as_ref()) {
+            return Ok(prefetched
+                .get(&self.0.id)
+                .cloned()
+                .unwrap_or_else(|| Arc::new([])));
+        }
+        Ok(loaders_of(ctx)?
+            .load_one(ResourcesOfNode(self.0.id.clone()))
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(NodeResource::from)
+            .collect())
     }
     /// Its GPUs.
     // Priced by its entry in `graph::cost::RULES`.
-    async fn devices(&self, ctx: &Context<'_>) -> GqlResult<Vec<DeviceObj>> {
+    async fn devices(&self, ctx: &Context<'_>) -> GqlResult<Arc<[DeviceObj]>> {
         if let Some(tree) = &self.1
             && let Some(devices) = tree.devices.get(&self.0.id)
         {
-            let atoms_of = |d: &fleet::Device| {
-                tree.atoms
-                    .as_ref()
-                    .map(|a| a.get(&d.id).cloned().unwrap_or_default())
-            };
-            return Ok(devices
-                .iter()
-                .map(|d| DeviceObj(d.clone(), atoms_of(d)))
-                .collect());
+            return Ok(devices.clone());
         }
         Ok(loaders_of(ctx)?
             .load_one(DevicesOfNode(self.0.id.clone()))
@@ -830,7 +844,7 @@ impl NodeSession {
 }
 
 /// A GPU, with its atoms when they were loaded ahead.
-pub struct DeviceObj(pub fleet::Device, pub Option<Vec<fleet::Atom>>);
+pub struct DeviceObj(pub fleet::Device, pub Option<Arc<[AtomObj]>>);
 
 impl DeviceObj {
     /// A device whose atoms come through the loaders.
@@ -840,7 +854,11 @@ impl DeviceObj {
 }
 
 /// A GPU of a compute node: its model, memory, mode, health and bookable atoms.
-#[Object(name = "Device")]
+// Its fields are resolved one after the other (`serial`): a page has hundreds of GPUs, and a set
+// of concurrent futures per GPU cost more than its fields (`bench-fleet`). Only `computeNode`
+// and `atoms` read anything, and each still batches with its sibling GPUs' (the list resolves
+// GPUs concurrently); asked together of GPUs without a prefetch, they are two levels, not one.
+#[Object(name = "Device", serial)]
 impl DeviceObj {
     /// The device's id (`dev_…`).
     pub async fn id(&self) -> ID {
@@ -913,9 +931,9 @@ impl DeviceObj {
     /// Its bookable atoms, by the atom rule: the GPU itself in exclusive mode, else only its MIG
     /// instances or slots.
     // Priced by its entry in `graph::cost::RULES`.
-    async fn atoms(&self, ctx: &Context<'_>) -> GqlResult<Vec<AtomObj>> {
+    async fn atoms(&self, ctx: &Context<'_>) -> GqlResult<Arc<[AtomObj]>> {
         if let Some(atoms) = &self.1 {
-            return Ok(atoms.iter().cloned().map(AtomObj).collect());
+            return Ok(atoms.clone());
         }
         Ok(loaders_of(ctx)?
             .load_one(AtomsOfDevice(self.0.id.clone()))
@@ -931,7 +949,8 @@ impl DeviceObj {
 pub struct AtomObj(pub fleet::Atom);
 
 /// A bookable unit of a GPU: `<uuid>`, `<uuid>/mig/<k>` or `<uuid>/s<k>`.
-#[Object(name = "Atom")]
+// Serial, as `Device`: only `device` reads anything.
+#[Object(name = "Atom", serial)]
 impl AtomObj {
     /// The atom's name.
     async fn name(&self) -> &str {
