@@ -18,6 +18,7 @@ use compute_domain::page::{Page, PageArgs};
 use crate::graph::{GqlResult, gql_error};
 
 /// The loader behind every key type below.
+#[derive(Clone)]
 pub struct FleetLoader {
     db: Db,
 }
@@ -58,7 +59,11 @@ fn resolved_once(ctx: &async_graphql::Context<'_>) -> bool {
 /// batched with its siblings' keys (one statement per level, whatever the number of parents);
 /// a field resolved once runs the same statement at once, with its own keys. The rows and the
 /// answers are the same either way; only the wait differs. (Two aliased root fields load with a
-/// statement each: bounded by the document, which the door bounds.)
+/// statement each: bounded by the document, which the door bounds.) Either way the statement
+/// runs on a task of its own, as the data loader's batches always did: the rows of a page's
+/// devices, atoms and resources are decoded on both cores at once, not one after the other on
+/// the request's task. A request that is dropped (its deadline passed, its client went away)
+/// aborts the statements it started.
 pub struct Batch<'a> {
     loaders: &'a Loaders,
     once: bool,
@@ -75,11 +80,7 @@ impl Batch<'_> {
         FleetLoader: Loader<K, Error = async_graphql::Error>,
     {
         if self.once {
-            let mut found = self
-                .loaders
-                .loader()
-                .load(std::slice::from_ref(&key))
-                .await?;
+            let mut found = self.spawned(vec![key.clone()]).await?;
             Ok(found.remove(&key))
         } else {
             self.loaders.load_one(key).await
@@ -102,10 +103,39 @@ impl Batch<'_> {
             if keys.is_empty() {
                 return Ok(HashMap::new());
             }
-            self.loaders.loader().load(&keys).await
+            self.spawned(keys).await
         } else {
             self.loaders.load_many(keys).await
         }
+    }
+
+    /// The statement for `keys`, run on a task of its own (aborted if this future is dropped).
+    async fn spawned<K>(
+        &self,
+        keys: Vec<K>,
+    ) -> Result<HashMap<K, <FleetLoader as Loader<K>>::Value>, async_graphql::Error>
+    where
+        K: Send + Sync + std::hash::Hash + Eq + Clone + 'static,
+        FleetLoader: Loader<K, Error = async_graphql::Error>,
+    {
+        let loader = self.loaders.loader().clone();
+        let mut task = AbortOnDrop(tokio::spawn(async move { loader.load(&keys).await }));
+        match (&mut task.0).await {
+            Ok(found) => found,
+            Err(e) => Err(gql_error(compute_domain::Error::internal(format!(
+                "a loader's statement did not finish: {e}"
+            )))
+            .into()),
+        }
+    }
+}
+
+/// A task that is aborted when its handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
