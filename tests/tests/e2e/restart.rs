@@ -268,3 +268,47 @@ async fn a_request_whose_client_leaves_stops_and_rolls_back() {
     assert_eq!(d["createReservation"]["idempotentReplay"], false, "{d}");
     assert_eq!(app.count("reservations").await, 1);
 }
+
+/// A pooled connection cut while it sat idle (a restart of the database or of a pooler, a
+/// pooler's idle timeout) is found dead by the ping it gets when it has been idle for more than
+/// half a second, and replaced before any request uses it: no request sees it. (Without the
+/// ping, each cut connection fails the next statement handed it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_cut_while_idle_are_replaced_before_a_request_uses_them() {
+    let app = compute_tests::spawn_app().await;
+    let operator = app.operator();
+    let query = "{ sites(first: 1) { totalCount } }";
+    let ok = |body: &Value| body.get("errors").is_none() && body["data"]["sites"].is_object();
+    // Several requests at once: the pool opens several connections.
+    let warm: Vec<_> = (0..6)
+        .map(|_| app.graphql_in_background(&operator, query, json!({})))
+        .collect();
+    for w in warm {
+        let body = w.await.expect("a request");
+        assert!(ok(&body), "{body}");
+    }
+    let cut: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+          WHERE datname = current_database() AND pid <> pg_backend_pid()
+            AND application_name = 'compute' AND state = 'idle'
+            AND query NOT ILIKE 'listen%') cut",
+    )
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("pg_terminate_backend");
+    assert!(cut >= 2, "the pool held {cut} idle connections to cut");
+    // Past the window in which a connection is handed out without a ping.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    for _ in 0..cut + 2 {
+        let (status, body) = app.graphql(query, json!({}), Some(&operator)).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(ok(&body), "a request was handed a cut connection: {body}");
+    }
+    let again: Vec<_> = (0..6)
+        .map(|_| app.graphql_in_background(&operator, query, json!({})))
+        .collect();
+    for r in again {
+        let body = r.await.expect("a request");
+        assert!(ok(&body), "{body}");
+    }
+}
