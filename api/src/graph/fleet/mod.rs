@@ -406,8 +406,9 @@ pub struct Taint {
     effect: TaintEffect,
 }
 
-/// One scalar resource of a node. Its fields are resolved one after the other (`serial`): none
-/// reads anything, and a set of concurrent futures per object cost more than the fields.
+/// One scalar resource of a node.
+// Its fields are resolved one after the other (`serial`): none reads anything, and a set of
+// concurrent futures per object cost more than the fields.
 #[derive(SimpleObject)]
 #[graphql(serial)]
 pub struct NodeResource {
