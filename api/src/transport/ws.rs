@@ -490,7 +490,9 @@ async fn operation(
     out: mpsc::Sender<(String, Out)>,
 ) {
     let mut request = crate::graph::with_loaders(request, &app.db);
-    // A WebSocket's anonymous callers share one budget: its peer is not known here.
+    // No peer: every operation here has a viewer (`connection_init` refuses a connection
+    // without a token, and nothing runs before its acknowledgement), so its budget is the
+    // subject's.
     let admitted = app.door.admit(&mut request, viewer.as_ref(), None);
     let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = super::execute_streaming(&app, request, admitted);
