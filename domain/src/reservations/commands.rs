@@ -115,8 +115,9 @@ pub struct CreateStats {
 /// Creates a reservation: charges quota, places every allocation or none, and records the
 /// response under the idempotency key, all in one transaction and one round trip inside it
 /// (`compute_create_reservation`, migration 0015, which follows the lock order and the
-/// idempotency rules of [`idempotency`]); the reservation is then read back in the same
-/// transaction.
+/// idempotency rules of [`idempotency`]). The same statement answers with the reservation it
+/// wrote or replays (`compute_reservation_json`, migration 0018), so nothing is read back:
+/// three round trips in all (`BEGIN`, the call, `COMMIT`).
 #[tracing::instrument(level = "debug", skip_all, fields(pool = %req.pool_id, subject = %actor.subject))]
 pub async fn create_reservation(
     db: &Db,
@@ -163,9 +164,13 @@ pub async fn create_reservation(
             scope.clone(),
         );
         Box::pin(async move {
-            let outcome = sqlx::query_scalar!(
-                r#"SELECT compute_create_reservation($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
-                                                     $13::float8::numeric, $14, $15, $16) AS "outcome!""#,
+            // `OFFSET 0` keeps the call a subquery evaluated before the outer row, whose
+            // (volatile) `compute_reservation_json` then sees what the call wrote.
+            let answer = sqlx::query!(
+                r#"SELECT x.o AS "outcome!", compute_reservation_json(x.o->>'reservationId') AS reservation
+                     FROM (SELECT compute_create_reservation($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+                                                             $13::float8::numeric, $14, $15, $16) AS o
+                           OFFSET 0) x"#,
                 scope,
                 actor.subject,
                 key,
@@ -185,12 +190,7 @@ pub async fn create_reservation(
             )
             .fetch_one(&mut *conn)
             .await?;
-            let id = |v: &serde_json::Value| {
-                v["reservationId"]
-                    .as_str()
-                    .and_then(ReservationId::from_trusted)
-                    .ok_or_else(|| Error::internal(format!("createReservation answered {v}")))
-            };
+            let outcome = answer.outcome;
             match outcome["outcome"].as_str() {
                 Some("refused") => {
                     let e = &outcome["error"];
@@ -200,7 +200,20 @@ pub async fn create_reservation(
                     )))
                 }
                 Some(replay @ ("replay" | "created")) => {
-                    let value = load(conn, &id(&outcome)?).await?;
+                    let value: Reservation = answer
+                        .reservation
+                        .ok_or_else(|| {
+                            Error::internal(format!(
+                                "createReservation answered {outcome} without its reservation"
+                            ))
+                        })
+                        .and_then(|r| {
+                            serde_json::from_value(r).map_err(|e| {
+                                Error::internal(format!(
+                                    "the reservation of createReservation did not decode: {e}"
+                                ))
+                            })
+                        })?;
                     let replans = outcome["replans"].as_u64().unwrap_or(0) as usize;
                     Ok(Ok((
                         Outcome {

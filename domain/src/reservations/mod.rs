@@ -23,8 +23,9 @@ use crate::quota::Charge;
 use model::Toleration;
 use state::State;
 
-/// A reservation.
-#[derive(Debug, Clone, FromRow)]
+/// A reservation. It is read from rows (`query_reservations!`) and, where a statement answers
+/// with it as JSON under the same names, from JSON (`compute_reservation_json`).
+#[derive(Debug, Clone, FromRow, serde::Deserialize)]
 pub struct Reservation {
     pub id: ReservationId,
     pub tenant_id: TenantId,

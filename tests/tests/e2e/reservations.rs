@@ -1349,3 +1349,63 @@ async fn an_atom_is_never_booked_from_before_it_existed() {
         json!(["GPU-A0/s0"])
     );
 }
+
+/// A create answers with its reservation from the statement that wrote it (as JSON,
+/// `compute_reservation_json`), not from a read-back of the row: every scalar of that answer is
+/// what the row says when read as a row, for a reservation placed and for one left pending with
+/// its conditions, and for the replay of each.
+#[tokio::test]
+async fn a_create_answers_with_the_reservation_as_its_row_reads() {
+    let (app, p, member) = setup().await;
+    const FIELDS: &str = "id tenantId createdBy state startsAt endsAt endedAt \
+        conditions { type status reason message counts { reason count } } gpuCharge vcpuCharge \
+        memoryMibCharge nextAttemptAt version createdAt updatedAt";
+    let create = format!(
+        "mutation($i: CreateReservationInput!) {{ createReservation(input: $i) {{ idempotentReplay reservation {{ {FIELDS} }} }} }}"
+    );
+    let read = format!("query($id: ID!) {{ reservation(id: $id) {{ {FIELDS} }} }}");
+    let asks = [
+        (
+            "placed",
+            json!([{ "gpuCount": 1, "model": "H100", "vcpu": 8, "memoryMib": 65536 }]),
+        ),
+        // More H100s than the pool has: held pending, with its `Unschedulable` condition.
+        ("pending", json!([{ "gpuCount": 6, "model": "H100" }])),
+    ];
+    for (key, allocations) in asks {
+        let first = app
+            .ok(&member, &create, input(&p.pool, key, allocations.clone()))
+            .await["createReservation"]
+            .clone();
+        let answered = &first["reservation"];
+        let row = app
+            .ok(&member, &read, json!({ "id": answered["id"] }))
+            .await["reservation"]
+            .clone();
+        assert_eq!(
+            answered, &row,
+            "{key}: the create's answer and the row differ"
+        );
+        match key {
+            "placed" => assert_eq!(row["state"], "ACTIVE", "{row}"),
+            _ => {
+                assert_eq!(row["state"], "PENDING", "{row}");
+                assert!(row["nextAttemptAt"].is_string(), "{row}");
+                assert!(
+                    !row["conditions"].as_array().expect("conditions").is_empty(),
+                    "{row}"
+                );
+            }
+        }
+        assert_eq!(first["idempotentReplay"], false, "{key}");
+        let again = app
+            .ok(&member, &create, input(&p.pool, key, allocations))
+            .await["createReservation"]
+            .clone();
+        assert_eq!(again["idempotentReplay"], true, "{key}");
+        assert_eq!(
+            again["reservation"], row,
+            "{key}: the replay's answer and the row differ"
+        );
+    }
+}
