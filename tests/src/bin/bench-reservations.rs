@@ -13,9 +13,19 @@
 //!   the scalars, the allocation, an outbox row, the work queue, the key's response), called
 //!   straight from a client in one round trip.
 //!
-//! It prints, per run, reservations/s, p50 and p99, the SQL statements per request (counted
-//! from sqlx's statement log in a short calibration pass, not while timing) and PostgreSQL CPU
-//! per reservation (the server's processes, from `/proc`), and the ratio graphql / reference.
+//! The two paths run in turn, in `rounds` rounds (3 unless `rounds=N` is given) of `requests`
+//! each (3,000 unless given), the fleet emptied before each, the order swapped every round: this
+//! machine's speed drifts by a quarter within a minute, and two paths measured one after the
+//! other would be measured on two different machines. A round is what a run was before session
+//! 21: the fleet fills to the same point, so the figures compare with earlier ones.
+//!
+//! Emptying the fleet invalidates every connection's cached plans, so each timed run follows
+//! a few requests per client that are not timed (its warm-up), on both paths.
+//!
+//! It prints, per client count (all rounds together), reservations/s, p50 and p99, the SQL
+//! statements per request (counted from sqlx's statement log in a short calibration pass, not
+//! while timing), PostgreSQL CPU per reservation (the server's processes, from `/proc`), and
+//! the ratio graphql / reference, of all rounds and of each.
 //! With `scale-out` among the arguments it then puts PgBouncer (transaction pooling, 20 server
 //! connections) in front of the database and runs the graphql path again against one, then two,
 //! `compute-api serve` processes (this package's `test-api` build), the requests spread over
@@ -25,7 +35,7 @@
 //!
 //! ```sh
 //! cargo build --release -p compute-tests
-//! target/release/bench-reservations [requests per run] [clients…] [scale-out]
+//! target/release/bench-reservations [requests per round] [clients…] [rounds=N] [scale-out]
 //! ```
 
 use std::io::Write;
@@ -176,14 +186,46 @@ fn postgres_cpu(postmaster: u32) -> f64 {
 }
 
 struct Run {
-    rate: f64,
-    p50: Duration,
-    p99: Duration,
+    /// Every request's latency, in no particular order.
+    latencies: Vec<Duration>,
+    seconds: f64,
     pending: usize,
-    cpu_ms: f64,
+    /// PostgreSQL's CPU seconds over the run.
+    cpu: f64,
     /// Commits, rollbacks and deadlocks during the run (the statistics lag by up to half a
     /// second: indicative).
     transactions: (i64, i64, i64),
+}
+
+impl Run {
+    fn rate(&self) -> f64 {
+        self.latencies.len() as f64 / self.seconds
+    }
+
+    fn cpu_ms(&self) -> f64 {
+        self.cpu * 1000.0 / self.latencies.len() as f64
+    }
+
+    /// p50 and p99.
+    fn percentiles(&self) -> (Duration, Duration) {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        (percentile(&sorted, 0.5), percentile(&sorted, 0.99))
+    }
+
+    /// Two runs as one: their requests, their times and their costs added up.
+    fn merge(mut self, other: Run) -> Run {
+        self.latencies.extend(other.latencies);
+        self.seconds += other.seconds;
+        self.pending += other.pending;
+        self.cpu += other.cpu;
+        self.transactions = (
+            self.transactions.0 + other.transactions.0,
+            self.transactions.1 + other.transactions.1,
+            self.transactions.2 + other.transactions.2,
+        );
+        self
+    }
 }
 
 async fn reset(db: &compute_domain::db::Db) {
@@ -233,19 +275,15 @@ where
     for t in tasks {
         all.extend(t.await.expect("a client"));
     }
-    let elapsed = started.elapsed().as_secs_f64();
+    let seconds = started.elapsed().as_secs_f64();
     let cpu = postgres_cpu(postmaster) - cpu;
     let after = database_stats(&DB.get().expect("set").clone()).await;
-    let transactions = (after.0 - stats.0, after.1 - stats.1, after.2 - stats.2);
-    let mut latencies: Vec<Duration> = all.iter().map(|x| x.0).collect();
-    latencies.sort();
     Run {
-        rate: requests as f64 / elapsed,
-        p50: percentile(&latencies, 0.5),
-        p99: percentile(&latencies, 0.99),
+        latencies: all.iter().map(|x| x.0).collect(),
+        seconds,
         pending: all.iter().filter(|x| x.1).count(),
-        cpu_ms: cpu * 1000.0 / requests as f64,
-        transactions,
+        cpu,
+        transactions: (after.0 - stats.0, after.1 - stats.1, after.2 - stats.2),
     }
 }
 
@@ -277,6 +315,12 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let requests: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3000);
     let scale_out = args.iter().any(|a| a == "scale-out");
+    let rounds: usize = args
+        .iter()
+        .find_map(|a| a.strip_prefix("rounds="))
+        .and_then(|s| s.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(3);
     let mut client_counts: Vec<usize> = args[2.min(args.len())..]
         .iter()
         .filter_map(|s| s.parse().ok())
@@ -346,7 +390,7 @@ async fn main() {
     let _ = writeln!(
         out,
         "fleet: {NODES} nodes × {GPUS_PER_NODE} H100 = {} GPUs in one pool, {TENANTS} tenants (seeded in {:.1} s); \
-         {requests} requests per run, each 1 GPU now for 1 h with 4 vCPU and 8 GiB, unique keys",
+         {requests} requests per path in each of {rounds} rounds, each 1 GPU now for 1 h with 4 vCPU and 8 GiB, unique keys",
         NODES * GPUS_PER_NODE,
         seeding.elapsed().as_secs_f64()
     );
@@ -429,21 +473,54 @@ async fn main() {
          clients  path       reservations/s   p50        p99        pending  PostgreSQL CPU/reservation"
     );
     drop(out);
+    // Each client count runs both paths in `rounds` rounds of `requests`, in turn (the order
+    // swapped every round) and each on an emptied fleet: this machine's speed drifts by a
+    // quarter within a minute, and paths measured one after the other would see different
+    // machines. The figures are of all rounds together; each round's ratio is printed too.
+    let per_round = requests;
     for (k, &clients) in client_counts.iter().enumerate() {
-        reset(&db).await;
-        let g = run(requests, clients, postmaster, graphql(k)).await;
-        reset(&db).await;
-        let r = run(requests, clients, postmaster, reference(k)).await;
+        let (mut g, mut r): (Option<Run>, Option<Run>) = (None, None);
+        let mut ratios = Vec::new();
+        for round in 0..rounds {
+            let id = 100 * k + round;
+            let (mut gr, mut rr) = (None, None);
+            // graphql first in even rounds, the reference first in odd ones.
+            for graphql_now in [round % 2 == 0, round % 2 == 1] {
+                // Emptying the fleet invalidates every connection's cached plans: a few
+                // requests per client, not timed, make them again before the timed ones.
+                reset(&db).await;
+                let warm = 4 * clients;
+                if graphql_now {
+                    run(warm, clients, postmaster, graphql(10_000 + id)).await;
+                    gr = Some(run(per_round, clients, postmaster, graphql(id)).await);
+                } else {
+                    run(warm, clients, postmaster, reference(10_000 + id)).await;
+                    rr = Some(run(per_round, clients, postmaster, reference(id)).await);
+                }
+            }
+            let (gr, rr) = (gr.expect("graphql ran"), rr.expect("reference ran"));
+            ratios.push(format!("{:.2}", gr.rate() / rr.rate()));
+            g = Some(match g {
+                Some(a) => a.merge(gr),
+                None => gr,
+            });
+            r = Some(match r {
+                Some(a) => a.merge(rr),
+                None => rr,
+            });
+        }
+        let (g, r) = (g.expect("a round"), r.expect("a round"));
         let mut out = std::io::stdout().lock();
         for (name, x) in [("graphql", &g), ("reference", &r)] {
+            let (p50, p99) = x.percentiles();
             let _ = writeln!(
                 out,
                 "{clients:>7}  {name:<9}  {:>14.0}   {:>8.1?}  {:>8.1?}  {:>7}  {:.2} ms  (commits {}, rollbacks {}, deadlocks {})",
-                x.rate,
-                x.p50,
-                x.p99,
+                x.rate(),
+                p50,
+                p99,
                 x.pending,
-                x.cpu_ms,
+                x.cpu_ms(),
                 x.transactions.0,
                 x.transactions.1,
                 x.transactions.2
@@ -451,8 +528,9 @@ async fn main() {
         }
         let _ = writeln!(
             out,
-            "{clients:>7}  ratio graphql / reference: {:.2}",
-            g.rate / r.rate
+            "{clients:>7}  ratio graphql / reference: {:.2}  (rounds of {per_round}: {})",
+            g.rate() / r.rate(),
+            ratios.join(", ")
         );
     }
     if !scale_out {
@@ -519,14 +597,15 @@ async fn main() {
                 }
             };
             let x = run(requests, clients, postmaster, over_http).await;
+            let (p50, p99) = x.percentiles();
             let _ = writeln!(
                 std::io::stdout().lock(),
                 "{processes:>9}  {clients:>7}  {:>14.0}   {:>8.1?}  {:>8.1?}  {:>7}  {:.2} ms  (commits {}, rollbacks {}, deadlocks {})",
-                x.rate,
-                x.p50,
-                x.p99,
+                x.rate(),
+                p50,
+                p99,
                 x.pending,
-                x.cpu_ms,
+                x.cpu_ms(),
                 x.transactions.0,
                 x.transactions.1,
                 x.transactions.2
