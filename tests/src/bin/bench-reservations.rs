@@ -477,7 +477,6 @@ async fn main() {
     // swapped every round) and each on an emptied fleet: this machine's speed drifts by a
     // quarter within a minute, and paths measured one after the other would see different
     // machines. The figures are of all rounds together; each round's ratio is printed too.
-    let per_round = requests;
     for (k, &clients) in client_counts.iter().enumerate() {
         let (mut g, mut r): (Option<Run>, Option<Run>) = (None, None);
         let mut ratios = Vec::new();
@@ -492,10 +491,10 @@ async fn main() {
                 let warm = 4 * clients;
                 if graphql_now {
                     run(warm, clients, postmaster, graphql(10_000 + id)).await;
-                    gr = Some(run(per_round, clients, postmaster, graphql(id)).await);
+                    gr = Some(run(requests, clients, postmaster, graphql(id)).await);
                 } else {
                     run(warm, clients, postmaster, reference(10_000 + id)).await;
-                    rr = Some(run(per_round, clients, postmaster, reference(id)).await);
+                    rr = Some(run(requests, clients, postmaster, reference(id)).await);
                 }
             }
             let (gr, rr) = (gr.expect("graphql ran"), rr.expect("reference ran"));
@@ -528,7 +527,7 @@ async fn main() {
         }
         let _ = writeln!(
             out,
-            "{clients:>7}  ratio graphql / reference: {:.2}  (rounds of {per_round}: {})",
+            "{clients:>7}  ratio graphql / reference: {:.2}  (rounds of {requests}: {})",
             g.rate() / r.rate(),
             ratios.join(", ")
         );
