@@ -3,6 +3,7 @@
 //! latency per route, GraphQL errors by code, and, read at each scrape, the connection pool, the
 //! clock skew and the subscriptions.
 
+use std::borrow::Cow;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -16,16 +17,19 @@ use compute_domain::metrics::{Registry, Sampled, latency_histogram};
 
 use crate::tailer::Tailer;
 
+/// A request's labels. The route is the router's pattern (`/console/{*path}`, never the path
+/// asked for) and the method one of the standard ones or `OTHER`, so no caller can make new
+/// series; both are static strings for every request the router knows (no allocation).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
-    route: String,
-    method: String,
+    route: Cow<'static, str>,
+    method: &'static str,
     status: u16,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
-    route: String,
+    route: Cow<'static, str>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -69,7 +73,8 @@ impl Metrics {
         );
         registry.register(
             "http_requests",
-            "HTTP requests by route, method and status.",
+            "HTTP requests by route (the router's pattern, or unmatched), method (a standard \
+             method, or OTHER) and status.",
             metrics.requests.clone(),
         );
         registry.register(
@@ -163,19 +168,25 @@ impl Metrics {
         metrics
     }
 
-    /// Counts one HTTP request and its latency.
-    pub fn record_request(&self, route: &str, method: &str, status: u16, elapsed: Duration) {
+    /// Counts one HTTP request and its latency. `route` is the matched route's pattern
+    /// ([`crate::server::routes`]), or `None` for a request no route matched.
+    pub fn record_request(
+        &self,
+        route: Option<&str>,
+        method: &axum::http::Method,
+        status: u16,
+        elapsed: Duration,
+    ) {
+        let route = route_label(route);
         self.requests
             .get_or_create(&RequestLabels {
-                route: route.to_owned(),
-                method: method.to_owned(),
+                route: route.clone(),
+                method: method_label(method),
                 status,
             })
             .inc();
         self.latency
-            .get_or_create(&RouteLabels {
-                route: route.to_owned(),
-            })
+            .get_or_create(&RouteLabels { route })
             .observe(elapsed.as_secs_f64());
     }
 
@@ -189,5 +200,58 @@ impl Metrics {
     /// Counts one refusal at a published limit by its reason.
     pub fn record_refusal(&self, reason: &'static str) {
         self.refusals.get_or_create(&ReasonLabels { reason }).inc();
+    }
+}
+
+/// The `route` label of a matched route's pattern: the router's own static string
+/// ([`crate::server::routes::ALL`]); a pattern outside that list (a route added without naming
+/// it there) is copied. `unmatched` when no route matched.
+fn route_label(route: Option<&str>) -> Cow<'static, str> {
+    let Some(route) = route else {
+        return Cow::Borrowed("unmatched");
+    };
+    crate::server::routes::ALL
+        .iter()
+        .find(|r| **r == route)
+        .map_or_else(|| Cow::Owned(route.to_owned()), |r| Cow::Borrowed(*r))
+}
+
+/// The `method` label: a standard method's name, `OTHER` for any other (a caller cannot make new
+/// series by inventing methods).
+fn method_label(method: &axum::http::Method) -> &'static str {
+    use axum::http::Method;
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::CONNECT => "CONNECT",
+        Method::TRACE => "TRACE",
+        _ => "OTHER",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_the_routers_patterns_and_the_standard_methods() {
+        assert!(matches!(
+            route_label(Some("/graphql")),
+            Cow::Borrowed("/graphql")
+        ));
+        assert!(matches!(
+            route_label(Some("/console/{*path}")),
+            Cow::Borrowed("/console/{*path}")
+        ));
+        assert_eq!(route_label(Some("/not/a/route")), "/not/a/route");
+        assert_eq!(route_label(None), "unmatched");
+        assert_eq!(method_label(&axum::http::Method::POST), "POST");
+        let invented = axum::http::Method::from_bytes(b"FOO1").expect("a token");
+        assert_eq!(method_label(&invented), "OTHER");
     }
 }

@@ -27,6 +27,36 @@ use crate::metrics::Metrics;
 use crate::state::{AppState, Inner};
 use crate::tailer::{StreamConfig, Tailer};
 
+/// The router's paths, named once: [`router`] serves them and the metrics label requests by them
+/// (`crate::metrics`), so a label is one of these static strings.
+pub mod routes {
+    pub const GRAPHQL: &str = "/graphql";
+    pub const GRAPHQL_STREAM: &str = "/graphql/stream";
+    pub const USAGE_CSV: &str = "/usage.csv";
+    pub const CONSOLE_INDEX: &str = "/";
+    pub const GRAPHIQL: &str = "/graphiql";
+    pub const CONSOLE_DEV_TOKEN: &str = "/console/dev-token";
+    pub const CONSOLE_FILE: &str = "/console/{*path}";
+    pub const AGENT: &str = "/agent";
+    pub const HEALTHZ: &str = "/healthz";
+    pub const READYZ: &str = "/readyz";
+    pub const METRICS: &str = "/metrics";
+    /// Every path of the router.
+    pub const ALL: [&str; 11] = [
+        GRAPHQL,
+        GRAPHQL_STREAM,
+        USAGE_CSV,
+        CONSOLE_INDEX,
+        GRAPHIQL,
+        CONSOLE_DEV_TOKEN,
+        CONSOLE_FILE,
+        AGENT,
+        HEALTHZ,
+        READYZ,
+        METRICS,
+    ];
+}
+
 /// The router of the API.
 pub fn router(app: AppState) -> Router {
     let api = if app.gateway_only {
@@ -34,14 +64,14 @@ pub fn router(app: AppState) -> Router {
     } else {
         Router::new()
             .route(
-                "/graphql",
+                routes::GRAPHQL,
                 get(crate::transport::http::get).post(crate::transport::http::post),
             )
             .route(
-                "/graphql/stream",
+                routes::GRAPHQL_STREAM,
                 get(crate::transport::sse::get).post(crate::transport::sse::post),
             )
-            .route("/usage.csv", get(crate::transport::csv::get))
+            .route(routes::USAGE_CSV, get(crate::transport::csv::get))
     };
     // The console and GraphiQL (`docs/console.md`): same-origin pages, outside CORS.
     let pages = if app.gateway_only {
@@ -49,10 +79,10 @@ pub fn router(app: AppState) -> Router {
     } else {
         use crate::transport::console;
         Router::new()
-            .route("/", get(console::index))
-            .route("/graphiql", get(console::graphiql))
-            .route("/console/dev-token", get(console::dev_token))
-            .route("/console/{*path}", get(console::file))
+            .route(routes::CONSOLE_INDEX, get(console::index))
+            .route(routes::GRAPHIQL, get(console::graphiql))
+            .route(routes::CONSOLE_DEV_TOKEN, get(console::dev_token))
+            .route(routes::CONSOLE_FILE, get(console::file))
     };
     // Browsers may call the API from the allowed origins only (none by default): a preflight is
     // answered, and the answers carry `Access-Control-Allow-Origin` for those origins. Bearer
@@ -77,10 +107,10 @@ pub fn router(app: AppState) -> Router {
         )
     };
     api.merge(pages)
-        .route("/agent", get(crate::transport::agent::get))
-        .route("/healthz", get(crate::ops::health::healthz))
-        .route("/readyz", get(crate::ops::health::readyz))
-        .route("/metrics", get(crate::ops::health::metrics))
+        .route(routes::AGENT, get(crate::transport::agent::get))
+        .route(routes::HEALTHZ, get(crate::ops::health::healthz))
+        .route(routes::READYZ, get(crate::ops::health::readyz))
+        .route(routes::METRICS, get(crate::ops::health::metrics))
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
             crate::ops::track,

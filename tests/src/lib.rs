@@ -579,8 +579,11 @@ pub fn init_logging() {
         let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
             tracing_subscriber::EnvFilter::new("warn,compute_api=info,compute_domain=info")
         });
+        // Plain text, as `compute-api` writes when its stderr is not a terminal: the captured
+        // output is read in CI logs, where escape codes are noise.
         let _ = tracing_subscriber::fmt()
             .with_env_filter(filter)
+            .with_ansi(false)
             .with_test_writer()
             .try_init();
     });

@@ -42,11 +42,13 @@ pub enum MediaType {
 }
 
 impl MediaType {
-    fn content_type(self) -> &'static str {
-        match self {
+    /// The `Content-Type` of a response: a static header value (a `&str` would be checked and
+    /// copied into a new value for every response).
+    fn content_type(self) -> HeaderValue {
+        HeaderValue::from_static(match self {
             MediaType::GraphqlResponseJson => "application/graphql-response+json; charset=utf-8",
             MediaType::Json => "application/json; charset=utf-8",
-        }
+        })
     }
 }
 
@@ -62,7 +64,7 @@ pub fn negotiate(accept: Option<&HeaderValue>) -> Option<MediaType> {
     let mut best: Option<(f32, MediaType)> = None;
     for range in accept.split(',') {
         let mut parts = range.split(';');
-        let essence = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+        let essence = parts.next().unwrap_or("").trim();
         let q = parts
             .filter_map(|p| p.trim().strip_prefix("q="))
             .find_map(|q| q.trim().parse::<f32>().ok())
@@ -70,12 +72,17 @@ pub fn negotiate(accept: Option<&HeaderValue>) -> Option<MediaType> {
         if q <= 0.0 {
             continue;
         }
-        let candidates: &[MediaType] = match essence.as_str() {
-            "application/graphql-response+json" => &[MediaType::GraphqlResponseJson],
-            "application/json" => &[MediaType::Json],
+        // Media types compare without regard to case, here without a lowered copy per range.
+        let is = |name: &str| essence.eq_ignore_ascii_case(name);
+        let candidates: &[MediaType] = if is("application/graphql-response+json") {
+            &[MediaType::GraphqlResponseJson]
+        } else if is("application/json") {
+            &[MediaType::Json]
+        } else if is("*/*") || is("application/*") {
             // A client that takes anything is a legacy client: the specification's SHOULD.
-            "*/*" | "application/*" => &[MediaType::Json],
-            _ => &[],
+            &[MediaType::Json]
+        } else {
+            &[]
         };
         for &m in candidates {
             let better = match best {
@@ -353,8 +360,9 @@ mod tests {
     #[test]
     fn negotiation_follows_the_specification() {
         use MediaType::{GraphqlResponseJson as Gql, Json};
-        let table: [(Option<&str>, Option<MediaType>); 12] = [
+        let table: [(Option<&str>, Option<MediaType>); 13] = [
             (None, Some(Json)),
+            (Some("Application/GraphQL-Response+JSON"), Some(Gql)),
             (Some(""), Some(Json)),
             (Some("application/json"), Some(Json)),
             (Some("application/graphql-response+json"), Some(Gql)),

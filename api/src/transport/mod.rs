@@ -290,6 +290,12 @@ pub fn execute_streaming(
 
 /// The span of one GraphQL request on `transport`: a request id, the operation's name and the
 /// caller. Every log line of the request (an `INTERNAL` error's included) carries it.
+///
+/// The subscriber formats a span's fields once, when the span is made, for every request: so
+/// `operation` and `subject` are left out when there is none (an `Option` field records only its
+/// value; an anonymous caller's span has no empty `subject=""`), every field is given at
+/// creation (a field recorded later makes the JSON formatter parse and rewrite what it wrote),
+/// and the id is written as one string ([`RequestId`]).
 pub fn request_span(
     transport: &'static str,
     request: &async_graphql::Request,
@@ -299,8 +305,8 @@ pub fn request_span(
         "graphql",
         request.id = %RequestId::next(),
         transport,
-        operation = request.operation_name.as_deref().unwrap_or(""),
-        subject = viewer.map_or("", |v| v.subject.as_str()),
+        operation = request.operation_name.as_deref(),
+        subject = viewer.map(|v| v.subject.as_str()),
     )
 }
 
@@ -326,7 +332,17 @@ impl RequestId {
 
 impl std::fmt::Display for RequestId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "req_{:016x}{:016x}", *PROCESS_NONCE, self.0)
+        // Written into a buffer and handed over once: `{:016x}` goes through the formatter's
+        // padding path digit by digit, and this runs for every request.
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut text = *b"req_00000000000000000000000000000000";
+        for (half, value) in [*PROCESS_NONCE, self.0].into_iter().enumerate() {
+            for (i, byte) in text[4 + 16 * half..][..16].iter_mut().enumerate() {
+                *byte = HEX[((value >> (60 - 4 * i)) & 0xf) as usize];
+            }
+        }
+        // Only ASCII was written.
+        f.write_str(std::str::from_utf8(&text).map_err(|_| std::fmt::Error)?)
     }
 }
 
@@ -443,5 +459,15 @@ mod tests {
         }
         assert_eq!(a[..20], b[..20], "one process, one random half");
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn a_request_id_is_its_two_halves_in_hex() {
+        for n in [0, 1, 0xabc, u64::MAX - 1, u64::MAX] {
+            assert_eq!(
+                RequestId(n).to_string(),
+                format!("req_{:016x}{:016x}", *super::PROCESS_NONCE, n)
+            );
+        }
     }
 }

@@ -8,9 +8,14 @@
 //!    server on a throwaway database: limits, cost analysis, tracing, metrics, the viewer),
 //!    anonymous and with the member token, the same tiny query (`{ __typename }`) that touches
 //!    no database. `clients` concurrent clients with keep-alive connections in this process.
+//!    The three paths run in turn, `requests` each, over `rounds` rounds (default 9), the order
+//!    turning every round, so a slow moment of the machine falls on all three rather than on one
+//!    path's whole run. It prints each round's rates and ratios, the ratio of all rounds' totals,
+//!    the median round's ratio, the best round of each, and this process's CPU per request of
+//!    each path (the clients included).
 //!
 //! ```sh
-//! cargo run --release -p compute-tests --bin bench-auth -- [iterations] [requests] [clients]
+//! cargo run --release -p compute-tests --bin bench-auth -- [iterations] [requests] [clients] [rounds]
 //! ```
 //!
 //! Asserts nothing: a benchmark, not a test.
@@ -58,8 +63,32 @@ async fn bare_server() -> std::net::SocketAddr {
     addr
 }
 
-/// Requests per second: `requests` POSTs of `query` to `url` from `clients` clients.
-async fn rate(url: &str, query: &str, token: Option<&str>, requests: usize, clients: usize) -> f64 {
+/// The CPU time this process's threads have used so far, in seconds (the sum of each thread's
+/// `/proc/self/task/*/schedstat`, nanoseconds on a CPU): the clients, the bare server and the
+/// API all run here, so a slice's CPU over its requests is what one request of that path cost
+/// the machine (PostgreSQL aside: `{ __typename }` reads nothing).
+fn cpu_seconds() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    let ns: u64 = tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    ns as f64 / 1e9
+}
+
+/// The seconds `clients` clients take to send `requests` POSTs of `query` to `url` (after a
+/// few untimed ones per client, which open the connections), and the CPU seconds this process
+/// used meanwhile ([`cpu_seconds`]).
+async fn elapsed(
+    url: &str,
+    query: &str,
+    token: Option<&str>,
+    requests: usize,
+    clients: usize,
+) -> (f64, f64) {
     let http = reqwest::Client::new();
     let body = serde_json::json!({ "query": query }).to_string();
     let next = Arc::new(AtomicUsize::new(0));
@@ -96,6 +125,7 @@ async fn rate(url: &str, query: &str, token: Option<&str>, requests: usize, clie
     for t in warm {
         t.await.expect("warm-up");
     }
+    let cpu = cpu_seconds();
     let started = Instant::now();
     let tasks: Vec<_> = (0..clients)
         .map(|_| tokio::spawn(send(http.clone(), next.clone(), body.clone(), requests)))
@@ -103,15 +133,16 @@ async fn rate(url: &str, query: &str, token: Option<&str>, requests: usize, clie
     for t in tasks {
         t.await.expect("a client");
     }
-    requests as f64 / started.elapsed().as_secs_f64()
+    (started.elapsed().as_secs_f64(), cpu_seconds() - cpu)
 }
 
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let n: u32 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(200_000);
-    let requests: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20_000);
+    let requests: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let clients: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(8);
+    let rounds: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(9).max(1);
     let verifier = Verifier::new(
         KeySource::Hs256(Secret::new(compute_tests::TEST_SECRET)),
         compute_tests::TEST_ISSUER,
@@ -147,33 +178,79 @@ async fn main() {
     let member = app.member("acme");
     let bare_url = format!("http://{bare}/graphql");
     let api_url = app.url("/graphql");
+    let paths: [(&str, &str, &str, Option<&str>); 3] = [
+        ("bare async-graphql", &bare_url, "{ hello }", None),
+        ("API anonymous", &api_url, "{ __typename }", None),
+        (
+            "API with a member token",
+            &api_url,
+            "{ __typename }",
+            Some(&member),
+        ),
+    ];
     println!(
-        "\nwhole requests over HTTP, {requests} per run, {clients} clients, keep-alive, in this process:"
+        "\nwhole requests over HTTP, {rounds} rounds of {requests} per path, {clients} clients, \
+         keep-alive, in this process; the paths' order turns each round:"
     );
-    let mut best = [0.0f64; 3];
-    // Three rounds, interleaved, so a slow moment of the machine does not land on one only;
-    // the best of each is kept.
-    for round in 1..=3 {
-        let runs = [
-            rate(&bare_url, "{ hello }", None, requests, clients).await,
-            rate(&api_url, "{ __typename }", None, requests, clients).await,
-            rate(&api_url, "{ __typename }", Some(&member), requests, clients).await,
-        ];
-        println!(
-            "  round {round}: bare async-graphql {:.0}/s, API anonymous {:.0}/s, API with a member token {:.0}/s",
-            runs[0], runs[1], runs[2]
-        );
-        for (b, r) in best.iter_mut().zip(runs) {
-            *b = b.max(r);
+    // Per path: the seconds of every round, in round order.
+    let mut seconds: [Vec<f64>; 3] = Default::default();
+    let mut cpu = [0.0f64; 3];
+    for round in 0..rounds {
+        // The order turns (0 1 2, 1 2 0, 2 0 1, …) so no path always runs first or last, and
+        // the three of a round run within a second or two of each other: a slow moment of the
+        // machine lands on all of them, not on one path's whole run.
+        let mut line = format!("  round {}:", round + 1);
+        for k in 0..3 {
+            let p = (round + k) % 3;
+            let (label, url, query, token) = paths[p];
+            let (s, c) = elapsed(url, query, token, requests, clients).await;
+            seconds[p].push(s);
+            cpu[p] += c;
+            line += &format!(" {label} {:.0}/s;", requests as f64 / s);
         }
+        let ratio = |p: usize| seconds[0][round] / seconds[p][round];
+        println!(
+            "{line} ratios: anonymous {:.2}x, token {:.2}x",
+            ratio(1),
+            ratio(2)
+        );
     }
+    let total = |p: usize| (rounds * requests) as f64 / seconds[p].iter().sum::<f64>();
+    let best = |p: usize| requests as f64 / seconds[p].iter().copied().fold(f64::MAX, f64::min);
+    let median_ratio = |p: usize| {
+        let mut r: Vec<f64> = (0..rounds).map(|i| seconds[0][i] / seconds[p][i]).collect();
+        r.sort_by(f64::total_cmp);
+        r[rounds / 2]
+    };
     println!(
-        "best: bare {:.0}/s; API anonymous {:.0}/s ({:.2}x bare); API with a token {:.0}/s ({:.2}x bare, {:.2}x anonymous)",
-        best[0],
-        best[1],
-        best[1] / best[0],
-        best[2],
-        best[2] / best[0],
-        best[2] / best[1]
+        "all rounds: bare {:.0}/s; API anonymous {:.0}/s ({:.2}x bare, median round {:.2}x); \
+         API with a token {:.0}/s ({:.2}x bare, median round {:.2}x; {:.2}x anonymous)",
+        total(0),
+        total(1),
+        total(1) / total(0),
+        median_ratio(1),
+        total(2),
+        total(2) / total(0),
+        median_ratio(2),
+        total(2) / total(1)
+    );
+    let per = |p: usize| cpu[p] * 1e6 / (rounds * requests) as f64;
+    println!(
+        "CPU of this process per request (clients and server): bare {:.0} us; API anonymous {:.0} \
+         us ({:.2}x bare); API with a token {:.0} us ({:.2}x bare)",
+        per(0),
+        per(1),
+        per(1) / per(0),
+        per(2),
+        per(2) / per(0)
+    );
+    println!(
+        "best round of each: bare {:.0}/s; API anonymous {:.0}/s ({:.2}x bare); API with a token \
+         {:.0}/s ({:.2}x bare)",
+        best(0),
+        best(1),
+        best(1) / best(0),
+        best(2),
+        best(2) / best(0)
     );
 }

@@ -141,6 +141,15 @@ async fn metrics_parse_as_openmetrics_text_and_count_requests() {
         app.graphql("{ __typename }", json!({}), None).await;
     }
     app.graphql("{ nope }", json!({}), None).await;
+    // A method nobody defined: counted as OTHER, so a caller cannot add series by inventing them.
+    let invented = reqwest::Method::from_bytes(b"FOO1").expect("a method token");
+    let res = app
+        .http
+        .request(invented, app.url("/graphql"))
+        .send()
+        .await
+        .expect("FOO1");
+    assert_eq!(res.status().as_u16(), 405);
     // One named transaction that commits, and one that fails (a duplicate name).
     let op = app.token("ops", None, &[compute_api::auth::Role::Operator]);
     let create = "mutation { createSite(input: { name: \"ams\" }) { site { id } } }";
@@ -177,8 +186,20 @@ async fn metrics_parse_as_openmetrics_text_and_count_requests() {
         Some(1.0)
     );
     assert_eq!(
+        value(
+            "http_requests_total",
+            r#"route="/graphql",method="OTHER",status="405""#
+        ),
+        Some(1.0),
+        "an invented method is OTHER"
+    );
+    assert!(
+        !samples.iter().any(|(_, l, _)| l.contains("FOO1")),
+        "no series names the invented method"
+    );
+    assert_eq!(
         value("http_request_duration_seconds_count", r#"route="/graphql""#),
-        Some(6.0)
+        Some(7.0)
     );
     assert_eq!(
         value(
