@@ -52,17 +52,27 @@ pub struct Metrics {
     latency: Family<RouteLabels, Histogram, fn() -> Histogram>,
     graphql_errors: Family<CodeLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
+    /// The router's paths (`crate::server::routes::ALL`, handed in by the server): a request's
+    /// `route` label is one of these static strings.
+    routes: &'static [&'static str],
 }
 
 impl Metrics {
     /// Declares the API's metrics in `registry`, with the readings of `db`, `clock` and `tailer`
-    /// taken at each scrape.
-    pub fn new(registry: &Registry, db: &Db, clock: &Clock, tailer: &Tailer) -> Metrics {
+    /// taken at each scrape; requests are labelled by the router's paths `routes`.
+    pub fn new(
+        registry: &Registry,
+        db: &Db,
+        clock: &Clock,
+        tailer: &Tailer,
+        routes: &'static [&'static str],
+    ) -> Metrics {
         let metrics = Metrics {
             requests: Family::default(),
             latency: Family::new_with_constructor(latency_histogram),
             graphql_errors: Family::default(),
             refusals: Family::default(),
+            routes,
         };
         registry.register(
             "api_refusals",
@@ -168,8 +178,8 @@ impl Metrics {
         metrics
     }
 
-    /// Counts one HTTP request and its latency. `route` is the matched route's pattern
-    /// ([`crate::server::routes`]), or `None` for a request no route matched.
+    /// Counts one HTTP request and its latency. `route` is the matched route's pattern, or `None`
+    /// for a request no route matched.
     pub fn record_request(
         &self,
         route: Option<&str>,
@@ -177,7 +187,7 @@ impl Metrics {
         status: u16,
         elapsed: Duration,
     ) {
-        let route = route_label(route);
+        let route = route_label(self.routes, route);
         self.requests
             .get_or_create(&RequestLabels {
                 route: route.clone(),
@@ -203,14 +213,14 @@ impl Metrics {
     }
 }
 
-/// The `route` label of a matched route's pattern: the router's own static string
-/// ([`crate::server::routes::ALL`]); a pattern outside that list (a route added without naming
-/// it there) is copied. `unmatched` when no route matched.
-fn route_label(route: Option<&str>) -> Cow<'static, str> {
+/// The `route` label of a matched route's pattern: the router's own static string from
+/// `routes`; a pattern outside that list (a route added without naming it there) is copied.
+/// `unmatched` when no route matched.
+fn route_label(routes: &'static [&'static str], route: Option<&str>) -> Cow<'static, str> {
     let Some(route) = route else {
         return Cow::Borrowed("unmatched");
     };
-    crate::server::routes::ALL
+    routes
         .iter()
         .find(|r| **r == route)
         .map_or_else(|| Cow::Owned(route.to_owned()), |r| Cow::Borrowed(*r))
@@ -240,6 +250,8 @@ mod tests {
 
     #[test]
     fn labels_are_the_routers_patterns_and_the_standard_methods() {
+        const ROUTES: &[&str] = &["/graphql", "/console/{*path}"];
+        let route_label = |r| route_label(ROUTES, r);
         assert!(matches!(
             route_label(Some("/graphql")),
             Cow::Borrowed("/graphql")

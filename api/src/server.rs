@@ -28,7 +28,7 @@ use crate::state::{AppState, Inner};
 use crate::tailer::{StreamConfig, Tailer};
 
 /// The router's paths, named once: [`router`] serves them and the metrics label requests by them
-/// (`crate::metrics`), so a label is one of these static strings.
+/// (handed to `Metrics::new`), so a label is one of these static strings.
 pub mod routes {
     pub const GRAPHQL: &str = "/graphql";
     pub const GRAPHQL_STREAM: &str = "/graphql/stream";
@@ -253,7 +253,7 @@ impl Server {
         let clock = Clock::anchored(&db).await?;
         let (shutdown_tx, shutdown) = watch::channel(false);
         let tailer = Tailer::new(db.clone(), stream);
-        let metrics = Metrics::new(&registry, &db, &clock, &tailer);
+        let metrics = Metrics::new(&registry, &db, &clock, &tailer, &routes::ALL);
         let schema = graph::build(Some((db.clone(), tailer.clone())));
         let costs = graph::cost::CostModel::from_sdl(&schema.sdl())
             .map_err(|e| compute_domain::Error::internal(e.to_string()))?;
