@@ -111,10 +111,7 @@ pub fn router(app: AppState) -> Router {
         .route(routes::HEALTHZ, get(crate::ops::health::healthz))
         .route(routes::READYZ, get(crate::ops::health::readyz))
         .route(routes::METRICS, get(crate::ops::health::metrics))
-        .layer(axum::middleware::from_fn_with_state(
-            app.clone(),
-            crate::ops::track,
-        ))
+        .layer(crate::ops::TrackLayer::new(app.metrics.clone()))
         .with_state(app)
 }
 
@@ -261,6 +258,18 @@ impl Server {
             let metrics = metrics.clone();
             std::sync::Arc::new(move |reason| metrics.record_refusal(reason))
         });
+        let documents = door.clone();
+        registry.sample(
+            "compute_graphql_documents",
+            "GraphQL documents by how the door got their parse: reused (a document seen lately, \
+             its kept parse cloned) or parsed.",
+            compute_domain::metrics::Sampled::Counter,
+            Some("parse"),
+            move || {
+                let (reused, parsed) = documents.documents().counts();
+                vec![("reused", reused as f64), ("parsed", parsed as f64)]
+            },
+        );
         let gateway =
             crate::gateway::Gateway::new(db.clone(), crate::gateway::GatewayConfig::new());
         let app = AppState::new(Inner {

@@ -39,6 +39,7 @@ use compute_domain::ErrorCode;
 
 use crate::auth::Viewer;
 use crate::graph::cost::CostModel;
+use crate::graph::documents::Documents;
 use crate::limits::Limits;
 
 /// `extensions.code` of a request over a published limit (document bounds, cost).
@@ -79,6 +80,7 @@ pub struct Door {
     limits: Arc<Limits>,
     budgets: Arc<Budgets>,
     costs: Arc<CostModel>,
+    documents: Arc<Documents>,
     on_refusal: OnRefusal,
 }
 
@@ -90,8 +92,28 @@ impl Door {
             limits: Arc::new(limits),
             budgets: Arc::new(Budgets::default()),
             costs: Arc::new(costs),
+            documents: Arc::new(Documents::default()),
             on_refusal,
         }
+    }
+
+    /// Parses `request`'s document into it, once, before anything reads it: one within
+    /// [`Limits::max_document_bytes`] (a longer one is refused before any parsing), from the
+    /// parsed documents seen lately ([`Documents`]) when it was among them. Every transport
+    /// calls it first; [`Door::admit`] then finds the document parsed.
+    pub fn parse(&self, request: &mut async_graphql::Request) -> ServerResult<()> {
+        if let Some(e) = oversized(&self.limits, &request.query) {
+            (self.on_refusal)("document_bytes");
+            return Err(e);
+        }
+        let document = self.documents.parse(&request.query)?;
+        request.set_parsed_query(document);
+        Ok(())
+    }
+
+    /// The parsed documents it keeps.
+    pub fn documents(&self) -> &Documents {
+        &self.documents
     }
 
     /// The limits it enforces.
@@ -105,9 +127,10 @@ impl Door {
     }
 
     /// Lets `request` in, or says why not (a coded request error, nothing charged): no NUL in
-    /// its variables, its document within the bounds (parsed here, once, and handed on to
-    /// async-graphql parsed), reduced to the operation it names, and its cost within the
-    /// caller's limit and budget, which it is charged.
+    /// its variables, its document within the bounds (parsed once, by [`Door::parse`], which
+    /// the transports call first, or here when none did, and handed on to async-graphql
+    /// parsed), reduced to the operation it names, and its cost within the caller's limit and
+    /// budget, which it is charged.
     pub fn admit(
         &self,
         request: &mut async_graphql::Request,

@@ -17,6 +17,7 @@ pub mod commands;
 pub mod common;
 pub mod context;
 pub mod cost;
+pub mod documents;
 pub mod door;
 pub mod events;
 pub mod fleet;

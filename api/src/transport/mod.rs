@@ -218,16 +218,22 @@ pub fn build_request(
     Ok(request)
 }
 
-/// The type of the operation the request selects, when the document parses and names one. A
-/// document longer than the published limit is refused before anything parses it.
+/// The type of the operation the request selects, when the document parses and names one,
+/// the document parsed into the request ([`crate::graph::door::Door::parse`]: one longer than the
+/// published limit is refused before anything parses it).
 pub fn operation_type(
     app: &AppState,
     request: &mut async_graphql::Request,
 ) -> Result<Option<OperationType>, ServerError> {
-    if let Some(e) = crate::graph::door::oversized(&app.limits, &request.query) {
-        app.metrics.record_refusal("document_bytes");
-        return Err(e);
-    }
+    app.door.parse(request)?;
+    selected_type(request)
+}
+
+/// The type of the operation a parsed request selects (`operation_type` of a request whose
+/// document is already in it: nothing is parsed again).
+fn selected_type(
+    request: &mut async_graphql::Request,
+) -> Result<Option<OperationType>, ServerError> {
     let name = request.operation_name.clone();
     let doc = request.parsed_query()?;
     Ok(match &doc.operations {
@@ -261,7 +267,7 @@ pub fn execute_streaming(
         }
     };
     let subscription = matches!(
-        operation_type(app, &mut request),
+        selected_type(&mut request),
         Ok(Some(OperationType::Subscription))
     );
     let door = app.door.clone();

@@ -493,7 +493,10 @@ async fn operation(
     // No peer: every operation here has a viewer (`connection_init` refuses a connection
     // without a token, and nothing runs before its acknowledgement), so its budget is the
     // subject's.
-    let admitted = app.door.admit(&mut request, viewer.as_ref(), None);
+    let admitted = app
+        .door
+        .parse(&mut request)
+        .and_then(|()| app.door.admit(&mut request, viewer.as_ref(), None));
     let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = super::execute_streaming(&app, request, admitted);
     let mut first = true;

@@ -13,9 +13,14 @@
 //!    path's whole run. It prints each round's rates and ratios, the ratio of all rounds' totals,
 //!    the median round's ratio, the best round of each, and this process's CPU per request of
 //!    each path (the clients included).
+//! 3. With `distinct` (the fifth argument), every request's document is new (the query and a
+//!    comment with the request's number), so the API's kept parses (`graph::documents`) never
+//!    answer: what a request costs when its client sends a document the server has not seen.
+//!    The default, `same`, sends one document again and again, as a client sends its usual
+//!    operations.
 //!
 //! ```sh
-//! cargo run --release -p compute-tests --bin bench-auth -- [iterations] [requests] [clients] [rounds]
+//! cargo run --release -p compute-tests --bin bench-auth -- [iterations] [requests] [clients] [rounds] [same|distinct]
 //! ```
 //!
 //! Asserts nothing: a benchmark, not a test.
@@ -79,28 +84,40 @@ fn cpu_seconds() -> f64 {
     ns as f64 / 1e9
 }
 
+/// The numbers of `distinct` documents: never the same twice in a run.
+static DOCUMENT: AtomicUsize = AtomicUsize::new(0);
+
 /// The seconds `clients` clients take to send `requests` POSTs of `query` to `url` (after a
 /// few untimed ones per client, which open the connections), and the CPU seconds this process
-/// used meanwhile ([`cpu_seconds`]).
+/// used meanwhile ([`cpu_seconds`]). With `distinct`, each request's document is `query` and a
+/// comment no other request has.
 async fn elapsed(
     url: &str,
     query: &str,
     token: Option<&str>,
     requests: usize,
     clients: usize,
+    distinct: bool,
 ) -> (f64, f64) {
     let http = reqwest::Client::new();
     let body = serde_json::json!({ "query": query }).to_string();
     let next = Arc::new(AtomicUsize::new(0));
     let send = |http: reqwest::Client, next: Arc<AtomicUsize>, body: String, count: usize| {
         let (url, token) = (url.to_owned(), token.map(str::to_owned));
+        let query = query.to_owned();
         async move {
             while next.fetch_add(1, Ordering::Relaxed) < count {
+                let body = if distinct {
+                    let n = DOCUMENT.fetch_add(1, Ordering::Relaxed);
+                    serde_json::json!({ "query": format!("{query} # {n}") }).to_string()
+                } else {
+                    body.clone()
+                };
                 let mut req = http
                     .post(&url)
                     .header("content-type", "application/json")
                     .header("accept", "application/json")
-                    .body(body.clone());
+                    .body(body);
                 if let Some(t) = &token {
                     req = req.bearer_auth(t);
                 }
@@ -143,6 +160,11 @@ async fn main() {
     let requests: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let clients: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(8);
     let rounds: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(9).max(1);
+    let distinct = match args.get(5).map(String::as_str) {
+        None | Some("same") => false,
+        Some("distinct") => true,
+        Some(other) => panic!("the fifth argument is `same` or `distinct`, not {other:?}"),
+    };
     let verifier = Verifier::new(
         KeySource::Hs256(Secret::new(compute_tests::TEST_SECRET)),
         compute_tests::TEST_ISSUER,
@@ -190,7 +212,12 @@ async fn main() {
     ];
     println!(
         "\nwhole requests over HTTP, {rounds} rounds of {requests} per path, {clients} clients, \
-         keep-alive, in this process; the paths' order turns each round:"
+         keep-alive, in this process, {}; the paths' order turns each round:",
+        if distinct {
+            "every request's document new"
+        } else {
+            "one document sent again and again"
+        }
     );
     // Per path: the seconds of every round, in round order.
     let mut seconds: [Vec<f64>; 3] = Default::default();
@@ -203,7 +230,7 @@ async fn main() {
         for k in 0..3 {
             let p = (round + k) % 3;
             let (label, url, query, token) = paths[p];
-            let (s, c) = elapsed(url, query, token, requests, clients).await;
+            let (s, c) = elapsed(url, query, token, requests, clients, distinct).await;
             seconds[p].push(s);
             cpu[p] += c;
             line += &format!(" {label} {:.0}/s;", requests as f64 / s);

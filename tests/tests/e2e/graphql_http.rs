@@ -383,3 +383,64 @@ async fn a_document_of_several_operations_runs_the_named_one_without_the_others_
         );
     }
 }
+
+/// The value of the series `series` (its name and labels, as `/metrics` writes them).
+async fn series(app: &compute_tests::TestApp, series: &str) -> f64 {
+    let text = app
+        .http
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("body");
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
+}
+
+#[tokio::test]
+async fn a_document_sent_again_is_answered_as_the_first_time() {
+    // The door keeps the parse of the documents it saw lately (`graph::documents`) and clones
+    // it for the next request of the same text. The door then reduces the clone to the
+    // operation the request names, so the kept parse must not remember the last request's
+    // choice: each request of one text, alternating names, gets its own operation's answer.
+    let app = spawn_app().await;
+    let reused = "compute_graphql_documents_total{parse=\"reused\"}";
+    let parsed = "compute_graphql_documents_total{parse=\"parsed\"}";
+    let (reused_before, parsed_before) = (series(&app, reused).await, series(&app, parsed).await);
+    let document = "query A { a: __typename }\nquery B { b: __schema { queryType { name } } }";
+    let expected = [
+        ("A", json!({ "a": "Query" })),
+        ("B", json!({ "b": { "queryType": { "name": "Query" } } })),
+    ];
+    for round in 0..3 {
+        for (name, data) in &expected {
+            let body = json!({ "query": document, "operationName": name }).to_string();
+            let (status, _, text) = post(&app, Some(GQL), &body).await;
+            let v = parse(&text);
+            assert_eq!(status, 200, "{v}");
+            assert!(v["errors"].is_null(), "round {round}, {name}: {v}");
+            assert_eq!(&v["data"], data, "round {round}, {name}: {v}");
+        }
+    }
+    // Six requests of one text: one parse, five clones of it.
+    assert_eq!(series(&app, parsed).await - parsed_before, 1.0);
+    assert_eq!(series(&app, reused).await - reused_before, 5.0);
+    // A document that does not parse is parsed (and refused) each time, at the same place.
+    let broken = json!({ "query": "{\n  __typename\n  oops(" }).to_string();
+    let (first_status, _, first) = post(&app, Some(GQL), &broken).await;
+    let (again_status, _, again) = post(&app, Some(GQL), &broken).await;
+    let (first, again) = (parse(&first), parse(&again));
+    assert_eq!((first_status, again_status), (400, 400), "{first} {again}");
+    assert_eq!(first["errors"][0]["locations"][0]["line"], 3, "{first}");
+    assert_eq!(first["errors"], again["errors"]);
+    assert_eq!(series(&app, parsed).await - parsed_before, 3.0);
+}
