@@ -54,8 +54,12 @@ struct Generation {
 
 impl Generation {
     fn insert(&mut self, text: Box<str>, document: Arc<ExecutableDocument>) {
-        self.bytes += text.len();
-        self.documents.insert(text, document);
+        let len = text.len();
+        // Two requests of a new text may both parse it and both keep it: the second replaces
+        // the first's parse under the same key, whose bytes are counted once.
+        if self.documents.insert(text, document).is_none() {
+            self.bytes += len;
+        }
     }
 }
 
@@ -186,6 +190,12 @@ mod tests {
             shape(&docs.parse("{ __typename }").expect("parses"))
         );
         assert_eq!(docs.len(), 4);
+        // The same text kept twice (two requests that missed at once) is counted once.
+        let mut g = docs.lock();
+        let bytes = g.newer.bytes;
+        let kept = Arc::new(async_graphql::parser::parse_query(texts[0]).expect("parses"));
+        g.keep(texts[0].into(), kept);
+        assert_eq!(g.newer.bytes, bytes);
     }
 
     #[test]
