@@ -547,6 +547,21 @@ pub struct TestApp {
     server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
 
+/// The value of `series` (a metric's name and labels as `/metrics` writes them, such as
+/// `compute_subscriptions_open` or `api_refusals_total{reason="cost"}`) in the text of
+/// [`TestApp::metrics`]; panics when it has no such series.
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
+}
+
 /// The one wait of the tests: polls `check` until it yields a value, every 5 ms, and panics
 /// naming `what` after `within`. A test waits for a state it observes, never for a guessed time.
 pub async fn eventually<T, F, Fut>(what: &str, within: std::time::Duration, mut check: F) -> T
@@ -695,6 +710,18 @@ impl TestApp {
     /// `http://127.0.0.1:<port><path>`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// The text of `/metrics` now.
+    pub async fn metrics(&self) -> String {
+        self.http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("the body of /metrics")
     }
 
     /// Moves the token verifier's clock `seconds` ahead: token expiry is tested by moving time,

@@ -384,28 +384,6 @@ async fn a_document_of_several_operations_runs_the_named_one_without_the_others_
     }
 }
 
-/// The value of the series `series` (its name and labels, as `/metrics` writes them).
-async fn series(app: &compute_tests::TestApp, series: &str) -> f64 {
-    let text = app
-        .http
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .expect("GET /metrics")
-        .text()
-        .await
-        .expect("body");
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(series)?
-                .strip_prefix(' ')?
-                .trim()
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
-}
-
 #[tokio::test]
 async fn a_document_sent_again_is_answered_as_the_first_time() {
     // The door keeps the parse of the documents it saw lately (`graph::documents`) and clones
@@ -415,7 +393,11 @@ async fn a_document_sent_again_is_answered_as_the_first_time() {
     let app = spawn_app().await;
     let reused = "compute_graphql_documents_total{parse=\"reused\"}";
     let parsed = "compute_graphql_documents_total{parse=\"parsed\"}";
-    let (reused_before, parsed_before) = (series(&app, reused).await, series(&app, parsed).await);
+    let series = |name: &'static str| {
+        let app = &app;
+        async move { compute_tests::metric(&app.metrics().await, name) }
+    };
+    let (reused_before, parsed_before) = (series(reused).await, series(parsed).await);
     let document = "query A { a: __typename }\nquery B { b: __schema { queryType { name } } }";
     let expected = [
         ("A", json!({ "a": "Query" })),
@@ -432,8 +414,8 @@ async fn a_document_sent_again_is_answered_as_the_first_time() {
         }
     }
     // Six requests of one text: one parse, five clones of it.
-    assert_eq!(series(&app, parsed).await - parsed_before, 1.0);
-    assert_eq!(series(&app, reused).await - reused_before, 5.0);
+    assert_eq!(series(parsed).await - parsed_before, 1.0);
+    assert_eq!(series(reused).await - reused_before, 5.0);
     // A document that does not parse is parsed (and refused) each time, at the same place.
     let broken = json!({ "query": "{\n  __typename\n  oops(" }).to_string();
     let (first_status, _, first) = post(&app, Some(GQL), &broken).await;
@@ -442,5 +424,5 @@ async fn a_document_sent_again_is_answered_as_the_first_time() {
     assert_eq!((first_status, again_status), (400, 400), "{first} {again}");
     assert_eq!(first["errors"][0]["locations"][0]["line"], 3, "{first}");
     assert_eq!(first["errors"], again["errors"]);
-    assert_eq!(series(&app, parsed).await - parsed_before, 3.0);
+    assert_eq!(series(parsed).await - parsed_before, 3.0);
 }

@@ -375,15 +375,7 @@ async fn documents_built_to_explode_are_refused_before_they_cost_anything() {
         "refusing them took {} MiB at peak",
         grown / 1024
     );
-    let metrics = app
-        .http
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .expect("GET /metrics")
-        .text()
-        .await
-        .expect("text");
+    let metrics = app.metrics().await;
     for reason in [
         "selections",
         "aliases",

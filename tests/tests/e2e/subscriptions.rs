@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use compute_api::auth::Role;
 use compute_api::tailer::StreamConfig;
-use compute_tests::{TestApp, spawn_app, spawn_app_sharing, spawn_app_with, test_db};
+use compute_tests::{TestApp, metric, spawn_app, spawn_app_sharing, spawn_app_with, test_db};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
@@ -474,15 +474,7 @@ async fn a_slow_subscriber_falls_back_to_the_database_and_catches_up() {
     assert_eq!(subjects(&mut slow, 61).await, all);
     emit(&app, Some("acme"), &["live"]).await;
     assert_eq!(subjects(&mut slow, 1).await, ["live"]);
-    let metrics = app
-        .http
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("body");
+    let metrics = app.metrics().await;
     let fallbacks: f64 = metric(&metrics, "compute_subscription_fallbacks_total");
     assert!(
         fallbacks >= 2.0,
@@ -495,25 +487,10 @@ async fn a_slow_subscriber_falls_back_to_the_database_and_catches_up() {
 /// Waits until the server has `n` subscriptions running (each has joined the tailer).
 async fn open_subscriptions(app: &TestApp, n: usize) {
     compute_tests::eventually(&format!("{n} subscriptions running"), WAIT, || async {
-        let m = app
-            .http
-            .get(app.url("/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("body");
+        let m = app.metrics().await;
         (metric(&m, "compute_subscriptions_open") >= n as f64).then_some(())
     })
     .await;
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} in /metrics"))
 }
 
 #[tokio::test]
