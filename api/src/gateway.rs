@@ -16,6 +16,7 @@ use compute_domain::ids::{CommandId, NodeId};
 use compute_domain::leases::Fence;
 use compute_domain::node_commands::{self, Command};
 use compute_domain::sessions::{self, CloseReason, GATEWAY_TTL, Seen};
+use compute_protocol::{CommandKind, ToDaemon};
 use compute_workers::lease::HeldLease;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
@@ -76,7 +77,7 @@ struct Live {
     last_seen: Arc<Mutex<Instant>>,
     kick: watch::Sender<Option<Kick>>,
     /// Messages for the daemon (`command`).
-    push: mpsc::UnboundedSender<serde_json::Value>,
+    push: mpsc::UnboundedSender<ToDaemon>,
     /// The commands pushed in this session: each at most once (`docs/commands.md`).
     pushed: HashSet<CommandId>,
 }
@@ -88,19 +89,32 @@ pub struct Registered {
     /// Fires when the gateway ends the session (superseded, lease lost, shutdown).
     pub kick: watch::Receiver<Option<Kick>>,
     /// Commands for the daemon, pushed by [`Gateway::push_now`].
-    pub push: mpsc::UnboundedReceiver<serde_json::Value>,
+    pub push: mpsc::UnboundedReceiver<ToDaemon>,
 }
 
 /// The `command` message of a dispatched command (`docs/agent-protocol.md`).
-pub fn command_message(c: &Command) -> serde_json::Value {
-    serde_json::json!({
-        "type": "command",
-        "commandId": c.id,
-        "kind": c.kind,
-        "args": c.args.0,
-        "retrySafe": c.retry_safe,
-        "attempt": c.attempts,
-    })
+pub fn command_message(c: &Command) -> ToDaemon {
+    ToDaemon::Command {
+        command_id: c.id.to_string(),
+        kind: protocol_kind(c.kind),
+        args: c.args.0.clone(),
+        retry_safe: c.retry_safe,
+        attempt: c.attempts,
+    }
+}
+
+/// The protocol's name for a command kind of the domain (the same names: a test keeps them
+/// so).
+pub fn protocol_kind(kind: node_commands::Kind) -> CommandKind {
+    match kind {
+        node_commands::Kind::ApplySpec => CommandKind::ApplySpec,
+        node_commands::Kind::ResetGpu => CommandKind::ResetGpu,
+        node_commands::Kind::SetMigLayout => CommandKind::SetMigLayout,
+        node_commands::Kind::DrainWorkloads => CommandKind::DrainWorkloads,
+        node_commands::Kind::RunInstance => CommandKind::RunInstance,
+        node_commands::Kind::StopInstance => CommandKind::StopInstance,
+        node_commands::Kind::Noop => CommandKind::Noop,
+    }
 }
 
 struct Inner {

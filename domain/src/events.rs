@@ -78,6 +78,7 @@ text_enum!(
         InstanceStopping = "instance.stopping",
         InstanceStopped = "instance.stopped",
         InstanceFailed = "instance.failed",
+        InstanceExited = "instance.exited",
         UsageWindowClosed = "usage.window_closed",
         UsageWindowAdjusted = "usage.window_adjusted",
     }
@@ -674,6 +675,9 @@ pub struct InstanceView {
     pub updated_at: DateTime<Utc>,
     pub started_at: Option<DateTime<Utc>>,
     pub stopped_at: Option<DateTime<Utc>>,
+    pub exit_code: Option<i32>,
+    pub exit_signal: Option<i32>,
+    pub exited_at: Option<DateTime<Utc>>,
 }
 
 impl InstancePayload {
@@ -697,6 +701,9 @@ impl InstancePayload {
                 updated_at: i.updated_at,
                 started_at: i.started_at,
                 stopped_at: i.stopped_at,
+                exit_code: i.exit_code,
+                exit_signal: i.exit_signal,
+                exited_at: i.exited_at,
             },
         }
     }

@@ -7,18 +7,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub use compute_protocol::PROTOCOL;
+use compute_protocol::client::{self, Ws};
+pub use compute_protocol::client::{Closed, Welcome};
+use compute_protocol::{CommandKind, FromDaemon, ToDaemon};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::http::HeaderValue;
-use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
-
-/// The subprotocol a daemon offers.
-pub const PROTOCOL: &str = "compute-agent.v1";
-
-type Ws =
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+use tokio_tungstenite::tungstenite::Message;
 
 /// Who a daemon is and what it says in `hello`.
 #[derive(Debug, Clone)]
@@ -34,31 +29,6 @@ pub struct DaemonConfig {
     pub observed_generation: i64,
 }
 
-/// What the gateway says when it accepts a session.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Welcome {
-    pub session_epoch: i64,
-    pub gateway_id: String,
-    pub heartbeat_seconds: f64,
-}
-
-/// How a connection ended: the close code and reason (`1006` when it ended without a close
-/// frame, or could not be opened).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Closed {
-    pub code: u16,
-    pub reason: String,
-}
-
-impl Closed {
-    fn abnormal(reason: impl std::fmt::Display) -> Closed {
-        Closed {
-            code: 1006,
-            reason: reason.to_string(),
-        }
-    }
-}
-
 /// An open session.
 pub struct Session {
     ws: Ws,
@@ -67,85 +37,27 @@ pub struct Session {
 
 /// Opens a WebSocket to `url` offering the protocol; `hello` is not sent.
 pub async fn connect_raw(url: &str) -> Result<Ws, Closed> {
-    let mut req = url.into_client_request().map_err(Closed::abnormal)?;
-    req.headers_mut()
-        .insert("Sec-WebSocket-Protocol", HeaderValue::from_static(PROTOCOL));
-    // Without Nagle's algorithm: a daemon's small messages leave at once.
-    let (ws, _) = tokio_tungstenite::connect_async_with_config(req, None, true)
-        .await
-        .map_err(Closed::abnormal)?;
-    Ok(ws)
+    client::connect(url).await
 }
 
 /// Waits for the close of `ws` (skipping other messages), at most `within`.
 pub async fn closed_of(ws: &mut Ws, within: Duration) -> Option<Closed> {
-    tokio::time::timeout(within, async {
-        loop {
-            match ws.next().await {
-                Some(Ok(Message::Close(frame))) => {
-                    return frame.map_or(
-                        Closed {
-                            code: 1005,
-                            reason: String::new(),
-                        },
-                        |f| Closed {
-                            code: f.code.into(),
-                            reason: f.reason.to_string(),
-                        },
-                    );
-                }
-                Some(Ok(_)) => {}
-                Some(Err(e)) => return Closed::abnormal(e),
-                None => return Closed::abnormal("the connection ended"),
-            }
-        }
-    })
-    .await
-    .ok()
+    client::closed_of(ws, within).await
 }
 
 impl Session {
     /// Connects and says `hello`; the session, or how the gateway refused it.
     pub async fn open(config: &DaemonConfig) -> Result<Session, Closed> {
         let mut ws = connect_raw(&config.url).await?;
-        let hello = json!({
-            "type": "hello",
-            "token": config.token,
-            "nodeId": config.node_id,
-            "daemonVersion": config.daemon_version,
-            "journalId": config.journal_id,
-            "observedGeneration": config.observed_generation,
-        });
-        ws.send(Message::Text(hello.to_string().into()))
-            .await
-            .map_err(Closed::abnormal)?;
-        loop {
-            match tokio::time::timeout(Duration::from_secs(30), ws.next()).await {
-                Err(_) => return Err(Closed::abnormal("no welcome within 30 s")),
-                Ok(Some(Ok(Message::Text(t)))) => {
-                    let v: Value = serde_json::from_str(t.as_str()).map_err(Closed::abnormal)?;
-                    if v["type"] == "welcome" {
-                        return Ok(Session {
-                            ws,
-                            welcome: Welcome {
-                                session_epoch: v["sessionEpoch"].as_i64().unwrap_or(0),
-                                gateway_id: v["gatewayId"].as_str().unwrap_or("").to_owned(),
-                                heartbeat_seconds: v["heartbeatSeconds"].as_f64().unwrap_or(5.0),
-                            },
-                        });
-                    }
-                }
-                Ok(Some(Ok(Message::Close(frame)))) => {
-                    return Err(frame.map_or(Closed::abnormal("closed"), |f| Closed {
-                        code: f.code.into(),
-                        reason: f.reason.to_string(),
-                    }));
-                }
-                Ok(Some(Ok(_))) => {}
-                Ok(Some(Err(e))) => return Err(Closed::abnormal(e)),
-                Ok(None) => return Err(Closed::abnormal("the connection ended")),
-            }
-        }
+        let hello = FromDaemon::Hello {
+            token: Some(config.token.clone()),
+            node_id: config.node_id.clone(),
+            daemon_version: config.daemon_version.clone(),
+            journal_id: config.journal_id.clone(),
+            observed_generation: config.observed_generation,
+        };
+        let welcome = client::hello(&mut ws, &hello, Duration::from_secs(30)).await?;
+        Ok(Session { ws, welcome })
     }
 
     /// Sends one protocol message.
@@ -173,17 +85,7 @@ impl Session {
 
     /// Ends the session cleanly.
     pub async fn bye(mut self) {
-        let _ = self
-            .send(json!({ "type": "bye", "reason": "stopping" }))
-            .await;
-        let _ = self
-            .ws
-            .close(Some(CloseFrame {
-                code: 1000.into(),
-                reason: Utf8Bytes::from_static("bye"),
-            }))
-            .await;
-        let _ = closed_of(&mut self.ws, Duration::from_secs(5)).await;
+        client::bye(&mut self.ws, "stopping").await;
     }
 
     /// The next message from the gateway within `within` (closes are returned as `Err`).
@@ -239,7 +141,7 @@ pub struct Entry {
     pub sessions: Vec<i64>,
     pub executions: u32,
     /// The `result` message, once it finished.
-    pub result: Option<Value>,
+    pub result: Option<FromDaemon>,
 }
 
 /// A journal shared by the sessions of one daemon (and read by tests).
@@ -270,7 +172,7 @@ pub struct Daemon {
     pub session_epoch: i64,
     pub refuse_overlaps: bool,
     /// Commands acknowledged and waiting for `proceed`.
-    awaiting: HashMap<String, Value>,
+    awaiting: HashMap<String, ToDaemon>,
 }
 
 impl Daemon {
@@ -284,50 +186,72 @@ impl Daemon {
         }
     }
 
-    /// The messages to send in answer to `message` from the gateway.
+    /// The messages to send in answer to `message` from the gateway (messages that are not
+    /// of the protocol are ignored).
     pub fn on_message(&mut self, message: &Value) -> Vec<Value> {
-        let id = message["commandId"].as_str().unwrap_or_default().to_owned();
-        match message["type"].as_str() {
-            Some("command") => {
+        let Ok(message) = serde_json::from_value::<ToDaemon>(message.clone()) else {
+            return vec![];
+        };
+        self.answer(message)
+            .iter()
+            .map(|m| serde_json::to_value(m).unwrap_or_default())
+            .collect()
+    }
+
+    /// The messages to send in answer to `message`.
+    pub fn answer(&mut self, message: ToDaemon) -> Vec<FromDaemon> {
+        match &message {
+            ToDaemon::Command {
+                command_id, kind, ..
+            } => {
+                let command_id = command_id.clone();
                 let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
-                let entry = j.entries.entry(id.clone()).or_insert_with(|| Entry {
-                    kind: message["kind"].as_str().unwrap_or_default().to_owned(),
-                    ..Entry::default()
-                });
+                let entry = j
+                    .entries
+                    .entry(command_id.clone())
+                    .or_insert_with(|| Entry {
+                        kind: kind.as_str().to_owned(),
+                        ..Entry::default()
+                    });
                 entry.received += 1;
                 entry.sessions.push(self.session_epoch);
                 if let Some(done) = entry.result.clone() {
                     return vec![done];
                 }
-                self.awaiting.insert(id.clone(), message.clone());
-                vec![json!({ "type": "ack", "commandId": id })]
+                self.awaiting.insert(command_id.clone(), message);
+                vec![FromDaemon::Ack { command_id }]
             }
-            Some("proceed") => match self.awaiting.remove(&id) {
-                Some(command) => self.run(&id, &command),
+            ToDaemon::Proceed { command_id } => match self.awaiting.remove(command_id) {
+                Some(command) => self.run(command_id, &command),
                 None => vec![],
             },
-            Some("cancelled") => {
-                self.awaiting.remove(&id);
+            ToDaemon::Cancelled { command_id, .. } => {
+                self.awaiting.remove(command_id);
                 vec![]
             }
             _ => vec![],
         }
     }
 
-    fn run(&mut self, id: &str, command: &Value) -> Vec<Value> {
-        let args = &command["args"];
+    fn run(&mut self, id: &str, command: &ToDaemon) -> Vec<FromDaemon> {
+        let ToDaemon::Command { kind, args, .. } = command else {
+            return vec![];
+        };
         let mut out = Vec::new();
         if args["progress"] == json!(true) {
-            out.push(json!({ "type": "progress", "commandId": id, "progress": { "percent": 50 } }));
+            out.push(FromDaemon::Progress {
+                command_id: id.to_owned(),
+                progress: json!({ "percent": 50 }),
+            });
         }
         let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
-        let outcome: Result<Value, (&str, String)> = match command["kind"].as_str() {
-            Some("apply_spec") => {
+        let outcome: Result<Value, (&str, String)> = match kind {
+            CommandKind::ApplySpec => {
                 let g = args["generation"].as_i64().unwrap_or(0);
                 self.observed_generation = self.observed_generation.max(g);
                 Ok(json!({ "generation": g }))
             }
-            Some("run_instance") => {
+            CommandKind::RunInstance => {
                 let instance = args["instanceId"].as_str().unwrap_or(id).to_owned();
                 let devices: Vec<String> = args["devices"]
                     .as_array()
@@ -353,26 +277,28 @@ impl Daemon {
                     Ok(json!({ "instanceId": instance }))
                 }
             }
-            Some("stop_instance") => {
+            CommandKind::StopInstance => {
                 let instance = args["instanceId"].as_str().unwrap_or_default().to_owned();
                 j.devices.retain(|_, holder| *holder != instance);
                 Ok(json!({ "instanceId": instance }))
             }
-            _ => Ok(json!({})),
+            CommandKind::ResetGpu
+            | CommandKind::SetMigLayout
+            | CommandKind::DrainWorkloads
+            | CommandKind::Noop => Ok(json!({})),
         };
         let result = match outcome {
-            Ok(output) => {
-                json!({ "type": "result", "commandId": id, "outcome": "succeeded", "output": output })
-            }
-            Err((code, message)) => json!({ "type": "result", "commandId": id, "outcome": "failed",
-                "errorCode": code, "errorMessage": message }),
+            Ok(output) => FromDaemon::succeeded(id, output),
+            Err((code, message)) => FromDaemon::failed(id, code, message),
         };
         let entry = j.entries.entry(id.to_owned()).or_default();
         entry.executions += 1;
         entry.result = Some(result.clone());
         out.push(result);
-        if command["kind"] == "apply_spec" {
-            out.push(json!({ "type": "status", "observedGeneration": self.observed_generation }));
+        if *kind == CommandKind::ApplySpec {
+            out.push(FromDaemon::Status {
+                observed_generation: self.observed_generation,
+            });
         }
         out
     }

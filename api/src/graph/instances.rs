@@ -27,6 +27,9 @@ pub enum InstanceState {
     Stopped,
     /// Its workload could not be started or stopped; `reason` says why.
     Failed,
+    /// Its workload ended on its own (`exitCode` or `exitSignal`, `exitedAt`); it is not
+    /// started again.
+    Exited,
 }
 
 /// A tenant's workload on one allocation of its reservation.
@@ -102,6 +105,18 @@ impl InstanceObj {
     /// When it stopped or failed.
     async fn stopped_at(&self) -> Option<DateTime<Utc>> {
         self.0.stopped_at
+    }
+    /// The exit code of its workload, when it exited on its own (0 to 255).
+    async fn exit_code(&self) -> Option<i32> {
+        self.0.exit_code
+    }
+    /// The signal that ended its workload, when one did without being asked to.
+    async fn exit_signal(&self) -> Option<i32> {
+        self.0.exit_signal
+    }
+    /// When its workload ended on its own, as its node's daemon reported.
+    async fn exited_at(&self) -> Option<DateTime<Utc>> {
+        self.0.exited_at
     }
     /// Optimistic-concurrency version.
     async fn version(&self) -> i64 {

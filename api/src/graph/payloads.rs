@@ -715,6 +715,12 @@ pub struct InstanceSnapshot {
     started_at: Option<DateTime<Utc>>,
     /// When it stopped, if it has.
     stopped_at: Option<DateTime<Utc>>,
+    /// Its workload's exit code, when it exited on its own.
+    exit_code: Option<i32>,
+    /// The signal that ended its workload, when one did without being asked to.
+    exit_signal: Option<i32>,
+    /// When its workload ended on its own.
+    exited_at: Option<DateTime<Utc>>,
 }
 
 impl From<ev::InstancePayload> for InstanceEventPayload {
@@ -739,6 +745,9 @@ impl From<ev::InstancePayload> for InstanceEventPayload {
                 updated_at: i.updated_at,
                 started_at: i.started_at,
                 stopped_at: i.stopped_at,
+                exit_code: i.exit_code,
+                exit_signal: i.exit_signal,
+                exited_at: i.exited_at,
             },
         }
     }

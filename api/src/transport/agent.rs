@@ -15,76 +15,35 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use compute_domain::Error;
-use compute_domain::ids::{CommandId, NodeId};
+use compute_domain::ids::{CommandId, InstanceId, NodeId};
+use compute_domain::instances::{self, ReportedExit};
 use compute_domain::node_commands::{self, AckAnswer, Report};
 use compute_domain::sessions::{self, CloseReason, Hello};
 use futures_util::SinkExt;
-use serde::Deserialize;
-use serde_json::json;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::auth::Role;
 use crate::state::AppState;
 
-/// The subprotocol name a daemon must offer.
-pub const PROTOCOL: &str = "compute-agent.v1";
+pub use compute_protocol::PROTOCOL;
+use compute_protocol::{FromDaemon, Outcome, ToDaemon};
 
-/// A message from a daemon.
-#[derive(Debug, Deserialize)]
-#[serde(tag = "type", rename_all = "camelCase", deny_unknown_fields)]
-enum FromDaemon {
-    #[serde(rename_all = "camelCase")]
-    Hello {
-        #[serde(default)]
-        token: Option<String>,
-        node_id: String,
-        daemon_version: String,
-        journal_id: String,
-        #[serde(default)]
-        observed_generation: i64,
-    },
-    Heartbeat {},
-    #[serde(rename_all = "camelCase")]
-    Status {
-        observed_generation: i64,
-    },
-    Bye {
-        #[serde(default)]
-        reason: Option<String>,
-    },
-    #[serde(rename_all = "camelCase")]
-    Ack {
-        command_id: String,
-    },
-    #[serde(rename_all = "camelCase")]
-    Progress {
-        command_id: String,
-        progress: serde_json::Value,
-    },
-    #[serde(rename_all = "camelCase")]
-    Result {
-        command_id: String,
-        outcome: Outcome,
-        #[serde(default = "empty_object")]
-        output: serde_json::Value,
-        #[serde(default)]
-        error_code: Option<String>,
-        #[serde(default)]
-        error_message: Option<String>,
-    },
+/// Sends one message of the protocol; `false` when the connection is gone.
+async fn send(socket: &mut WebSocket, message: &ToDaemon) -> bool {
+    socket
+        .send(Message::Text(message.to_text().into()))
+        .await
+        .is_ok()
 }
 
-/// How a command ended, as a daemon reports it.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-enum Outcome {
-    Succeeded,
-    Failed,
-}
-
-fn empty_object() -> serde_json::Value {
-    json!({})
+/// The `error` message for a refused message (the session goes on).
+fn refused(message: String, command: Option<&CommandId>) -> ToDaemon {
+    ToDaemon::Error {
+        code: "BAD_USER_INPUT".to_owned(),
+        message,
+        command_id: command.map(ToString::to_string),
+    }
 }
 
 /// How a connection ends.
@@ -200,7 +159,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
             return close(&mut socket, 4400, "the first message must be a text hello").await;
         }
     };
-    let (token, node, hello) = match serde_json::from_str::<FromDaemon>(text.as_str()) {
+    let (token, node, hello) = match FromDaemon::parse(text.as_str()) {
         Ok(FromDaemon::Hello {
             token,
             node_id,
@@ -282,18 +241,13 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
     };
     let mut registered = gateway.register(&node, epoch);
     info!(node = %node, epoch, gateway = %gateway.id(), version = %hello.daemon_version, "node session opened");
-    let welcome = json!({
-        "type": "welcome",
-        "sessionEpoch": epoch,
-        "gatewayId": gateway.id(),
-        "heartbeatSeconds": config.heartbeat.as_secs_f64(),
-        "protocol": PROTOCOL,
-    });
-    if socket
-        .send(Message::Text(welcome.to_string().into()))
-        .await
-        .is_err()
-    {
+    let welcome = ToDaemon::Welcome {
+        session_epoch: epoch,
+        gateway_id: gateway.id().to_owned(),
+        heartbeat_seconds: config.heartbeat.as_secs_f64(),
+        protocol: PROTOCOL.to_owned(),
+    };
+    if !send(&mut socket, &welcome).await {
         if gateway.unregister(&node, epoch) {
             let _ = sessions::close(&db, &node, epoch, CloseReason::DaemonClosed).await;
         }
@@ -339,15 +293,14 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                     Message::Ping(_) | Message::Pong(_) => continue,
                     Message::Binary(_) => break End::new(4400, "binary messages are not part of the protocol", CloseReason::ProtocolError),
                 };
-                match serde_json::from_str::<FromDaemon>(text.as_str()) {
+                match FromDaemon::parse(text.as_str()) {
                     Ok(FromDaemon::Heartbeat {}) => {}
                     Ok(FromDaemon::Status { observed_generation }) => {
                         match sessions::observe_generation(&db, &node, epoch, observed_generation).await {
                             Ok(true) => {}
                             Ok(false) => break End::new(4410, "this session is no longer current", CloseReason::Superseded),
                             Err(Error::BadUserInput { message, .. }) => {
-                                let error = json!({ "type": "error", "code": "BAD_USER_INPUT", "message": message });
-                                let _ = socket.send(Message::Text(error.to_string().into())).await;
+                                send(&mut socket, &refused(message, None)).await;
                             }
                             Err(e) => break end_of(&e),
                         }
@@ -361,14 +314,14 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                             break End::new(4400, "commandId is not a command id", CloseReason::ProtocolError);
                         };
                         let answer = match node_commands::ack(&db, &node, epoch, &id).await {
-                            Ok(AckAnswer::Proceed) => json!({ "type": "proceed", "commandId": id }),
+                            Ok(AckAnswer::Proceed) => ToDaemon::Proceed { command_id: id.to_string() },
                             Ok(AckAnswer::Refused(reason)) => {
                                 debug!(node = %node, command = %id, %reason, "acknowledgement refused");
-                                json!({ "type": "cancelled", "commandId": id, "reason": reason })
+                                ToDaemon::Cancelled { command_id: id.to_string(), reason }
                             }
                             Err(e) => break end_of(&e),
                         };
-                        if socket.send(Message::Text(answer.to_string().into())).await.is_err() {
+                        if !send(&mut socket, &answer).await {
                             break End::new(1006, "", CloseReason::DaemonClosed);
                         }
                     }
@@ -379,8 +332,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                         match node_commands::progress(&db, &node, epoch, &id, &progress).await {
                             Ok(_) => {}
                             Err(Error::BadUserInput { message, .. }) => {
-                                let error = json!({ "type": "error", "code": "BAD_USER_INPUT", "message": message, "commandId": id });
-                                let _ = socket.send(Message::Text(error.to_string().into())).await;
+                                send(&mut socket, &refused(message, Some(&id))).await;
                             }
                             Err(e) => break end_of(&e),
                         }
@@ -400,14 +352,33 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                                 if let Some(c) = &done {
                                     info!(node = %node, command = %id, kind = %c.kind, state = %c.state, "command finished");
                                 }
-                                json!({ "type": "recorded", "commandId": id, "recorded": done.is_some() })
+                                ToDaemon::Recorded { command_id: id.to_string(), recorded: done.is_some() }
                             }
                             Err(Error::BadUserInput { message, .. }) => {
-                                json!({ "type": "error", "code": "BAD_USER_INPUT", "message": message, "commandId": id })
+                                refused(message, Some(&id))
                             }
                             Err(e) => break end_of(&e),
                         };
-                        if socket.send(Message::Text(reply.to_string().into())).await.is_err() {
+                        if !send(&mut socket, &reply).await {
+                            break End::new(1006, "", CloseReason::DaemonClosed);
+                        }
+                    }
+                    Ok(FromDaemon::Exited { instance_id, exit_code, signal, exited_seconds_ago }) => {
+                        let Ok(instance) = InstanceId::parse("instanceId", &instance_id) else {
+                            break End::new(4400, "instanceId is not an instance id", CloseReason::ProtocolError);
+                        };
+                        let exit = ReportedExit { code: exit_code, signal, seconds_ago: exited_seconds_ago };
+                        let reply = match instances::record_exit(&db, &node, epoch, &instance, exit).await {
+                            Ok(held) => {
+                                if let Some(i) = &held {
+                                    info!(node = %node, instance = %instance, code = ?exit_code, signal = ?signal, state = %i.state, "workload exit recorded");
+                                }
+                                ToDaemon::ExitRecorded { instance_id: instance.to_string(), recorded: held.is_some() }
+                            }
+                            Err(Error::BadUserInput { message, .. }) => refused(message, None),
+                            Err(e) => break end_of(&e),
+                        };
+                        if !send(&mut socket, &reply).await {
                             break End::new(1006, "", CloseReason::DaemonClosed);
                         }
                     }
@@ -416,7 +387,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                 }
             }
             Some(message) = registered.push.recv() => {
-                if socket.send(Message::Text(message.to_string().into())).await.is_err() {
+                if !send(&mut socket, &message).await {
                     break End::new(1006, "", CloseReason::DaemonClosed);
                 }
             }

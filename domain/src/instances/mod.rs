@@ -55,10 +55,15 @@ pub struct Instance {
     pub started_at: Option<DateTime<Utc>>,
     pub stopped_at: Option<DateTime<Utc>>,
     pub version: i64,
+    /// How its workload ended on its own, as the daemon reported it.
+    pub exit_code: Option<i32>,
+    pub exit_signal: Option<i32>,
+    pub exited_at: Option<DateTime<Utc>>,
 }
 
 const COLS: &str = "i.id, i.tenant_id, i.reservation_id, i.allocation_id, i.node_id, i.image, i.command, i.env, \
-     i.state, i.stop_requested, i.reason, i.created_by, i.created_at, i.updated_at, i.started_at, i.stopped_at, i.version";
+     i.state, i.stop_requested, i.reason, i.created_by, i.created_at, i.updated_at, i.started_at, i.stopped_at, i.version, \
+     i.exit_code, i.exit_signal, i.exited_at";
 
 /// What a tenant asks for with `createInstance`.
 #[derive(Debug, Clone, Serialize)]
@@ -129,6 +134,7 @@ async fn emit(conn: &mut PgConnection, instance: &Instance) -> Result<()> {
         State::Stopping => EventType::InstanceStopping,
         State::Stopped => EventType::InstanceStopped,
         State::Failed => EventType::InstanceFailed,
+        State::Exited => EventType::InstanceExited,
     };
     outbox::emit(
         conn,
@@ -398,7 +404,7 @@ async fn transition(
     let moved = sqlx::query_as::<_, Instance>(&format!(
         "UPDATE instances AS i SET state = $2, reason = coalesce($3, i.reason), \
                 started_at = CASE WHEN $2 = 'running' THEN compute_now() ELSE i.started_at END, \
-                stopped_at = CASE WHEN $2 IN ('stopped', 'failed') THEN compute_now() ELSE i.stopped_at END, \
+                stopped_at = CASE WHEN $2 IN ('stopped', 'failed', 'exited') THEN compute_now() ELSE i.stopped_at END, \
                 version = i.version + 1, updated_at = compute_now() \
           WHERE i.id = $1 AND i.state = $4 RETURNING {COLS}"
     ))
@@ -410,6 +416,92 @@ async fn transition(
     .await?;
     emit(conn, &moved).await?;
     Ok(moved)
+}
+
+/// Moves a running instance whose exit was reported to `exited`, with why in words.
+async fn exit(conn: &mut PgConnection, instance: &Instance) -> Result<Instance> {
+    let why = match (instance.exit_code, instance.exit_signal) {
+        (Some(code), _) => format!("its workload exited with code {code}"),
+        (None, Some(signal)) => format!("its workload was killed by signal {signal}"),
+        (None, None) => {
+            "its workload ended while the node's daemon was away (no exit code)".to_owned()
+        }
+    };
+    transition(conn, instance, Action::Exit, State::Exited, Some(why)).await
+}
+
+/// How a workload ended, as its daemon reports it (`exited` in `docs/agent-protocol.md`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReportedExit {
+    /// 0 to 255.
+    pub code: Option<i32>,
+    /// 1 to 64.
+    pub signal: Option<i32>,
+    /// How long ago it ended, 0 to 30 days: the database computes the time.
+    pub seconds_ago: f64,
+}
+
+impl ReportedExit {
+    pub fn check(&self) -> Result<()> {
+        if self.code.is_some_and(|c| !(0..=255).contains(&c)) {
+            return Err(Error::bad_input("exitCode", "exitCode is 0 to 255"));
+        }
+        if self.signal.is_some_and(|s| !(1..=64).contains(&s)) {
+            return Err(Error::bad_input("signal", "signal is 1 to 64"));
+        }
+        if !(self.seconds_ago.is_finite() && (0.0..=30.0 * 86_400.0).contains(&self.seconds_ago)) {
+            return Err(Error::bad_input(
+                "exitedSecondsAgo",
+                "exitedSecondsAgo is 0 to 2592000",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The daemon of `node` (session `epoch`; `db` fenced by the gateway's lease) reports that the
+/// workload of `instance` ended on its own. Recorded once, on a live instance of this node
+/// whose exit is not known yet: a running one becomes `exited` now (with its event), any other
+/// keeps the exit for its workflow, which it wakes. The instance, or `None` when nothing
+/// changed (a superseded session, another node's or an ended instance, an exit already held).
+pub async fn record_exit(
+    db: &Db,
+    node: &NodeId,
+    epoch: i64,
+    instance: &InstanceId,
+    exit: ReportedExit,
+) -> Result<Option<Instance>> {
+    exit.check()?;
+    db.tx("record_instance_exit", TxKind::Write, |conn| {
+        let (node, instance) = (node.clone(), instance.clone());
+        Box::pin(async move {
+            let held = sqlx::query_as::<_, Instance>(&format!(
+                "WITH s AS (SELECT 1 FROM node_sessions \
+                     WHERE node_id = $1 AND session_epoch = $2 AND closed_at IS NULL FOR SHARE) \
+                 UPDATE instances AS i SET exit_code = $4, exit_signal = $5, \
+                        exited_at = compute_now() - make_interval(secs => $6), \
+                        version = i.version + 1, updated_at = compute_now() \
+                  WHERE i.id = $3 AND i.node_id = $1 AND i.exited_at IS NULL \
+                    AND i.state IN ('provisioning', 'running', 'stopping') AND EXISTS (SELECT 1 FROM s) \
+              RETURNING {COLS}"
+            ))
+            .bind(&node)
+            .bind(epoch)
+            .bind(&instance)
+            .bind(exit.code)
+            .bind(exit.signal)
+            .bind(exit.seconds_ago)
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some(held) = held else { return Ok(None) };
+            if held.state == State::Running {
+                return Ok(Some(self::exit(conn, &held).await?));
+            }
+            wake(conn, &held.id).await?;
+            Ok(Some(held))
+        })
+    })
+    .await
 }
 
 fn failure(step: &str, c: &cmds::Command) -> String {
@@ -458,6 +550,9 @@ async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> 
     let mut step = Step::default();
     loop {
         match instance.state {
+            State::Running if instance.exited_at.is_some() => {
+                instance = exit(conn, &instance).await?;
+            }
             State::Provisioning | State::Running if ended || instance.stop_requested => {
                 let why = if ended {
                     format!("its reservation ended ({})", r.state)
@@ -582,7 +677,7 @@ async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> 
                     Some(_) => break,
                 }
             }
-            State::Stopped | State::Failed => break,
+            State::Stopped | State::Failed | State::Exited => break,
         }
         step.moved.push(instance.state);
     }

@@ -17,13 +17,16 @@ text_enum!(
         Stopped = "stopped",
         /// Its workload could not start, or could not be stopped cleanly (`reason`).
         Failed = "failed",
+        /// Its workload ended on its own (`exit_code` or `exit_signal`, `exited_at`); it is
+        /// not started again.
+        Exited = "exited",
     }
 );
 
 impl State {
     /// A terminal state has no way out.
     pub fn is_terminal(self) -> bool {
-        matches!(self, State::Stopped | State::Failed)
+        matches!(self, State::Stopped | State::Failed | State::Exited)
     }
 }
 
@@ -40,6 +43,8 @@ pub enum Action {
     Finish,
     /// `run_instance` or `stop_instance` failed.
     Fail,
+    /// The daemon reported that the workload ended on its own.
+    Exit,
 }
 
 use State::*;
@@ -52,6 +57,7 @@ pub const TRANSITIONS: &[(Action, State, State)] = &[
     (Action::Finish, Stopping, Stopped),
     (Action::Fail, Provisioning, Failed),
     (Action::Fail, Stopping, Failed),
+    (Action::Exit, Running, Exited),
 ];
 
 /// Whether `action` may move an instance from `from` to `to`.

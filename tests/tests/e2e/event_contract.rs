@@ -401,6 +401,19 @@ async fn every_event_payload_keeps_its_documented_shape() {
         let second = new_instance("k-i2").await;
         let failed = answer(second, "run", false).await;
         assert_eq!(failed.moved, [ins::State::Failed]);
+        // A third runs, and its workload exits on its own.
+        let third = new_instance("k-i3").await;
+        answer(third.clone(), "run", true).await;
+        let exit = ins::ReportedExit {
+            code: Some(3),
+            signal: None,
+            seconds_ago: 1.0,
+        };
+        let exited = ins::record_exit(db, &node, epoch, &third, exit)
+            .await
+            .expect("record the exit")
+            .expect("recorded");
+        assert_eq!(exited.state, ins::State::Exited);
         compute_domain::sessions::close(
             db,
             &node,

@@ -13,17 +13,17 @@ use crate::commands::{dispatch_and_serve, pass_time};
 use crate::reservations::{CREATE, input, pool};
 
 const WAIT: Duration = Duration::from_secs(20);
-const CREATE_INSTANCE: &str = "mutation($i: CreateInstanceInput!) { createInstance(input: $i) { idempotentReplay instance { id state envNames allocationId } } }";
+pub const CREATE_INSTANCE: &str = "mutation($i: CreateInstanceInput!) { createInstance(input: $i) { idempotentReplay instance { id state envNames allocationId } } }";
 const GET: &str = "query($id: ID!) { instance(id: $id) { state reason startedAt stoppedAt } }";
 
 /// The workflow's and the dispatcher's workers, stepped.
-struct Workers {
+pub struct Workers {
     reconcile: QueueWorker,
     dispatch: QueueWorker,
 }
 
 impl Workers {
-    fn new(app: &TestApp) -> Workers {
+    pub fn new(app: &TestApp) -> Workers {
         Workers {
             reconcile: QueueWorker::new(app.db.db.clone(), "worker-a", &KINDS),
             dispatch: QueueWorker::new(app.db.db.clone(), "dispatcher-a", &DISPATCH_KINDS)
@@ -31,7 +31,7 @@ impl Workers {
         }
     }
 
-    async fn step(&mut self) {
+    pub async fn step(&mut self) {
         for w in [&mut self.reconcile, &mut self.dispatch] {
             w.rebalance().await.expect("shards");
             w.step().await.expect("step");
@@ -39,12 +39,12 @@ impl Workers {
     }
 }
 
-async fn state(app: &TestApp, token: &str, id: &str) -> Value {
+pub async fn state(app: &TestApp, token: &str, id: &str) -> Value {
     app.ok(token, GET, json!({ "id": id })).await["instance"].clone()
 }
 
 /// Steps the workers until the instance is in `want`.
-async fn step_until(app: &TestApp, workers: &mut Workers, id: &str, want: &str) {
+pub async fn step_until(app: &TestApp, workers: &mut Workers, id: &str, want: &str) {
     let started = tokio::time::Instant::now();
     loop {
         workers.step().await;

@@ -16,6 +16,7 @@ mod health;
 mod hostile;
 mod instances;
 mod leases;
+mod node_agent;
 mod outbox;
 mod outbox_reader;
 mod reservations;

@@ -1,0 +1,201 @@
+//! The connection to the control plane: a session with a gateway, kept open with heartbeats,
+//! and opened again with backoff (0.5 s doubling to 30 s) whenever it ends, as
+//! `docs/agent-protocol.md` says for each close code.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use compute_protocol::client::{self, Closed, Received, Ws};
+use compute_protocol::{FromDaemon, MAX_OBJECT_BYTES};
+use tokio::sync::{mpsc, watch};
+use tracing::{error, info, warn};
+
+use crate::agent::Agent;
+
+/// Where the node's credential comes from.
+#[derive(Debug, Clone)]
+pub enum Token {
+    /// Given on the command line or in the environment.
+    Literal(String),
+    /// Read again before every connection (so a rotated credential is picked up).
+    File(PathBuf),
+}
+
+impl Token {
+    pub fn read(&self) -> Result<String, String> {
+        match self {
+            Token::Literal(t) => Ok(t.clone()),
+            Token::File(p) => std::fs::read_to_string(p)
+                .map(|t| t.trim().to_owned())
+                .map_err(|e| format!("{}: {e}", p.display())),
+        }
+    }
+}
+
+/// Who this daemon is to the gateway.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub url: String,
+    pub node_id: String,
+    pub token: Token,
+    pub daemon_version: String,
+}
+
+/// Why the session loop returned.
+#[derive(Debug)]
+pub enum Ending {
+    /// Asked to stop (SIGTERM, SIGINT): said `bye`.
+    Stopped,
+    /// The gateway said retrying cannot help (`4403`, `4404`, `4409`).
+    Refused(Closed),
+}
+
+async fn send(agent: &Agent, ws: &mut Ws, m: &FromDaemon) -> Result<(), Closed> {
+    client::send(ws, m).await?;
+    agent.sent(m);
+    Ok(())
+}
+
+/// A text frame that is not a message of the protocol: a `command` among them is answered
+/// `failed` (`BAD_COMMAND`) so it does not hang; anything else is logged.
+fn refuse_malformed(text: &str) -> Option<FromDaemon> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    if v["type"] != "command" {
+        return None;
+    }
+    let id = v["commandId"].as_str()?;
+    Some(FromDaemon::failed(
+        id,
+        "BAD_COMMAND",
+        "the command is not well-formed for compute-agent.v1 (unknown kind or fields)",
+    ))
+}
+
+/// Runs sessions until `stop` fires or the gateway refuses for good.
+pub async fn run(
+    agent: Agent,
+    identity: Identity,
+    mut outgoing: mpsc::UnboundedReceiver<FromDaemon>,
+    mut stop: watch::Receiver<bool>,
+) -> Ending {
+    let first_backoff = Duration::from_millis(500);
+    let mut backoff = first_backoff;
+    loop {
+        if *stop.borrow() {
+            return Ending::Stopped;
+        }
+        let closed = match session(&agent, &identity, &mut outgoing, &mut stop).await {
+            Ok(Some(closed)) => {
+                backoff = first_backoff;
+                closed
+            }
+            Ok(None) => return Ending::Stopped,
+            Err(closed) => closed,
+        };
+        agent.metrics().connected.set(0);
+        if closed.is_final() {
+            error!(code = closed.code, reason = %closed.reason, "the gateway refused this node's session for good; stopping");
+            return Ending::Refused(closed);
+        }
+        let wait = if matches!(closed.code, 1001 | 4410) {
+            Duration::ZERO
+        } else {
+            backoff
+        };
+        info!(code = closed.code, reason = %closed.reason, retry_in_s = wait.as_secs_f64(), "session ended; reconnecting");
+        tokio::select! {
+            _ = stop.changed() => return Ending::Stopped,
+            () = tokio::time::sleep(wait) => {}
+        }
+        if !wait.is_zero() {
+            backoff = (backoff * 2).min(Duration::from_secs(30));
+        }
+    }
+}
+
+/// One session: `Ok(None)` when asked to stop, `Ok(Some)` when an open session ended,
+/// `Err` when it could not be opened.
+async fn session(
+    agent: &Agent,
+    identity: &Identity,
+    outgoing: &mut mpsc::UnboundedReceiver<FromDaemon>,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<Option<Closed>, Closed> {
+    let token = identity.token.read().map_err(|e| {
+        warn!(error = %e, "cannot read the node token");
+        Closed::abnormal(e)
+    })?;
+    let observed_generation = agent.journal().observed_generation().unwrap_or(0);
+    let mut ws = client::connect(&identity.url).await?;
+    let hello = FromDaemon::Hello {
+        token: Some(token),
+        node_id: identity.node_id.clone(),
+        daemon_version: identity.daemon_version.clone(),
+        journal_id: agent.journal().id().to_owned(),
+        observed_generation,
+    };
+    let welcome = client::hello(&mut ws, &hello, Duration::from_secs(30)).await?;
+    info!(
+        epoch = welcome.session_epoch,
+        gateway = %welcome.gateway_id,
+        journal = %agent.journal().id(),
+        observed_generation,
+        "session opened"
+    );
+    agent.metrics().connected.set(1);
+    agent.metrics().sessions.inc();
+    // What was queued for an older session is stale: results are answered from the journal
+    // when their commands come again, and exits are sent again below.
+    while outgoing.try_recv().is_ok() {}
+    for m in agent.on_session_open() {
+        if let Err(c) = send(agent, &mut ws, &m).await {
+            return Ok(Some(c));
+        }
+    }
+    let mut ticker =
+        tokio::time::interval(Duration::from_secs_f64(welcome.heartbeat_seconds.max(0.2)));
+    ticker.tick().await;
+    loop {
+        tokio::select! {
+            _ = stop.changed() => {
+                client::bye(&mut ws, "the agent is stopping").await;
+                info!("session closed: the agent is stopping");
+                return Ok(None);
+            }
+            _ = ticker.tick() => {
+                if let Err(c) = send(agent, &mut ws, &FromDaemon::Heartbeat {}).await {
+                    return Ok(Some(c));
+                }
+            }
+            Some(m) = outgoing.recv() => {
+                if let Err(c) = send(agent, &mut ws, &m).await {
+                    return Ok(Some(c));
+                }
+            }
+            r = client::receive(&mut ws) => {
+                let replies = match r {
+                    Err(c) => return Ok(Some(c)),
+                    Ok(Received::Message(m)) => {
+                        if let compute_protocol::ToDaemon::Command { command_id, args, .. } = &m
+                            && args.to_string().len() > MAX_OBJECT_BYTES
+                        {
+                            warn!(command = %command_id, "command args over 16 KiB: refused");
+                            vec![FromDaemon::failed(command_id, "BAD_COMMAND", "the command's args are larger than 16 KiB")]
+                        } else {
+                            agent.handle(m)
+                        }
+                    }
+                    Ok(Received::Malformed { error, text }) => {
+                        warn!(%error, message = %format!("{text:.200}"), "a message from the gateway is not of compute-agent.v1");
+                        refuse_malformed(&text).into_iter().collect()
+                    }
+                };
+                for m in replies {
+                    if let Err(c) = send(agent, &mut ws, &m).await {
+                        return Ok(Some(c));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,401 @@
+//! `compute-agent.v1`, the protocol between node daemons and the control plane's gateway
+//! (`docs/agent-protocol.md` is its specification), as typed messages: [`FromDaemon`] and
+//! [`ToDaemon`]. The gateway (`compute-api`), the node daemon (`compute-agent`) and the
+//! simulator (`compute-sim`) all read and write these types, so the three cannot drift.
+//!
+//! Every message is a JSON object with a `type`; unknown types and unknown fields are refused
+//! when parsed ([`FromDaemon::parse`], [`ToDaemon::parse`]), which the gateway turns into a close
+//! with `4400`. This crate knows no SQL, no GraphQL and nothing of the domain.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[cfg(feature = "client")]
+pub mod client;
+
+/// The WebSocket subprotocol name of this version.
+pub const PROTOCOL: &str = "compute-agent.v1";
+/// The largest message either side sends (a larger one closes the connection with `1009`).
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+/// The largest `args`, `output` or `progress` object, serialized.
+pub const MAX_OBJECT_BYTES: usize = 16 * 1024;
+
+/// A message from a daemon to the gateway.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase", deny_unknown_fields)]
+pub enum FromDaemon {
+    /// The first message of a session, exactly once.
+    #[serde(rename_all = "camelCase")]
+    Hello {
+        /// The node token, unless it is sent as `Authorization: Bearer` on the upgrade.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+        node_id: String,
+        daemon_version: String,
+        /// The id of the daemon's durable journal; a new one means it lost its memory.
+        journal_id: String,
+        #[serde(default)]
+        observed_generation: i64,
+    },
+    /// A sign of life, every `heartbeatSeconds` when nothing else is sent.
+    Heartbeat {},
+    /// The daemon applied a new spec generation.
+    #[serde(rename_all = "camelCase")]
+    Status { observed_generation: i64 },
+    /// Before a clean shutdown.
+    Bye {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// The daemon recorded a command it had not finished before, and waits for `proceed`.
+    #[serde(rename_all = "camelCase")]
+    Ack { command_id: String },
+    /// A running command's progress (a JSON object of at most 16 KiB).
+    #[serde(rename_all = "camelCase")]
+    Progress { command_id: String, progress: Value },
+    /// A command ended (or the journal says it already had).
+    #[serde(rename_all = "camelCase")]
+    Result {
+        command_id: String,
+        outcome: Outcome,
+        #[serde(default = "empty_object")]
+        output: Value,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error_code: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error_message: Option<String>,
+    },
+    /// An instance's workload ended without being asked to (it exited, or a signal killed
+    /// it). Sent until the gateway answers `exitRecorded`, in this session or a later one.
+    #[serde(rename_all = "camelCase")]
+    Exited {
+        instance_id: String,
+        /// The exit code, when the workload exited.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        exit_code: Option<i32>,
+        /// The signal that ended it, when one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signal: Option<i32>,
+        /// How long ago it ended, in seconds (an age, not a time: the database computes
+        /// the time, so the daemon's clock does not matter).
+        exited_seconds_ago: f64,
+    },
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    Succeeded,
+    Failed,
+}
+
+fn empty_object() -> Value {
+    Value::Object(serde_json::Map::new())
+}
+
+/// A message from the gateway to a daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase", deny_unknown_fields)]
+pub enum ToDaemon {
+    /// The answer to an accepted `hello`.
+    #[serde(rename_all = "camelCase")]
+    Welcome {
+        session_epoch: i64,
+        gateway_id: String,
+        heartbeat_seconds: f64,
+        protocol: String,
+    },
+    /// A message was refused; the session goes on.
+    #[serde(rename_all = "camelCase")]
+    Error {
+        code: String,
+        message: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        command_id: Option<String>,
+    },
+    /// A command dispatched to this session (each at most once per session).
+    #[serde(rename_all = "camelCase")]
+    Command {
+        command_id: String,
+        kind: CommandKind,
+        args: Value,
+        retry_safe: bool,
+        attempt: i32,
+    },
+    /// In answer to `ack`: run it now.
+    #[serde(rename_all = "camelCase")]
+    Proceed { command_id: String },
+    /// In answer to `ack`: do not run it.
+    #[serde(rename_all = "camelCase")]
+    Cancelled { command_id: String, reason: String },
+    /// In answer to `result`.
+    #[serde(rename_all = "camelCase")]
+    Recorded { command_id: String, recorded: bool },
+    /// In answer to `exited`: the control plane holds it (`recorded` is `false` when the
+    /// instance is unknown on this node or had already ended: nothing changed, stop sending it).
+    #[serde(rename_all = "camelCase")]
+    ExitRecorded { instance_id: String, recorded: bool },
+}
+
+/// What a command asks a daemon to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommandKind {
+    /// Apply the node's spec at `args.generation`, then report it in `status`.
+    ApplySpec,
+    /// Reset one GPU (`args.device`).
+    ResetGpu,
+    /// Repartition a GPU's MIG instances (`args.device`, `args.layout`).
+    SetMigLayout,
+    /// Stop every workload on the node.
+    DrainWorkloads,
+    /// Start an instance's workload ([`RunInstanceArgs`]).
+    RunInstance,
+    /// Stop an instance's workload ([`StopInstanceArgs`]).
+    StopInstance,
+    /// Does nothing.
+    Noop,
+}
+
+impl CommandKind {
+    /// The name on the wire (`run_instance`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommandKind::ApplySpec => "apply_spec",
+            CommandKind::ResetGpu => "reset_gpu",
+            CommandKind::SetMigLayout => "set_mig_layout",
+            CommandKind::DrainWorkloads => "drain_workloads",
+            CommandKind::RunInstance => "run_instance",
+            CommandKind::StopInstance => "stop_instance",
+            CommandKind::Noop => "noop",
+        }
+    }
+
+    /// The kind named `name` on the wire.
+    pub fn parse(name: &str) -> Option<CommandKind> {
+        serde_json::from_value(Value::String(name.to_owned())).ok()
+    }
+}
+
+impl std::fmt::Display for CommandKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `args` of `run_instance`, as the control plane's instance workflow writes them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RunInstanceArgs {
+    pub instance_id: String,
+    /// A container image (the podman runtime); the process runtime records it only.
+    pub image: String,
+    /// The program and its arguments (the image's entry point when empty, podman only).
+    #[serde(default)]
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// The allocation's atoms: GPU UUIDs, `<uuid>/mig/<k>`, `<uuid>/s<k>`.
+    #[serde(default)]
+    pub devices: Vec<String>,
+}
+
+/// `args` of `stop_instance`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StopInstanceArgs {
+    pub instance_id: String,
+    /// Seconds between SIGTERM and SIGKILL (30 when not given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grace_seconds: Option<f64>,
+}
+
+/// `args` of `reset_gpu`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ResetGpuArgs {
+    /// The GPU's UUID.
+    pub device: String,
+}
+
+/// `args` of `set_mig_layout`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SetMigLayoutArgs {
+    /// The GPU's UUID.
+    pub device: String,
+    /// The MIG profiles to create, in order (`1g.10gb`, …).
+    pub layout: Vec<String>,
+}
+
+/// `args` of `apply_spec`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplySpecArgs {
+    pub generation: i64,
+}
+
+/// `args` of `drain_workloads`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DrainArgs {
+    /// Seconds between SIGTERM and SIGKILL for each workload (30 when not given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grace_seconds: Option<f64>,
+}
+
+/// Whether `code` is a well-formed `errorCode`: 1 to 64 of `A-Z` and `_`.
+pub fn valid_error_code(code: &str) -> bool {
+    (1..=64).contains(&code.len()) && code.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')
+}
+
+impl FromDaemon {
+    /// Parses one text frame; unknown types and fields are errors.
+    pub fn parse(text: &str) -> Result<FromDaemon, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    /// The frame's text.
+    pub fn to_text(&self) -> String {
+        // Serializing these types cannot fail: every field is a string, number, bool or JSON value.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// A `result` that succeeded with `output`.
+    pub fn succeeded(command_id: impl Into<String>, output: Value) -> FromDaemon {
+        FromDaemon::Result {
+            command_id: command_id.into(),
+            outcome: Outcome::Succeeded,
+            output,
+            error_code: None,
+            error_message: None,
+        }
+    }
+
+    /// A `result` that failed with `code` and `message`.
+    pub fn failed(
+        command_id: impl Into<String>,
+        code: impl Into<String>,
+        message: impl Into<String>,
+    ) -> FromDaemon {
+        FromDaemon::Result {
+            command_id: command_id.into(),
+            outcome: Outcome::Failed,
+            output: empty_object(),
+            error_code: Some(code.into()),
+            error_message: Some(message.into()),
+        }
+    }
+}
+
+impl ToDaemon {
+    /// Parses one text frame; unknown types and fields are errors.
+    pub fn parse(text: &str) -> Result<ToDaemon, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    /// The frame's text.
+    pub fn to_text(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The command this message is about, if any.
+    pub fn command_id(&self) -> Option<&str> {
+        match self {
+            ToDaemon::Command { command_id, .. }
+            | ToDaemon::Proceed { command_id }
+            | ToDaemon::Cancelled { command_id, .. }
+            | ToDaemon::Recorded { command_id, .. } => Some(command_id),
+            ToDaemon::Error { command_id, .. } => command_id.as_deref(),
+            ToDaemon::Welcome { .. } | ToDaemon::ExitRecorded { .. } => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn messages_keep_their_wire_names() {
+        let hello = FromDaemon::parse(
+            r#"{"type":"hello","nodeId":"node_1","daemonVersion":"a/1","journalId":"j"}"#,
+        )
+        .expect("hello");
+        assert_eq!(
+            hello,
+            FromDaemon::Hello {
+                token: None,
+                node_id: "node_1".into(),
+                daemon_version: "a/1".into(),
+                journal_id: "j".into(),
+                observed_generation: 0
+            }
+        );
+        let c = ToDaemon::Command {
+            command_id: "cmd_1".into(),
+            kind: CommandKind::RunInstance,
+            args: json!({}),
+            retry_safe: false,
+            attempt: 1,
+        };
+        let v: Value = serde_json::from_str(&c.to_text()).expect("json");
+        assert_eq!(
+            v,
+            json!({"type": "command", "commandId": "cmd_1", "kind": "run_instance", "args": {}, "retrySafe": false, "attempt": 1})
+        );
+        let r: Value =
+            serde_json::from_str(&FromDaemon::failed("cmd_1", "X", "y").to_text()).expect("json");
+        assert_eq!(
+            r,
+            json!({"type": "result", "commandId": "cmd_1", "outcome": "failed", "output": {}, "errorCode": "X", "errorMessage": "y"})
+        );
+        let e: Value = serde_json::from_str(
+            &ToDaemon::ExitRecorded {
+                instance_id: "ins_1".into(),
+                recorded: true,
+            }
+            .to_text(),
+        )
+        .expect("json");
+        assert_eq!(e["type"], "exitRecorded");
+    }
+
+    #[test]
+    fn unknown_types_and_fields_are_refused() {
+        assert!(FromDaemon::parse(r#"{"type":"heartbeat","extra":1}"#).is_err());
+        assert!(FromDaemon::parse(r#"{"type":"reboot"}"#).is_err());
+        assert!(FromDaemon::parse(r#"{"commandId":"cmd_1"}"#).is_err());
+        assert!(ToDaemon::parse(r#"{"type":"proceed","commandId":"c","x":1}"#).is_err());
+        assert!(
+            serde_json::from_value::<RunInstanceArgs>(
+                json!({"instanceId": "i", "image": "x", "gpus": 1})
+            )
+            .is_err()
+        );
+        for kind in [
+            CommandKind::ApplySpec,
+            CommandKind::ResetGpu,
+            CommandKind::SetMigLayout,
+            CommandKind::DrainWorkloads,
+            CommandKind::RunInstance,
+            CommandKind::StopInstance,
+            CommandKind::Noop,
+        ] {
+            assert_eq!(CommandKind::parse(kind.as_str()), Some(kind));
+        }
+        assert_eq!(CommandKind::parse("reboot"), None);
+    }
+
+    #[test]
+    fn error_codes() {
+        assert!(valid_error_code("DEVICE_OVERLAP"));
+        assert!(!valid_error_code(""));
+        assert!(!valid_error_code("lower"));
+        assert!(!valid_error_code(&"A".repeat(65)));
+    }
+}

@@ -1,0 +1,601 @@
+//! The real node daemon, `compute-agent`, as a child process (`CARGO_BIN_EXE_test-agent`)
+//! against the real gateway: workloads run by the process runtime on exactly their
+//! allocation's devices, exits reported, SIGKILL at every step of a command, an emptied state
+//! directory, and the daemon's own refusal of overlapping devices (`docs/agent.md`). The
+//! workflow and the dispatcher are stepped; the database's clock is simulated.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use compute_tests::TestApp;
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+use crate::commands::pass_time;
+use crate::instances::{CREATE_INSTANCE, Workers, state, step_until};
+use crate::reservations::{CREATE, input, pool};
+
+const WAIT: Duration = Duration::from_secs(30);
+const STOP: &str =
+    "mutation($i: StopInstanceInput!) { stopInstance(input: $i) { instance { id state } } }";
+const RUN: &str =
+    "mutation($i: RunCommandInput!) { runCommand(input: $i) { command { id state } } }";
+const COMMAND: &str =
+    "query($id: ID!) { command(id: $id) { state errorCode errorMessage result } }";
+const INSTANCE: &str =
+    "query($id: ID!) { instance(id: $id) { state reason exitCode exitSignal exitedAt } }";
+
+/// A fresh directory for one test's agent and its workloads.
+fn test_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir()
+        .join("compute-agent-tests")
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("out")).expect("test dir");
+    d
+}
+
+/// Starts `compute-agent` for `node` with its state in `state`, logging to `<state>.log`.
+fn start_agent(app: &TestApp, node: &str, state: &Path, fault: Option<&str>) -> Child {
+    start_agent_with(app, node, state, fault, &[])
+}
+
+/// [`start_agent`] with more flags.
+fn start_agent_with(
+    app: &TestApp,
+    node: &str,
+    state: &Path,
+    fault: Option<&str>,
+    extra: &[&str],
+) -> Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(state.with_extension("log"))
+        .expect("agent log");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_test-agent"));
+    c.args(["--url", &app.agent_url(), "--node-id", node])
+        .arg("--state-dir")
+        .arg(state)
+        .args(["--listen", "127.0.0.1:0", "--stop-grace-seconds", "3"])
+        .env("COMPUTE_AGENT_TOKEN", app.node_token(node))
+        .env_remove("COMPUTE_AGENT_FAULT")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .args(extra)
+        .kill_on_drop(true);
+    if let Some(f) = fault {
+        c.args(["--fault", f]);
+    }
+    c.spawn().expect("compute-agent starts")
+}
+
+/// The journal id of `node`'s open session, once the agent has one.
+async fn connected(app: &TestApp, node: &str) -> String {
+    compute_tests::eventually("the agent's session opens", WAIT, || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT journal_id FROM node_sessions WHERE node_id = $1 AND closed_at IS NULL",
+        )
+        .bind(node)
+        .fetch_optional(app.db.db.pool())
+        .await
+        .expect("session")
+    })
+    .await
+}
+
+/// Stops an agent with SIGTERM, as systemd does; it must exit cleanly.
+async fn stop_agent(mut agent: Child) {
+    let pid = agent.id().expect("pid") as i32;
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let status = tokio::time::timeout(WAIT, agent.wait())
+        .await
+        .expect("the agent stops on SIGTERM")
+        .expect("status");
+    assert!(status.success(), "compute-agent exited with {status}");
+}
+
+/// Whether process `pid` runs (a zombie has ended).
+fn alive(pid: i64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// The pids a workload wrote to `file` as it started, one line each start.
+fn starts(file: &Path) -> Vec<i64> {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// A reservation of one GPU of node h100-a: (node, allocation, atoms).
+async fn one_gpu(app: &TestApp, member: &str, key: &str) -> (String, String, Value) {
+    let p = pool(app).await;
+    let r = app
+        .ok(
+            member,
+            CREATE,
+            input(
+                &p.pool,
+                key,
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+            ),
+        )
+        .await["createReservation"]["reservation"]
+        .clone();
+    assert_eq!(r["state"], "ACTIVE", "{r}");
+    let a = &r["allocations"][0];
+    (
+        a["computeNodeId"].as_str().expect("node").to_owned(),
+        a["id"].as_str().expect("allocation").to_owned(),
+        a["atoms"].clone(),
+    )
+}
+
+async fn setup() -> TestApp {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    app
+}
+
+/// `createInstance` of a shell script with `OUT` set to `out`; the instance's id.
+async fn instance(
+    app: &TestApp,
+    member: &str,
+    allocation: &str,
+    script: &str,
+    out: &Path,
+) -> String {
+    let made = app
+        .ok(
+            member,
+            CREATE_INSTANCE,
+            json!({ "i": { "allocationId": allocation, "image": "local/none", "command": ["/bin/sh", "-c", script],
+                           "env": [{ "name": "OUT", "value": out.display().to_string() }], "idempotencyKey": format!("i-{allocation}") } }),
+        )
+        .await["createInstance"]
+        .clone();
+    made["instance"]["id"].as_str().expect("id").to_owned()
+}
+
+/// The output of the instance's run command.
+async fn run_output(app: &TestApp, id: &str) -> Value {
+    sqlx::query_scalar("SELECT result FROM commands WHERE idempotency_key = $1")
+        .bind(format!("wf:{id}:run"))
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("run command")
+}
+
+/// How many times each kind of command's work began in the agent's journal.
+fn executions(state: &Path) -> Vec<(String, i64)> {
+    let j = compute_agent::journal::Journal::open(state).expect("the agent's journal");
+    j.executions()
+        .expect("executions")
+        .into_iter()
+        .map(|(_, kind, n)| (kind, n))
+        .collect()
+}
+
+const SLEEPER: &str = "echo $$ >> \"$OUT/starts\"; env > \"$OUT/env\"; exec sleep 300";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_runs_on_exactly_its_allocation_and_stops_with_its_reservation() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, atoms) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir("runs");
+    let out = dir.join("out");
+    let state_dir = dir.join("state");
+    let agent = start_agent(&app, &node, &state_dir, None);
+    let journal = connected(&app, &node).await;
+    assert!(journal.starts_with("jrn_"), "{journal}");
+    let mut workers = Workers::new(&app);
+    let id = instance(&app, &acme, &allocation, SLEEPER, &out).await;
+    step_until(&app, &mut workers, &id, "RUNNING").await;
+
+    let env_file = out.join("env");
+    let env = compute_tests::eventually("the workload writes its environment", WAIT, || async {
+        let text = std::fs::read_to_string(&env_file).ok()?;
+        text.contains("COMPUTE_INSTANCE_ID").then_some(text)
+    })
+    .await;
+    let vars: std::collections::HashMap<&str, &str> =
+        env.lines().filter_map(|l| l.split_once('=')).collect();
+    let want = atoms[0].as_str().expect("atom");
+    assert_eq!(vars.get("CUDA_VISIBLE_DEVICES"), Some(&want), "{env}");
+    assert_eq!(vars.get("NVIDIA_VISIBLE_DEVICES"), Some(&want), "{env}");
+    assert_eq!(vars.get("COMPUTE_INSTANCE_ID"), Some(&id.as_str()));
+    assert_eq!(vars.get("OUT"), Some(&out.to_str().expect("path")));
+    assert!(
+        !vars.keys().any(|k| k.contains("TOKEN")),
+        "the node's credential leaked into the workload: {env}"
+    );
+    let pids = starts(&out.join("starts"));
+    assert_eq!(pids.len(), 1, "started once: {pids:?}");
+    assert!(alive(pids[0]));
+    assert_eq!(run_output(&app, &id).await["pid"], json!(pids[0]));
+    assert!(
+        state_dir.join("logs").join(format!("{id}.log")).exists(),
+        "a per-instance log file"
+    );
+
+    // The reservation ends (02:00): the workflow stops the workload, which is gone.
+    pass_time(&app, 2 * 3600).await;
+    let mut reconciler = compute_workers::Reconciler::new(app.db.db.clone(), "worker-resync");
+    reconciler.pass().await.expect("the reservation expires");
+    step_until(&app, &mut workers, &id, "STOPPED").await;
+    assert!(
+        !alive(pids[0]),
+        "the workload is gone when stop_instance succeeds"
+    );
+    // Each command ran once (the node's spec, apply_spec, too).
+    let mut runs = executions(&state_dir);
+    runs.sort();
+    assert_eq!(
+        runs,
+        [
+            ("apply_spec".to_owned(), 1),
+            ("run_instance".to_owned(), 1),
+            ("stop_instance".to_owned(), 1)
+        ],
+        "each command ran once"
+    );
+    // The agent's own metrics count them.
+    let addr = std::fs::read_to_string(state_dir.join("listen-address")).expect("address");
+    let metrics = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("body");
+    assert!(
+        metrics.contains(
+            "compute_agent_commands_total{kind=\"run_instance\",outcome=\"succeeded\"} 1"
+        ),
+        "{metrics}"
+    );
+    let health: Value = reqwest::get(format!("http://{addr}/healthz"))
+        .await
+        .expect("GET /healthz")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(health["journalId"], json!(journal));
+    assert_eq!(health["connected"], json!(true));
+    stop_agent(agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_that_exits_with_code_3_shows_it_on_its_instance() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, _) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir("exit3");
+    let agent = start_agent(&app, &node, &dir.join("state"), None);
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let id = instance(&app, &acme, &allocation, "exit 3", &dir.join("out")).await;
+    step_until(&app, &mut workers, &id, "EXITED").await;
+    let i = app.ok(&acme, INSTANCE, json!({ "id": id })).await["instance"].clone();
+    assert_eq!(i["exitCode"], json!(3), "{i}");
+    assert_eq!(i["exitSignal"], Value::Null);
+    assert!(i["exitedAt"].is_string(), "{i}");
+    assert!(
+        i["reason"].as_str().is_some_and(|r| r.contains("code 3")),
+        "{i}"
+    );
+    let events: Vec<(String, Value)> = sqlx::query_as(
+        "SELECT type, data FROM outbox WHERE subject = $1 AND type = 'instance.exited'",
+    )
+    .bind(&id)
+    .fetch_all(app.db.db.pool())
+    .await
+    .expect("events");
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].1["instance"]["exitCode"], json!(3));
+    // The workflow does not start it again: one run command, and it stays exited.
+    for _ in 0..5 {
+        workers.step().await;
+    }
+    assert_eq!(state(&app, &acme, &id).await["state"], "EXITED");
+    let runs: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM commands WHERE workflow_id = $1 AND kind = 'run_instance'",
+    )
+    .bind(&id)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("count");
+    assert_eq!(runs, 1);
+    stop_agent(agent).await;
+}
+
+/// SIGKILLs the agent at `point` of the instance's `run_instance`, starts it again with the
+/// same state directory, and checks that the workload started at most once, the result
+/// reached the control plane, and a running workload was adopted.
+async fn killed_at(point: &str) {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, _) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir(point);
+    let out = dir.join("out");
+    let state_dir = dir.join("state");
+    let mut agent = start_agent(
+        &app,
+        &node,
+        &state_dir,
+        Some(&format!("{point}:run_instance")),
+    );
+    let journal = connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let id = instance(&app, &acme, &allocation, SLEEPER, &out).await;
+    let started = tokio::time::Instant::now();
+    let status = loop {
+        workers.step().await;
+        if let Some(status) = agent.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(started.elapsed() < WAIT, "the agent did not reach {point}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(9), "killed at {point}: {status}");
+
+    let agent = start_agent(&app, &node, &state_dir, None);
+    assert_eq!(connected(&app, &node).await, journal, "the same journal");
+    if point == "after-start-recorded" {
+        // The work had not begun: not retry-safe, so it is not begun again.
+        step_until(&app, &mut workers, &id, "FAILED").await;
+        let s = state(&app, &acme, &id).await;
+        assert!(
+            s["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("INTERRUPTED")),
+            "{s}"
+        );
+        assert!(starts(&out.join("starts")).is_empty(), "it never started");
+    } else {
+        step_until(&app, &mut workers, &id, "RUNNING").await;
+        let pids = compute_tests::eventually("the workload wrote its pid", WAIT, || async {
+            let p = starts(&out.join("starts"));
+            (!p.is_empty()).then_some(p)
+        })
+        .await;
+        assert_eq!(pids.len(), 1, "the workload started once: {pids:?}");
+        assert!(alive(pids[0]), "adopted, still running");
+        assert_eq!(
+            run_output(&app, &id).await["pid"],
+            json!(pids[0]),
+            "the same process"
+        );
+        // The adopted workload is stopped like any other.
+        app.ok(&acme, STOP, json!({ "i": { "id": id } })).await;
+        step_until(&app, &mut workers, &id, "STOPPED").await;
+        assert!(!alive(pids[0]), "stopped after adoption");
+    }
+    let runs = executions(&state_dir);
+    assert_eq!(
+        runs.iter()
+            .filter(|(k, _)| k == "run_instance")
+            .map(|(_, n)| *n)
+            .collect::<Vec<_>>(),
+        [1],
+        "run_instance began once in the journal: {runs:?}"
+    );
+    stop_agent(agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_ack() {
+    killed_at("after-ack").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_start_is_recorded() {
+    killed_at("after-start-recorded").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_workload_started() {
+    killed_at("after-workload-started").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_outcome_is_recorded() {
+    killed_at("after-outcome-recorded").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emptied_state_directory_is_a_new_journal() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, _) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir("wiped");
+    let out = dir.join("out");
+    let state_dir = dir.join("state");
+    let mut agent = start_agent(&app, &node, &state_dir, Some("after-ack:run_instance"));
+    let first = connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let id = instance(&app, &acme, &allocation, SLEEPER, &out).await;
+    let started = tokio::time::Instant::now();
+    while agent.try_wait().expect("wait").is_none() {
+        workers.step().await;
+        assert!(started.elapsed() < WAIT, "the agent did not die");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    std::fs::remove_dir_all(&state_dir).expect("wipe");
+    let agent = start_agent(&app, &node, &state_dir, None);
+    let second = compute_tests::eventually("a session with a new journal", WAIT, || async {
+        let j = connected(&app, &node).await;
+        (j != first).then_some(j)
+    })
+    .await;
+    assert!(second.starts_with("jrn_"));
+    // The run command was in flight and is not retry-safe: JOURNAL_RESET, never sent again.
+    step_until(&app, &mut workers, &id, "FAILED").await;
+    let s = state(&app, &acme, &id).await;
+    assert!(
+        s["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("JOURNAL_RESET")),
+        "{s}"
+    );
+    assert!(starts(&out.join("starts")).is_empty(), "it never ran");
+    let runs = executions(&state_dir);
+    assert!(
+        !runs.iter().any(|(k, _)| k == "run_instance"),
+        "the new journal never ran the workload: {runs:?}"
+    );
+    stop_agent(agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_refuses_devices_a_running_workload_holds() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, atoms) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir("overlap");
+    let out = dir.join("out");
+    let agent = start_agent(&app, &node, &dir.join("state"), None);
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let id = instance(&app, &acme, &allocation, SLEEPER, &out).await;
+    step_until(&app, &mut workers, &id, "RUNNING").await;
+    let first = compute_tests::eventually("the first workload runs", WAIT, || async {
+        starts(&out.join("starts")).first().copied()
+    })
+    .await;
+
+    // An operator sends a run_instance for the same GPU by hand.
+    let cmd = app
+        .ok(
+            &app.operator(),
+            RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "RUN_INSTANCE", "idempotencyKey": "by-hand",
+                           "args": { "instanceId": "ins_byhand", "image": "local/none", "devices": atoms,
+                                     "command": ["/bin/sh", "-c", "echo $$ >> \"$OUT/intruder\"; exec sleep 300"],
+                                     "env": { "OUT": out.display().to_string() } } } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("command")
+        .to_owned();
+    let done = command_end(&app, &mut workers, &cmd).await;
+    assert_eq!(done["state"], "FAILED", "{done}");
+    assert_eq!(done["errorCode"], "DEVICE_OVERLAP", "{done}");
+    assert!(alive(first), "the first workload keeps running");
+    assert!(
+        starts(&out.join("intruder")).is_empty(),
+        "the overlapping workload never started"
+    );
+    assert_eq!(state(&app, &acme, &id).await["state"], "RUNNING");
+    app.ok(&acme, STOP, json!({ "i": { "id": id } })).await;
+    step_until(&app, &mut workers, &id, "STOPPED").await;
+    stop_agent(agent).await;
+}
+
+/// Steps the workers until command `id` ends; the command.
+async fn command_end(app: &TestApp, workers: &mut Workers, id: &str) -> Value {
+    let started = tokio::time::Instant::now();
+    loop {
+        workers.step().await;
+        let c = app.ok(&app.operator(), COMMAND, json!({ "id": id })).await["command"].clone();
+        if c["state"] == "FAILED" || c["state"] == "SUCCEEDED" {
+            return c;
+        }
+        assert!(started.elapsed() < WAIT, "the command stays {c}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_commands_fail_unsupported_on_a_host_without_the_nvidia_tool() {
+    let app = setup().await;
+    let p = pool(&app).await;
+    let node = p.nodes[0].clone();
+    let dir = test_dir("unsupported");
+    let agent = start_agent_with(
+        &app,
+        &node,
+        &dir.join("state"),
+        None,
+        &["--nvidia-smi", "/nonexistent/nvidia-smi"],
+    );
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    for (kind, args) in [
+        ("RESET_GPU", json!({ "device": "GPU-A0" })),
+        (
+            "SET_MIG_LAYOUT",
+            json!({ "device": "GPU-A0", "layout": ["1g.10gb"] }),
+        ),
+    ] {
+        let cmd = app
+            .ok(
+                &app.operator(),
+                RUN,
+                json!({ "i": { "computeNodeId": node, "kind": kind, "idempotencyKey": kind, "args": args } }),
+            )
+            .await["runCommand"]["command"]["id"]
+            .as_str()
+            .expect("command")
+            .to_owned();
+        let done = command_end(&app, &mut workers, &cmd).await;
+        assert_eq!(
+            done["state"], "FAILED",
+            "{kind}: never success for work not done: {done}"
+        );
+        assert_eq!(done["errorCode"], "UNSUPPORTED", "{kind}: {done}");
+        assert!(
+            done["errorMessage"]
+                .as_str()
+                .is_some_and(|m| m.contains("/nonexistent/nvidia-smi")),
+            "{done}"
+        );
+    }
+    stop_agent(agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_state_directory_stops_the_agent_at_start_naming_the_path() {
+    let dir = test_dir("broken");
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"not a directory").expect("file");
+    let corrupt = dir.join("corrupt");
+    std::fs::create_dir_all(&corrupt).expect("dir");
+    std::fs::write(
+        corrupt.join("journal.sqlite3"),
+        b"this is not a database at all, not even close to one",
+    )
+    .expect("garbage");
+    for state in [file.join("state"), corrupt.clone()] {
+        let out = Command::new(env!("CARGO_BIN_EXE_test-agent"))
+            .args([
+                "--url",
+                "ws://127.0.0.1:9/agent",
+                "--node-id",
+                "node_x",
+                "--token",
+                "t",
+            ])
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--listen", "off"])
+            .output()
+            .await
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&state.display().to_string()),
+            "the message names the path: {stderr}"
+        );
+    }
+}
