@@ -164,7 +164,8 @@ impl Agent {
 
     /// After the session loop sent `m`: the crash test's first step.
     pub fn sent(&self, m: &FromDaemon) {
-        if let FromDaemon::Ack { command_id } = m
+        if self.0.settings.fault.is_some()
+            && let FromDaemon::Ack { command_id } = m
             && let Ok(Some(e)) = self.0.journal.command(command_id)
         {
             self.fault(FaultPoint::AfterAck, e.kind);
@@ -360,8 +361,8 @@ impl Agent {
     }
 
     /// A command the journal holds as started but not finished: this agent died while it ran.
-    /// A `run_instance` whose workload the journal recorded (or finds) succeeded, adopted; a
-    /// retry-safe command runs again; any other fails `INTERRUPTED`, never run twice.
+    /// A `run_instance` whose workload the journal recorded as started (a pid or a container)
+    /// succeeded, adopted; a retry-safe command runs again; any other fails `INTERRUPTED`.
     fn recover(&self, entry: Entry) -> Vec<FromDaemon> {
         let id = entry.id.clone();
         if entry.kind == CommandKind::RunInstance
@@ -369,6 +370,7 @@ impl Agent {
             && let Ok(Some(w)) = self.0.journal.workload(&args.instance_id)
             && w.command_id == id
             && w.state != WorkloadState::Starting
+            && (w.pid.is_some() || w.container_id.is_some())
         {
             let result = FromDaemon::succeeded(
                 &id,
@@ -513,11 +515,14 @@ impl Agent {
                     .journal
                     .live_workloads()
                     .map_err(|e| Failure::new("JOURNAL_UNWRITABLE", e.to_string()))?;
-                let mut stopped = Vec::new();
-                for w in live {
-                    self.stop_instance(&w.instance_id, grace).await?;
-                    stopped.push(w.instance_id);
+                // All at once: each waits out its own grace.
+                let stops = live
+                    .iter()
+                    .map(|w| self.stop_instance(&w.instance_id, grace));
+                for r in futures_util::future::join_all(stops).await {
+                    r?;
                 }
+                let stopped: Vec<&str> = live.iter().map(|w| w.instance_id.as_str()).collect();
                 Ok(json!({ "stopped": stopped }))
             }
             CommandKind::ResetGpu => {

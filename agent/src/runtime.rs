@@ -149,6 +149,23 @@ pub fn visible_devices(atoms: &[String]) -> Result<Vec<String>, Failure> {
     Ok(out)
 }
 
+/// Writes `bytes` to `path`, readable by this user only.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
 fn program_failure(program: &str, e: &std::io::Error) -> Failure {
     match e.kind() {
         std::io::ErrorKind::NotFound => Failure::new(
@@ -303,10 +320,28 @@ impl Runtime {
             .arg("k8s-file")
             .arg("--log-opt")
             .arg(format!("path={}", log.display()));
-        // Values go through podman's environment (`--env NAME`), never its command line.
-        for (name, value) in env {
-            c.arg("--env").arg(name).env(name, value);
+        // Values go through a file only the agent can read (never podman's command line, which
+        // other users of the host can read, nor podman's own environment, where a tenant's
+        // `PATH` or `CONTAINERS_CONF` would steer podman itself). Removed once podman read it.
+        if env.values().any(|v| v.contains('\n') || v.contains('\r')) {
+            return Err(Failure::new(
+                "BAD_ARGS",
+                "the podman runtime cannot pass an environment value of several lines",
+            ));
         }
+        let env_file = self
+            .state_dir
+            .join("work")
+            .join(format!("{}.env", args.instance_id));
+        write_private(
+            &env_file,
+            env.iter()
+                .map(|(k, v)| format!("{k}={v}\n"))
+                .collect::<String>()
+                .as_bytes(),
+        )
+        .map_err(|e| Failure::new("STATE_UNWRITABLE", format!("{}: {e}", env_file.display())))?;
+        c.arg("--env-file").arg(&env_file);
         if !visible.is_empty() && self.cdi_has_nvidia() {
             for uuid in visible {
                 c.arg("--device").arg(format!("nvidia.com/gpu={uuid}"));
@@ -315,15 +350,18 @@ impl Runtime {
         c.args(&self.podman_run_args)
             .arg(&args.image)
             .args(&args.command);
-        let out = c.output().await.map_err(|e| {
-            match program_failure(&self.podman.display().to_string(), &e) {
-                f if f.code == "EXECUTABLE_NOT_FOUND" => Failure::new(
-                    "RUNTIME_UNAVAILABLE",
-                    format!("podman is not installed here ({})", self.podman.display()),
-                ),
-                f => f,
-            }
-        })?;
+        let out = c.output().await;
+        let _ = std::fs::remove_file(&env_file);
+        let out =
+            out.map_err(
+                |e| match program_failure(&self.podman.display().to_string(), &e) {
+                    f if f.code == "EXECUTABLE_NOT_FOUND" => Failure::new(
+                        "RUNTIME_UNAVAILABLE",
+                        format!("podman is not installed here ({})", self.podman.display()),
+                    ),
+                    f => f,
+                },
+            )?;
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             let text = stderr.trim();

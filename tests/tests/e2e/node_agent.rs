@@ -117,12 +117,17 @@ fn starts(file: &Path) -> Vec<i64> {
 /// A reservation of one GPU of node h100-a: (node, allocation, atoms).
 async fn one_gpu(app: &TestApp, member: &str, key: &str) -> (String, String, Value) {
     let p = pool(app).await;
+    one_gpu_in(app, &p.pool, member, key).await
+}
+
+/// [`one_gpu`] in pool `pool`, made already.
+async fn one_gpu_in(app: &TestApp, pool: &str, member: &str, key: &str) -> (String, String, Value) {
     let r = app
         .ok(
             member,
             CREATE,
             input(
-                &p.pool,
+                pool,
                 key,
                 json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
             ),
@@ -598,4 +603,165 @@ async fn a_broken_state_directory_stops_the_agent_at_start_naming_the_path() {
             "the message names the path: {stderr}"
         );
     }
+}
+
+/// The podman flags of hosts like this project's machines (Debian's podman 4.3 with runc and
+/// cgroupfs: the default crun refuses hybrid cgroups, and the default ulimits exceed the hard
+/// limits); nothing can be pulled here.
+const PODMAN_GLOBAL: &str = "--runtime runc --cgroup-manager=cgroupfs";
+const PODMAN_RUN: &str =
+    "--network none --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 --pull=never";
+const IMAGE: &str = "localhost/compute-test-busybox:1";
+
+fn podman(args: &[&str]) -> std::process::Output {
+    std::process::Command::new("podman")
+        .args(PODMAN_GLOBAL.split_whitespace())
+        .args(args)
+        .output()
+        .expect("podman is installed (.ci/run installs podman, runc and busybox-static)")
+}
+
+/// A local image of Debian's static busybox (`podman import` of a small root file system).
+fn busybox_image(dir: &Path) {
+    if podman(&["image", "exists", IMAGE]).status.success() {
+        return;
+    }
+    let root = dir.join("rootfs");
+    std::fs::create_dir_all(root.join("bin")).expect("rootfs");
+    std::fs::copy("/bin/busybox", root.join("bin/busybox"))
+        .expect("/bin/busybox (Debian's busybox-static)");
+    for tool in ["sh", "sleep", "env", "echo", "cat"] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(tool)).expect("link");
+    }
+    let tar = dir.join("rootfs.tar");
+    let ok = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(&root)
+        .arg("-cf")
+        .arg(&tar)
+        .arg(".")
+        .status()
+        .expect("tar");
+    assert!(ok.success());
+    let out = podman(&["import", &tar.display().to_string(), IMAGE]);
+    assert!(
+        out.status.success() || podman(&["image", "exists", IMAGE]).status.success(),
+        "podman import: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_podman_runtime_runs_a_container_on_exactly_its_allocation() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let p = pool(&app).await;
+    let (node, allocation, atoms) = one_gpu_in(&app, &p.pool, &acme, "r1").await;
+    let (_, other, _) = one_gpu_in(&app, &p.pool, &acme, "r2").await;
+    let dir = test_dir("podman");
+    busybox_image(&dir);
+    let state_dir = dir.join("state");
+    let agent = start_agent_with(
+        &app,
+        &node,
+        &state_dir,
+        None,
+        &[
+            "--runtime",
+            "podman",
+            "--podman-global-args",
+            PODMAN_GLOBAL,
+            "--podman-run-args",
+            PODMAN_RUN,
+        ],
+    );
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    // A missing image fails the run with a stable code, and nothing is left running.
+    let missing = app
+        .ok(
+            &acme,
+            CREATE_INSTANCE,
+            json!({ "i": { "allocationId": other, "image": "localhost/not-here:1", "command": ["/bin/sh"], "idempotencyKey": "missing" } }),
+        )
+        .await["createInstance"]["instance"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    step_until(&app, &mut workers, &missing, "FAILED").await;
+    let s = state(&app, &acme, &missing).await;
+    assert!(
+        s["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("IMAGE_NOT_FOUND")),
+        "{s}"
+    );
+
+    let made = app
+        .ok(
+            &acme,
+            CREATE_INSTANCE,
+            json!({ "i": { "allocationId": allocation, "image": IMAGE, "command": ["/bin/sh", "-c", "env; exec sleep 300"],
+                           "env": [{ "name": "EPOCHS", "value": "3" }], "idempotencyKey": "c1" } }),
+        )
+        .await["createInstance"]["instance"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    step_until(&app, &mut workers, &made, "RUNNING").await;
+    let container = run_output(&app, &made).await["containerId"]
+        .as_str()
+        .expect("a container id")
+        .to_owned();
+    let labelled = podman(&[
+        "ps",
+        "--filter",
+        &format!("label=compute.instance={made}"),
+        "--format",
+        "{{.ID}}",
+        "--no-trunc",
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&labelled.stdout).trim(),
+        container,
+        "the container carries the instance's label"
+    );
+    let log = state_dir.join("logs").join(format!("{made}.log"));
+    let want = atoms[0].as_str().expect("atom");
+    let text = compute_tests::eventually("the container prints its environment", WAIT, || async {
+        let t = std::fs::read_to_string(&log).ok()?;
+        t.contains("COMPUTE_INSTANCE_ID").then_some(t)
+    })
+    .await;
+    assert!(
+        text.contains(&format!("CUDA_VISIBLE_DEVICES={want}")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("NVIDIA_VISIBLE_DEVICES={want}")),
+        "{text}"
+    );
+    assert!(text.contains("EPOCHS=3"), "{text}");
+    assert!(
+        text.contains(&format!("COMPUTE_INSTANCE_ID={made}")),
+        "{text}"
+    );
+    assert!(!text.contains("TOKEN"), "{text}");
+
+    // Stopped: the shell as pid 1 ignores SIGTERM, so podman kills it after the 3 s grace.
+    app.ok(&acme, STOP, json!({ "i": { "id": made } })).await;
+    step_until(&app, &mut workers, &made, "STOPPED").await;
+    let running = podman(&[
+        "inspect",
+        "--format",
+        "{{.State.Running}} {{.State.ExitCode}}",
+        &container,
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&running.stdout).trim(),
+        "false 137",
+        "gone, killed after the grace"
+    );
+    let _ = podman(&["rm", "--force", &container]);
+    stop_agent(agent).await;
 }

@@ -1,0 +1,225 @@
+//! Measures one real node daemon: `compute-agent` (this package's `test-agent` build) on one node,
+//! behind a real gateway (`compute-api serve --gateway-only`) and a real dispatcher
+//! (`compute-worker --role dispatch`), all on a throwaway embedded PostgreSQL on the same cores.
+//!
+//! ```sh
+//! cargo build --release -p compute-tests
+//! target/release/bench-agent [workloads=100] [noops=200] [rate=20]
+//! ```
+//!
+//! 1. `workloads` `run_instance` commands at once (each a `sleep` under the process runtime, no
+//!    GPU): `run_instance` created → succeeded (its workload started), p50 and p99.
+//! 2. The agent with them running: its resident memory, and its CPU over 10 s idle.
+//! 3. `noops` `runCommand(noop)` at `rate` a second: created → succeeded, p50 and p99, as the
+//!    database timed them, and the agent's CPU meanwhile.
+//! 4. `drain_workloads` (grace 5 s): how long until every workload is gone.
+//!
+//! Asserts nothing: a benchmark, not a test.
+
+#![allow(clippy::print_stdout, reason = "a benchmark prints its figures")]
+
+use std::time::{Duration, Instant};
+
+use compute_domain::db::Db;
+use compute_domain::idempotency::Actor;
+use compute_domain::ids::NodeId;
+use compute_domain::node_commands::{self as cmds, CommandRequest, Kind};
+use compute_tests::bench::{free_port, seed_nodes, sibling, spawn_gateway};
+
+async fn run(db: &Db, node: &str, kind: Kind, args: serde_json::Value, key: &str) {
+    cmds::run_command(
+        db,
+        &Actor::operator("bench"),
+        CommandRequest {
+            node_id: NodeId::parse("node", node).expect("node id"),
+            kind,
+            args,
+            min_generation: 0,
+            retry_safe: None,
+        },
+        key,
+    )
+    .await
+    .expect("runCommand");
+}
+
+async fn finished(db: &Db, like: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM commands WHERE state IN ('succeeded', 'failed') AND idempotency_key LIKE $1",
+    )
+    .bind(format!("api:bench:{like}"))
+    .fetch_one(db.pool())
+    .await
+    .expect("count")
+}
+
+async fn wait_finished(db: &Db, like: &str, n: i64) -> Duration {
+    let started = Instant::now();
+    while finished(db, like).await < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "{like}: not done in 5 minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
+/// p50 and p99 of `finished_at - created_at` in milliseconds, and how many failed.
+async fn latency(db: &Db, like: &str) -> (f64, f64, i64) {
+    sqlx::query_as(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), \
+                count(*) FILTER (WHERE state = 'failed') \
+           FROM (SELECT extract(epoch FROM finished_at - created_at) * 1000 AS ms, state FROM commands \
+                  WHERE idempotency_key LIKE $1) x",
+    )
+    .bind(format!("api:bench:{like}"))
+    .fetch_one(db.pool())
+    .await
+    .expect("latency")
+}
+
+/// The agent's CPU time so far (user + system), in seconds, and its resident memory in MiB.
+fn usage(pid: u32) -> (f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r.split_whitespace().collect())
+        .unwrap_or_default();
+    // Fields 14 and 15 (utime, stime) are at 11 and 12 after the name.
+    let ticks: f64 = [11, 12]
+        .iter()
+        .filter_map(|i| fields.get(*i).and_then(|t| t.parse::<f64>().ok()))
+        .sum();
+    let rss_kib: f64 = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
+    // Linux's USER_HZ is 100 on every architecture this runs on.
+    (ticks / 100.0, rss_kib / 1024.0)
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let workloads: i64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(100);
+    let noops: i64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(200);
+    let rate: f64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(20.0);
+    let api = sibling("test-api");
+    let worker = sibling("test-worker");
+    let agent_bin = sibling("test-agent");
+    let test_db = compute_tests::test_db_with(8).await;
+    let db = test_db.db.clone();
+    let node = seed_nodes(&db, 1).await.remove(0);
+    sqlx::query("UPDATE nodes SET observed_generation = generation")
+        .execute(db.pool())
+        .await
+        .expect("generations");
+    let port = free_port();
+    let _gateway = spawn_gateway(&api, &test_db.url, port, "bench-gw").await;
+    let _dispatcher = tokio::process::Command::new(&worker)
+        .args([
+            "--role",
+            "dispatch",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+        ])
+        .env("DATABASE_URL", &test_db.url)
+        .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start a dispatcher");
+    let state = std::env::temp_dir().join(format!("bench-agent-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state);
+    let config = compute_tests::bench::daemon(port, &node, "unused", 0);
+    let agent = tokio::process::Command::new(&agent_bin)
+        .args(["--url", &config.url, "--node-id", &node, "--listen", "off"])
+        .arg("--state-dir")
+        .arg(&state)
+        .env("COMPUTE_AGENT_TOKEN", &config.token)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start compute-agent");
+    let pid = agent.id().expect("pid");
+    let started = Instant::now();
+    loop {
+        let open: Option<i64> = sqlx::query_scalar(
+            "SELECT session_epoch FROM node_sessions WHERE node_id = $1 AND closed_at IS NULL",
+        )
+        .bind(&node)
+        .fetch_optional(db.pool())
+        .await
+        .expect("session");
+        if open.is_some() {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "no session");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Settle: the dispatcher takes its shards.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    for k in 0..workloads {
+        let args = serde_json::json!({ "instanceId": format!("ins_bench{k:05}"), "image": "host",
+            "command": ["sleep", "600"], "devices": [] });
+        run(&db, &node, Kind::RunInstance, args, &format!("run-{k:05}")).await;
+    }
+    let took = wait_finished(&db, "run-%", workloads).await;
+    let (p50, p99, failed) = latency(&db, "run-%").await;
+    println!(
+        "{workloads} run_instance at once: all started in {:.2} s; created → workload running p50 {p50:.0} ms, p99 {p99:.0} ms ({failed} failed)",
+        took.as_secs_f64()
+    );
+
+    let (cpu0, _) = usage(pid);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let (cpu1, rss) = usage(pid);
+    println!(
+        "the agent with {workloads} running workloads: {rss:.1} MiB resident, {:.2}% of a core idle (10 s)",
+        (cpu1 - cpu0) * 10.0
+    );
+
+    let period = Duration::from_secs_f64(1.0 / rate);
+    let began = Instant::now();
+    for k in 0..noops {
+        let due = began + period * k as u32;
+        tokio::time::sleep_until(due.into()).await;
+        run(
+            &db,
+            &node,
+            Kind::Noop,
+            serde_json::json!({}),
+            &format!("noop-{k:05}"),
+        )
+        .await;
+    }
+    wait_finished(&db, "noop-%", noops).await;
+    let (cpu2, rss2) = usage(pid);
+    let (p50, p99, failed) = latency(&db, "noop-%").await;
+    println!(
+        "{noops} runCommand(noop) at {rate}/s through the agent: created → succeeded p50 {p50:.1} ms, p99 {p99:.1} ms ({failed} failed); agent CPU {:.2}% of a core, {rss2:.1} MiB",
+        (cpu2 - cpu1) / began.elapsed().as_secs_f64() * 100.0
+    );
+
+    let drain = Instant::now();
+    run(
+        &db,
+        &node,
+        Kind::DrainWorkloads,
+        serde_json::json!({ "graceSeconds": 5 }),
+        "drain",
+    )
+    .await;
+    wait_finished(&db, "drain", 1).await;
+    let (_, _, failed) = latency(&db, "drain").await;
+    println!(
+        "drain_workloads of {workloads}: {:.2} s ({failed} failed)",
+        drain.elapsed().as_secs_f64()
+    );
+    drop(agent);
+    let _ = std::fs::remove_dir_all(&state);
+}
