@@ -522,6 +522,24 @@ impl Agent {
                 for r in futures_util::future::join_all(stops).await {
                     r?;
                 }
+                // Their instances did not ask: to them the workload ended, and they hear so.
+                for w in &live {
+                    match self.0.journal.workload_move(
+                        &w.instance_id,
+                        &[WorkloadState::Stopped],
+                        WorkloadState::Exited,
+                    ) {
+                        Ok(true) => {
+                            if let Ok(Some(w)) = self.0.journal.workload(&w.instance_id) {
+                                self.send(exited_message(&w));
+                            }
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            warn!(instance = %w.instance_id, error = %e, "cannot record a drained workload's end")
+                        }
+                    }
+                }
                 let stopped: Vec<&str> = live.iter().map(|w| w.instance_id.as_str()).collect();
                 Ok(json!({ "stopped": stopped }))
             }

@@ -199,3 +199,30 @@ async fn session(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_malformed_command_is_answered_failed_and_other_garbage_is_not() {
+        let answer =
+            refuse_malformed(r#"{"type":"command","commandId":"cmd_1","kind":"reboot","args":{}}"#)
+                .expect("answered");
+        let FromDaemon::Result {
+            command_id,
+            outcome,
+            error_code,
+            ..
+        } = answer
+        else {
+            panic!("not a result: {answer:?}");
+        };
+        assert_eq!(command_id, "cmd_1");
+        assert_eq!(outcome, compute_protocol::Outcome::Failed);
+        assert_eq!(error_code.as_deref(), Some("BAD_COMMAND"));
+        assert_eq!(refuse_malformed(r#"{"type":"shutdown"}"#), None);
+        assert_eq!(refuse_malformed("not json"), None);
+        assert_eq!(refuse_malformed(r#"{"type":"command"}"#), None);
+    }
+}

@@ -364,8 +364,14 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                         }
                     }
                     Ok(FromDaemon::Exited { instance_id, exit_code, signal, exited_seconds_ago }) => {
+                        // A workload the daemon ran for no instance of ours (an operator's
+                        // run_instance by hand): nothing to record, and the daemon stops sending it.
                         let Ok(instance) = InstanceId::parse("instanceId", &instance_id) else {
-                            break End::new(4400, "instanceId is not an instance id", CloseReason::ProtocolError);
+                            let reply = ToDaemon::ExitRecorded { instance_id, recorded: false };
+                            if !send(&mut socket, &reply).await {
+                                break End::new(1006, "", CloseReason::DaemonClosed);
+                            }
+                            continue;
                         };
                         let exit = ReportedExit { code: exit_code, signal, seconds_ago: exited_seconds_ago };
                         let reply = match instances::record_exit(&db, &node, epoch, &instance, exit).await {

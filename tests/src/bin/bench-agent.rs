@@ -164,7 +164,7 @@ async fn main() {
     tokio::time::sleep(Duration::from_secs(3)).await;
 
     for k in 0..workloads {
-        let args = serde_json::json!({ "instanceId": format!("ins_bench{k:05}"), "image": "host",
+        let args = serde_json::json!({ "instanceId": format!("ins_{k:032x}"), "image": "host",
             "command": ["sleep", "600"], "devices": [] });
         run(&db, &node, Kind::RunInstance, args, &format!("run-{k:05}")).await;
     }

@@ -503,7 +503,231 @@ async fn the_agent_refuses_devices_a_running_workload_holds() {
     assert_eq!(state(&app, &acme, &id).await["state"], "RUNNING");
     app.ok(&acme, STOP, json!({ "i": { "id": id } })).await;
     step_until(&app, &mut workers, &id, "STOPPED").await;
+
+    // A by-hand workload of no instance that exits: its exit is answered, not recorded, and
+    // the session stays open (it once closed it with 4400, again at every reconnection).
+    let epoch = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT session_epoch FROM node_sessions WHERE node_id = $1 AND closed_at IS NULL",
+        )
+        .bind(&node)
+        .fetch_optional(app.db.db.pool())
+        .await
+        .expect("session")
+    };
+    let before = epoch().await;
+    let cmd = app
+        .ok(
+            &app.operator(),
+            RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "RUN_INSTANCE", "idempotencyKey": "no-instance",
+                           "args": { "instanceId": "not-an-instance", "image": "local/none", "command": ["/bin/sh", "-c", "exit 0"] } } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("command")
+        .to_owned();
+    let done = command_end(&app, &mut workers, &cmd).await;
+    assert_eq!(done["state"], "SUCCEEDED", "{done}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(epoch().await, before, "the session stayed open");
     stop_agent(agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_that_ended_while_the_agent_was_down_is_reported_when_it_comes_back() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, _) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir("down");
+    let out = dir.join("out");
+    let state_dir = dir.join("state");
+    let mut agent = start_agent(&app, &node, &state_dir, None);
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let id = instance(&app, &acme, &allocation, SLEEPER, &out).await;
+    step_until(&app, &mut workers, &id, "RUNNING").await;
+    let pid = compute_tests::eventually("the workload runs", WAIT, || async {
+        starts(&out.join("starts")).first().copied()
+    })
+    .await;
+    agent.start_kill().expect("SIGKILL the agent");
+    agent.wait().await.expect("gone");
+    // While it is down, the workload dies.
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    compute_tests::eventually("the workload is gone", WAIT, || async {
+        (!alive(pid)).then_some(())
+    })
+    .await;
+    let agent = start_agent(&app, &node, &state_dir, None);
+    step_until(&app, &mut workers, &id, "EXITED").await;
+    let i = app.ok(&acme, INSTANCE, json!({ "id": id })).await["instance"].clone();
+    assert_eq!(i["exitCode"], Value::Null, "its parent was gone: no code");
+    assert!(
+        i["reason"].as_str().is_some_and(|r| r.contains("away")),
+        "{i}"
+    );
+    assert_eq!(starts(&out.join("starts")).len(), 1, "never started again");
+    stop_agent(agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_program_fails_its_instance_and_a_drain_ends_the_others() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let p = pool(&app).await;
+    let (node, first, _) = one_gpu_in(&app, &p.pool, &acme, "r1").await;
+    let (_, second, _) = one_gpu_in(&app, &p.pool, &acme, "r2").await;
+    let dir = test_dir("drain");
+    let out = dir.join("out");
+    let agent = start_agent(&app, &node, &dir.join("state"), None);
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let made = app
+        .ok(
+            &acme,
+            CREATE_INSTANCE,
+            json!({ "i": { "allocationId": first, "image": "host", "command": ["/nonexistent/train"], "idempotencyKey": "missing" } }),
+        )
+        .await["createInstance"]["instance"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    step_until(&app, &mut workers, &made, "FAILED").await;
+    let s = state(&app, &acme, &made).await;
+    assert!(
+        s["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("EXECUTABLE_NOT_FOUND") && r.contains("/nonexistent/train")),
+        "{s}"
+    );
+
+    let id = instance(&app, &acme, &second, SLEEPER, &out).await;
+    step_until(&app, &mut workers, &id, "RUNNING").await;
+    let pid = compute_tests::eventually("the workload runs", WAIT, || async {
+        starts(&out.join("starts")).first().copied()
+    })
+    .await;
+    let cmd = app
+        .ok(
+            &app.operator(),
+            RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "DRAIN_WORKLOADS", "idempotencyKey": "drain", "args": { "graceSeconds": 2 } } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("command")
+        .to_owned();
+    let done = command_end(&app, &mut workers, &cmd).await;
+    assert_eq!(done["state"], "SUCCEEDED", "{done}");
+    assert_eq!(done["result"]["stopped"], json!([id]), "{done}");
+    assert!(!alive(pid), "drained");
+    // Its instance did not ask to stop: it hears that its workload ended (SIGTERM).
+    step_until(&app, &mut workers, &id, "EXITED").await;
+    let i = app.ok(&acme, INSTANCE, json!({ "id": id })).await["instance"].clone();
+    assert_eq!(i["exitSignal"], json!(15), "{i}");
+    stop_agent(agent).await;
+}
+
+/// A small tmpfs mounted at `dir` (this project's machines run their tests as root), unmounted
+/// when dropped.
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &Path, size: &str) -> SmallDisk {
+        std::fs::create_dir_all(dir).expect("mount point");
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("mount");
+        assert!(
+            out.status.success(),
+            "the full-disk test mounts a tmpfs (it runs as root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallDisk(dir.to_owned())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_fails_the_command_and_never_acknowledges_it() {
+    let app = setup().await;
+    let p = pool(&app).await;
+    let node = p.nodes[0].clone();
+    let dir = test_dir("full");
+    let disk = SmallDisk::mount(&dir.join("disk"), "2m");
+    let state_dir = disk.0.join("state");
+    let agent = start_agent(&app, &node, &state_dir, None);
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    // The node's spec first, so that nothing else is in flight.
+    let settle = tokio::time::Instant::now();
+    loop {
+        workers.step().await;
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM commands WHERE node_id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')",
+        )
+        .bind(&node)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("count");
+        if open == 0 {
+            break;
+        }
+        assert!(settle.elapsed() < WAIT, "the spec is not applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Fill the disk to the last byte.
+    {
+        use std::io::Write;
+        let mut filler = std::fs::File::create(disk.0.join("filler")).expect("filler");
+        let block = vec![0u8; 64 * 1024];
+        while filler.write_all(&block).is_ok() {}
+        while filler.write_all(&[0]).is_ok() {}
+    }
+    let cmd = app
+        .ok(
+            &app.operator(),
+            RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "NOOP", "idempotencyKey": "full" } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("command")
+        .to_owned();
+    let done = command_end(&app, &mut workers, &cmd).await;
+    assert_eq!(done["state"], "FAILED", "{done}");
+    assert_eq!(done["errorCode"], "JOURNAL_UNWRITABLE", "{done}");
+    let events: Vec<String> =
+        sqlx::query_scalar("SELECT type FROM outbox WHERE subject = $1 ORDER BY txid, seq")
+            .bind(&cmd)
+            .fetch_all(app.db.db.pool())
+            .await
+            .expect("events");
+    assert!(
+        !events.iter().any(|e| e == "command.running"),
+        "never acknowledged: {events:?}"
+    );
+    stop_agent(agent).await;
+    std::fs::remove_file(disk.0.join("filler")).expect("room again");
+    let runs = executions(&state_dir);
+    assert!(
+        !runs.iter().any(|(k, _)| k == "noop"),
+        "the journal holds no trace of it: {runs:?}"
+    );
+    drop(disk);
 }
 
 /// Steps the workers until command `id` ends; the command.
