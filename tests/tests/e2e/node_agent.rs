@@ -150,6 +150,27 @@ async fn setup() -> TestApp {
     app
 }
 
+/// `createInstance` on `allocation` of `image` running `command` with `env`; the instance's id.
+async fn create(
+    app: &TestApp,
+    member: &str,
+    allocation: &str,
+    image: &str,
+    command: Value,
+    env: Value,
+) -> String {
+    app.ok(
+        member,
+        CREATE_INSTANCE,
+        json!({ "i": { "allocationId": allocation, "image": image, "command": command, "env": env,
+                       "idempotencyKey": format!("i-{allocation}") } }),
+    )
+    .await["createInstance"]["instance"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned()
+}
+
 /// `createInstance` of a shell script with `OUT` set to `out`; the instance's id.
 async fn instance(
     app: &TestApp,
@@ -158,16 +179,16 @@ async fn instance(
     script: &str,
     out: &Path,
 ) -> String {
-    let made = app
-        .ok(
-            member,
-            CREATE_INSTANCE,
-            json!({ "i": { "allocationId": allocation, "image": "local/none", "command": ["/bin/sh", "-c", script],
-                           "env": [{ "name": "OUT", "value": out.display().to_string() }], "idempotencyKey": format!("i-{allocation}") } }),
-        )
-        .await["createInstance"]
-        .clone();
-    made["instance"]["id"].as_str().expect("id").to_owned()
+    let env = json!([{ "name": "OUT", "value": out.display().to_string() }]);
+    create(
+        app,
+        member,
+        allocation,
+        "local/none",
+        json!(["/bin/sh", "-c", script]),
+        env,
+    )
+    .await
 }
 
 /// The output of the instance's run command.
@@ -585,16 +606,15 @@ async fn a_missing_program_fails_its_instance_and_a_drain_ends_the_others() {
     let agent = start_agent(&app, &node, &dir.join("state"), None);
     connected(&app, &node).await;
     let mut workers = Workers::new(&app);
-    let made = app
-        .ok(
-            &acme,
-            CREATE_INSTANCE,
-            json!({ "i": { "allocationId": first, "image": "host", "command": ["/nonexistent/train"], "idempotencyKey": "missing" } }),
-        )
-        .await["createInstance"]["instance"]["id"]
-        .as_str()
-        .expect("id")
-        .to_owned();
+    let made = create(
+        &app,
+        &acme,
+        &first,
+        "host",
+        json!(["/nonexistent/train"]),
+        json!([]),
+    )
+    .await;
     step_until(&app, &mut workers, &made, "FAILED").await;
     let s = state(&app, &acme, &made).await;
     assert!(
@@ -902,16 +922,15 @@ async fn the_podman_runtime_runs_a_container_on_exactly_its_allocation() {
     connected(&app, &node).await;
     let mut workers = Workers::new(&app);
     // A missing image fails the run with a stable code, and nothing is left running.
-    let missing = app
-        .ok(
-            &acme,
-            CREATE_INSTANCE,
-            json!({ "i": { "allocationId": other, "image": "localhost/not-here:1", "command": ["/bin/sh"], "idempotencyKey": "missing" } }),
-        )
-        .await["createInstance"]["instance"]["id"]
-        .as_str()
-        .expect("id")
-        .to_owned();
+    let missing = create(
+        &app,
+        &acme,
+        &other,
+        "localhost/not-here:1",
+        json!(["/bin/sh"]),
+        json!([]),
+    )
+    .await;
     step_until(&app, &mut workers, &missing, "FAILED").await;
     let s = state(&app, &acme, &missing).await;
     assert!(
@@ -921,17 +940,15 @@ async fn the_podman_runtime_runs_a_container_on_exactly_its_allocation() {
         "{s}"
     );
 
-    let made = app
-        .ok(
-            &acme,
-            CREATE_INSTANCE,
-            json!({ "i": { "allocationId": allocation, "image": IMAGE, "command": ["/bin/sh", "-c", "env; exec sleep 300"],
-                           "env": [{ "name": "EPOCHS", "value": "3" }], "idempotencyKey": "c1" } }),
-        )
-        .await["createInstance"]["instance"]["id"]
-        .as_str()
-        .expect("id")
-        .to_owned();
+    let made = create(
+        &app,
+        &acme,
+        &allocation,
+        IMAGE,
+        json!(["/bin/sh", "-c", "env; exec sleep 300"]),
+        json!([{ "name": "EPOCHS", "value": "3" }]),
+    )
+    .await;
     step_until(&app, &mut workers, &made, "RUNNING").await;
     let container = run_output(&app, &made).await["containerId"]
         .as_str()
