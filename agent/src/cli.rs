@@ -126,7 +126,7 @@ fn words(s: &str) -> Vec<String> {
     s.split_whitespace().map(str::to_owned).collect()
 }
 
-/// Makes the state directory (mode 0700) and checks it can be written; a message naming the
+/// Makes the state directory (mode 0711) and checks it can be written; a message naming the
 /// path when it cannot.
 fn prepare_state_dir(dir: &std::path::Path) -> Result<(), String> {
     use std::os::unix::fs::DirBuilderExt;
@@ -135,6 +135,14 @@ fn prepare_state_dir(dir: &std::path::Path) -> Result<(), String> {
         .mode(0o700)
         .create(dir)
         .map_err(|e| format!("cannot create the state directory {}: {e}", dir.display()))?;
+    // Crossable, not listable: `--run-as` workloads reach their own `work/<instance>` only.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).map_err(|e| {
+        format!(
+            "cannot set the mode of the state directory {}: {e}",
+            dir.display()
+        )
+    })?;
     let probe = dir.join(".write-check");
     std::fs::write(&probe, b"ok")
         .map_err(|e| format!("the state directory {} is not writable: {e}", dir.display()))?;

@@ -212,6 +212,14 @@ impl Journal {
             )));
         }
         conn.execute_batch(SCHEMA).map_err(named)?;
+        // It holds the commands' args, tenants' environment values among them: the agent's
+        // alone (SQLite gives its -wal and -shm files the same mode).
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| JournalError(format!("{}: {e}", path.display())))?;
+        }
+
         let id: Option<String> = conn
             .query_row("SELECT value FROM meta WHERE key = 'journal_id'", [], |r| {
                 r.get(0)

@@ -149,6 +149,19 @@ pub fn visible_devices(atoms: &[String]) -> Result<Vec<String>, Failure> {
     Ok(out)
 }
 
+/// Makes `dir` (and what is missing above it) with `mode`, and sets `mode` on it.
+fn make_dir(dir: &Path, mode: u32) -> Result<(), Failure> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let failed =
+        |e: std::io::Error| Failure::new("STATE_UNWRITABLE", format!("{}: {e}", dir.display()));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(dir)
+        .map_err(failed)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(failed)
+}
+
 /// Writes `bytes` to `path`, readable by this user only.
 fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
@@ -220,8 +233,8 @@ impl Runtime {
     ) -> Result<Started, Failure> {
         let log = self.log_path(&args.instance_id);
         if let Some(dir) = log.parent() {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| Failure::new("STATE_UNWRITABLE", format!("{}: {e}", dir.display())))?;
+            // Only the agent reads workloads' logs (they may hold a tenant's secrets).
+            make_dir(dir, 0o700)?;
         }
         let env = Self::environment(args, visible, journal);
         match self.kind {
@@ -242,17 +255,26 @@ impl Runtime {
                 "the process runtime needs a command (it runs no image)",
             ));
         };
+        use std::os::unix::fs::OpenOptionsExt;
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(log)
             .map_err(|e| Failure::new("STATE_UNWRITABLE", format!("{}: {e}", log.display())))?;
         let err = out
             .try_clone()
             .map_err(|e| Failure::new("STATE_UNWRITABLE", format!("{}: {e}", log.display())))?;
+        // `work/` can be crossed, not listed, by the workloads' user; each working directory
+        // is its workload's own.
+        make_dir(&self.state_dir.join("work"), 0o711)?;
         let work = self.state_dir.join("work").join(&args.instance_id);
-        std::fs::create_dir_all(&work)
-            .map_err(|e| Failure::new("STATE_UNWRITABLE", format!("{}: {e}", work.display())))?;
+        make_dir(&work, 0o700)?;
+        if let Some((uid, gid)) = self.run_as {
+            std::os::unix::fs::chown(&work, Some(uid), Some(gid)).map_err(|e| {
+                Failure::new("STATE_UNWRITABLE", format!("chown {}: {e}", work.display()))
+            })?;
+        }
         let mut command = std::process::Command::new(program);
         command
             .args(rest)

@@ -750,6 +750,65 @@ async fn a_full_disk_fails_the_command_and_never_acknowledges_it() {
     drop(disk);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_as_starts_the_workload_as_that_user_and_keeps_the_state_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, _) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir("run-as");
+    let out = dir.join("out");
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let state_dir = dir.join("state");
+    let agent = start_agent_with(&app, &node, &state_dir, None, &["--run-as", "65534:65534"]);
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let id = instance(
+        &app,
+        &acme,
+        &allocation,
+        "id -u > \"$OUT/uid\"; touch \"$HOME/mine\"; exec sleep 300",
+        &out,
+    )
+    .await;
+    step_until(&app, &mut workers, &id, "RUNNING").await;
+    let uid = compute_tests::eventually("the workload wrote its uid", WAIT, || async {
+        std::fs::read_to_string(out.join("uid"))
+            .ok()
+            .filter(|t| t.ends_with('\n'))
+    })
+    .await;
+    assert_eq!(uid.trim(), "65534");
+    assert!(
+        compute_tests::eventually("its working directory is its own", WAIT, || async {
+            state_dir
+                .join("work")
+                .join(&id)
+                .join("mine")
+                .exists()
+                .then_some(true)
+        })
+        .await
+    );
+    let mode = |p: PathBuf| {
+        std::fs::metadata(&p)
+            .expect("metadata")
+            .permissions()
+            .mode()
+            & 0o777
+    };
+    assert_eq!(mode(state_dir.join("journal.sqlite3")), 0o600);
+    assert_eq!(mode(state_dir.join("logs")), 0o700);
+    assert_eq!(
+        mode(state_dir.join("logs").join(format!("{id}.log"))),
+        0o600
+    );
+    assert_eq!(mode(state_dir.clone()), 0o711);
+    app.ok(&acme, STOP, json!({ "i": { "id": id } })).await;
+    step_until(&app, &mut workers, &id, "STOPPED").await;
+    stop_agent(agent).await;
+}
+
 /// Steps the workers until command `id` ends; the command.
 async fn command_end(app: &TestApp, workers: &mut Workers, id: &str) -> Value {
     let started = tokio::time::Instant::now();
