@@ -213,11 +213,16 @@ impl Journal {
         }
         conn.execute_batch(SCHEMA).map_err(named)?;
         // It holds the commands' args, tenants' environment values among them: the agent's
-        // alone (SQLite gives its -wal and -shm files the same mode).
-        {
+        // alone, and so are its -wal and -shm files.
+        for suffix in ["", "-wal", "-shm"] {
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-                .map_err(|e| JournalError(format!("{}: {e}", path.display())))?;
+            let file = PathBuf::from(format!("{}{suffix}", path.display()));
+            match std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(JournalError(format!("{}: {e}", file.display())));
+                }
+                _ => {}
+            }
         }
 
         let id: Option<String> = conn

@@ -798,6 +798,7 @@ async fn run_as_starts_the_workload_as_that_user_and_keeps_the_state_private() {
             & 0o777
     };
     assert_eq!(mode(state_dir.join("journal.sqlite3")), 0o600);
+    assert_eq!(mode(state_dir.join("journal.sqlite3-wal")), 0o600);
     assert_eq!(mode(state_dir.join("logs")), 0o700);
     assert_eq!(
         mode(state_dir.join("logs").join(format!("{id}.log"))),
