@@ -453,3 +453,15 @@ impl Gateway {
         Ok(self.fence().await?.map(|f| (self.0.db.fenced(&f), f)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_command_kind_has_its_name_on_the_wire() {
+        for kind in node_commands::Kind::ALL {
+            assert_eq!(protocol_kind(*kind).as_str(), kind.as_str(), "{kind:?}");
+        }
+    }
+}

@@ -237,3 +237,18 @@ pub async fn gpu_fleet(
     }
     ids
 }
+
+/// p50 and p99 of `finished_at - created_at` in milliseconds, and how many failed, of the
+/// commands whose idempotency key is `LIKE pattern` (as the database timed them).
+pub async fn command_latency(db: &compute_domain::db::Db, pattern: &str) -> (f64, f64, i64) {
+    sqlx::query_as(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), \
+                count(*) FILTER (WHERE state = 'failed') \
+           FROM (SELECT extract(epoch FROM finished_at - created_at) * 1000 AS ms, state FROM commands \
+                  WHERE idempotency_key LIKE $1) x",
+    )
+    .bind(pattern)
+    .fetch_one(db.pool())
+    .await
+    .expect("latency")
+}

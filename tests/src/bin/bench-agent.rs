@@ -24,7 +24,7 @@ use compute_domain::db::Db;
 use compute_domain::idempotency::Actor;
 use compute_domain::ids::NodeId;
 use compute_domain::node_commands::{self as cmds, CommandRequest, Kind};
-use compute_tests::bench::{free_port, seed_nodes, sibling, spawn_gateway};
+use compute_tests::bench::{command_latency, free_port, seed_nodes, sibling, spawn_gateway};
 
 async fn run(db: &Db, node: &str, kind: Kind, args: serde_json::Value, key: &str) {
     cmds::run_command(
@@ -65,18 +65,8 @@ async fn wait_finished(db: &Db, like: &str, n: i64) -> Duration {
     started.elapsed()
 }
 
-/// p50 and p99 of `finished_at - created_at` in milliseconds, and how many failed.
 async fn latency(db: &Db, like: &str) -> (f64, f64, i64) {
-    sqlx::query_as(
-        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), \
-                count(*) FILTER (WHERE state = 'failed') \
-           FROM (SELECT extract(epoch FROM finished_at - created_at) * 1000 AS ms, state FROM commands \
-                  WHERE idempotency_key LIKE $1) x",
-    )
-    .bind(format!("api:bench:{like}"))
-    .fetch_one(db.pool())
-    .await
-    .expect("latency")
+    command_latency(db, &format!("api:bench:{like}")).await
 }
 
 /// The agent's CPU time so far (user + system), in seconds, and its resident memory in MiB.

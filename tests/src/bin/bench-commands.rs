@@ -26,7 +26,9 @@ use compute_domain::db::Db;
 use compute_domain::idempotency::Actor;
 use compute_domain::ids::NodeId;
 use compute_domain::node_commands::{self as cmds, CommandRequest, Kind};
-use compute_tests::bench::{free_port, seed_nodes, sibling, spawn_gateway, start_daemons, until};
+use compute_tests::bench::{
+    command_latency, free_port, seed_nodes, sibling, spawn_gateway, start_daemons, until,
+};
 
 fn dispatcher(binary: &std::path::Path, url: &str) -> tokio::process::Child {
     tokio::process::Command::new(binary)
@@ -73,15 +75,8 @@ async fn succeeded(db: &Db, label: &str) -> i64 {
 
 /// p50 and p99 of `finished_at - created_at`, in milliseconds, of the phase's commands.
 async fn latency(db: &Db, label: &str) -> (f64, f64) {
-    sqlx::query_as(
-        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) \
-           FROM (SELECT extract(epoch FROM finished_at - created_at) * 1000 AS ms FROM commands \
-                  WHERE idempotency_key LIKE $1) x",
-    )
-    .bind(format!("api:bench:{label}-%"))
-    .fetch_one(db.pool())
-    .await
-    .expect("latency")
+    let (p50, p99, _) = command_latency(db, &format!("api:bench:{label}-%")).await;
+    (p50, p99)
 }
 
 async fn wait_done(db: &Db, label: &str, m: i64) -> Duration {

@@ -52,7 +52,7 @@ async fn step(app: &TestApp, reconciler: &mut compute_workers::Reconciler, secon
 }
 
 /// Creates a reservation of one GPU on node h100-a (by its host label); the response.
-async fn on_h100_a(app: &TestApp, member: &str, pool: &str, key: &str) -> serde_json::Value {
+pub async fn on_h100_a(app: &TestApp, member: &str, pool: &str, key: &str) -> serde_json::Value {
     app.ok(
         member,
         CREATE,

@@ -13,7 +13,7 @@ use tokio::process::{Child, Command};
 
 use crate::commands::pass_time;
 use crate::instances::{CREATE_INSTANCE, Workers, state, step_until};
-use crate::reservations::{CREATE, input, pool};
+use crate::reservations::pool;
 
 const WAIT: Duration = Duration::from_secs(30);
 const STOP: &str =
@@ -122,18 +122,9 @@ async fn one_gpu(app: &TestApp, member: &str, key: &str) -> (String, String, Val
 
 /// [`one_gpu`] in pool `pool`, made already.
 async fn one_gpu_in(app: &TestApp, pool: &str, member: &str, key: &str) -> (String, String, Value) {
-    let r = app
-        .ok(
-            member,
-            CREATE,
-            input(
-                pool,
-                key,
-                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
-            ),
-        )
-        .await["createReservation"]["reservation"]
-        .clone();
+    let r =
+        crate::agent::on_h100_a(app, member, pool, key).await["createReservation"]["reservation"]
+            .clone();
     assert_eq!(r["state"], "ACTIVE", "{r}");
     let a = &r["allocations"][0];
     (
@@ -189,6 +180,20 @@ async fn instance(
         env,
     )
     .await
+}
+
+/// Steps the workers until instance `id` is `FAILED`; asserts its reason names each of `why`.
+async fn failed_because(
+    app: &TestApp,
+    workers: &mut Workers,
+    member: &str,
+    id: &str,
+    why: &[&str],
+) {
+    step_until(app, workers, id, "FAILED").await;
+    let s = state(app, member, id).await;
+    let reason = s["reason"].as_str().unwrap_or_default();
+    assert!(why.iter().all(|w| reason.contains(w)), "{s}");
 }
 
 /// The output of the instance's run command.
@@ -378,14 +383,7 @@ async fn killed_at(point: &str) {
     assert_eq!(connected(&app, &node).await, journal, "the same journal");
     if point == "after-start-recorded" {
         // The work had not begun: not retry-safe, so it is not begun again.
-        step_until(&app, &mut workers, &id, "FAILED").await;
-        let s = state(&app, &acme, &id).await;
-        assert!(
-            s["reason"]
-                .as_str()
-                .is_some_and(|r| r.contains("INTERRUPTED")),
-            "{s}"
-        );
+        failed_because(&app, &mut workers, &acme, &id, &["INTERRUPTED"]).await;
         assert!(starts(&out.join("starts")).is_empty(), "it never started");
     } else {
         step_until(&app, &mut workers, &id, "RUNNING").await;
@@ -465,14 +463,7 @@ async fn an_emptied_state_directory_is_a_new_journal() {
     .await;
     assert!(second.starts_with("jrn_"));
     // The run command was in flight and is not retry-safe: JOURNAL_RESET, never sent again.
-    step_until(&app, &mut workers, &id, "FAILED").await;
-    let s = state(&app, &acme, &id).await;
-    assert!(
-        s["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("JOURNAL_RESET")),
-        "{s}"
-    );
+    failed_because(&app, &mut workers, &acme, &id, &["JOURNAL_RESET"]).await;
     assert!(starts(&out.join("starts")).is_empty(), "it never ran");
     let runs = executions(&state_dir);
     assert!(
@@ -615,14 +606,14 @@ async fn a_missing_program_fails_its_instance_and_a_drain_ends_the_others() {
         json!([]),
     )
     .await;
-    step_until(&app, &mut workers, &made, "FAILED").await;
-    let s = state(&app, &acme, &made).await;
-    assert!(
-        s["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("EXECUTABLE_NOT_FOUND") && r.contains("/nonexistent/train")),
-        "{s}"
-    );
+    failed_because(
+        &app,
+        &mut workers,
+        &acme,
+        &made,
+        &["EXECUTABLE_NOT_FOUND", "/nonexistent/train"],
+    )
+    .await;
 
     let id = instance(&app, &acme, &second, SLEEPER, &out).await;
     step_until(&app, &mut workers, &id, "RUNNING").await;
@@ -991,14 +982,7 @@ async fn the_podman_runtime_runs_a_container_on_exactly_its_allocation() {
         json!([]),
     )
     .await;
-    step_until(&app, &mut workers, &missing, "FAILED").await;
-    let s = state(&app, &acme, &missing).await;
-    assert!(
-        s["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("IMAGE_NOT_FOUND")),
-        "{s}"
-    );
+    failed_because(&app, &mut workers, &acme, &missing, &["IMAGE_NOT_FOUND"]).await;
 
     let made = create(
         &app,
