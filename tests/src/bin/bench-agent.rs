@@ -1,10 +1,10 @@
 //! Measures one real node daemon: `compute-agent` (this package's `test-agent` build) on one node,
 //! behind a real gateway (`compute-api serve --gateway-only`) and a real dispatcher
-//! (`compute-worker --role dispatch`), all on a throwaway embedded PostgreSQL on the same cores.
+//! (`compute-worker --role all`: the dispatcher and the reconcilers), all on a throwaway embedded PostgreSQL on the same cores.
 //!
 //! ```sh
 //! cargo build --release -p compute-tests
-//! target/release/bench-agent [workloads=100] [noops=200] [rate=20]
+//! target/release/bench-agent [workloads=100] [noops=200] [rate=20] [instances=8]
 //! ```
 //!
 //! 1. `workloads` `run_instance` commands at once (each a `sleep` under the process runtime, no
@@ -13,6 +13,10 @@
 //! 3. `noops` `runCommand(noop)` at `rate` a second: created → succeeded, p50 and p99, as the
 //!    database timed them, and the agent's CPU meanwhile.
 //! 4. `drain_workloads` (grace 5 s): how long until every workload is gone.
+//! 5. `instances` times, one after another: `createReservation` of one GPU now, `createInstance`
+//!    on it, until the instance is `running` (the reconciler's workflow, the dispatcher, the
+//!    agent's start, the result): the wall time and `started_at - created_at` as the database
+//!    timed it, p50 and max.
 //!
 //! Asserts nothing: a benchmark, not a test.
 
@@ -22,9 +26,15 @@ use std::time::{Duration, Instant};
 
 use compute_domain::db::Db;
 use compute_domain::idempotency::Actor;
-use compute_domain::ids::NodeId;
+use compute_domain::ids::{AllocationId, NodeId, PoolId, ScopeId};
+use compute_domain::instances::{self, InstanceRequest};
 use compute_domain::node_commands::{self as cmds, CommandRequest, Kind};
-use compute_tests::bench::{command_latency, free_port, seed_nodes, sibling, spawn_gateway};
+use compute_domain::quota::{self, QuotaLimits};
+use compute_domain::reservations::{
+    self,
+    model::{AllocationInput, ReservationRequest, parse_allocation},
+};
+use compute_tests::bench::{command_latency, free_port, gpu_fleet, sibling, spawn_gateway};
 
 async fn run(db: &Db, node: &str, kind: Kind, args: serde_json::Value, key: &str) {
     cmds::run_command(
@@ -97,22 +107,43 @@ async fn main() {
     let workloads: i64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(100);
     let noops: i64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(200);
     let rate: f64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(20.0);
+    let instances: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(8);
     let api = sibling("test-api");
     let worker = sibling("test-worker");
     let agent_bin = sibling("test-agent");
     let test_db = compute_tests::test_db_with(8).await;
     let db = test_db.db.clone();
-    let node = seed_nodes(&db, 1).await.remove(0);
+    // One node of `instances` whole H100s (at least one), as an operator registers it.
+    let pool = gpu_fleet(&db, 1, 1, instances.max(1)).await.remove(0);
+    let node: String = sqlx::query_scalar("SELECT id FROM nodes WHERE pool_id = $1")
+        .bind(pool.as_str())
+        .fetch_one(db.pool())
+        .await
+        .expect("the node");
     sqlx::query("UPDATE nodes SET observed_generation = generation")
         .execute(db.pool())
         .await
         .expect("generations");
+    let tenant = compute_tests::tenant("bench");
+    quota::set_quota(
+        &db,
+        &Actor::operator("bench"),
+        &tenant,
+        &ScopeId::Pool(pool.clone()),
+        QuotaLimits {
+            gpus: Some(1_000.0),
+            vcpu: Some(100_000),
+            memory_mib: Some(100_000_000),
+        },
+    )
+    .await
+    .expect("quota");
     let port = free_port();
     let _gateway = spawn_gateway(&api, &test_db.url, port, "bench-gw").await;
     let _dispatcher = tokio::process::Command::new(&worker)
         .args([
             "--role",
-            "dispatch",
+            "all",
             "--listen",
             &format!("127.0.0.1:{}", free_port()),
         ])
@@ -223,6 +254,96 @@ async fn main() {
         "drain_workloads of {workloads}: {:.2} s ({failed} failed)",
         drain.elapsed().as_secs_f64()
     );
+
+    let member = Actor::member("bench-member", tenant);
+    let (mut walls, mut timed) = (Vec::new(), Vec::new());
+    for k in 0..instances {
+        let began = Instant::now();
+        let allocation = one_gpu(&db, &member, &pool, k).await;
+        let instance = instances::create_instance(
+            &db,
+            &member,
+            InstanceRequest {
+                allocation_id: allocation,
+                image: "host".into(),
+                command: vec!["sleep".into(), "600".into()],
+                env: Default::default(),
+            },
+            &format!("instance-{k}"),
+        )
+        .await
+        .expect("createInstance")
+        .value;
+        let ms: f64 = loop {
+            let ms: Option<f64> = sqlx::query_scalar(
+                "SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM instances \
+                  WHERE id = $1 AND state = 'running'",
+            )
+            .bind(instance.id.as_str())
+            .fetch_one(db.pool())
+            .await
+            .expect("the instance");
+            if let Some(ms) = ms {
+                break ms;
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(60),
+                "instance {k} not running in a minute"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        walls.push(began.elapsed().as_secs_f64() * 1000.0);
+        timed.push(ms);
+    }
+    if instances > 0 {
+        println!(
+            "{instances} instances one after another, createInstance → running: p50 {:.0} ms, max {:.0} ms as the database timed it; \
+             createReservation + createInstance → seen running p50 {:.0} ms, max {:.0} ms",
+            median(&mut timed),
+            timed.iter().cloned().fold(0.0, f64::max),
+            median(&mut walls),
+            walls.iter().cloned().fold(0.0, f64::max),
+        );
+    }
     drop(agent);
     let _ = std::fs::remove_dir_all(&state);
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// `createReservation` of one whole GPU now for an hour in `pool`; its allocation's id.
+async fn one_gpu(db: &Db, member: &Actor, pool: &PoolId, k: usize) -> AllocationId {
+    let allocation = parse_allocation(
+        "allocations[0]",
+        &AllocationInput {
+            gpu_count: 1,
+            vcpu: 1,
+            memory_mib: 1024,
+            disk_gib: 1,
+            ..Default::default()
+        },
+    )
+    .expect("an allocation");
+    let (created, _) = reservations::commands::create_reservation(
+        db,
+        member,
+        ReservationRequest {
+            pool_id: pool.clone(),
+            starts_at: None,
+            ends_at: chrono::Utc::now() + chrono::Duration::hours(1),
+            allocations: vec![allocation],
+        },
+        &format!("reservation-{k}"),
+    )
+    .await
+    .expect("createReservation");
+    let id: String = sqlx::query_scalar("SELECT id FROM allocations WHERE reservation_id = $1")
+        .bind(created.value.id.as_str())
+        .fetch_one(db.pool())
+        .await
+        .expect("its allocation");
+    AllocationId::from_trusted(&id).expect("an allocation id")
 }
