@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use compute_protocol::{
-    ApplySpecArgs, CommandKind, DrainArgs, FromDaemon, ResetGpuArgs, RunInstanceArgs,
+    ApplySpecArgs, CommandKind, DrainArgs, FromDaemon, GpuHealth, ResetGpuArgs, RunInstanceArgs,
     SetMigLayoutArgs, StopInstanceArgs, ToDaemon,
 };
 use serde::de::DeserializeOwned;
@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tracing::{debug, error, info, warn};
 
+use crate::inventory::Discovered;
 use crate::journal::{Entry, Journal, Step, Workload, WorkloadState};
 use crate::metrics::Metrics;
 use crate::runtime::{Exit, Failure, Runtime};
@@ -88,6 +89,8 @@ struct Inner {
     placing: tokio::sync::Mutex<()>,
     /// Instances whose exit a task of this process waits for.
     watched: Mutex<HashSet<String>>,
+    /// What the machine has and how its GPUs are, as last read (`inventory`).
+    machine: Mutex<Option<Discovered>>,
 }
 
 /// The daemon's command side. Cheap to clone.
@@ -136,6 +139,7 @@ impl Agent {
                 working: Mutex::new(HashSet::new()),
                 placing: tokio::sync::Mutex::new(()),
                 watched: Mutex::new(HashSet::new()),
+                machine: Mutex::new(None),
             })),
             rx,
         )
@@ -172,15 +176,69 @@ impl Agent {
         }
     }
 
-    /// What a new session must hear first: the exits the control plane has not confirmed.
+    /// What a new session must hear first: the machine's inventory and its GPUs' health, and
+    /// the exits the control plane has not confirmed.
     pub fn on_session_open(&self) -> Vec<FromDaemon> {
+        let mut out = self
+            .0
+            .machine
+            .lock()
+            .ok()
+            .and_then(|m| m.as_ref().map(machine_messages))
+            .unwrap_or_default();
         match self.0.journal.unreported_exits() {
-            Ok(ws) => ws.iter().map(exited_message).collect(),
-            Err(e) => {
-                error!(error = %e, "cannot read the journal's unreported exits");
-                vec![]
+            Ok(ws) => out.extend(ws.iter().map(exited_message)),
+            Err(e) => error!(error = %e, "cannot read the journal's unreported exits"),
+        }
+        out
+    }
+
+    /// What the machine has now: kept, and sent when it changed (the inventory when it did,
+    /// the health of each GPU whose health did). Whether anything changed.
+    pub fn set_machine(&self, now: Discovered) -> bool {
+        let Ok(mut m) = self.0.machine.lock() else {
+            return false;
+        };
+        let mut changed = Vec::new();
+        if m.as_ref().is_none_or(|old| old.inventory != now.inventory) {
+            changed.push(FromDaemon::Inventory {
+                inventory: now.inventory.clone(),
+            });
+        }
+        for (uuid, h) in &now.health {
+            if m.as_ref().and_then(|old| old.health.get(uuid)) != Some(h) {
+                if h.health == GpuHealth::Unhealthy {
+                    warn!(%uuid, reason = ?h.reason, "GPU unhealthy");
+                } else {
+                    info!(%uuid, "GPU healthy");
+                }
+                changed.push(FromDaemon::DeviceHealth {
+                    uuid: uuid.clone(),
+                    health: h.health,
+                    reason: h.reason.clone(),
+                });
             }
         }
+        let first = m.is_none();
+        *m = Some(now);
+        drop(m);
+        // The first read is sent by `on_session_open`.
+        if !first {
+            for c in &changed {
+                self.send(c.clone());
+            }
+        }
+        !changed.is_empty()
+    }
+
+    /// The MIG instance UUID of atom `<gpu uuid>/mig/<k>`, by the machine's inventory (the k-th
+    /// instance of that GPU).
+    pub fn mig_uuid(&self, atom: &str) -> Option<String> {
+        let (gpu, k) = atom.split_once("/mig/")?;
+        let k: usize = k.parse().ok()?;
+        let m = self.0.machine.lock().ok()?;
+        let g = m.as_ref()?.inventory.gpus.iter().find(|g| g.uuid == gpu)?;
+        g.mig.get(k).map(|i| i.uuid.clone())
     }
 
     /// Follows every workload the journal says is live: adopted when it still runs (the same
@@ -285,8 +343,22 @@ impl Agent {
                 warn!(%code, %message, command = ?command_id, "the gateway refused a message");
                 vec![]
             }
-            ToDaemon::Welcome { .. } => {
-                warn!("a second welcome; ignored");
+            ToDaemon::Welcome { .. } | ToDaemon::Joined { .. } => {
+                warn!("a welcome or joined within a session; ignored");
+                vec![]
+            }
+            ToDaemon::InventoryChecked { differences } => {
+                if differences.is_empty() {
+                    info!("the control plane's registration agrees with this machine");
+                } else {
+                    warn!(differences = %differences.join("; "), "this machine differs from its registration: the GPUs concerned are out of placement until an operator settles it");
+                }
+                vec![]
+            }
+            ToDaemon::HealthRecorded { uuid, recorded } => {
+                if !recorded {
+                    warn!(%uuid, "the control plane has no such GPU on this node");
+                }
                 vec![]
             }
         }
@@ -579,7 +651,7 @@ impl Agent {
     }
 
     async fn run_instance(&self, command: &str, a: &RunInstanceArgs) -> Result<Value, Failure> {
-        let visible = crate::runtime::visible_devices(&a.devices)?;
+        let visible = crate::runtime::visible_devices(&a.devices, |atom| self.mig_uuid(atom))?;
         let journal_failure = |e: crate::journal::JournalError| {
             self.0.metrics.journal_errors.inc();
             Failure::new("JOURNAL_UNWRITABLE", e.to_string())
@@ -754,4 +826,17 @@ fn exited_message(w: &Workload) -> FromDaemon {
         signal: w.signal,
         exited_seconds_ago: w.ended_at.map_or(0.0, |t| (sys::now() - t).max(0.0)),
     }
+}
+
+/// The messages that say what the machine has: its inventory, then each GPU's health.
+fn machine_messages(m: &Discovered) -> Vec<FromDaemon> {
+    let mut out = vec![FromDaemon::Inventory {
+        inventory: m.inventory.clone(),
+    }];
+    out.extend(m.health.iter().map(|(uuid, h)| FromDaemon::DeviceHealth {
+        uuid: uuid.clone(),
+        health: h.health,
+        reason: h.reason.clone(),
+    }));
+    out
 }

@@ -11,6 +11,7 @@ use clap::Parser;
 use tracing::{error, info};
 
 use crate::agent::{Agent, Fault, Settings};
+use crate::inventory::{self, Discovered};
 use crate::journal::Journal;
 use crate::metrics::Metrics;
 use crate::runtime::{self, Runtime};
@@ -23,13 +24,18 @@ use crate::session::{self, Ending, Identity, Token};
 #[derive(Debug, Parser)]
 #[command(name = "compute-agent", version)]
 pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// The gateway's agent endpoint, `ws://host:port/agent` (any compute-api process).
-    #[arg(long, env = "COMPUTE_AGENT_URL")]
-    pub url: String,
-    /// This machine's node id (`node_…`), as registered in the control plane.
-    #[arg(long, env = "COMPUTE_AGENT_NODE_ID")]
-    pub node_id: String,
-    /// The node's credential: a JWT with the role `node` for this node.
+    #[arg(long, env = "COMPUTE_AGENT_URL", global = true)]
+    pub url: Option<String>,
+    /// This machine's node id (`node_…`), as registered in the control plane; after `join`,
+    /// the one kept in the state directory (`node-id`).
+    #[arg(long, env = "COMPUTE_AGENT_NODE_ID", global = true)]
+    pub node_id: Option<String>,
+    /// The node's credential: a JWT with the role `node` for this node; after `join`, the
+    /// credential kept in the state directory (`credential`, mode 0600) when neither this nor
+    /// `--token-file` is given.
     #[arg(
         long,
         env = "COMPUTE_AGENT_TOKEN",
@@ -38,13 +44,14 @@ pub struct Args {
     )]
     pub token: Option<String>,
     /// A file holding the node's credential (read again before every connection).
-    #[arg(long, env = "COMPUTE_AGENT_TOKEN_FILE")]
+    #[arg(long, env = "COMPUTE_AGENT_TOKEN_FILE", global = true)]
     pub token_file: Option<PathBuf>,
     /// The state directory: the journal (`journal.sqlite3`), workload logs (`logs/`) and
     /// working directories (`work/`). An emptied directory is a new journal.
     #[arg(
         long,
         env = "COMPUTE_AGENT_STATE_DIR",
+        global = true,
         default_value = "/var/lib/compute-agent"
     )]
     pub state_dir: PathBuf,
@@ -53,22 +60,29 @@ pub struct Args {
     #[arg(
         long,
         env = "COMPUTE_AGENT_RUNTIME",
+        global = true,
         value_enum,
         default_value = "process"
     )]
     pub runtime: runtime::Kind,
     /// Run workloads of the process runtime as this user and group (`UID:GID`); the agent's
     /// own user when not set.
-    #[arg(long, env = "COMPUTE_AGENT_RUN_AS", value_parser = parse_run_as)]
+    #[arg(long, env = "COMPUTE_AGENT_RUN_AS", value_parser = parse_run_as, global = true)]
     pub run_as: Option<(u32, u32)>,
     /// The podman program.
-    #[arg(long, env = "COMPUTE_AGENT_PODMAN", default_value = "podman")]
+    #[arg(
+        long,
+        env = "COMPUTE_AGENT_PODMAN",
+        default_value = "podman",
+        global = true
+    )]
     pub podman: PathBuf,
     /// Arguments of podman before `run`, split on whitespace (for example
     /// `--runtime runc --cgroup-manager=cgroupfs` where the default OCI runtime fails).
     #[arg(
         long,
         env = "COMPUTE_AGENT_PODMAN_GLOBAL_ARGS",
+        global = true,
         default_value = "",
         allow_hyphen_values = true
     )]
@@ -78,6 +92,7 @@ pub struct Args {
     #[arg(
         long,
         env = "COMPUTE_AGENT_PODMAN_RUN_ARGS",
+        global = true,
         default_value = "",
         allow_hyphen_values = true
     )]
@@ -87,29 +102,84 @@ pub struct Args {
     #[arg(
         long,
         env = "COMPUTE_AGENT_CDI_DIRS",
+        global = true,
         value_delimiter = ',',
         default_value = "/etc/cdi,/var/run/cdi"
     )]
     pub cdi_dirs: Vec<PathBuf>,
     /// NVIDIA's `nvidia-smi`, for `reset_gpu` and `set_mig_layout` (they fail `UNSUPPORTED`
     /// where it is missing).
-    #[arg(long, env = "COMPUTE_AGENT_NVIDIA_SMI", default_value = "nvidia-smi")]
+    #[arg(
+        long,
+        env = "COMPUTE_AGENT_NVIDIA_SMI",
+        default_value = "nvidia-smi",
+        global = true
+    )]
     pub nvidia_smi: PathBuf,
     /// Seconds between SIGTERM and SIGKILL when a stop gives no `graceSeconds`.
-    #[arg(long, env = "COMPUTE_AGENT_STOP_GRACE_SECONDS", default_value_t = 30.0)]
+    #[arg(
+        long,
+        env = "COMPUTE_AGENT_STOP_GRACE_SECONDS",
+        default_value_t = 30.0,
+        global = true
+    )]
     pub stop_grace_seconds: f64,
     /// Where to serve `/metrics` and `/healthz` (`off` for nowhere). The address bound is
     /// also written to `<state dir>/listen-address`.
-    #[arg(long, env = "COMPUTE_AGENT_LISTEN", default_value = "127.0.0.1:9471")]
+    #[arg(
+        long,
+        env = "COMPUTE_AGENT_LISTEN",
+        default_value = "127.0.0.1:9471",
+        global = true
+    )]
     pub listen: String,
     /// Log lines as `text` or `json` (the level from `RUST_LOG`, `info` by default).
-    #[arg(long, env = "COMPUTE_AGENT_LOG_FORMAT", default_value = "text")]
+    #[arg(
+        long,
+        env = "COMPUTE_AGENT_LOG_FORMAT",
+        default_value = "text",
+        global = true
+    )]
     pub log_format: String,
     /// For crash tests only: kill this agent with SIGKILL at a step of a command
     /// (`after-ack`, `after-start-recorded`, `after-workload-started`,
     /// `after-outcome-recorded`, optionally `:<kind>`).
-    #[arg(long, env = "COMPUTE_AGENT_FAULT", value_parser = Fault::parse)]
+    #[arg(long, env = "COMPUTE_AGENT_FAULT", value_parser = Fault::parse, global = true)]
     pub fault: Option<Fault>,
+    /// Describe the machine with this TOML file instead of discovering its GPUs through NVML
+    /// (hosts without the NVIDIA driver; `docs/agent.md` shows the format). It is read again on
+    /// SIGHUP and every `--inventory-interval-seconds`.
+    #[arg(long, env = "COMPUTE_AGENT_INVENTORY", global = true)]
+    pub inventory: Option<PathBuf>,
+    /// Seconds between two reads of the machine (GPUs, health, resources); a change is
+    /// reported at once.
+    #[arg(
+        long,
+        env = "COMPUTE_AGENT_INVENTORY_INTERVAL_SECONDS",
+        default_value_t = 60,
+        global = true
+    )]
+    pub inventory_interval_seconds: u64,
+}
+
+/// What to do, besides running (the default).
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Joins the fleet with a one-time token (`createNodeJoinToken`): sends this machine's
+    /// inventory, keeps the node id and credential it receives in the state directory, then
+    /// runs. Run again (or restarted) with the same state directory, it just runs.
+    Join {
+        /// The join token's secret (`cjt_…`), as `createNodeJoinToken` showed it.
+        #[arg(long, env = "COMPUTE_AGENT_JOIN_TOKEN", hide_env_values = true)]
+        token: String,
+        /// The pool this machine is meant for: the join is refused when the token is another
+        /// pool's.
+        #[arg(long, env = "COMPUTE_AGENT_POOL")]
+        pool: Option<String>,
+    },
+    /// Prints what this machine has (hostname, vCPU, memory, disk, GPUs and their health) as
+    /// JSON, and exits.
+    Inventory,
 }
 
 fn parse_run_as(text: &str) -> Result<(u32, u32), String> {
@@ -188,27 +258,200 @@ async fn serve_ops(listener: tokio::net::TcpListener, agent: Agent) {
     }
 }
 
-/// Runs the agent until SIGTERM or SIGINT.
+/// Runs the agent until SIGTERM or SIGINT (or prints the inventory, or joins first).
 pub async fn main() -> ExitCode {
     let args = Args::parse();
     init_logs(&args.log_format);
-    match run(args).await {
+    let outcome = match &args.command {
+        Some(Command::Inventory) => print_inventory(&args),
+        Some(Command::Join { token, pool }) => {
+            let (token, pool) = (token.clone(), pool.clone());
+            match join(&args, &token, pool).await {
+                Ok(()) => run(args).await,
+                Err(e) => Err(e),
+            }
+        }
+        None => run(args).await,
+    };
+    match outcome {
         Ok(code) => code,
-        Err(message) => {
+        Err(Refusal { message, code }) => {
             error!("{message}");
             eprintln!("compute-agent: {message}");
-            ExitCode::from(2)
+            ExitCode::from(code)
         }
     }
 }
 
-async fn run(args: Args) -> Result<ExitCode, String> {
+/// Why the agent stops at start: the message, and the exit code (2: configuration or state
+/// directory; 3: the control plane refused).
+pub struct Refusal {
+    message: String,
+    code: u8,
+}
+
+impl From<String> for Refusal {
+    fn from(message: String) -> Refusal {
+        Refusal { message, code: 2 }
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(message: &str) -> Refusal {
+        Refusal::from(message.to_owned())
+    }
+}
+
+fn daemon_version() -> String {
+    format!("compute-agent/{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Where the machine is read from: `--inventory` or NVML (with `nvidia-smi` for MIG), the
+/// state directory's file system as the disk.
+#[derive(Debug, Clone)]
+struct Machine {
+    file: Option<PathBuf>,
+    nvidia_smi: PathBuf,
+    state_dir: PathBuf,
+    every: Duration,
+}
+
+impl Machine {
+    fn of(args: &Args) -> Machine {
+        Machine {
+            file: args.inventory.clone(),
+            nvidia_smi: args.nvidia_smi.clone(),
+            state_dir: args.state_dir.clone(),
+            every: Duration::from_secs(args.inventory_interval_seconds.max(1)),
+        }
+    }
+
+    /// Reads the machine once.
+    fn read(&self, xids: &crate::nvml::Xids) -> Result<Discovered, String> {
+        let seen = xids.lock().map(|m| m.clone()).unwrap_or_default();
+        let disk = if self.state_dir.exists() {
+            self.state_dir.clone()
+        } else {
+            PathBuf::from("/")
+        };
+        inventory::discover(self.file.as_deref(), &self.nvidia_smi, &disk, &seen)
+    }
+}
+
+/// `compute-agent inventory`: the machine as JSON on stdout; a host without GPUs says so on
+/// stderr and still exits 0.
+fn print_inventory(args: &Args) -> Result<ExitCode, Refusal> {
+    let found = Machine::of(args).read(&Default::default())?;
+    let health: serde_json::Map<String, serde_json::Value> = found
+        .health
+        .iter()
+        .map(|(uuid, h)| {
+            (
+                uuid.clone(),
+                serde_json::json!({ "health": h.health, "reason": h.reason }),
+            )
+        })
+        .collect();
+    let mut out = serde_json::to_value(&found.inventory).map_err(|e| e.to_string())?;
+    out["health"] = serde_json::Value::Object(health);
+    out["source"] = serde_json::Value::String(found.source.clone());
+    let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
+    {
+        use std::io::Write;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "{text}").map_err(|e| format!("stdout: {e}"))?;
+    }
+    if found.inventory.gpus.is_empty() {
+        eprintln!(
+            "compute-agent: {} (give --inventory FILE to describe this machine's GPUs)",
+            found.source
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn node_id_file(state: &std::path::Path) -> PathBuf {
+    state.join("node-id")
+}
+
+fn credential_file(state: &std::path::Path) -> PathBuf {
+    state.join("credential")
+}
+
+/// Writes `text` to `path` with mode 0600, durably (a temporary file, fsync, rename).
+fn write_private(path: &std::path::Path, text: &str) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+            Ok(f)
+        })
+        .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    let _ = f.flush();
+    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// `compute-agent join`: unless the state directory already holds a node's credential, sends
+/// the join and keeps what it gives.
+async fn join(args: &Args, token: &str, pool: Option<String>) -> Result<(), Refusal> {
+    let url = args
+        .url
+        .as_deref()
+        .ok_or("no gateway: give --url (COMPUTE_AGENT_URL)")?;
+    prepare_state_dir(&args.state_dir)?;
+    let (id_file, cred_file) = (
+        node_id_file(&args.state_dir),
+        credential_file(&args.state_dir),
+    );
+    if let (Ok(node), true) = (std::fs::read_to_string(&id_file), cred_file.exists()) {
+        info!(node = %node.trim(), "already joined (the state directory holds a node credential); running");
+        return Ok(());
+    }
+    let machine = Machine::of(args).read(&Default::default())?;
+    info!(hostname = %machine.inventory.hostname, gpus = machine.inventory.gpus.len(), source = %machine.source, "joining the fleet");
+    let joined = session::join(url, token, pool, &daemon_version(), &machine.inventory)
+        .await
+        .map_err(|(code, message)| Refusal {
+            message: format!("the join was refused ({code}): {message}"),
+            code: 3,
+        })?;
+    // The credential first: a node id without it would make the next start look joined.
+    write_private(&cred_file, &joined.credential)?;
+    write_private(&id_file, &joined.node_id)?;
+    info!(node = %joined.node_id, pool = %joined.pool_id, "joined: the node credential is kept in the state directory");
+    Ok(())
+}
+
+async fn run(args: Args) -> Result<ExitCode, Refusal> {
+    let url = args
+        .url
+        .clone()
+        .ok_or("no gateway: give --url (COMPUTE_AGENT_URL)")?;
+    let node_id = match &args.node_id {
+        Some(n) => n.clone(),
+        None => std::fs::read_to_string(node_id_file(&args.state_dir))
+            .map(|s| s.trim().to_owned())
+            .map_err(|_| {
+                "no node id: give --node-id (COMPUTE_AGENT_NODE_ID), or join first (compute-agent join --token …)"
+            })?,
+    };
     let token = match (&args.token, &args.token_file) {
         (Some(t), _) => Token::Literal(t.clone()),
         (None, Some(f)) => Token::File(f.clone()),
+        (None, None) if credential_file(&args.state_dir).exists() => {
+            Token::File(credential_file(&args.state_dir))
+        }
         (None, None) => {
             return Err(
-                "no node credential: give --token or --token-file (COMPUTE_AGENT_TOKEN, COMPUTE_AGENT_TOKEN_FILE)"
+                "no node credential: give --token or --token-file (COMPUTE_AGENT_TOKEN, COMPUTE_AGENT_TOKEN_FILE), or join first"
                     .into(),
             );
         }
@@ -218,7 +461,7 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     }
     prepare_state_dir(&args.state_dir)?;
     let journal = Journal::open(&args.state_dir).map_err(|e| format!("the journal: {e}"))?;
-    info!(journal = %journal.id(), path = %journal.path().display(), runtime = args.runtime.as_str(), node = %args.node_id, "compute-agent starting");
+    info!(journal = %journal.id(), path = %journal.path().display(), runtime = args.runtime.as_str(), node = %node_id, "compute-agent starting");
     let runtime = Runtime {
         kind: args.runtime,
         state_dir: args.state_dir.clone(),
@@ -235,6 +478,19 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     };
     let metrics = Arc::new(Metrics::new());
     let (agent, outgoing) = Agent::new(journal, runtime, settings, metrics);
+    // What the machine has, read now (a broken inventory file stops the start) and again on
+    // SIGHUP, every interval, and after each XID error NVML reports.
+    let xids: crate::nvml::Xids = Default::default();
+    let source = Machine::of(&args);
+    let machine = source.read(&xids)?;
+    info!(hostname = %machine.inventory.hostname, gpus = machine.inventory.gpus.len(), source = %machine.source, "machine read");
+    agent.set_machine(machine);
+    let reread = Arc::new(tokio::sync::Notify::new());
+    if args.inventory.is_none() {
+        let notify = reread.clone();
+        crate::nvml::watch_xids(xids.clone(), move || notify.notify_one());
+    }
+    tokio::spawn(watch_machine(agent.clone(), source, xids, reread));
     let adopted = agent
         .adopt()
         .await
@@ -270,10 +526,10 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         let _ = stop_tx.send(true);
     });
     let identity = Identity {
-        url: args.url.clone(),
-        node_id: args.node_id.clone(),
+        url,
+        node_id,
         token,
-        daemon_version: format!("compute-agent/{}", env!("CARGO_PKG_VERSION")),
+        daemon_version: daemon_version(),
     };
     Ok(match session::run(agent, identity, outgoing, stop).await {
         Ending::Stopped => ExitCode::SUCCESS,
@@ -285,4 +541,40 @@ async fn run(args: Args) -> Result<ExitCode, String> {
             ExitCode::from(3)
         }
     })
+}
+
+/// Reads the machine again on SIGHUP, every `--inventory-interval-seconds`, and when NVML
+/// reported an XID error; the agent sends what changed.
+async fn watch_machine(
+    agent: Agent,
+    source: Machine,
+    xids: crate::nvml::Xids,
+    reread: Arc<tokio::sync::Notify>,
+) {
+    let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            error!(error = %e, "cannot listen for SIGHUP; the machine is read on the interval only");
+            None
+        }
+    };
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(source.every) => {}
+            () = reread.notified() => {}
+            Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
+                info!("SIGHUP: reading the machine again");
+            }
+        }
+        let (m, x) = (source.clone(), xids.clone());
+        match tokio::task::spawn_blocking(move || m.read(&x)).await {
+            Ok(Ok(m)) => {
+                if agent.set_machine(m) {
+                    info!("the machine changed; reported");
+                }
+            }
+            Ok(Err(e)) => error!(error = %e, "cannot read the machine; the last reading stands"),
+            Err(e) => error!(error = %e, "the machine reader failed"),
+        }
+    }
 }

@@ -5,13 +5,18 @@
 //! - [`agent`]: the protocol's daemon side: each command step journaled before the message
 //!   that depends on it; workloads adopted after a restart, never run twice.
 //! - [`runtime`]: the `process` and `podman` runtimes; [`nvidia`]: GPU resets and MIG layouts.
-//! - [`session`]: the connection, heartbeats and reconnects; [`cli`]: flags and start-up.
+//! - [`inventory`] and [`nvml`]: what the machine has (NVML or `--inventory FILE`) and its
+//!   GPUs' health.
+//! - [`session`]: the connection, heartbeats and reconnects, and `join`; [`cli`]: flags,
+//!   subcommands and start-up.
 
 pub mod agent;
 pub mod cli;
+pub mod inventory;
 pub mod journal;
 pub mod metrics;
 pub mod nvidia;
+pub mod nvml;
 pub mod ops;
 pub mod runtime;
 pub mod session;

@@ -103,8 +103,13 @@ impl Exit {
 /// The device ids a workload may see, from its allocation's atoms (the atom rule of
 /// `consistency.md`): a whole GPU `<uuid>` and a time-slice slot `<uuid>/s<k>` are the GPU
 /// `<uuid>`; a MIG instance `<uuid>/mig/<k>` needs the MIG device's own UUID, which only the
-/// machine's inventory knows (NVML), so it is refused here rather than widened to the GPU.
-pub fn visible_devices(atoms: &[String]) -> Result<Vec<String>, Failure> {
+/// machine's inventory knows (`mig`: the k-th MIG instance of the GPU, in the order the
+/// inventory lists them, which the control plane's inventory check holds to the registered
+/// layout's order); one it does not know is refused rather than widened to the GPU.
+pub fn visible_devices(
+    atoms: &[String],
+    mig: impl Fn(&str) -> Option<String>,
+) -> Result<Vec<String>, Failure> {
     let mut out: Vec<String> = Vec::new();
     for atom in atoms {
         if atom.is_empty()
@@ -128,12 +133,18 @@ pub fn visible_devices(atoms: &[String]) -> Result<Vec<String>, Failure> {
                 uuid
             }
             Some((_, rest)) if rest.starts_with("mig/") => {
-                return Err(Failure::new(
-                    "MIG_UNMAPPED",
-                    format!(
-                        "{atom} is a MIG instance; its MIG device UUID comes from the machine's NVML inventory, which this agent does not have"
-                    ),
-                ));
+                let Some(uuid) = mig(atom) else {
+                    return Err(Failure::new(
+                        "MIG_UNMAPPED",
+                        format!(
+                            "{atom} is a MIG instance this machine's inventory does not list (NVML or --inventory); its MIG device UUID is unknown"
+                        ),
+                    ));
+                };
+                if !out.contains(&uuid) {
+                    out.push(uuid);
+                }
+                continue;
             }
             Some(_) => {
                 return Err(Failure::new(
@@ -580,18 +591,30 @@ mod tests {
     #[test]
     fn atoms_map_to_exactly_their_gpus() {
         let atoms = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // A MIG instance is its own MIG UUID, from the inventory; never its whole GPU.
+        let inventory = |atom: &str| (atom == "GPU-a/mig/1").then(|| "MIG-a1".to_owned());
         assert_eq!(
-            visible_devices(&atoms(&["GPU-a", "GPU-b/s0", "GPU-b/s1"])).expect("mapped"),
+            visible_devices(&atoms(&["GPU-a/mig/1", "GPU-b"]), inventory).expect("mapped"),
+            vec!["MIG-a1".to_owned(), "GPU-b".to_owned()]
+        );
+        assert_eq!(
+            visible_devices(&atoms(&["GPU-a/mig/0"]), inventory)
+                .expect_err("not in the inventory")
+                .code,
+            "MIG_UNMAPPED"
+        );
+        assert_eq!(
+            visible_devices(&atoms(&["GPU-a", "GPU-b/s0", "GPU-b/s1"]), |_| None).expect("mapped"),
             vec!["GPU-a".to_owned(), "GPU-b".to_owned()]
         );
         assert_eq!(
-            visible_devices(&atoms(&["GPU-a/mig/0"]))
+            visible_devices(&atoms(&["GPU-a/mig/0"]), |_| None)
                 .expect_err("refused")
                 .code,
             "MIG_UNMAPPED"
         );
         assert_eq!(
-            visible_devices(&atoms(&["GPU-a,GPU-b"]))
+            visible_devices(&atoms(&["GPU-a,GPU-b"]), |_| None)
                 .expect_err("refused")
                 .code,
             "BAD_ARGS",

@@ -200,6 +200,61 @@ async fn session(
     }
 }
 
+/// What `join` gave: the node this machine is now, and its credential.
+#[derive(Debug, Clone)]
+pub struct Joined {
+    pub node_id: String,
+    pub pool_id: String,
+    pub credential: String,
+}
+
+/// Joins the fleet with one-time token `token`: sends `join` with the machine's inventory and
+/// waits (30 s) for `joined`. A refusal is its code (`JOIN_TOKEN_USED`, …) and message.
+pub async fn join(
+    url: &str,
+    token: &str,
+    pool: Option<String>,
+    daemon_version: &str,
+    inventory: &compute_protocol::Inventory,
+) -> Result<Joined, (String, String)> {
+    let closed = |c: Closed| ("CONNECTION_FAILED".to_owned(), c.to_string());
+    let mut ws = client::connect(url).await.map_err(closed)?;
+    client::send(
+        &mut ws,
+        &FromDaemon::Join {
+            token: token.to_owned(),
+            pool_id: pool,
+            daemon_version: daemon_version.to_owned(),
+            inventory: inventory.clone(),
+        },
+    )
+    .await
+    .map_err(closed)?;
+    let answer = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match client::receive(&mut ws).await.map_err(closed)? {
+                Received::Message(compute_protocol::ToDaemon::Joined {
+                    node_id,
+                    pool_id,
+                    credential,
+                }) => {
+                    return Ok(Joined {
+                        node_id,
+                        pool_id,
+                        credential,
+                    });
+                }
+                Received::Message(compute_protocol::ToDaemon::Error { code, message, .. }) => {
+                    return Err((code, message));
+                }
+                _ => {}
+            }
+        }
+    })
+    .await;
+    answer.unwrap_or_else(|_| Err(("TIMEOUT".into(), "no answer to join in 30 s".into())))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -108,6 +108,21 @@ pub fn new_session(command: &mut std::process::Command) {
     }
 }
 
+/// The size of the file system holding `path`, in GiB.
+#[allow(unsafe_code)]
+pub fn disk_gib(path: &std::path::Path) -> Option<i64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a valid C string and `st` a zeroed statvfs the call fills in.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+            return None;
+        }
+        Some((st.f_blocks as u128 * st.f_frsize as u128 / (1u128 << 30)) as i64)
+    }
+}
+
 /// Seconds since the Unix epoch by this machine's clock.
 pub fn now() -> f64 {
     std::time::SystemTime::now()

@@ -223,7 +223,10 @@ function operatorView(root) {
             h('td', {}, h('span', { class: `badge ${n.reachability.toLowerCase()}` }, n.reachability)),
             h('td', {}, n.cordoned ? h('span', { class: 'badge cordoned', title: n.cordonReason || '' }, `cordoned${n.cordonReason ? `: ${n.cordonReason}` : ''}`) : n.lifecycle.toLowerCase()),
             h('td', {}, n.devices.map((d) => h('div', { class: 'device' }, `${d.model} ${d.mode.toLowerCase()} `,
-              d.quarantined
+              d.health !== 'HEALTHY' ? h('span', { class: 'badge unhealthy', title: d.healthReason || '' }, `${d.health.toLowerCase()}${d.healthReason ? `: ${d.healthReason}` : ''}`) : null,
+              d.inventoryMismatch
+                ? h('span', { class: 'badge mismatch', title: d.inventoryMismatch }, `out of placement: ${d.inventoryMismatch}`)
+                : d.quarantined
                 ? h('button', { type: 'button', class: 'link', onclick: () => act('ConsoleUnquarantineDevice', { id: d.id, version: d.version }, `${d.model} on ${n.hostname} back in service`) }, `quarantined (${d.quarantineReason}): release`)
                 : h('button', { type: 'button', class: 'link', onclick: () => {
                   if (!why()) return toast('Quarantine needs a reason: fill in Reason first.', 'error');
@@ -233,7 +236,10 @@ function operatorView(root) {
               n.cordoned
                 ? h('button', { type: 'button', onclick: () => act('ConsoleUncordonNode', { id: n.id, version: n.version }, `${n.hostname} uncordoned`) }, 'Uncordon')
                 : h('button', { type: 'button', onclick: () => act('ConsoleCordonNode', { id: n.id, version: n.version, reason: why() }, `${n.hostname} cordoned`) }, 'Cordon'),
-              h('button', { type: 'button', class: 'danger', onclick: () => act('ConsoleDrainNode', { id: n.id, version: n.version }, `${n.hostname} draining`) }, 'Drain')))))));
+              h('button', { type: 'button', class: 'danger', onclick: () => act('ConsoleDrainNode', { id: n.id, version: n.version }, `${n.hostname} draining`) }, 'Drain'),
+              (n.conditions || []).filter((c) => c.type === 'InventoryMismatch').map((c) => h('div', { class: 'mismatch' },
+                h('span', { class: 'badge mismatch', title: c.message || '' }, `the machine differs: ${c.message || ''}`),
+                h('button', { type: 'button', onclick: () => act('ConsoleAcceptNodeInventory', { id: n.id, version: n.version }, `${n.hostname}: the report is now its registration`) }, 'Accept report')))))))));
     } catch (e) {
       clear(nodes, h('p', { class: 'error' }, errorText(e)));
     }

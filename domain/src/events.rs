@@ -12,14 +12,15 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::condition::Condition;
+use crate::enrollment::JoinToken;
 use crate::fleet::model::{
     AtomKind, DeviceMode, Health, Labels, PoolKind, Reachability, Taint, TaintEffect,
 };
 use crate::fleet::state::NodeLifecycle;
 use crate::fleet::{Device, Node, Pool, Site, commands::Holder};
 use crate::ids::{
-    AllocationId, AtomName, CommandId, DeviceId, InstanceId, NodeId, PoolId, ReservationId,
-    ScopeId, SinkId, SiteId, TenantId,
+    AllocationId, AtomName, CommandId, DeviceId, InstanceId, JoinTokenId, NodeId, PoolId,
+    ReservationId, ScopeId, SinkId, SiteId, TenantId,
 };
 use crate::instances::{Instance, State as InstanceState};
 use crate::node_commands::{Command, Kind as CommandKind, State as CommandState};
@@ -49,6 +50,12 @@ text_enum!(
         NodeDisconnected = "node.disconnected",
         NodeUnreachable = "node.unreachable",
         NodeLost = "node.lost",
+        NodeCredentialRevoked = "node.credential_revoked",
+        NodeInventoryMismatch = "node.inventory_mismatch",
+        NodeInventoryMatched = "node.inventory_matched",
+        JoinTokenCreated = "join_token.created",
+        JoinTokenRevoked = "join_token.revoked",
+        JoinTokenUsed = "join_token.used",
         DeviceHealthChanged = "device.health_changed",
         DeviceQuarantined = "device.quarantined",
         DeviceUnquarantined = "device.unquarantined",
@@ -97,6 +104,7 @@ pub enum Family {
     Command,
     Instance,
     Usage,
+    JoinToken,
 }
 
 impl EventType {
@@ -111,6 +119,7 @@ impl EventType {
             Some("command") => Family::Command,
             Some("instance") => Family::Instance,
             Some("usage") => Family::Usage,
+            Some("join_token") => Family::JoinToken,
             _ => Family::EventSink,
         }
     }
@@ -219,6 +228,9 @@ pub struct NodePayload {
     pub devices: Option<Vec<DeviceView>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remaining: Option<Vec<HolderView>>,
+    /// `node.inventory_mismatch`: how what the node reports differs from its registration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub differences: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -316,6 +328,7 @@ impl NodePayload {
             node: node.into(),
             devices: None,
             remaining: None,
+            differences: None,
         }
     }
 }
@@ -365,8 +378,10 @@ pub struct DeviceView {
     pub slots: Option<u32>,
     pub health: Health,
     pub health_reason: Option<String>,
+    pub health_since: Option<DateTime<Utc>>,
     pub quarantined: bool,
     pub quarantine_reason: Option<String>,
+    pub inventory_mismatch: Option<String>,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
@@ -387,11 +402,56 @@ impl From<&Device> for DeviceView {
             slots: layout.and_then(|l| l.slots),
             health: d.health,
             health_reason: d.health_reason.clone(),
+            health_since: d.health_since,
             quarantined: d.quarantined,
             quarantine_reason: d.quarantine_reason.clone(),
+            inventory_mismatch: d.inventory_mismatch.clone(),
             version: d.version,
             created_at: d.created_at,
             updated_at: d.updated_at,
+        }
+    }
+}
+
+/// `join_token.*`: the token after the change (never its secret).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinTokenPayload {
+    pub join_token: JoinTokenView,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinTokenView {
+    pub id: JoinTokenId,
+    pub pool_id: PoolId,
+    pub labels: Labels,
+    pub state: String,
+    pub expires_at: DateTime<Utc>,
+    pub created_by: String,
+    pub created_at: DateTime<Utc>,
+    pub used_at: Option<DateTime<Utc>>,
+    pub compute_node_id: Option<NodeId>,
+    pub revoked_at: Option<DateTime<Utc>>,
+    pub revoked_by: Option<String>,
+}
+
+impl JoinTokenPayload {
+    pub fn of(t: &JoinToken) -> JoinTokenPayload {
+        JoinTokenPayload {
+            join_token: JoinTokenView {
+                id: t.id.clone(),
+                pool_id: t.pool_id.clone(),
+                labels: t.labels.0.clone(),
+                state: t.state.clone(),
+                expires_at: t.expires_at,
+                created_by: t.created_by.clone(),
+                created_at: t.created_at,
+                used_at: t.used_at,
+                compute_node_id: t.node_id.clone(),
+                revoked_at: t.revoked_at,
+                revoked_by: t.revoked_by.clone(),
+            },
         }
     }
 }
@@ -770,6 +830,13 @@ pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
             pool: read::<ReservationRef>(data).map(|r| r.pool_id),
             node: None,
         },
+        Family::JoinToken => Concerns {
+            pool: data
+                .pointer("/joinToken/poolId")
+                .and_then(|p| p.as_str())
+                .and_then(PoolId::from_trusted),
+            node: None,
+        },
         Family::Site
         | Family::Quota
         | Family::EventSink
@@ -828,7 +895,13 @@ mod tests {
         for t in EventType::ALL {
             let prefix = t.as_str().split('.').next().unwrap_or_default();
             let family = format!("{:?}", t.family()).to_lowercase();
-            assert_eq!(family.replace("eventsink", "event_sink"), prefix, "{t}");
+            assert_eq!(
+                family
+                    .replace("eventsink", "event_sink")
+                    .replace("jointoken", "join_token"),
+                prefix,
+                "{t}"
+            );
         }
     }
 }

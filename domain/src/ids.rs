@@ -10,8 +10,8 @@
 use crate::error::{Error, Result};
 
 /// The prefixes of the system's entities.
-pub const PREFIXES: [&str; 10] = [
-    "site", "pool", "node", "dev", "rsv", "alc", "cmd", "ins", "evt", "snk",
+pub const PREFIXES: [&str; 11] = [
+    "site", "pool", "node", "dev", "rsv", "alc", "cmd", "ins", "evt", "snk", "njt",
 ];
 
 /// A new id with `prefix`, time-ordered by the wall clock of this process.
@@ -168,6 +168,10 @@ entity_id!(
 entity_id!(
     /// An event sink's id, `snk_…`.
     SinkId = "snk", "sink"
+);
+entity_id!(
+    /// A node join token's id, `njt_…` (not its secret).
+    JoinTokenId = "njt", "join token"
 );
 
 /// A tenant's id: 1 to 63 of letters, digits, `_`, `.`, `-`, starting with a letter or digit.

@@ -82,6 +82,87 @@ pub enum FromDaemon {
         /// the time, so the daemon's clock does not matter).
         exited_seconds_ago: f64,
     },
+    /// Instead of `hello`, the first message of a machine that is not a node yet: a one-time
+    /// join token and what the machine has. The gateway answers `joined` (or `error` with a
+    /// `JOIN_TOKEN_*` code) and closes; the daemon then opens sessions with `hello` and the
+    /// credential it received.
+    #[serde(rename_all = "camelCase")]
+    Join {
+        token: String,
+        /// The pool the operator means the machine for: refused `JOIN_TOKEN_OTHER_POOL` when
+        /// the token is another pool's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pool_id: Option<String>,
+        daemon_version: String,
+        inventory: Inventory,
+    },
+    /// What the machine has: sent after `welcome` and again whenever it changes. The gateway
+    /// compares it with the registration and answers `inventoryChecked`.
+    #[serde(rename_all = "camelCase")]
+    Inventory { inventory: Inventory },
+    /// One GPU's health, as the daemon's watch of the driver sees it: sent after `welcome` for
+    /// each GPU and again whenever it changes. Answered with `healthRecorded`.
+    #[serde(rename_all = "camelCase")]
+    DeviceHealth {
+        uuid: String,
+        health: GpuHealth,
+        /// Why, when it is not healthy ("XID 79: GPU has fallen off the bus").
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+}
+
+/// A machine's inventory: its scalars and its GPUs, as discovered (NVML and the operating
+/// system) or declared (`--inventory FILE`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Inventory {
+    pub hostname: String,
+    pub vcpu: i64,
+    pub memory_mib: i64,
+    pub disk_gib: i64,
+    #[serde(default)]
+    pub gpus: Vec<GpuInventory>,
+}
+
+/// One GPU of an [`Inventory`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuInventory {
+    pub uuid: String,
+    #[serde(default = "nvidia")]
+    pub vendor: String,
+    pub model: String,
+    pub memory_mib: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_bus_id: Option<String>,
+    /// Whether MIG mode is on.
+    #[serde(default)]
+    pub mig_enabled: bool,
+    /// The MIG instances, when MIG mode is on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig: Vec<MigInstance>,
+}
+
+fn nvidia() -> String {
+    "nvidia".to_owned()
+}
+
+/// A MIG instance of a [`GpuInventory`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MigInstance {
+    pub uuid: String,
+    /// Its profile, as `nvidia-smi` names it (`1g.10gb`).
+    pub profile: String,
+}
+
+/// A GPU's health as a daemon reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuHealth {
+    Healthy,
+    Unhealthy,
 }
 
 /// How a command ended.
@@ -138,6 +219,20 @@ pub enum ToDaemon {
     /// instance is unknown on this node or had already ended: nothing changed, stop sending it).
     #[serde(rename_all = "camelCase")]
     ExitRecorded { instance_id: String, recorded: bool },
+    /// In answer to `join`: the machine is node `nodeId` of pool `poolId`; `credential` opens
+    /// its sessions from now on (keep it secret: it is shown once).
+    #[serde(rename_all = "camelCase")]
+    Joined {
+        node_id: String,
+        pool_id: String,
+        credential: String,
+    },
+    /// In answer to `inventory`: what differs from the registration (empty when nothing does).
+    #[serde(rename_all = "camelCase")]
+    InventoryChecked { differences: Vec<String> },
+    /// In answer to `deviceHealth`: whether the GPU is this node's (`false`: unknown here).
+    #[serde(rename_all = "camelCase")]
+    HealthRecorded { uuid: String, recorded: bool },
 }
 
 /// What a command asks a daemon to do.
@@ -310,7 +405,11 @@ impl ToDaemon {
             | ToDaemon::Cancelled { command_id, .. }
             | ToDaemon::Recorded { command_id, .. } => Some(command_id),
             ToDaemon::Error { command_id, .. } => command_id.as_deref(),
-            ToDaemon::Welcome { .. } | ToDaemon::ExitRecorded { .. } => None,
+            ToDaemon::Welcome { .. }
+            | ToDaemon::ExitRecorded { .. }
+            | ToDaemon::Joined { .. }
+            | ToDaemon::InventoryChecked { .. }
+            | ToDaemon::HealthRecorded { .. } => None,
         }
     }
 }

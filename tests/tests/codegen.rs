@@ -147,6 +147,14 @@ pub struct ConsoleUnquarantineDevice;
     query_path = "../api/console/operations.graphql",
     response_derives = "Debug"
 )]
+pub struct ConsoleAcceptNodeInventory;
+
+#[derive(GraphQLQuery)]
+#[graphql(
+    schema_path = "../schema.graphql",
+    query_path = "../api/console/operations.graphql",
+    response_derives = "Debug"
+)]
 pub struct ConsoleSetQuota;
 
 #[derive(GraphQLQuery)]
@@ -174,6 +182,7 @@ const GENERATED: &[&str] = &[
     "ConsoleDrainNode",
     "ConsoleQuarantineDevice",
     "ConsoleUnquarantineDevice",
+    "ConsoleAcceptNodeInventory",
     "ConsoleSetQuota",
     "ConsoleEvents",
 ];

@@ -41,6 +41,7 @@ pub type ApiSchema = Schema<Query, Mutation, events::SubscriptionRoot>;
 pub struct Query(
     CoreQuery,
     fleet::FleetQuery,
+    fleet::enrollment::EnrollmentQuery,
     reservations::ReservationQuery,
     events::EventsQuery,
     sinks::SinkQuery,
@@ -53,6 +54,7 @@ pub struct Query(
 #[derive(MergedObject, Default)]
 pub struct Mutation(
     fleet::mutations::FleetMutation,
+    fleet::enrollment::EnrollmentMutation,
     reservations::ReservationMutation,
     sinks::SinkMutation,
     commands::CommandMutation,

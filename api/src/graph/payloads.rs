@@ -33,6 +33,7 @@ pub enum EventPayload {
     Command(CommandEventPayload),
     Instance(InstanceEventPayload),
     Usage(UsageEventPayload),
+    JoinToken(NodeJoinTokenEventPayload),
 }
 
 /// The typed payload of an event of `event_type` whose data is `data`: `None` for a type this
@@ -58,6 +59,7 @@ pub fn payload(event_type: &str, data: &serde_json::Value) -> Result<Option<Even
         Family::Command => EventPayload::Command(de::<ev::CommandPayload>(data)?.into()),
         Family::Instance => EventPayload::Instance(de::<ev::InstancePayload>(data)?.into()),
         Family::Usage => EventPayload::Usage(de::<ev::UsagePayload>(data)?.into()),
+        Family::JoinToken => EventPayload::JoinToken(de::<ev::JoinTokenPayload>(data)?.into()),
     }))
 }
 
@@ -170,6 +172,9 @@ pub struct NodeEventPayload {
     devices: Option<Vec<DeviceSnapshot>>,
     /// What still holds its atoms (`node.drained` only; null otherwise).
     remaining: Option<Vec<HolderSnapshot>>,
+    /// How what the node reports differs from its registration (`node.inventory_mismatch`
+    /// and `node.inventory_matched`, empty then; null otherwise).
+    differences: Option<Vec<String>>,
 }
 
 /// A compute node as an event saw it.
@@ -261,6 +266,7 @@ impl From<ev::NodePayload> for NodeEventPayload {
                     })
                     .collect()
             }),
+            differences: p.differences,
         }
     }
 }
@@ -297,10 +303,14 @@ pub struct DeviceSnapshot {
     health: DeviceHealth,
     /// Why it has that health.
     health_reason: Option<String>,
-    /// Whether an operator took it out of service.
+    /// Since when it has that health.
+    health_since: Option<DateTime<Utc>>,
+    /// Whether it is out of placement: an operator's quarantine or an inventory mismatch.
     quarantined: bool,
-    /// Why it was quarantined, while it is.
+    /// Why an operator quarantined it, while they do.
     quarantine_reason: Option<String>,
+    /// How what its node reports differs from its registration, while it does.
+    inventory_mismatch: Option<String>,
     /// Its version after the change.
     version: i64,
     /// When it was created.
@@ -323,8 +333,10 @@ impl From<ev::DeviceView> for DeviceSnapshot {
             slots: d.slots,
             health: d.health.into(),
             health_reason: d.health_reason,
+            health_since: d.health_since,
             quarantined: d.quarantined,
             quarantine_reason: d.quarantine_reason,
+            inventory_mismatch: d.inventory_mismatch,
             version: d.version,
             created_at: d.created_at,
             updated_at: d.updated_at,
@@ -825,6 +837,61 @@ impl From<ev::UsagePayload> for UsageEventPayload {
                 memory_mib_seconds: u.memory_mib_seconds,
                 disk_gib_seconds: u.disk_gib_seconds,
                 created_at: u.created_at,
+            },
+        }
+    }
+}
+
+/// `join_token.*`: the node join token after the change (never its secret).
+#[derive(SimpleObject)]
+pub struct NodeJoinTokenEventPayload {
+    /// The token.
+    join_token: NodeJoinTokenSnapshot,
+}
+
+/// A node join token as an event saw it.
+#[derive(SimpleObject)]
+pub struct NodeJoinTokenSnapshot {
+    /// The token's id (`njt_…`).
+    id: ID,
+    /// The pool it joins machines to.
+    pool_id: ID,
+    /// The labels the joining node gets.
+    labels: Vec<Label>,
+    /// `active`, `used`, `revoked` or `expired`.
+    state: String,
+    /// Until when it can be used.
+    expires_at: DateTime<Utc>,
+    /// Who made it.
+    created_by: String,
+    /// When it was made.
+    created_at: DateTime<Utc>,
+    /// When a machine joined with it.
+    used_at: Option<DateTime<Utc>>,
+    /// The node that joined with it.
+    compute_node_id: Option<ID>,
+    /// When it was revoked.
+    revoked_at: Option<DateTime<Utc>>,
+    /// Who revoked it.
+    revoked_by: Option<String>,
+}
+
+impl From<ev::JoinTokenPayload> for NodeJoinTokenEventPayload {
+    fn from(p: ev::JoinTokenPayload) -> Self {
+        let t = p.join_token;
+        NodeJoinTokenEventPayload {
+            join_token: NodeJoinTokenSnapshot {
+                id: id(&t.id),
+                pool_id: id(&t.pool_id),
+                labels: labels_of(&t.labels),
+                state: t.state,
+                expires_at: t.expires_at,
+                created_by: t.created_by,
+                created_at: t.created_at,
+                used_at: t.used_at,
+                compute_node_id: t.compute_node_id.as_ref().map(id),
+                revoked_at: t.revoked_at,
+                revoked_by: t.revoked_by,
             },
         }
     }

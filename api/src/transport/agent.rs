@@ -15,7 +15,9 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use compute_domain::Error;
-use compute_domain::ids::{CommandId, InstanceId, NodeId};
+use compute_domain::enrollment;
+use compute_domain::fleet::commands as cmd;
+use compute_domain::ids::{CommandId, InstanceId, NodeId, PoolId};
 use compute_domain::instances::{self, ReportedExit};
 use compute_domain::node_commands::{self, AckAnswer, Report};
 use compute_domain::sessions::{self, CloseReason, Hello};
@@ -105,6 +107,74 @@ pub async fn get(
         .on_upgrade(move |socket| serve(app, socket, header_token))
 }
 
+/// How long a session opened with a node credential lasts before it must reconnect: the
+/// credential does not expire (retiring the node revokes it), so only as a bound.
+const CREDENTIAL_SESSION: std::time::Duration = std::time::Duration::from_secs(30 * 86_400);
+
+/// `join`: registers the machine with a one-time token, answers `joined` with its credential
+/// (or `error` with a `JOIN_TOKEN_*`, `BAD_USER_INPUT` or `CONFLICT` code, nothing written) and
+/// closes; the daemon then opens its sessions with `hello`.
+async fn join(
+    app: &AppState,
+    mut socket: WebSocket,
+    token: &str,
+    pool: Option<String>,
+    daemon_version: &str,
+    inventory: &compute_protocol::Inventory,
+) {
+    let refuse = |code: &str, message: String| ToDaemon::Error {
+        code: code.to_owned(),
+        message,
+        command_id: None,
+    };
+    let pool = match pool.map(|p| PoolId::parse("poolId", &p)).transpose() {
+        Ok(p) => p,
+        Err(e) => {
+            send(&mut socket, &refuse("BAD_USER_INPUT", e.to_string())).await;
+            return close(&mut socket, 4400, "poolId is not a pool id").await;
+        }
+    };
+    match enrollment::join(&app.db, token, pool.as_ref(), inventory).await {
+        Ok(Ok(joined)) => {
+            let node = &joined.registered.node;
+            info!(node = %node.id, pool = %node.pool_id, hostname = %node.hostname,
+                  gpus = joined.registered.devices.len(), version = %daemon_version, "machine joined");
+            let reply = ToDaemon::Joined {
+                node_id: node.id.to_string(),
+                pool_id: node.pool_id.to_string(),
+                credential: joined.credential,
+            };
+            send(&mut socket, &reply).await;
+            close(&mut socket, 1000, "joined: open a session with hello").await;
+        }
+        Ok(Err(refused)) => {
+            info!(code = refused.code, hostname = %inventory.hostname, "join refused");
+            send(&mut socket, &refuse(refused.code, refused.message.clone())).await;
+            close(&mut socket, 4403, refused.code).await;
+        }
+        Err(e) => {
+            let code = e.code().as_str();
+            let message = match &e {
+                Error::BadUserInput { .. } | Error::Conflict { .. } | Error::NotFound { .. } => {
+                    e.to_string()
+                }
+                _ => {
+                    warn!(error = %e, "join failed");
+                    "the join failed; retry".to_owned()
+                }
+            };
+            send(&mut socket, &refuse(code, message)).await;
+            let end = end_of(&e);
+            close(
+                &mut socket,
+                if end.code == 4404 { 4409 } else { end.code },
+                &end.reason,
+            )
+            .await;
+        }
+    }
+}
+
 async fn close(socket: &mut WebSocket, code: u16, reason: &str) {
     let _ = socket
         .send(Message::Close(Some(CloseFrame {
@@ -175,6 +245,12 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                 observed_generation,
             },
         ),
+        Ok(FromDaemon::Join {
+            token,
+            pool_id,
+            daemon_version,
+            inventory,
+        }) => return join(&app, socket, &token, pool_id, &daemon_version, &inventory).await,
         Ok(_) => return close(&mut socket, 4400, "the first message must be hello").await,
         Err(e) => {
             return close(
@@ -197,22 +273,44 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
         )
         .await;
     };
-    let viewer = match app.verifier.verify(&token) {
-        Ok(v) => v,
-        Err(e) => return close(&mut socket, 4401, &e.to_string()).await,
-    };
     let node = match NodeId::parse("nodeId", &node) {
         Ok(n) => n,
         Err(_) => return close(&mut socket, 4400, "nodeId is not a node id").await,
     };
-    if !viewer.has_role(Role::Node) || viewer.node.as_ref() != Some(&node) {
-        return close(
-            &mut socket,
-            4403,
-            "this token may not open this node's session",
-        )
-        .await;
-    }
+    // A node credential (a machine that joined by itself) is checked in the database and does
+    // not expire; anything else is a JWT with the node role for this very node.
+    let valid_for = if enrollment::is_credential(&token) {
+        match enrollment::credential_opens(&app.db, &node, &token).await {
+            Ok(true) => CREDENTIAL_SESSION,
+            Ok(false) => {
+                // 4403, not 4401: retrying the same credential cannot help.
+                return close(
+                    &mut socket,
+                    4403,
+                    "this node credential is unknown or revoked (a retired node's is): join again with a new token",
+                )
+                .await;
+            }
+            Err(e) => {
+                let end = end_of(&e);
+                return close(&mut socket, end.code, &end.reason).await;
+            }
+        }
+    } else {
+        let viewer = match app.verifier.verify(&token) {
+            Ok(v) => v,
+            Err(e) => return close(&mut socket, 4401, &e.to_string()).await,
+        };
+        if !viewer.has_role(Role::Node) || viewer.node.as_ref() != Some(&node) {
+            return close(
+                &mut socket,
+                4403,
+                "this token may not open this node's session",
+            )
+            .await;
+        }
+        viewer.valid_for()
+    };
     // 3. the session, fenced by the gateway's lease. A fence that fails because the lease
     // lapsed unnoticed (a renewal late, a clock step) is renewed once and tried again.
     let mut attempt = 0;
@@ -261,7 +359,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
         }
     };
     tokio::pin!(stopping);
-    let expiry = tokio::time::sleep(viewer.valid_for());
+    let expiry = tokio::time::sleep(valid_for);
     tokio::pin!(expiry);
     let mut window = (Instant::now(), 0u32);
     let end: End = loop {
@@ -388,6 +486,39 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                             break End::new(1006, "", CloseReason::DaemonClosed);
                         }
                     }
+                    Ok(FromDaemon::Inventory { inventory }) => {
+                        let reply = match cmd::report_inventory(&db, &node, epoch, &inventory).await {
+                            Ok(Some(differences)) => {
+                                if differences.is_empty() {
+                                    debug!(node = %node, "inventory agrees with the registration");
+                                } else {
+                                    warn!(node = %node, differences = %differences.join("; "), "inventory differs from the registration");
+                                }
+                                ToDaemon::InventoryChecked { differences }
+                            }
+                            Ok(None) => break End::new(4410, "this session is no longer current", CloseReason::Superseded),
+                            Err(Error::BadUserInput { message, .. }) => refused(message, None),
+                            Err(e) => break end_of(&e),
+                        };
+                        if !send(&mut socket, &reply).await {
+                            break End::new(1006, "", CloseReason::DaemonClosed);
+                        }
+                    }
+                    Ok(FromDaemon::DeviceHealth { uuid, health, reason }) => {
+                        let reply = match cmd::report_health(&db, &node, epoch, &uuid, health, reason.as_deref()).await {
+                            Ok(Some(recorded)) => {
+                                info!(node = %node, uuid = %uuid, health = ?health, reason = ?reason, recorded, "GPU health reported");
+                                ToDaemon::HealthRecorded { uuid, recorded }
+                            }
+                            Ok(None) => break End::new(4410, "this session is no longer current", CloseReason::Superseded),
+                            Err(Error::BadUserInput { message, .. }) => refused(message, None),
+                            Err(e) => break end_of(&e),
+                        };
+                        if !send(&mut socket, &reply).await {
+                            break End::new(1006, "", CloseReason::DaemonClosed);
+                        }
+                    }
+                    Ok(FromDaemon::Join { .. }) => break End::new(4400, "join is a first message, of a machine that is not a node yet", CloseReason::ProtocolError),
                     Ok(FromDaemon::Hello { .. }) => break End::new(4400, "hello was already received", CloseReason::ProtocolError),
                     Err(e) => break End::new(4400, format!("malformed message: {}", compute_domain::error::bounded(&e.to_string())), CloseReason::ProtocolError),
                 }

@@ -77,6 +77,9 @@ pub struct Node {
     pub reachability_since: Option<DateTime<Utc>>,
     /// While `DISCONNECTED`: when the liveness reconciler makes it `UNREACHABLE`.
     pub unreachable_at: Option<DateTime<Utc>>,
+    /// What its daemon last reported of the machine (`compute_protocol::Inventory`), and when.
+    pub inventory: Option<Json<compute_protocol::Inventory>>,
+    pub inventory_at: Option<DateTime<Utc>>,
 }
 
 /// One scalar resource of a node.
@@ -102,8 +105,16 @@ pub struct Device {
     pub layout: Option<Json<StoredLayout>>,
     pub health: Health,
     pub health_reason: Option<String>,
+    /// Since when the health is what it is (`None`: healthy since it was registered).
+    pub health_since: Option<DateTime<Utc>>,
+    /// Out of placement: the operator's quarantine or an inventory mismatch.
     pub quarantined: bool,
+    /// Whether the operator quarantined it (`quarantineDevice`).
+    pub operator_quarantined: bool,
     pub quarantine_reason: Option<String>,
+    /// How what the node reports differs from this registration (`None`: it agrees, or no
+    /// report yet).
+    pub inventory_mismatch: Option<String>,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
@@ -181,7 +192,7 @@ macro_rules! query_nodes {
                      n.taints AS "taints: _", n.cordoned, n.cordon_reason, n.reachability AS "reachability: _",
                      n.conditions AS "conditions: _", n.generation, n.observed_generation, n.joined_at, n.retired_at,
                      n.lifecycle AS "lifecycle: _", n.version, n.updated_at, n.reachability_since,
-                     n.unreachable_at "#
+                     n.unreachable_at, n.inventory AS "inventory: _", n.inventory_at "#
                 + $tail
             $(, $arg)*
         )
@@ -197,7 +208,8 @@ macro_rules! query_devices {
             $head
                 + r#" d.id AS "id: _", d.node_id AS "node_id: _", d.uuid, d.vendor, d.model, d.memory_mib,
                      d.mode AS "mode: _", d.layout AS "layout: _", d.health AS "health: _", d.health_reason,
-                     d.quarantined, d.quarantine_reason, d.version, d.created_at, d.updated_at "#
+                     d.health_since, d.quarantined AS "quarantined!", d.operator_quarantined, d.quarantine_reason,
+                     d.inventory_mismatch, d.version, d.created_at, d.updated_at "#
                 + $tail
             $(, $arg)*
         )
@@ -211,9 +223,10 @@ const POOL_COLS: &str = "p.id, p.site_id, p.name, p.kind, \
      p.memory_ratio::float8 AS memory_ratio, p.disk_ratio::float8 AS disk_ratio, p.version, p.created_at, p.updated_at";
 pub(crate) const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.taints, n.cordoned, n.cordon_reason, \
      n.reachability, n.conditions, n.generation, n.observed_generation, n.joined_at, n.retired_at, n.lifecycle, \
-     n.version, n.updated_at, n.reachability_since, n.unreachable_at";
+     n.version, n.updated_at, n.reachability_since, n.unreachable_at, n.inventory, n.inventory_at";
 const DEVICE_COLS: &str = "d.id, d.node_id, d.uuid, d.vendor, d.model, d.memory_mib, d.mode, d.layout, \
-     d.health, d.health_reason, d.quarantined, d.quarantine_reason, d.version, d.created_at, d.updated_at";
+     d.health, d.health_reason, d.health_since, d.quarantined, d.operator_quarantined, d.quarantine_reason, \
+     d.inventory_mismatch, d.version, d.created_at, d.updated_at";
 const ATOM_COLS: &str =
     "a.name, a.device_id, a.kind, a.ordinal, a.profile, a.share_num, a.share_den";
 

@@ -98,6 +98,10 @@ fn read_back(t: EventType, data: &Value) -> Result<(), String> {
         Family::Command => serde_json::from_value::<CommandPayload>(data.clone()).map(|_| ()),
         Family::Instance => serde_json::from_value::<InstancePayload>(data.clone()).map(|_| ()),
         Family::Usage => serde_json::from_value::<UsagePayload>(data.clone()).map(|_| ()),
+        Family::JoinToken => {
+            serde_json::from_value::<compute_domain::events::JoinTokenPayload>(data.clone())
+                .map(|_| ())
+        }
     };
     ok.map_err(|e| format!("{t}: {e}: {data}"))
 }
@@ -510,6 +514,84 @@ async fn every_event_payload_keeps_its_documented_shape() {
     let epoch = compute_domain::sessions::open(db, &h1, "gw-contract", 1, &hello)
         .await
         .expect("open a session");
+    // Its daemon reports an inventory without GPU-4, then the whole machine again.
+    {
+        use compute_protocol::{GpuInventory, Inventory, MigInstance};
+        let gpu = |uuid: &str, mig: &[&str]| GpuInventory {
+            uuid: uuid.into(),
+            vendor: "nvidia".into(),
+            model: "H100".into(),
+            memory_mib: 81_920,
+            pci_bus_id: None,
+            mig_enabled: !mig.is_empty(),
+            mig: mig
+                .iter()
+                .map(|p| MigInstance {
+                    uuid: format!("MIG-{p}"),
+                    profile: (*p).into(),
+                })
+                .collect(),
+        };
+        let mut inv = Inventory {
+            hostname: "h1".into(),
+            vcpu: 64,
+            memory_mib: 1 << 20,
+            disk_gib: 1000,
+            gpus: vec![gpu("GPU-1", &[]), gpu("GPU-2", &["3g.40gb", "3g.40gb"])],
+        };
+        let d = fleet::report_inventory(db, &h1, epoch, &inv)
+            .await
+            .expect("report")
+            .expect("current");
+        assert_eq!(d, ["GPU GPU-4 (H100) is missing from the machine"]);
+        inv.gpus.push(gpu("GPU-4", &[]));
+        let d = fleet::report_inventory(db, &h1, epoch, &inv)
+            .await
+            .expect("report")
+            .expect("current");
+        assert!(d.is_empty(), "{d:?}");
+        // A join token made, one revoked, one used by a machine that joins, which is retired.
+        use compute_domain::enrollment::{self, NewJoinToken};
+        let new_token = |key: &'static str| {
+            let (operator, pool) = (operator.clone(), pool.id.clone());
+            async move {
+                enrollment::create_join_token(
+                    db,
+                    &operator,
+                    NewJoinToken {
+                        pool_id: pool,
+                        expires_in_seconds: 600,
+                        labels: Labels::from([("joined".to_owned(), "yes".to_owned())]),
+                    },
+                    Some(key.into()),
+                )
+                .await
+                .expect("a join token")
+                .value
+            }
+        };
+        let revoked = new_token("t-revoked").await;
+        enrollment::revoke_join_token(db, &operator, &revoked.token.id)
+            .await
+            .expect("revoke");
+        let used = new_token("t-used").await;
+        let joined = enrollment::join(
+            db,
+            used.secret.as_deref().expect("the secret"),
+            None,
+            &Inventory {
+                hostname: "h9".into(),
+                gpus: vec![gpu("GPU-9", &[])],
+                ..inv.clone()
+            },
+        )
+        .await
+        .expect("join")
+        .expect("joined");
+        fleet::retire_node(db, &joined.registered.node.id, None)
+            .await
+            .expect("retire the joined node");
+    }
     // Commands on h1: one succeeds (with progress), one fails, one is cancelled, one is taken
     // back by a newer session of the daemon.
     use compute_domain::node_commands::{self as cmds, CommandRequest, Kind, Report};

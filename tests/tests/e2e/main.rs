@@ -8,6 +8,7 @@ mod commands;
 mod console;
 mod crash;
 mod embedded;
+mod enrollment;
 mod event_contract;
 mod fleet;
 mod frontends;

@@ -19,6 +19,7 @@ use crate::graph::loaders::*;
 use crate::graph::node::{NodeInterface, load_node};
 use crate::graph::{GqlResult, actor, db, gql_error, require_operator, viewer};
 
+pub mod enrollment;
 pub mod mutations;
 
 /// What kind of machines a pool holds.
@@ -659,6 +660,26 @@ impl ComputeNodeObj {
             _ => None,
         })
     }
+    /// What its daemon last reported of the machine (hostname, vCPU, memory, disk, GPUs with
+    /// their PCI bus ids and MIG instances), as `compute-agent inventory` prints it; null until a
+    /// daemon reported. Operators only. The `InventoryMismatch` condition says how it differs
+    /// from the registration.
+    async fn inventory(
+        &self,
+        ctx: &Context<'_>,
+    ) -> GqlResult<Option<async_graphql::Json<compute_protocol::Inventory>>> {
+        crate::graph::context::require_operator(ctx)?;
+        Ok(self
+            .0
+            .inventory
+            .as_ref()
+            .map(|i| async_graphql::Json(i.0.clone())))
+    }
+    /// When its daemon last reported its inventory. Operators only.
+    async fn inventory_reported_at(&self, ctx: &Context<'_>) -> GqlResult<Option<DateTime<Utc>>> {
+        crate::graph::context::require_operator(ctx)?;
+        Ok(self.0.inventory_at)
+    }
     /// Since when its reachability is what it is (its join when it never changed).
     async fn reachability_since(&self) -> DateTime<Utc> {
         self.0.reachability_since.unwrap_or(self.0.joined_at)
@@ -897,17 +918,27 @@ impl DeviceObj {
     async fn health(&self) -> DeviceHealth {
         self.0.health.into()
     }
-    /// Why the health was set.
+    /// Why the health was set (an operator's words, or the node's report: "XID 79: …").
     async fn health_reason(&self) -> Option<&str> {
         self.0.health_reason.as_deref()
     }
-    /// Whether it is kept out of placement.
+    /// Since when it has its health (null: healthy since it was registered).
+    async fn health_since(&self) -> Option<DateTime<Utc>> {
+        self.0.health_since
+    }
+    /// Whether it is kept out of placement: an operator's quarantine, or an inventory mismatch.
     async fn quarantined(&self) -> bool {
         self.0.quarantined
     }
-    /// Why it is quarantined.
+    /// Why an operator quarantined it (`quarantineDevice`), while they do.
     async fn quarantine_reason(&self) -> Option<&str> {
         self.0.quarantine_reason.as_deref()
+    }
+    /// How what its node reports differs from this registration (a GPU missing, another MIG
+    /// layout, less memory), while it does: the device is out of placement until the node
+    /// reports it as registered or an operator accepts the report (`acceptNodeInventory`).
+    async fn inventory_mismatch(&self) -> Option<&str> {
+        self.0.inventory_mismatch.as_deref()
     }
     /// Optimistic-concurrency version: pass it to `changeDeviceMode`.
     async fn version(&self) -> i64 {

@@ -372,7 +372,7 @@ pub struct SetQuotaPayload {
     pub quotas: Vec<Quota>,
 }
 
-fn labels(field: &str, input: &[LabelInput]) -> GqlResult<m::Labels> {
+pub(crate) fn labels(field: &str, input: &[LabelInput]) -> GqlResult<m::Labels> {
     let pairs: Vec<(String, String)> = input
         .iter()
         .map(|l| (l.key.clone(), l.value.clone()))

@@ -71,7 +71,9 @@ pub async fn set_device_health(
                 conn,
                 &id,
                 version,
-                "health = $3 #>> '{}', health_reason = $4 #>> '{}'",
+                "health = $3 #>> '{}', health_reason = $4 #>> '{}', \
+                 health_by = 'operator', \
+                 health_since = CASE WHEN d.health = $3 #>> '{}' THEN d.health_since ELSE compute_now() END",
                 vec![json!(health), json!(reason)],
             )
             .await?;
@@ -84,6 +86,7 @@ pub async fn set_device_health(
                 },
             )
             .await?;
+            super::inventory::tell_holders(conn, &device.id).await?;
             Ok(device)
         })
     })
@@ -129,7 +132,7 @@ async fn quarantine_row(
                 conn,
                 &id,
                 version,
-                "quarantined = ($3::jsonb)::text::boolean, quarantine_reason = $4 #>> '{}'",
+                "operator_quarantined = ($3::jsonb)::text::boolean, quarantine_reason = $4 #>> '{}'",
                 vec![json!(quarantined), json!(reason)],
             )
             .await?;

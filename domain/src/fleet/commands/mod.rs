@@ -126,12 +126,14 @@ async fn explain_node_miss(
 }
 
 mod devices;
+mod inventory;
 mod nodes;
 mod pools;
 mod rollup;
 mod sites;
 
 pub use devices::*;
+pub use inventory::{INVENTORY_MISMATCH, accept_node_inventory, report_health, report_inventory};
 pub use nodes::*;
 pub use pools::*;
 pub use rollup::recompute_rollup;

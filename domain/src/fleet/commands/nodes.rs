@@ -37,34 +37,53 @@ pub struct Registered {
 /// Registers a node with its resources and GPUs, and their atoms.
 #[tracing::instrument(level = "debug", skip_all, fields(pool = %input.pool_id, hostname = %input.hostname))]
 pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
-    if input.devices.len() > crate::fleet::model::MAX_GPUS_PER_NODE {
-        return Err(Error::bad_input(
-            "devices",
-            format!(
-                "at most {} GPUs per node",
-                crate::fleet::model::MAX_GPUS_PER_NODE
-            ),
-        ));
-    }
-    let mut seen = std::collections::HashSet::new();
-    for d in &input.devices {
-        if !seen.insert(d.uuid.as_str()) {
+    input.check()?;
+    let node_id = NodeId::generate();
+    db.tx("register_node", TxKind::Write, |conn| {
+        let (input, node_id) = (input.clone(), node_id.clone());
+        Box::pin(async move { register_in(conn, &input, &node_id).await })
+    })
+    .await
+}
+
+impl NewNode {
+    /// What a registration checks before it writes: the GPU count, and no UUID twice.
+    pub fn check(&self) -> Result<()> {
+        let input = self;
+        if input.devices.len() > crate::fleet::model::MAX_GPUS_PER_NODE {
             return Err(Error::bad_input(
                 "devices",
-                format!("GPU {} is listed twice", d.uuid),
+                format!(
+                    "at most {} GPUs per node",
+                    crate::fleet::model::MAX_GPUS_PER_NODE
+                ),
             ));
         }
+        let mut seen = std::collections::HashSet::new();
+        for d in &input.devices {
+            if !seen.insert(d.uuid.as_str()) {
+                return Err(Error::bad_input(
+                    "devices",
+                    format!("GPU {} is listed twice", d.uuid),
+                ));
+            }
+        }
+        Ok(())
     }
-    let node_id = NodeId::generate();
-    let device_ids: Vec<DeviceId> = input.devices.iter().map(|_| DeviceId::generate()).collect();
-    db.tx("register_node", TxKind::Write, |conn| {
-        let (input, node_id, device_ids) = (input.clone(), node_id.clone(), device_ids.clone());
-        Box::pin(async move {
-            // The pool's row FOR SHARE: its ratios are copied into the node's resources, so a
-            // concurrent ratio change waits for this registration (or this one for it); and
-            // the node's atoms join the pool's rollup, which a recompute must not overwrite
-            // meanwhile (`recompute_rollup` takes the row FOR NO KEY UPDATE).
-            let ratios = sqlx::query!(
+}
+
+/// Registers `input` as node `node_id` in `conn` (checked by [`NewNode::check`]): the pool
+/// `FOR SHARE`, the node, its GPUs and atoms, its resources, the rollup, `node.registered`.
+pub(crate) async fn register_in(
+    conn: &mut PgConnection,
+    input: &NewNode,
+    node_id: &NodeId,
+) -> Result<Registered> {
+    // The pool's row FOR SHARE: its ratios are copied into the node's resources, so a
+    // concurrent ratio change waits for this registration (or this one for it); and
+    // the node's atoms join the pool's rollup, which a recompute must not overwrite
+    // meanwhile (`recompute_rollup` takes the row FOR NO KEY UPDATE).
+    let ratios = sqlx::query!(
                 r#"SELECT vcpu_ratio::float8 AS "vcpu!", memory_ratio::float8 AS "memory!", disk_ratio::float8 AS "disk!"
                      FROM pools WHERE id = $1 FOR SHARE"#,
                 input.pool_id.as_str(),
@@ -72,10 +91,13 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             .fetch_optional(&mut *conn)
             .await?
             .map(|r| (r.vcpu, r.memory, r.disk));
-            let Some((vcpu_ratio, memory_ratio, disk_ratio)) = ratios else {
-                return Err(Error::NotFound { kind: "pool", id: input.pool_id.to_string() });
-            };
-            let node = query_nodes!(
+    let Some((vcpu_ratio, memory_ratio, disk_ratio)) = ratios else {
+        return Err(Error::NotFound {
+            kind: "pool",
+            id: input.pool_id.to_string(),
+        });
+    };
+    let node = query_nodes!(
                 "INSERT INTO nodes AS n (id, pool_id, hostname, labels, taints) VALUES ($1, $2, $3, $4, $5) RETURNING",
                 "",
                 node_id.as_str(),
@@ -88,47 +110,9 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             .await
             .map_err(|e| on_constraint(e, &[("nodes_hostname_key", &|| conflict(format!("a node named `{}` is already registered", input.hostname), None))]))?;
 
-            let devices: Vec<Device> = if input.devices.is_empty() {
-                Vec::new()
-            } else {
-                let uuids: Vec<&str> = input.devices.iter().map(|d| d.uuid.as_str()).collect();
-                let vendors: Vec<&str> = input.devices.iter().map(|d| d.vendor.as_str()).collect();
-                let models: Vec<&str> = input.devices.iter().map(|d| d.model.as_str()).collect();
-                let memory: Vec<i64> = input.devices.iter().map(|d| d.memory_mib).collect();
-                let modes: Vec<&str> = input.devices.iter().map(|d| d.layout.mode().as_str()).collect();
-                let layouts: Vec<Option<serde_json::Value>> =
-                    input.devices.iter().map(|d| d.layout.stored().map(|l| json!(l))).collect();
-                let ids: Vec<&str> = device_ids.iter().map(DeviceId::as_str).collect();
-                query_devices!(
-                    "INSERT INTO devices AS d (id, node_id, uuid, vendor, model, memory_mib, mode, layout)
-                     SELECT i, $2, u, v, m, mem, mo, l
-                       FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::jsonb[])
-                         AS t(i, u, v, m, mem, mo, l)
-                     RETURNING",
-                    "",
-                    &ids as &[&str],
-                    node_id.as_str(),
-                    &uuids as &[&str],
-                    &vendors as &[&str],
-                    &models as &[&str],
-                    &memory,
-                    &modes as &[&str],
-                    &layouts as &[Option<serde_json::Value>],
-                )
-                .fetch_all(&mut *conn)
-                .await
-                .map_err(|e| on_constraint(e, &[("devices_uuid_key", &|| conflict("a GPU with one of these UUIDs is already registered", None))]))?
-            };
-            let atoms: Vec<(DeviceId, AtomSpec)> = input
-                .devices
-                .iter()
-                .zip(&device_ids)
-                .flat_map(|(d, id)| d.layout.atoms(d.uuid.as_str()).into_iter().map(move |a| (id.clone(), a)))
-                .collect();
-            if !atoms.is_empty() {
-                insert_atoms(conn, &atoms).await?;
-            }
-            sqlx::query!(
+    let devices = insert_devices(conn, node_id, &input.devices).await?;
+    let device_ids: Vec<DeviceId> = devices.iter().map(|d| d.id.clone()).collect();
+    sqlx::query!(
                 "INSERT INTO node_resources (node_id, resource, allocatable, ratio) \
                  VALUES ($1, 'vcpu', $2, $5::float8), ($1, 'memory_mib', $3, $6::float8), ($1, 'disk_gib', $4, $7::float8)",
                 node_id.as_str(),
@@ -141,18 +125,24 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
             )
             .execute(&mut *conn)
             .await?;
-            if !devices.is_empty() {
-                adjust_rollup(conn, &device_ids, Change::Add).await?;
-            }
-            emit(conn, EventType::NodeRegistered, &node.id, &NodePayload { devices: Some(devices.iter().map(DeviceView::from).collect()), ..NodePayload::of(&node) }).await?;
-            Ok(Registered { node, devices })
-        })
-    })
-    .await
+    if !devices.is_empty() {
+        adjust_rollup(conn, &device_ids, Change::Add).await?;
+    }
+    emit(
+        conn,
+        EventType::NodeRegistered,
+        &node.id,
+        &NodePayload {
+            devices: Some(devices.iter().map(DeviceView::from).collect()),
+            ..NodePayload::of(&node)
+        },
+    )
+    .await?;
+    Ok(Registered { node, devices })
 }
 
 /// A guarded update of one node: `set` is the SET list; `extra` more WHERE conditions.
-async fn update_node_row(
+pub(super) async fn update_node_row(
     conn: &mut PgConnection,
     id: &NodeId,
     version: Option<i64>,
@@ -453,8 +443,69 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
                 adjust_rollup(conn, &device_ids, Change::Remove).await?;
             }
             emit(conn, EventType::NodeRetired, &node.id, &NodePayload::of(&node)).await?;
+            // A node that joined by itself: its credential opens no session from now on.
+            if crate::enrollment::revoke_credential(conn, &id).await? {
+                emit(conn, EventType::NodeCredentialRevoked, &node.id, &NodePayload::of(&node)).await?;
+            }
             Ok(node)
         })
     })
     .await
+}
+
+/// Inserts node `node_id`'s GPUs `new` with their atoms (in registration, and when an operator
+/// accepts a report that names more GPUs).
+pub(super) async fn insert_devices(
+    conn: &mut PgConnection,
+    node_id: &NodeId,
+    new: &[NewDevice],
+) -> Result<Vec<Device>> {
+    let device_ids: Vec<DeviceId> = new.iter().map(|_| DeviceId::generate()).collect();
+    let devices: Vec<Device> = if new.is_empty() {
+        Vec::new()
+    } else {
+        let uuids: Vec<&str> = new.iter().map(|d| d.uuid.as_str()).collect();
+        let vendors: Vec<&str> = new.iter().map(|d| d.vendor.as_str()).collect();
+        let models: Vec<&str> = new.iter().map(|d| d.model.as_str()).collect();
+        let memory: Vec<i64> = new.iter().map(|d| d.memory_mib).collect();
+        let modes: Vec<&str> = new.iter().map(|d| d.layout.mode().as_str()).collect();
+        let layouts: Vec<Option<serde_json::Value>> = new
+            .iter()
+            .map(|d| d.layout.stored().map(|l| json!(l)))
+            .collect();
+        let ids: Vec<&str> = device_ids.iter().map(DeviceId::as_str).collect();
+        query_devices!(
+                    "INSERT INTO devices AS d (id, node_id, uuid, vendor, model, memory_mib, mode, layout)
+                     SELECT i, $2, u, v, m, mem, mo, l
+                       FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::jsonb[])
+                         AS t(i, u, v, m, mem, mo, l)
+                     RETURNING",
+                    "",
+                    &ids as &[&str],
+                    node_id.as_str(),
+                    &uuids as &[&str],
+                    &vendors as &[&str],
+                    &models as &[&str],
+                    &memory,
+                    &modes as &[&str],
+                    &layouts as &[Option<serde_json::Value>],
+                )
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(|e| on_constraint(e, &[("devices_uuid_key", &|| conflict("a GPU with one of these UUIDs is already registered", None))]))?
+    };
+    let atoms: Vec<(DeviceId, AtomSpec)> = new
+        .iter()
+        .zip(&device_ids)
+        .flat_map(|(d, id)| {
+            d.layout
+                .atoms(d.uuid.as_str())
+                .into_iter()
+                .map(move |a| (id.clone(), a))
+        })
+        .collect();
+    if !atoms.is_empty() {
+        insert_atoms(conn, &atoms).await?;
+    }
+    Ok(devices)
 }
