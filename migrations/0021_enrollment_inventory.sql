@@ -59,4 +59,8 @@ ALTER TABLE devices
     -- Who set the health: an operator (setDeviceHealth) or the node's own report. A node's
     -- passing report clears only what a node's report set.
     ADD COLUMN health_by          text CONSTRAINT devices_health_by CHECK (health_by IN ('operator', 'node')),
-    ADD COLUMN quarantined        boolean NOT NULL GENERATED ALWAYS AS (operator_quarantined OR inventory_mismatch IS NOT NULL) STORED;
+    -- Taken out of the registration for good (retireDevice): its atoms are gone; the row stays
+    -- for the bookings and usage that name it.
+    ADD COLUMN retired_at         timestamptz,
+    ADD COLUMN quarantined        boolean NOT NULL GENERATED ALWAYS AS
+        (operator_quarantined OR inventory_mismatch IS NOT NULL OR retired_at IS NOT NULL) STORED;

@@ -311,6 +311,8 @@ pub struct DeviceSnapshot {
     quarantine_reason: Option<String>,
     /// How what its node reports differs from its registration, while it does.
     inventory_mismatch: Option<String>,
+    /// When an operator took it out of the registration.
+    retired_at: Option<DateTime<Utc>>,
     /// Its version after the change.
     version: i64,
     /// When it was created.
@@ -337,6 +339,7 @@ impl From<ev::DeviceView> for DeviceSnapshot {
             quarantined: d.quarantined,
             quarantine_reason: d.quarantine_reason,
             inventory_mismatch: d.inventory_mismatch,
+            retired_at: d.retired_at,
             version: d.version,
             created_at: d.created_at,
             updated_at: d.updated_at,

@@ -115,6 +115,8 @@ pub struct Device {
     /// How what the node reports differs from this registration (`None`: it agrees, or no
     /// report yet).
     pub inventory_mismatch: Option<String>,
+    /// When an operator took it out of the registration (`retireDevice`).
+    pub retired_at: Option<DateTime<Utc>>,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
@@ -209,7 +211,7 @@ macro_rules! query_devices {
                 + r#" d.id AS "id: _", d.node_id AS "node_id: _", d.uuid, d.vendor, d.model, d.memory_mib,
                      d.mode AS "mode: _", d.layout AS "layout: _", d.health AS "health: _", d.health_reason,
                      d.health_since, d.quarantined AS "quarantined!", d.operator_quarantined, d.quarantine_reason,
-                     d.inventory_mismatch, d.version, d.created_at, d.updated_at "#
+                     d.inventory_mismatch, d.retired_at, d.version, d.created_at, d.updated_at "#
                 + $tail
             $(, $arg)*
         )
@@ -226,7 +228,7 @@ pub(crate) const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.tai
      n.version, n.updated_at, n.reachability_since, n.unreachable_at, n.inventory, n.inventory_at";
 const DEVICE_COLS: &str = "d.id, d.node_id, d.uuid, d.vendor, d.model, d.memory_mib, d.mode, d.layout, \
      d.health, d.health_reason, d.health_since, d.quarantined, d.operator_quarantined, d.quarantine_reason, \
-     d.inventory_mismatch, d.version, d.created_at, d.updated_at";
+     d.inventory_mismatch, d.retired_at, d.version, d.created_at, d.updated_at";
 const ATOM_COLS: &str =
     "a.name, a.device_id, a.kind, a.ordinal, a.profile, a.share_num, a.share_den";
 

@@ -20,7 +20,7 @@ const REVOKE_TOKEN: &str = "mutation($i: RevokeNodeJoinTokenInput!) { revokeNode
 const TOKENS: &str = "query($p: ID) { nodeJoinTokens(poolId: $p) { totalCount edges { node { id state computeNodeId usedAt labels { key value } } } } }";
 const NODE: &str = "query($id: ID!) { computeNode: node(id: $id) { ... on ComputeNode { hostname labels { key value }
     inventoryReportedAt conditions { type status message }
-    devices { uuid model memoryMib mode migProfiles health healthReason healthSince quarantined inventoryMismatch } } } }";
+    devices { id uuid model memoryMib mode migProfiles health healthReason healthSince quarantined inventoryMismatch } } } }";
 const RESERVE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state allocations { atoms } } } }";
 const RETIRE: &str =
     "mutation($i: NodeActionInput!) { retireNode(input: $i) { computeNode { lifecycle } } }";
@@ -493,6 +493,16 @@ async fn reserve(app: &TestApp, pool: &str, key: &str, gpus: i64) -> (String, Va
     )
 }
 
+/// Cancels reservation `r` (one that waits).
+async fn cancel(app: &TestApp, r: &Value) {
+    app.ok(
+        &app.member("acme"),
+        "mutation($i: ReservationActionInput!) { cancelReservation(input: $i) { reservation { state } } }",
+        json!({ "i": { "id": r["id"] } }),
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn a_gpu_lost_between_two_starts_leaves_placement_and_its_booking_stays() {
     let (app, p) = setup().await;
@@ -566,12 +576,7 @@ async fn a_gpu_lost_between_two_starts_leaves_placement_and_its_booking_stays() 
         ("", &json!("PENDING")),
         "waits: {r2}"
     );
-    app.ok(
-        &app.member("acme"),
-        "mutation($i: ReservationActionInput!) { cancelReservation(input: $i) { reservation { state } } }",
-        json!({ "i": { "id": r2["id"] } }),
-    )
-    .await;
+    cancel(&app, &r2).await;
     let (code, r2) = reserve(&app, &p.pool, "k-lost-3", 1).await;
     assert_eq!(code, "", "{r2}");
     assert_eq!(r2["allocations"][0]["atoms"][0], other_uuid);
@@ -580,7 +585,7 @@ async fn a_gpu_lost_between_two_starts_leaves_placement_and_its_booking_stays() 
         .fails(&app.operator(), ACCEPT, json!({ "i": { "id": h100a } }))
         .await;
     assert_eq!(code, "CONFLICT", "{body}");
-    assert!(body.to_string().contains("reinstall it"), "{body}");
+    assert!(body.to_string().contains("retireDevice"), "{body}");
     // The GPU is back: the next reading (SIGHUP) clears the condition and returns it.
     inventory(&file, "h100-a", &[H100_A0, H100_A1]);
     sighup(&second);
@@ -598,6 +603,45 @@ async fn a_gpu_lost_between_two_starts_leaves_placement_and_its_booking_stays() 
         events,
         ["node.inventory_mismatch", "node.inventory_matched"]
     );
+    // It goes for good: the operator retires it (nothing is booked on it), and the node agrees
+    // with its registration again, with one GPU less in the pool.
+    inventory(&file, "h100-a", &[other]);
+    sighup(&second);
+    let n = until_node(&app, h100a, "the mismatch again", |n| mismatch(n).is_some()).await;
+    let gone = device(&n, &booked)["id"].clone();
+    let capacity = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT sum(atoms)::bigint FROM pool_capacity_rollup WHERE pool_id = $1",
+        )
+        .bind(&p.pool)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("capacity")
+    };
+    let before = capacity().await;
+    let retired = app
+        .ok(
+            &app.operator(),
+            "mutation($i: RetireDeviceInput!) { retireDevice(input: $i) { device { retiredAt quarantined } } }",
+            json!({ "i": { "id": gone } }),
+        )
+        .await["retireDevice"]["device"]
+        .clone();
+    assert!(retired["retiredAt"].is_string(), "{retired}");
+    assert_eq!(retired["quarantined"], true);
+    let n = node(&app, h100a).await;
+    assert_eq!(mismatch(&n), None, "{n}");
+    assert_eq!(capacity().await, before - 1);
+    // The other GPU, which holds a booking, cannot be retired.
+    let held = device(&n, other_uuid)["id"].clone();
+    let (code, body) = app
+        .fails(
+            &app.operator(),
+            "mutation($i: RetireDeviceInput!) { retireDevice(input: $i) { device { retiredAt } } }",
+            json!({ "i": { "id": held } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT", "{body}");
 }
 
 #[tokio::test]
@@ -684,12 +728,7 @@ async fn an_xid_error_marks_the_gpu_unhealthy_and_placement_avoids_it() {
         ("", &json!("PENDING")),
         "waits: {pending}"
     );
-    app.ok(
-        &app.member("acme"),
-        "mutation($i: ReservationActionInput!) { cancelReservation(input: $i) { reservation { state } } }",
-        json!({ "i": { "id": pending["id"] } }),
-    )
-    .await;
+    cancel(&app, &pending).await;
     // A passing report (the GPU was reset) makes it healthy again, and the condition goes.
     inventory(&file, "h100-a", &[H100_A0, H100_A1]);
     sighup(&child);

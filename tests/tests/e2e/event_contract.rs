@@ -499,6 +499,9 @@ async fn every_event_payload_keeps_its_documented_shape() {
     fleet::drain_node(db, &spare.node.id, None)
         .await
         .expect("drain");
+    fleet::retire_device(db, &spare.devices[0].id, None)
+        .await
+        .expect("retire its GPU");
     fleet::retire_node(db, &spare.node.id, None)
         .await
         .expect("retire");

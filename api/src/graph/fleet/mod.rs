@@ -940,6 +940,10 @@ impl DeviceObj {
     async fn inventory_mismatch(&self) -> Option<&str> {
         self.0.inventory_mismatch.as_deref()
     }
+    /// When an operator took it out of the registration (`retireDevice`): it has no atoms since.
+    async fn retired_at(&self) -> Option<DateTime<Utc>> {
+        self.0.retired_at
+    }
     /// Optimistic-concurrency version: pass it to `changeDeviceMode`.
     async fn version(&self) -> i64 {
         self.0.version

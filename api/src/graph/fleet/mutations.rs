@@ -334,6 +334,15 @@ pub struct UnquarantineDeviceInput {
     pub version: Option<i64>,
 }
 
+/// Input of `retireDevice`.
+#[derive(InputObject)]
+pub struct RetireDeviceInput {
+    /// The GPU.
+    pub id: ID,
+    /// The version you read; when given, a newer device is `CONFLICT`.
+    pub version: Option<i64>,
+}
+
 /// Input of `changeDeviceMode`.
 #[derive(InputObject)]
 pub struct ChangeDeviceModeInput {
@@ -752,6 +761,24 @@ impl FleetMutation {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
         let device = cmd::release_quarantine(db(ctx)?, &id, input.version)
+            .await
+            .map_err(gql_error)?;
+        Ok(DevicePayload {
+            device: DeviceObj::new(device),
+        })
+    }
+
+    /// Takes a GPU out of its node's registration for good (one the machine no longer has):
+    /// refused with `CONFLICT` while a booking on it ends after now. Its atoms leave the pool's
+    /// capacity; the node's inventory check is made again without it.
+    async fn retire_device(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "The arguments of `retireDevice`.")] input: RetireDeviceInput,
+    ) -> GqlResult<DevicePayload> {
+        require_operator(ctx)?;
+        let id = parse_id::<DeviceId>("id", &input.id)?;
+        let device = cmd::retire_device(db(ctx)?, &id, input.version)
             .await
             .map_err(gql_error)?;
         Ok(DevicePayload {

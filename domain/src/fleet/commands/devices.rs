@@ -156,6 +156,75 @@ async fn quarantine_row(
     .await
 }
 
+/// Takes a GPU out of its node's registration for good: refused (`CONFLICT`, naming what holds
+/// it) while a booking on it ends after now. Its atoms leave the pool's capacity and are
+/// deleted, so placement can never find it; the row stays (with `retired_at`) for the bookings
+/// and usage that name it. The node's inventory check is made again without it.
+#[tracing::instrument(level = "debug", skip_all, fields(device = %id))]
+pub async fn retire_device(db: &Db, id: &DeviceId, version: Option<i64>) -> Result<Device> {
+    db.tx("retire_device", TxKind::Write, |conn| {
+        let id = id.clone();
+        Box::pin(async move {
+            // Lock order: the pool FOR SHARE (the rollup), the node (its check), the device
+            // FOR UPDATE in a statement of its own, so the bookings read next include those
+            // of every placement that held it FOR SHARE.
+            share_pool_of_device(conn, &id).await?;
+            let row: Option<(NodeId, i64, bool)> = sqlx::query_as(
+                "SELECT n.id, d.version, d.retired_at IS NOT NULL FROM devices d JOIN nodes n ON n.id = d.node_id \
+                  WHERE d.id = $1 FOR UPDATE OF n, d",
+            )
+            .bind(id.as_str())
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some((node, current, retired)) = row else {
+                return Err(Error::NotFound { kind: "device", id: id.to_string() });
+            };
+            if let Some(v) = version
+                && v != current
+            {
+                return Err(Error::StaleVersion { kind: "device", id: id.to_string(), expected: v, current });
+            }
+            if retired {
+                return Err(conflict(format!("device {id} is retired already"), Some(current)));
+            }
+            let held: Vec<(Option<String>, String)> = sqlx::query_as(
+                "SELECT allocation_id, string_agg(atom, ', ' ORDER BY atom) FROM device_bookings \
+                  WHERE device_id = $1 AND upper(during) > compute_now() GROUP BY allocation_id ORDER BY allocation_id",
+            )
+            .bind(id.as_str())
+            .fetch_all(&mut *conn)
+            .await?;
+            if !held.is_empty() {
+                let list: Vec<String> = held
+                    .iter()
+                    .map(|(a, atoms)| format!("{} ({atoms})", a.as_deref().unwrap_or("mode change")))
+                    .collect();
+                return Err(conflict(
+                    format!("device {id} still holds bookings: {}; release them or wait for them to end", list.join("; ")),
+                    Some(current),
+                ));
+            }
+            adjust_rollup(conn, std::slice::from_ref(&id), Change::Remove).await?;
+            sqlx::query("DELETE FROM device_atoms WHERE device_id = $1")
+                .bind(id.as_str())
+                .execute(&mut *conn)
+                .await?;
+            let device = update_device_row(
+                conn,
+                &id,
+                None,
+                "retired_at = compute_now(), inventory_mismatch = NULL",
+                vec![],
+            )
+            .await?;
+            emit(conn, EventType::DeviceRetired, &device.id, &DevicePayload { device: (&device).into() }).await?;
+            super::inventory::recheck(conn, &node).await?;
+            Ok(device)
+        })
+    })
+    .await
+}
+
 /// The layout requested for a GPU, parsed once its memory is known.
 #[derive(Debug, Clone)]
 pub struct LayoutRequest {

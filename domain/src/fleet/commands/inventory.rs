@@ -157,7 +157,7 @@ async fn registration(
 ) -> Result<(Vec<RegisteredGpu>, BTreeMap<String, i64>)> {
     let gpus: Vec<RegisteredGpu> = sqlx::query_as(
         "SELECT id, uuid, model, memory_mib, mode, layout FROM devices \
-          WHERE node_id = $1 ORDER BY id",
+          WHERE node_id = $1 AND retired_at IS NULL ORDER BY id",
     )
     .bind(id.as_str())
     .fetch_all(&mut *conn)
@@ -220,6 +220,22 @@ async fn apply(
             ..NodePayload::of(&n)
         };
         emit(conn, event, &n.id, &payload).await?;
+    }
+    Ok(())
+}
+
+/// Compares node `node`'s last report (if any) with its registration again, after the
+/// registration changed (`retire_device`); the node row is locked by the caller.
+pub(super) async fn recheck(conn: &mut PgConnection, node: &NodeId) -> Result<()> {
+    let stored: Option<Json<Inventory>> =
+        sqlx::query_scalar("SELECT inventory FROM nodes WHERE id = $1")
+            .bind(node.as_str())
+            .fetch_one(&mut *conn)
+            .await?;
+    if let Some(Json(inventory)) = stored {
+        let (gpus, scalars) = registration(conn, node).await?;
+        let d = compare(&gpus, &scalars, &inventory);
+        apply(conn, node, &gpus, &d).await?;
     }
     Ok(())
 }
@@ -308,7 +324,7 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
             let mut unsettled = Vec::new();
             for r in &gpus {
                 let Some(g) = reported.get(r.uuid.as_str()) else {
-                    unsettled.push(format!("GPU {} is missing from the machine: reinstall it, or drain and retire the node", r.uuid));
+                    unsettled.push(format!("GPU {} is missing from the machine: reinstall it, or retire the device (retireDevice) once nothing is booked on it", r.uuid));
                     continue;
                 };
                 let only = [r.clone()];

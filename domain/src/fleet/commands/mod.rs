@@ -133,7 +133,9 @@ mod rollup;
 mod sites;
 
 pub use devices::*;
-pub use inventory::{INVENTORY_MISMATCH, accept_node_inventory, report_health, report_inventory};
+pub use inventory::{
+    DEVICE_UNHEALTHY, INVENTORY_MISMATCH, accept_node_inventory, report_health, report_inventory,
+};
 pub use nodes::*;
 pub use pools::*;
 pub use rollup::recompute_rollup;
