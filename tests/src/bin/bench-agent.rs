@@ -155,13 +155,29 @@ async fn main() {
         .expect("start a dispatcher");
     let state = std::env::temp_dir().join(format!("bench-agent-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&state);
+    // The machine as registered (`gpu_fleet`'s node), so the inventory check agrees with it.
+    std::fs::create_dir_all(&state).expect("state dir");
+    let inventory = state.with_extension("inventory.toml");
+    let gpus: String = (0..instances.max(1))
+        .map(|g| format!("[[gpu]]\nuuid = \"GPU-p0-n0-g{g}\"\nmodel = \"H100\"\nmemory_mib = 81559\n"))
+        .collect();
+    std::fs::write(
+        &inventory,
+        format!("hostname = \"p0-n0\"\nvcpu = 256\nmemory_mib = {}\ndisk_gib = 10000\n{gpus}", 1 << 21),
+    )
+    .expect("inventory file");
     let config = compute_tests::bench::daemon(port, &node, "unused", 0);
     let agent = tokio::process::Command::new(&agent_bin)
         .args(["--url", &config.url, "--node-id", &node, "--listen", "off"])
         .arg("--state-dir")
         .arg(&state)
+        .arg("--inventory")
+        .arg(&inventory)
         .env("COMPUTE_AGENT_TOKEN", &config.token)
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .kill_on_drop(true)
         .spawn()
         .expect("start compute-agent");
@@ -276,8 +292,8 @@ async fn main() {
         .value;
         let ms: f64 = loop {
             let ms: Option<f64> = sqlx::query_scalar(
-                "SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM instances \
-                  WHERE id = $1 AND state = 'running'",
+                "SELECT CASE WHEN state = 'running' THEN extract(epoch FROM started_at - created_at)::float8 * 1000 END \
+                   FROM instances WHERE id = $1",
             )
             .bind(instance.id.as_str())
             .fetch_one(db.pool())
@@ -307,6 +323,7 @@ async fn main() {
     }
     drop(agent);
     let _ = std::fs::remove_dir_all(&state);
+    let _ = std::fs::remove_file(&inventory);
 }
 
 fn median(v: &mut [f64]) -> f64 {
