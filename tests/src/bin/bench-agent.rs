@@ -159,11 +159,16 @@ async fn main() {
     std::fs::create_dir_all(&state).expect("state dir");
     let inventory = state.with_extension("inventory.toml");
     let gpus: String = (0..instances.max(1))
-        .map(|g| format!("[[gpu]]\nuuid = \"GPU-p0-n0-g{g}\"\nmodel = \"H100\"\nmemory_mib = 81559\n"))
+        .map(|g| {
+            format!("[[gpu]]\nuuid = \"GPU-p0-n0-g{g}\"\nmodel = \"H100\"\nmemory_mib = 81559\n")
+        })
         .collect();
     std::fs::write(
         &inventory,
-        format!("hostname = \"p0-n0\"\nvcpu = 256\nmemory_mib = {}\ndisk_gib = 10000\n{gpus}", 1 << 21),
+        format!(
+            "hostname = \"p0-n0\"\nvcpu = 256\nmemory_mib = {}\ndisk_gib = 10000\n{gpus}",
+            1 << 21
+        ),
     )
     .expect("inventory file");
     let config = compute_tests::bench::daemon(port, &node, "unused", 0);
