@@ -11,6 +11,7 @@
 
 pub mod auth;
 pub mod cli;
+pub mod codes;
 pub mod console;
 pub mod gateway;
 pub mod graph;

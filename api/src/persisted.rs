@@ -22,11 +22,11 @@ use std::sync::{Arc, Mutex};
 use serde_json::Value;
 
 /// `extensions.code` when a hash names no known document.
-pub const NOT_FOUND: &str = "PERSISTED_QUERY_NOT_FOUND";
+pub const NOT_FOUND: &str = crate::codes::TransportCode::PersistedQueryNotFound.as_str();
 /// `extensions.code` when a request's hash is not its text's.
-pub const HASH_MISMATCH: &str = "PERSISTED_QUERY_HASH_MISMATCH";
+pub const HASH_MISMATCH: &str = crate::codes::TransportCode::PersistedQueryHashMismatch.as_str();
 /// `extensions.code` when `--persisted-only` refuses a document outside the manifest.
-pub const REQUIRED: &str = "PERSISTED_QUERY_REQUIRED";
+pub const REQUIRED: &str = crate::codes::TransportCode::PersistedQueryRequired.as_str();
 
 /// The most bytes of document text APQ remembers; the oldest go first.
 pub const APQ_BYTES: usize = 8 * 1024 * 1024;

@@ -167,7 +167,7 @@ pub enum Error {
     LockTimeout,
     /// Deadlocks (40P01) or serialization failures (40001) that outlasted the bounded retries.
     #[error(
-        "the change kept colliding with concurrent changes ({attempts} attempts, SQLSTATE {sqlstate}); retry the request"
+        "the change kept colliding with concurrent changes ({attempts} attempts); retry the request"
     )]
     Contention { sqlstate: String, attempts: u32 },
     #[error("{0}")]

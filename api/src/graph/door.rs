@@ -35,20 +35,20 @@ use async_graphql::parser::types::{
     Directive, DocumentOperations, ExecutableDocument, FragmentDefinition, Selection, SelectionSet,
 };
 use async_graphql::{Name, Positioned, Response, ServerError, ServerResult};
-use compute_domain::ErrorCode;
 
 use crate::auth::Viewer;
+use crate::codes::{Limit, TransportCode};
 use crate::graph::cost::CostModel;
 use crate::graph::documents::Documents;
 use crate::limits::Limits;
 
 /// `extensions.code` of a request over a published limit (document bounds, cost).
-pub const LIMIT_EXCEEDED: &str = "LIMIT_EXCEEDED";
+pub const LIMIT_EXCEEDED: &str = TransportCode::LimitExceeded.as_str();
 /// `extensions.code` of a request whose cost is over the per-request maximum (the name the
 /// design's contract gives it).
-pub const QUERY_TOO_COSTLY: &str = "QUERY_TOO_COSTLY";
+pub const QUERY_TOO_COSTLY: &str = TransportCode::QueryTooCostly.as_str();
 /// `extensions.code` of a query or mutation stopped at its deadline.
-pub const TIMEOUT: &str = "TIMEOUT";
+pub const TIMEOUT: &str = TransportCode::Timeout.as_str();
 
 /// The peer address of the connection a request came on, when the transport knows it: the
 /// budget key of anonymous callers.
@@ -121,9 +121,9 @@ impl Door {
         &self.limits
     }
 
-    fn refuse(&self, reason: &'static str, message: String, extra: &[(&str, u64)]) -> ServerError {
-        (self.on_refusal)(reason);
-        refusal(reason, message, extra)
+    fn refuse(&self, limit: Limit, message: String, extra: &[(&str, u64)]) -> ServerError {
+        (self.on_refusal)(limit.as_str());
+        refusal(limit, message, extra)
     }
 
     /// Lets `request` in, or says why not (a coded request error, nothing charged): no NUL in
@@ -139,7 +139,7 @@ impl Door {
     ) -> ServerResult<Admission> {
         if variables_hold_nul(&request.variables) {
             return Err(self.refuse(
-                "nul_character",
+                Limit::NulCharacter,
                 "a variable holds the NUL character (U+0000), which no string may contain".into(),
                 &[],
             ));
@@ -184,7 +184,7 @@ impl Door {
                 " without a token"
             };
             return Err(self.refuse(
-                "cost",
+                Limit::Cost,
                 format!(
                     "this request costs {cost} points; a request{who} may cost at most {limit} \
                      (a connection costs its `first` or `last` times what each item selects)"
@@ -203,7 +203,7 @@ impl Door {
                 },
             }),
             Err((remaining, retry_after)) => Err(self.refuse(
-                "rate_limited",
+                Limit::RateLimited,
                 format!(
                     "this request costs {cost} points and {remaining} of this caller's {budget} \
                      per minute are left: retry in {retry_after} s"
@@ -225,7 +225,7 @@ impl Door {
         match tokio::time::timeout(timeout, execution).await {
             Ok(response) => response,
             Err(_) => Response::from_errors(vec![self.refuse(
-                "timeout",
+                Limit::Timeout,
                 format!(
                     "the request ran longer than {timeout:?} and was stopped; nothing it began \
                      was kept"
@@ -244,7 +244,7 @@ impl Door {
             let dropped = response.errors.len() - max;
             response.errors.truncate(max);
             response.errors.push(self.refuse(
-                "errors",
+                Limit::Errors,
                 format!("{dropped} more errors were left out (at most {max} per response)"),
                 &[("max", max as u64)],
             ));
@@ -304,18 +304,11 @@ pub fn is_request_error(response: &Response) -> bool {
 
 /// The coded error of a refusal at a published limit: `extensions.code` by reason,
 /// `extensions.limit` the reason, and the figures in `extra`.
-pub fn refusal(reason: &'static str, message: String, extra: &[(&str, u64)]) -> ServerError {
+pub fn refusal(limit: Limit, message: String, extra: &[(&str, u64)]) -> ServerError {
     let mut e = ServerError::new(message, None);
     let ext = e.extensions.get_or_insert_with(Default::default);
-    let code = match reason {
-        "rate_limited" => ErrorCode::RateLimited.as_str(),
-        "nul_character" => ErrorCode::BadUserInput.as_str(),
-        "timeout" => TIMEOUT,
-        "cost" => QUERY_TOO_COSTLY,
-        _ => LIMIT_EXCEEDED,
-    };
-    ext.set("code", code);
-    ext.set("limit", reason);
+    ext.set("code", limit.code().as_str());
+    ext.set("limit", limit.as_str());
     for (k, v) in extra {
         ext.set(*k, *v);
     }
@@ -327,7 +320,7 @@ pub fn oversized(limits: &Limits, query: &str) -> Option<ServerError> {
     let max = limits.max_document_bytes;
     (query.len() > max).then(|| {
         refusal(
-            "document_bytes",
+            Limit::DocumentBytes,
             format!(
                 "the document is {} bytes; at most {max} are parsed",
                 query.len()
@@ -402,7 +395,7 @@ impl Door {
             let root_fields = sizes.root_fields(&op.node.selection_set);
             if root_fields > limits.max_root_fields as u64 {
                 return Err(self.refuse(
-                    "root_fields",
+                    Limit::RootFields,
                     format!(
                         "the operation selects {root_fields} root fields; at most {} are allowed",
                         limits.max_root_fields
@@ -422,7 +415,7 @@ impl Door {
                 .any(|v| const_holds_nul(&v.node))
             {
                 return Err(self.refuse(
-                    "nul_character",
+                    Limit::NulCharacter,
                     "a default value holds the NUL character (U+0000), which no string may contain"
                         .into(),
                     &[],
@@ -431,21 +424,22 @@ impl Door {
         }
         if sizes.nul {
             return Err(self.refuse(
-                "nul_character",
+                Limit::NulCharacter,
                 "an argument holds the NUL character (U+0000), which no string may contain".into(),
                 &[],
             ));
         }
         // The most specific bound first: 10,000 aliases are reported as aliases.
         let checks = [
-            ("aliases", total.aliases, limits.max_aliases),
-            ("directives", total.directives, limits.max_directives),
-            ("selections", total.fields, limits.max_selections),
+            (Limit::Aliases, total.aliases, limits.max_aliases),
+            (Limit::Directives, total.directives, limits.max_directives),
+            (Limit::Selections, total.fields, limits.max_selections),
         ];
-        for (what, n, max) in checks {
+        for (limit, n, max) in checks {
+            let what = limit.as_str();
             if n > max as u64 {
                 return Err(self.refuse(
-                    what,
+                    limit,
                     format!(
                         "the document has {} {what} once its fragments are expanded; at most \
                          {max} are allowed",

@@ -330,11 +330,12 @@ fn request_error_status(response: &async_graphql::Response) -> StatusCode {
                 _ => None,
             })
     };
-    match response.errors.first().and_then(code).as_deref() {
-        Some("RATE_LIMITED") => StatusCode::TOO_MANY_REQUESTS,
-        Some(crate::graph::door::TIMEOUT) => StatusCode::GATEWAY_TIMEOUT,
-        _ => StatusCode::BAD_REQUEST,
-    }
+    response
+        .errors
+        .first()
+        .and_then(code)
+        .and_then(|c| crate::codes::Code::parse(&c))
+        .map_or(StatusCode::BAD_REQUEST, crate::codes::Code::request_status)
 }
 
 /// Serializes a response per the specification, giving every error a code.

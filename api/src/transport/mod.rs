@@ -23,11 +23,11 @@ use crate::auth::{Viewer, bearer};
 use crate::state::AppState;
 
 /// `extensions.code` of a document that does not parse.
-pub const PARSE_FAILED: &str = "GRAPHQL_PARSE_FAILED";
+pub const PARSE_FAILED: &str = crate::codes::TransportCode::GraphqlParseFailed.as_str();
 /// `extensions.code` of a document that does not validate against the schema.
-pub const VALIDATION_FAILED: &str = "GRAPHQL_VALIDATION_FAILED";
+pub const VALIDATION_FAILED: &str = crate::codes::TransportCode::GraphqlValidationFailed.as_str();
 /// `extensions.code` of an HTTP request that is not a GraphQL-over-HTTP request.
-pub const BAD_REQUEST: &str = "BAD_REQUEST";
+pub const BAD_REQUEST: &str = crate::codes::TransportCode::BadRequest.as_str();
 
 /// Verifies the `Authorization` header: `Ok(None)` without one, `Err` with the reason for the
 /// `401` otherwise.
@@ -432,23 +432,9 @@ impl ResponseJson<'_> {
 }
 
 /// Maps a code seen in a response back to its static name, for the metrics label.
+/// (`crate::codes::Code::label`: every code the API answers has its own label.)
 pub fn static_code(code: Option<&str>) -> &'static str {
-    let code = code.map(|c| c.trim_matches('"'));
-    ErrorCode::ALL
-        .iter()
-        .map(|c| c.as_str())
-        .chain([
-            PARSE_FAILED,
-            VALIDATION_FAILED,
-            BAD_REQUEST,
-            crate::graph::door::LIMIT_EXCEEDED,
-            crate::graph::door::TIMEOUT,
-            crate::persisted::NOT_FOUND,
-            crate::persisted::HASH_MISMATCH,
-            crate::persisted::REQUIRED,
-        ])
-        .find(|c| Some(*c) == code)
-        .unwrap_or("OTHER")
+    crate::codes::Code::label(code)
 }
 
 #[cfg(test)]
