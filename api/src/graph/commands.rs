@@ -216,7 +216,10 @@ impl CommandQuery {
 
     /// Commands of every node, oldest first (`last:` for the newest), filtered (operators
     /// only).
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a GraphQL field's arguments: its filters and the four Relay page arguments"
+    )]
     async fn commands(
         &self,
         ctx: &Context<'_>,

@@ -167,7 +167,10 @@ impl InstanceQuery {
     }
 
     /// Instances: a member's own tenant's; an operator's of every tenant, or of `tenantId`.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a GraphQL field's arguments: its filters and the four Relay page arguments"
+    )]
     async fn instances(
         &self,
         ctx: &Context<'_>,

@@ -236,7 +236,10 @@ impl ReservationQuery {
     }
 
     /// Reservations: a member's own tenant's; an operator's of every tenant, or of `tenantId`.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a GraphQL field's arguments: its filters and the four Relay page arguments"
+    )]
     async fn reservations(
         &self,
         ctx: &Context<'_>,

@@ -695,7 +695,10 @@ impl ComputeNodeObj {
             .map(NodeSession))
     }
     /// Commands to this node's daemon, oldest first (`last:` for the newest). Operators only.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a GraphQL field's arguments: its filters and the four Relay page arguments"
+    )]
     async fn commands(
         &self,
         ctx: &Context<'_>,
@@ -1157,7 +1160,10 @@ impl FleetQuery {
     }
 
     /// Pools, optionally of one site or kind.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a GraphQL field's arguments: its filters and the four Relay page arguments"
+    )]
     async fn pools(
         &self,
         ctx: &Context<'_>,
@@ -1196,7 +1202,10 @@ impl FleetQuery {
     }
 
     /// Compute nodes (operators only). Retired nodes are left out unless `includeRetired`.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a GraphQL field's arguments: its filters and the four Relay page arguments"
+    )]
     async fn compute_nodes(
         &self,
         ctx: &Context<'_>,
@@ -1242,7 +1251,10 @@ impl FleetQuery {
     }
 
     /// GPUs (operators only).
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a GraphQL field's arguments: its filters and the four Relay page arguments"
+    )]
     async fn devices(
         &self,
         ctx: &Context<'_>,
@@ -1292,7 +1304,10 @@ impl FleetQuery {
     }
 
     /// Bookable atoms (operators only).
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a GraphQL field's arguments: its filters and the four Relay page arguments"
+    )]
     async fn atoms(
         &self,
         ctx: &Context<'_>,

@@ -236,7 +236,10 @@ pub async fn uncordon_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result
     .await
 }
 
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "cordon and uncordon share it: the transaction's name, the node and its version, the action, its event, the flag and the reason"
+)]
 async fn cordon_row(
     db: &Db,
     name: &'static str,
