@@ -439,7 +439,7 @@ pub fn dev_secret(data_dir: &Path, create: bool) -> Result<Secret, Error> {
             use std::io::Write;
             use std::os::unix::fs::OpenOptionsExt;
             std::fs::create_dir_all(data_dir).map_err(Error::internal)?;
-            let secret = compute_embedded_pg::random_hex(32).map_err(Error::internal)?;
+            let secret = compute_domain::process::random_hex(32)?;
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)

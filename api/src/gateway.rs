@@ -14,10 +14,10 @@ use std::time::Duration;
 use compute_domain::db::Db;
 use compute_domain::ids::{CommandId, NodeId};
 use compute_domain::leases::Fence;
+use compute_domain::leases::HeldLease;
 use compute_domain::node_commands::{self, Command};
 use compute_domain::sessions::{self, CloseReason, GATEWAY_TTL, Seen};
 use compute_protocol::{CommandKind, ToDaemon};
-use compute_workers::lease::HeldLease;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -47,8 +47,8 @@ pub struct GatewayConfig {
 impl GatewayConfig {
     /// The defaults, with an id made of the host, the process id and a random suffix.
     pub fn new() -> GatewayConfig {
-        let host = compute_workers::cli::host_name();
-        let suffix = compute_embedded_pg::random_hex(4).unwrap_or_default();
+        let host = compute_domain::process::host_name();
+        let suffix = compute_domain::process::random_hex(4).unwrap_or_default();
         GatewayConfig {
             id: format!("{host}-{}-{suffix}", std::process::id()),
             heartbeat: Duration::from_secs(5),

@@ -75,12 +75,7 @@ pub struct CreatedToken {
 
 /// 32 random bytes from the operating system, hex, after `prefix`.
 fn new_secret(prefix: &str) -> Result<String> {
-    let mut buf = [0u8; 32];
-    getrandom::fill(&mut buf).map_err(|e| Error::internal(format!("getrandom: {e}")))?;
-    Ok(format!(
-        "{prefix}{}",
-        buf.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    ))
+    Ok(format!("{prefix}{}", crate::process::random_hex(32)?))
 }
 
 /// Whether `s` has the shape of a secret with `prefix` (64 lowercase hex digits after it).

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod node_commands;
 pub mod outbox;
 pub mod page;
+pub mod process;
 pub mod quota;
 pub mod reservations;
 pub mod secrets;

@@ -128,7 +128,7 @@ const CURSOR_PREFIX: &str = "k1:";
 /// The opaque cursor of a key.
 pub fn encode_cursor(key: &str) -> String {
     let raw = format!("{CURSOR_PREFIX}{key}");
-    raw.bytes().map(|b| format!("{b:02x}")).collect()
+    crate::process::hex(raw.as_bytes())
 }
 
 /// The key of a cursor made by [`encode_cursor`].

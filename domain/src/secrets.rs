@@ -13,6 +13,7 @@
 use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 
 use crate::error::{Error, Result};
+use crate::process::hex;
 
 const PREFIX: &str = "sealed:v1:";
 
@@ -32,7 +33,7 @@ impl Key {
         let unbound = UnboundKey::new(&CHACHA20_POLY1305, &bytes)
             .map_err(|_| Error::internal("a 32-byte ChaCha20-Poly1305 key was refused"))?;
         Ok(Key {
-            id: to_hex(&digest.as_ref()[..4]),
+            id: crate::process::hex(&digest.as_ref()[..4]),
             key: LessSafeKey::new(unbound),
         })
     }
@@ -90,9 +91,7 @@ impl Keyring {
 
     /// A fresh random key, hex (for `dev`'s data directory and for operators).
     pub fn generate_key() -> Result<String> {
-        let mut bytes = [0u8; 32];
-        getrandom::fill(&mut bytes).map_err(|e| Error::internal(format!("getrandom: {e}")))?;
-        Ok(to_hex(&bytes))
+        crate::process::random_hex(32)
     }
 
     /// The id of the key that seals.
@@ -116,8 +115,8 @@ impl Keyring {
         Ok(format!(
             "{PREFIX}{}:{}{}",
             self.current.id,
-            to_hex(&nonce),
-            to_hex(&data)
+            hex(&nonce),
+            hex(&data)
         ))
     }
 
@@ -195,10 +194,6 @@ pub fn seal(keyring: Option<&Keyring>, plain: &str, context: &str) -> Result<Str
     }
 }
 
-fn to_hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn from_hex(s: &str) -> Option<Vec<u8>> {
     if !s.len().is_multiple_of(2) {
         return None;
@@ -214,7 +209,7 @@ mod tests {
     use super::*;
 
     fn key(n: u8) -> String {
-        to_hex(&[n; 32])
+        hex(&[n; 32])
     }
 
     #[test]

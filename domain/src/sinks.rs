@@ -171,12 +171,7 @@ pub(crate) fn check_types(types: &[String]) -> Result<()> {
 
 /// A fresh signing secret: 32 random bytes from the operating system, hex.
 fn new_secret() -> Result<String> {
-    let mut buf = [0u8; 32];
-    getrandom::fill(&mut buf).map_err(|e| Error::internal(format!("getrandom: {e}")))?;
-    Ok(format!(
-        "whsec_{}",
-        buf.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    ))
+    Ok(format!("whsec_{}", crate::process::random_hex(32)?))
 }
 
 /// Reads one sink in `conn`.

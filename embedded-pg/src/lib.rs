@@ -430,8 +430,8 @@ fn init_cluster(bin: &Path, data_dir: &Path, run_as: Option<&RunAs>) -> Result<S
     Ok(password)
 }
 
-/// Random bytes as lowercase hex.
-pub fn random_hex(bytes: usize) -> Result<String> {
+/// Random bytes as lowercase hex (for the server's password; this crate uses no other of ours).
+fn random_hex(bytes: usize) -> Result<String> {
     let mut buf = vec![0u8; bytes];
     getrandom::fill(&mut buf).map_err(|e| Error::new(format!("getrandom: {e}")))?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())

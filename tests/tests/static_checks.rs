@@ -255,3 +255,59 @@ fn every_event_type_is_documented() {
         "docs/webhooks.md does not document {missing:?}"
     );
 }
+
+/// The crates only `compute-api dev` needs, and the one file of the API that may name them.
+const DEV_CRATES: [&str; 3] = ["compute-workers", "compute-sim", "compute-embedded-pg"];
+
+#[test]
+fn the_server_depends_on_its_dev_crates_only_through_the_dev_feature() {
+    let manifest = std::fs::read_to_string(root().join("api/Cargo.toml")).expect("api/Cargo.toml");
+    let mut broken = Vec::new();
+    for krate in DEV_CRATES {
+        // Each is an optional dependency that only the `dev` feature turns on.
+        let line = manifest
+            .lines()
+            .find(|l| l.starts_with(&format!("{krate} ")) || l.starts_with(&format!("{krate}.")));
+        match line {
+            Some(l) if l.contains("optional = true") => {}
+            Some(l) => broken.push(format!("api/Cargo.toml: `{l}` is not optional")),
+            None => {}
+        }
+        let dev_feature = manifest
+            .lines()
+            .find(|l| l.starts_with("dev = ["))
+            .unwrap_or_default();
+        if line.is_some() && !dev_feature.contains(&format!("\"dep:{krate}\"")) {
+            broken.push(format!(
+                "api/Cargo.toml: the `dev` feature does not name dep:{krate}"
+            ));
+        }
+    }
+    let mut files = Vec::new();
+    let src = root().join("api/src");
+    rust_files(&src, &mut files);
+    for file in &files {
+        let rel = file.strip_prefix(&src).expect("under api/src");
+        if rel == Path::new("cli/dev.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(file).expect("read");
+        for (n, line) in text.lines().enumerate() {
+            for krate in DEV_CRATES {
+                let path = krate.replace('-', "_");
+                if line.contains(&format!("{path}::")) && !line.trim_start().starts_with("//") {
+                    broken.push(format!(
+                        "api/src/{}:{}: names `{path}` outside cli/dev.rs",
+                        rel.display(),
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "`compute-api --no-default-features` must leave the dev crates out:\n{}",
+        broken.join("\n")
+    );
+}

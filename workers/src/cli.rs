@@ -72,17 +72,13 @@ fn parse_role(s: &str) -> Result<Role, String> {
         .ok_or_else(|| format!("unknown role `{s}`: use reconcile, outbox, dispatch or all"))
 }
 
-/// This machine's host name (`/etc/hostname`), or `unknown`: part of the names processes take
-/// in leases (workers, gateways).
-pub fn host_name() -> String {
-    std::fs::read_to_string("/etc/hostname")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into())
-}
-
 /// This process's name in the leases it takes: `worker:<host>:<pid>`.
 pub fn owner() -> String {
-    format!("worker:{}:{}", host_name(), std::process::id())
+    format!(
+        "worker:{}:{}",
+        compute_domain::process::host_name(),
+        std::process::id()
+    )
 }
 
 /// The binary's `main`.
@@ -208,24 +204,6 @@ pub async fn main() -> ExitCode {
     tokio::spawn(async move {
         let _ = server.await;
     });
-    crate::run(db, options, stop_signal()).await;
+    crate::run(db, options, compute_domain::process::stop_signal()).await;
     ExitCode::SUCCESS
-}
-
-/// Resolves on SIGINT (Ctrl-C) or SIGTERM, and logs which: the one stop signal of both
-/// binaries (`compute-api` uses it too). The worker then releases its leases, so another takes
-/// over at once instead of after the leases' TTL; the API stops accepting and drains.
-pub async fn stop_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => tracing::info!("received SIGINT"),
-        () = term => tracing::info!("received SIGTERM"),
-    }
 }

@@ -29,7 +29,7 @@ use sha2::Sha256;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use crate::lease::{Bound, HeldLease};
+use compute_domain::leases::{Bound, HeldLease};
 
 /// Events read and delivered between two saves of a sink's cursor.
 pub const BATCH: i64 = 100;

@@ -16,7 +16,7 @@
 //!   (`compute_domain::node_commands::dispatch_node`, `docs/commands.md`).
 //! - [`dispatch::Dispatcher`]: webhook delivery, one task per sink under
 //!   `singleton:outbox-dispatch:<sink id>`.
-//! - [`lease::HeldLease`]: leases renewed in the background, whose loss cancels the work bound
+//! - [`compute_domain::leases::HeldLease`]: leases renewed in the background, whose loss cancels the work bound
 //!   to them at once.
 //!
 //! Every step is level-triggered and safe to run twice (guarded updates of the state table's
@@ -29,7 +29,6 @@ pub mod cli;
 pub mod dispatch;
 pub mod egress;
 pub mod http;
-pub mod lease;
 pub mod queue;
 pub mod usage;
 
@@ -100,7 +99,7 @@ pub struct Pass {
 /// The reservation reconciler of one process.
 #[derive(Debug, Clone)]
 pub struct Reconciler {
-    lease: lease::PassLease,
+    lease: compute_domain::leases::PassLease,
     last_rollup_resync: Option<tokio::time::Instant>,
 }
 
@@ -108,7 +107,7 @@ impl Reconciler {
     /// A reconciler for this process; `owner` names it in the lease (host and pid, say).
     pub fn new(db: Db, owner: impl Into<String>) -> Self {
         Reconciler {
-            lease: lease::PassLease::new(db, RESERVATIONS_LEASE, owner),
+            lease: compute_domain::leases::PassLease::new(db, RESERVATIONS_LEASE, owner),
             last_rollup_resync: None,
         }
     }

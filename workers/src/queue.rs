@@ -20,7 +20,7 @@ use compute_domain::work_queue::{self, Item, SHARDS, WorkKind};
 use compute_domain::{Error, Result};
 use tracing::{debug, info, warn};
 
-use crate::lease::{Bound, HeldLease};
+use compute_domain::leases::{Bound, HeldLease};
 
 /// Counters for `/metrics`.
 #[derive(Debug, Default)]

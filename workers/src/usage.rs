@@ -18,7 +18,7 @@ use compute_domain::db::Db;
 use compute_domain::usage::{self, MeterPass};
 use tracing::{info, warn};
 
-use crate::lease::PassLease;
+use compute_domain::leases::PassLease;
 
 /// The lease the meter runs under.
 pub const USAGE_LEASE: &str = compute_domain::leases::name::USAGE;

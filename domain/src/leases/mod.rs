@@ -4,12 +4,16 @@
 //! Names: `shard:<kind>:<n>`, `pool:<id>`, `site:<id>`, `singleton:<name>`, `gateway:<id>`.
 //! Shard, pool, site and singleton leases live [`TTL`] and are renewed every [`RENEW_EVERY`].
 
+mod held;
+
 use std::time::Duration;
 
 use sqlx::PgConnection;
 
 use crate::db::Db;
 use crate::error::{Error, Result};
+
+pub use held::{Bound, HeldLease, PassLease};
 
 /// How long a lease lives without renewal.
 pub const TTL: Duration = Duration::from_secs(15);

@@ -10,8 +10,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-use compute_domain::db::Db;
-use compute_domain::leases::{self, Fence, RENEW_EVERY, TTL};
+use crate::db::Db;
+use crate::leases::{self, Fence, RENEW_EVERY, TTL};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{info, warn};
@@ -35,11 +35,7 @@ pub enum Bound<T> {
 impl HeldLease {
     /// Acquires `name` for `owner` (or renews it if `owner` holds it already); `None` when
     /// another owner holds it.
-    pub async fn acquire(
-        db: &Db,
-        name: &str,
-        owner: &str,
-    ) -> compute_domain::Result<Option<HeldLease>> {
+    pub async fn acquire(db: &Db, name: &str, owner: &str) -> crate::Result<Option<HeldLease>> {
         Self::acquire_with(db, name, owner, TTL, RENEW_EVERY).await
     }
 
@@ -50,7 +46,7 @@ impl HeldLease {
         owner: &str,
         ttl: Duration,
         renew_every: Duration,
-    ) -> compute_domain::Result<Option<HeldLease>> {
+    ) -> crate::Result<Option<HeldLease>> {
         let started = Instant::now();
         let Some(fence) = leases::acquire(db, name, owner, ttl).await? else {
             return Ok(None);
@@ -111,7 +107,7 @@ impl HeldLease {
     /// Renews the lease now (or takes it back with the same epoch if it expired and nobody
     /// took it); `false` when it is lost. A worker stepped on the simulated clock calls this
     /// after moving time, instead of waiting for the background renewal.
-    pub async fn refresh(&self, db: &Db) -> compute_domain::Result<bool> {
+    pub async fn refresh(&self, db: &Db) -> crate::Result<bool> {
         if self.is_lost() {
             return Ok(false);
         }
@@ -196,7 +192,7 @@ impl PassLease {
     }
 
     /// Acquires or renews the lease; the fence when this process holds it.
-    pub async fn keep(&mut self) -> compute_domain::Result<Option<Fence>> {
+    pub async fn keep(&mut self) -> crate::Result<Option<Fence>> {
         let fence = match &self.fence {
             Some(f) if leases::renew(&self.db, f, TTL).await? => Some(f.clone()),
             _ => leases::acquire(&self.db, self.name, &self.owner, TTL).await?,

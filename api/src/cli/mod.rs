@@ -1,22 +1,29 @@
 //! The `compute-api` command line: one typed configuration from flags and environment.
+//!
+//! `dev.rs` is `compute-api dev` (the whole system in one process on the embedded database) and
+//! the embedded database `serve` falls back to without `DATABASE_URL`; it alone uses the
+//! workers, the simulator and the embedded-PostgreSQL crates, behind the default-on `dev`
+//! feature (`cargo build -p compute-api --no-default-features` leaves all three out).
+
+#[cfg(feature = "dev")]
+mod dev;
 
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use compute_domain::db::{Db, PoolSettings};
 use compute_domain::secrets::Keyring;
 use compute_domain::{Error, Result};
-use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres};
 use tracing::info;
 
 use crate::auth::{self, KeySource, Role, Secret, Verifier};
 use crate::limits::Limits;
 use crate::server::Server;
-use compute_workers::cli::stop_signal as shutdown_signal;
+use compute_domain::process::stop_signal as shutdown_signal;
 
 /// The database the embedded server keeps the system's data in.
 pub const EMBEDDED_DATABASE: &str = "compute";
@@ -37,7 +44,8 @@ pub enum Command {
     /// Serve the API (production): on DATABASE_URL, or on the embedded database without it.
     Serve(Box<ServeArgs>),
     /// Run the whole system in one process on the embedded database, with a development token.
-    Dev(DevArgs),
+    #[cfg(feature = "dev")]
+    Dev(dev::DevArgs),
     /// Apply pending migrations and exit.
     Migrate(MigrateArgs),
     /// Print the GraphQL schema (SDL).
@@ -434,19 +442,6 @@ pub struct MigrateArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct DevArgs {
-    /// Address to listen on.
-    #[arg(long, env = "COMPUTE_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
-    /// Where the embedded database and the development key live.
-    #[arg(long, env = "COMPUTE_DATA_DIR", default_value = ".compute")]
-    pub data_dir: PathBuf,
-    /// Log format.
-    #[arg(long, env = "COMPUTE_LOG_FORMAT", value_enum, default_value = "pretty")]
-    pub log_format: LogFormat,
-}
-
-#[derive(Debug, Args)]
 pub struct TokenArgs {
     /// Role to grant; repeat for several (operator, member, node).
     #[arg(long = "role", required = true, value_parser = parse_role)]
@@ -499,7 +494,26 @@ pub fn init_logging(format: LogFormat) {
 /// A database handle, and the embedded server behind it when there is one (stopped on drop).
 pub struct Database {
     pub db: Db,
-    pub embedded: Option<EmbeddedPostgres>,
+    pub embedded: Option<Embedded>,
+}
+
+#[cfg(feature = "dev")]
+pub use dev::Embedded;
+/// Without the `dev` feature there is no embedded server: no value of this type exists.
+#[cfg(not(feature = "dev"))]
+pub type Embedded = std::convert::Infallible;
+
+#[cfg(feature = "dev")]
+use dev::embedded;
+
+/// Without the `dev` feature, a database needs `DATABASE_URL`.
+#[cfg(not(feature = "dev"))]
+async fn embedded(_data_dir: &Path, _settings: &PoolSettings) -> Result<(Db, Embedded)> {
+    Err(Error::bad_input(
+        "database-url",
+        "this compute-api is built without the embedded database (the `dev` feature): set \
+         DATABASE_URL (or --database-url) to a PostgreSQL server",
+    ))
 }
 
 /// Connects to `DATABASE_URL`, or starts the embedded server from the data directory.
@@ -524,13 +538,7 @@ pub async fn open_database(args: &DatabaseArgs, max_connections: u32) -> Result<
             embedded: None,
         }),
         None => {
-            let pg = EmbeddedPostgres::start(EmbeddedOptions::durable(data_dir))
-                .await
-                .map_err(Error::internal)?;
-            pg.ensure_database(EMBEDDED_DATABASE)
-                .await
-                .map_err(Error::internal)?;
-            let db = Db::connect(&pg.url(EMBEDDED_DATABASE), &settings).await?;
+            let (db, pg) = embedded(data_dir, &settings).await?;
             Ok(Database {
                 db,
                 embedded: Some(pg),
@@ -655,219 +663,6 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// `compute-api dev`.
-pub async fn dev(args: DevArgs) -> Result<()> {
-    init_logging(args.log_format);
-    let started = Instant::now();
-    let database = open_database(
-        &DatabaseArgs {
-            database_url: None,
-            data_dir: args.data_dir.clone(),
-            db_max_connections: 16,
-            db_pooled: false,
-            listen_database_url: None,
-            log_format: args.log_format,
-        },
-        16,
-    )
-    .await?;
-    database.db.migrate().await?;
-    compute_domain::fleet::demo::seed_if_empty(&database.db).await?;
-    let keyring = Keyring::from_config(Some(&data_dir_key(&args.data_dir)?), None)?;
-    let db = database.db.clone().with_keyring(keyring);
-    let secret = auth::dev_secret(&args.data_dir, true)?;
-    let verifier = Verifier::new(
-        auth::KeySource::Hs256(secret.clone()),
-        auth::DEV_ISSUER,
-        auth::DEV_AUDIENCE,
-    )
-    .map_err(Error::internal)?;
-    let ttl = 30 * 86_400;
-    // The development token printed below lives 30 days; `dev` accepts it.
-    let verifier = verifier.with_max_lifetime(Duration::from_secs(31 * 86_400));
-    let token = auth::mint_hs256(
-        &secret,
-        &auth::dev_claims(
-            "dev@localhost",
-            Some("dev"),
-            &[Role::Operator, Role::Member],
-            ttl,
-        ),
-    )?;
-    let listener = bind(args.listen).await?;
-    let addr = listener.local_addr().map_err(Error::internal)?;
-    // One registry for the process: the API's metrics, the workers' and the transactions'.
-    let registry = compute_domain::metrics::Registry::default();
-    db.register_metrics(&registry);
-    // `dev` serves pages of its own origin, which browsers may call it from.
-    let own = [
-        format!("http://{addr}"),
-        format!("http://localhost:{}", addr.port()),
-    ];
-    let server = Server::with_registry(
-        db.clone(),
-        verifier,
-        crate::tailer::StreamConfig::default(),
-        registry.clone(),
-    )
-    .await?
-    .with_frontends(
-        crate::persisted::Persisted::automatic(),
-        cors_origins(&own)?,
-    )
-    .with_dev_token(&token);
-    let pg = database.embedded.as_ref();
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(
-        out,
-        "\nBetter Compute is running (ready in {:.1} s).\n\
-         \n  Console    http://{addr}/   (Sign in: \"Use the development token\")\
-         \n  GraphiQL   http://{addr}/graphiql\n  Ready      http://{addr}/readyz\n  Metrics    http://{addr}/metrics\
-         \n  Data       {} ({}, port {})\n\
-         \nA development token (roles operator and member, tenant \"dev\", valid 30 days).\
-         \nIn GraphiQL, open Headers and paste:\n\n  {{\"Authorization\": \"Bearer {token}\"}}\n\
-         \nMore tokens: cargo run -p compute-api -- token --role member --tenant acme --sub alice\
-         \nPress Ctrl-C to stop.\n",
-        started.elapsed().as_secs_f64(),
-        pg.map(|p| p.data_dir().display().to_string())
-            .unwrap_or_default(),
-        pg.map(|p| p.version().to_owned()).unwrap_or_default(),
-        pg.map(|p| p.port()).unwrap_or_default(),
-    );
-    drop(out);
-    // Every worker role in-process: the work queue, the resync, pruning and webhook delivery.
-    let (stop_workers, workers_stopped) = tokio::sync::oneshot::channel::<()>();
-    let reconciler = tokio::spawn(compute_workers::run(
-        db.clone(),
-        compute_workers::Options {
-            role: compute_workers::Role::All,
-            kinds: compute_workers::queue::KINDS.to_vec(),
-            owner: format!("dev:{}", std::process::id()),
-            resync_every: std::time::Duration::from_secs(5),
-            queue_idle: std::time::Duration::from_millis(200),
-            metrics: Some(registry),
-            // `dev` is for trying the system on one machine, receivers included.
-            webhooks_allow_private: true,
-            usage_every: std::time::Duration::from_secs(5),
-            usage_window_seconds: None,
-        },
-        async move {
-            let _ = workers_stopped.await;
-        },
-    ));
-    // A simulated daemon for every demonstration node, so nodes show CONNECTED.
-    let (stop_sim, sim_stopped) = tokio::sync::watch::channel(false);
-    let simulator = tokio::spawn(dev_simulator(
-        db.clone(),
-        secret.clone(),
-        format!("ws://{addr}/agent"),
-        args.data_dir.join(SIM_STOPPED_FILE),
-        sim_stopped,
-    ));
-    let served = server.run(listener, shutdown_signal()).await;
-    let _ = stop_sim.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(5), simulator).await;
-    let _ = stop_workers.send(());
-    let _ = reconciler.await;
-    served.map_err(Error::internal)?;
-    drop(database);
-    info!("stopped");
-    Ok(())
-}
-
-/// The file in `dev`'s data directory that lists, a host name per line, the demonstration nodes
-/// whose simulated daemon should stay stopped (`docs/nodes.md`, "Trying it").
-pub const SIM_STOPPED_FILE: &str = "sim-stopped";
-
-/// `dev`'s in-process fleet simulator: a `compute-sim` daemon for each node (up to 100),
-/// connected to this process's own `/agent`. Every second it reads `stopped_file`: a daemon
-/// whose host is listed says `bye` (its node goes DISCONNECTED, then UNREACHABLE 40 s later);
-/// removing the line starts it again.
-async fn dev_simulator(
-    db: Db,
-    secret: Secret,
-    url: String,
-    stopped_file: std::path::PathBuf,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let first = compute_domain::page::PageArgs {
-        after: None,
-        before: None,
-        limit: 100,
-        backward: false,
-    };
-    let nodes = match compute_domain::fleet::list_nodes(
-        &db,
-        &compute_domain::fleet::NodeFilter::default(),
-        &first,
-    )
-    .await
-    {
-        Ok(page) => page.items,
-        Err(e) => {
-            tracing::warn!(error = %e, "the dev simulator could not list the nodes");
-            return;
-        }
-    };
-    let mut running: std::collections::HashMap<String, tokio::sync::watch::Sender<bool>> =
-        std::collections::HashMap::new();
-    loop {
-        let stopped: std::collections::HashSet<String> = std::fs::read_to_string(&stopped_file)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| l.trim().to_owned())
-            .filter(|l| !l.is_empty())
-            .collect();
-        for node in &nodes {
-            let wanted = !stopped.contains(&node.hostname);
-            match (wanted, running.contains_key(&node.hostname)) {
-                (true, false) => {
-                    let mut claims = auth::dev_claims(
-                        &format!("node:{}", node.id),
-                        None,
-                        &[Role::Node],
-                        30 * 86_400,
-                    );
-                    claims.node = Some(node.id.to_string());
-                    let Ok(token) = auth::mint_hs256(&secret, &claims) else {
-                        continue;
-                    };
-                    let config = compute_sim::DaemonConfig {
-                        url: url.clone(),
-                        token,
-                        node_id: node.id.to_string(),
-                        daemon_version: "compute-sim (dev)".into(),
-                        journal_id: format!("dev-{}", node.id),
-                        observed_generation: node.observed_generation,
-                    };
-                    let (tx, rx) = tokio::sync::watch::channel(false);
-                    tokio::spawn(compute_sim::run_daemon(
-                        config,
-                        compute_sim::Behaviour::default(),
-                        rx,
-                        |_, _| {},
-                    ));
-                    running.insert(node.hostname.clone(), tx);
-                }
-                (false, true) => {
-                    if let Some(tx) = running.remove(&node.hostname) {
-                        info!(host = %node.hostname, "dev simulator: daemon stopped");
-                        let _ = tx.send(true);
-                    }
-                }
-                _ => {}
-            }
-        }
-        tokio::select! {
-            _ = stop.changed() => break,
-            () = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
-    }
-    for (_, tx) in running {
-        let _ = tx.send(true);
-    }
-}
-
 /// Migrations hold a session advisory lock (sqlx's migrator) across statements, which a
 /// transaction pooler cannot keep: they run on PostgreSQL itself.
 fn pooled_migration() -> Error {
@@ -957,7 +752,8 @@ pub async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => serve(*args).await,
-        Command::Dev(args) => dev(args).await,
+        #[cfg(feature = "dev")]
+        Command::Dev(args) => dev::dev(args).await,
         Command::Migrate(args) => migrate(args).await,
         Command::Schema => {
             let _ = write!(std::io::stdout().lock(), "{}", crate::graph::sdl());
