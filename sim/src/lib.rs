@@ -73,14 +73,25 @@ impl Session {
         self.ws.send(message).await.map_err(Closed::abnormal)
     }
 
+    /// Sends one typed protocol message.
+    pub async fn send_message(&mut self, message: &FromDaemon) -> Result<(), Closed> {
+        let text = serde_json::to_string(message).map_err(Closed::abnormal)?;
+        self.ws
+            .send(Message::Text(text.into()))
+            .await
+            .map_err(Closed::abnormal)
+    }
+
     pub async fn heartbeat(&mut self) -> Result<(), Closed> {
-        self.send(json!({ "type": "heartbeat" })).await
+        self.send_message(&FromDaemon::Heartbeat {}).await
     }
 
     /// Reports the generation this daemon has applied.
     pub async fn status(&mut self, observed_generation: i64) -> Result<(), Closed> {
-        self.send(json!({ "type": "status", "observedGeneration": observed_generation }))
-            .await
+        self.send_message(&FromDaemon::Status {
+            observed_generation,
+        })
+        .await
     }
 
     /// Ends the session cleanly.
@@ -421,17 +432,19 @@ pub async fn run_daemon(
                             match m {
                                 Some(Err(c)) => break Some(c),
                                 Some(Ok(message)) => {
-                                    let replies = daemon.on_message(&message);
+                                    let parsed = serde_json::from_value::<ToDaemon>(message).ok();
+                                    let proceed = matches!(parsed, Some(ToDaemon::Proceed { .. }));
+                                    let replies = parsed.map(|m| daemon.answer(m)).unwrap_or_default();
                                     // A command takes its time between `proceed` and its result.
-                                    if message["type"] == "proceed" && !behaviour.command_time.is_zero() {
+                                    if proceed && !behaviour.command_time.is_zero() {
                                         tokio::select! {
                                             _ = stop.changed() => return,
                                             () = tokio::time::sleep(behaviour.command_time) => {}
                                         }
                                     }
                                     let mut failed = None;
-                                    for reply in replies {
-                                        if let Err(c) = session.send(reply).await {
+                                    for reply in &replies {
+                                        if let Err(c) = session.send_message(reply).await {
                                             failed = Some(c);
                                             break;
                                         }
