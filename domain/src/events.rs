@@ -6,29 +6,29 @@
 //! cannot change a webhook body silently.
 //!
 //! Row structs (`fleet::Node`, `reservations::Reservation`, …) do not derive `Serialize`: a
-//! payload is built from a row here, field by field.
+//! payload is built from a row field by field, in the aggregate's `payload.rs`, beside the row.
+//! This module is a leaf of the domain: it names only the aggregates' `model` and `state`
+//! leaves (the enums a payload holds), never their rows, so no aggregate's import of the
+//! contract closes a circle (`domain_modules_form_no_cycle`).
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::condition::Condition;
-use crate::enrollment::JoinToken;
 use crate::fleet::model::{
     AtomKind, DeviceMode, Health, Labels, PoolKind, Reachability, Taint, TaintEffect,
 };
 use crate::fleet::state::NodeLifecycle;
-use crate::fleet::{Device, Node, Pool, Site, commands::Holder};
 use crate::ids::{
     AllocationId, AtomName, CommandId, DeviceId, InstanceId, JoinTokenId, NodeId, PoolId,
     ReservationId, ScopeId, SinkId, SiteId, TenantId,
 };
-use crate::instances::{Instance, State as InstanceState};
-use crate::node_commands::{Command, Kind as CommandKind, State as CommandState};
-use crate::quota::{Quota, QuotaResource};
+use crate::instances::state::State as InstanceState;
+use crate::node_commands::state::{Kind as CommandKind, State as CommandState};
+use crate::quota::model::QuotaResource;
 use crate::reservations::model::Toleration;
 use crate::reservations::state::State;
-use crate::reservations::{Allocation, Reservation};
-use crate::sinks::{Sink, SinkState};
+use crate::sinks::model::SinkState;
 use crate::text_enum::text_enum;
 
 text_enum!(
@@ -157,19 +157,6 @@ pub struct SiteView {
     pub updated_at: DateTime<Utc>,
 }
 
-impl From<&Site> for SiteView {
-    fn from(s: &Site) -> Self {
-        SiteView {
-            id: s.id.clone(),
-            name: s.name.clone(),
-            region: s.region.clone(),
-            version: s.version,
-            created_at: s.created_at,
-            updated_at: s.updated_at,
-        }
-    }
-}
-
 /// `pool.*`: the pool after the change.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -197,26 +184,6 @@ pub struct Overcommit {
     pub vcpu: f64,
     pub memory: f64,
     pub disk: f64,
-}
-
-impl From<&Pool> for PoolView {
-    fn from(p: &Pool) -> Self {
-        PoolView {
-            id: p.id.clone(),
-            site_id: p.site_id.clone(),
-            name: p.name.clone(),
-            kind: p.kind,
-            lost_after_seconds: p.lost_after_seconds.map(|s| s as i64),
-            overcommit: Overcommit {
-                vcpu: p.vcpu_ratio,
-                memory: p.memory_ratio,
-                disk: p.disk_ratio,
-            },
-            version: p.version,
-            created_at: p.created_at,
-            updated_at: p.updated_at,
-        }
-    }
 }
 
 /// `node.*`: the node after the change; `devices` in `node.registered`, `remaining` (what
@@ -300,40 +267,6 @@ impl From<&Condition> for ConditionView {
     }
 }
 
-impl From<&Node> for NodeView {
-    fn from(n: &Node) -> Self {
-        NodeView {
-            id: n.id.clone(),
-            pool_id: n.pool_id.clone(),
-            hostname: n.hostname.clone(),
-            labels: n.labels.0.clone(),
-            taints: n.taints.iter().map(TaintView::from).collect(),
-            cordoned: n.cordoned,
-            cordon_reason: n.cordon_reason.clone(),
-            lifecycle: n.lifecycle,
-            reachability: n.reachability,
-            conditions: n.conditions.iter().map(ConditionView::from).collect(),
-            generation: n.generation,
-            observed_generation: n.observed_generation,
-            joined_at: n.joined_at,
-            retired_at: n.retired_at,
-            version: n.version,
-            updated_at: n.updated_at,
-        }
-    }
-}
-
-impl NodePayload {
-    pub fn of(node: &Node) -> NodePayload {
-        NodePayload {
-            node: node.into(),
-            devices: None,
-            remaining: None,
-            differences: None,
-        }
-    }
-}
-
 /// A booking that still holds atoms of a drained node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -343,17 +276,6 @@ pub struct HolderView {
     pub reason: crate::fleet::model::BookingReason,
     pub atoms: Vec<AtomName>,
     pub until: Option<DateTime<Utc>>,
-}
-
-impl From<&Holder> for HolderView {
-    fn from(h: &Holder) -> Self {
-        HolderView {
-            allocation_id: h.allocation_id.clone(),
-            reason: h.reason,
-            atoms: h.atoms.clone(),
-            until: h.until,
-        }
-    }
 }
 
 /// `device.*`: the GPU after the change.
@@ -389,33 +311,6 @@ pub struct DeviceView {
     pub updated_at: DateTime<Utc>,
 }
 
-impl From<&Device> for DeviceView {
-    fn from(d: &Device) -> Self {
-        let layout = d.layout.as_ref().map(|l| &l.0);
-        DeviceView {
-            id: d.id.clone(),
-            compute_node_id: d.node_id.clone(),
-            uuid: d.uuid.clone(),
-            vendor: d.vendor.clone(),
-            model: d.model.clone(),
-            memory_mib: d.memory_mib,
-            mode: d.mode,
-            mig_profiles: layout.and_then(|l| l.profiles.clone()),
-            slots: layout.and_then(|l| l.slots),
-            health: d.health,
-            health_reason: d.health_reason.clone(),
-            health_since: d.health_since,
-            quarantined: d.quarantined,
-            quarantine_reason: d.quarantine_reason.clone(),
-            inventory_mismatch: d.inventory_mismatch.clone(),
-            retired_at: d.retired_at,
-            version: d.version,
-            created_at: d.created_at,
-            updated_at: d.updated_at,
-        }
-    }
-}
-
 /// `join_token.*`: the token after the change (never its secret).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -437,26 +332,6 @@ pub struct JoinTokenView {
     pub compute_node_id: Option<NodeId>,
     pub revoked_at: Option<DateTime<Utc>>,
     pub revoked_by: Option<String>,
-}
-
-impl JoinTokenPayload {
-    pub fn of(t: &JoinToken) -> JoinTokenPayload {
-        JoinTokenPayload {
-            join_token: JoinTokenView {
-                id: t.id.clone(),
-                pool_id: t.pool_id.clone(),
-                labels: t.labels.0.clone(),
-                state: t.state.clone(),
-                expires_at: t.expires_at,
-                created_by: t.created_by.clone(),
-                created_at: t.created_at,
-                used_at: t.used_at,
-                compute_node_id: t.node_id.clone(),
-                revoked_at: t.revoked_at,
-                revoked_by: t.revoked_by.clone(),
-            },
-        }
-    }
 }
 
 /// `reservation.*`: the reservation after the change, with its allocations.
@@ -527,50 +402,6 @@ impl From<&Toleration> for TolerationView {
     }
 }
 
-impl ReservationPayload {
-    pub fn of(r: &Reservation, allocations: &[Allocation]) -> ReservationPayload {
-        ReservationPayload {
-            reservation: ReservationView {
-                id: r.id.clone(),
-                tenant_id: r.tenant_id.clone(),
-                created_by: r.created_by.clone(),
-                pool_id: r.pool_id.clone(),
-                state: r.state,
-                starts_at: r.starts_at,
-                ends_at: r.ends_at,
-                ended_at: r.ended_at,
-                conditions: r.conditions.iter().map(ConditionView::from).collect(),
-                gpu_charge: r.charge_gpu,
-                vcpu_charge: r.charge_vcpu,
-                memory_mib_charge: r.charge_memory_mib,
-                next_attempt_at: r.next_attempt_at,
-                version: r.version,
-                created_at: r.created_at,
-                updated_at: r.updated_at,
-            },
-            allocations: allocations
-                .iter()
-                .map(|a| AllocationView {
-                    id: a.id.clone(),
-                    ordinal: a.ordinal,
-                    gpu_kind: a.gpu_kind,
-                    gpu_count: a.gpu_count,
-                    model: a.model.clone(),
-                    profile: a.profile.clone(),
-                    slots_per_gpu: a.slots_per_gpu,
-                    vcpu: a.vcpu,
-                    memory_mib: a.memory_mib,
-                    disk_gib: a.disk_gib,
-                    node_selector: a.node_selector.0.clone(),
-                    tolerations: a.tolerations.iter().map(TolerationView::from).collect(),
-                    compute_node_id: a.node_id.clone(),
-                    atoms: a.atoms.clone(),
-                })
-                .collect(),
-        }
-    }
-}
-
 /// `quota.set`: the tenant's limits on one pool or site after the change.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -590,18 +421,6 @@ pub struct QuotaView {
     pub used: f64,
     pub version: i64,
     pub updated_at: DateTime<Utc>,
-}
-
-impl From<&Quota> for QuotaView {
-    fn from(q: &Quota) -> Self {
-        QuotaView {
-            resource: q.resource,
-            max: q.max_amount,
-            used: q.used,
-            version: q.version,
-            updated_at: q.updated_at,
-        }
-    }
 }
 
 /// `event_sink.*`: the sink after the change (before it, for `event_sink.deleted`). Never its
@@ -624,30 +443,6 @@ pub struct EventSinkView {
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
-}
-
-impl From<&Sink> for EventSinkView {
-    fn from(s: &Sink) -> Self {
-        EventSinkView {
-            id: s.id.clone(),
-            tenant_id: s.tenant_id.clone(),
-            url: s.url.clone(),
-            types: s.types.clone(),
-            active: s.active,
-            state: s.state,
-            version: s.version,
-            created_at: s.created_at,
-            updated_at: s.updated_at,
-        }
-    }
-}
-
-/// What an event is about, for readers that follow a pool or a node (the tailer's subscribers),
-/// read from its typed payload instead of probing JSON keys.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Concerns {
-    pub pool: Option<PoolId>,
-    pub node: Option<NodeId>,
 }
 
 /// `command.*`: the command after the change (its arguments, result and error included; the
@@ -682,34 +477,6 @@ pub struct CommandView {
     pub finished_at: Option<DateTime<Utc>>,
 }
 
-impl CommandPayload {
-    pub fn of(c: &Command) -> CommandPayload {
-        CommandPayload {
-            command: CommandView {
-                id: c.id.clone(),
-                node_id: c.node_id.clone(),
-                kind: c.kind,
-                args: c.args.0.clone(),
-                min_generation: c.min_generation,
-                retry_safe: c.retry_safe,
-                state: c.state,
-                attempts: c.attempts,
-                progress: c.progress.as_ref().map(|p| p.0.clone()),
-                result: c.result.as_ref().map(|r| r.0.clone()),
-                error_code: c.error_code.clone(),
-                error_message: c.error_message.clone(),
-                session_epoch: c.session_epoch,
-                journal_id: c.journal_id.clone(),
-                created_by: c.created_by.clone(),
-                version: c.version,
-                created_at: c.created_at,
-                updated_at: c.updated_at,
-                finished_at: c.finished_at,
-            },
-        }
-    }
-}
-
 /// `instance.*`: the instance after the change. Never its `env` (it may hold the tenant's
 /// secrets): only the variables' names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -741,112 +508,6 @@ pub struct InstanceView {
     pub exit_code: Option<i32>,
     pub exit_signal: Option<i32>,
     pub exited_at: Option<DateTime<Utc>>,
-}
-
-impl InstancePayload {
-    pub fn of(i: &Instance) -> InstancePayload {
-        InstancePayload {
-            instance: InstanceView {
-                id: i.id.clone(),
-                tenant_id: i.tenant_id.clone(),
-                reservation_id: i.reservation_id.clone(),
-                allocation_id: i.allocation_id.clone(),
-                compute_node_id: i.node_id.clone(),
-                image: i.image.clone(),
-                command: i.command.clone(),
-                env_names: i.env.0.keys().cloned().collect(),
-                state: i.state,
-                stop_requested: i.stop_requested,
-                reason: i.reason.clone(),
-                created_by: i.created_by.clone(),
-                version: i.version,
-                created_at: i.created_at,
-                updated_at: i.updated_at,
-                started_at: i.started_at,
-                stopped_at: i.stopped_at,
-                exit_code: i.exit_code,
-                exit_signal: i.exit_signal,
-                exited_at: i.exited_at,
-            },
-        }
-    }
-}
-
-/// [`Concerns`] of an event of type `event_type` with payload `data`. An event of a type this
-/// process does not know (written by a newer version) concerns nothing it follows.
-pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct PoolRef {
-        id: PoolId,
-    }
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct NodeRef {
-        id: NodeId,
-        pool_id: PoolId,
-    }
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct DeviceRef {
-        compute_node_id: NodeId,
-    }
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct ReservationRef {
-        pool_id: PoolId,
-    }
-    #[derive(Deserialize)]
-    struct Of<T> {
-        #[serde(
-            alias = "pool",
-            alias = "node",
-            alias = "device",
-            alias = "reservation"
-        )]
-        inner: T,
-    }
-    fn read<T: for<'de> Deserialize<'de>>(data: &serde_json::Value) -> Option<T> {
-        serde_json::from_value::<Of<T>>(data.clone())
-            .ok()
-            .map(|o| o.inner)
-    }
-    let Some(t) = EventType::parse(event_type) else {
-        return Concerns::default();
-    };
-    match t.family() {
-        Family::Pool => Concerns {
-            pool: read::<PoolRef>(data).map(|p| p.id),
-            node: None,
-        },
-        Family::Node => read::<NodeRef>(data)
-            .map(|n| Concerns {
-                pool: Some(n.pool_id),
-                node: Some(n.id),
-            })
-            .unwrap_or_default(),
-        Family::Device => Concerns {
-            pool: None,
-            node: read::<DeviceRef>(data).map(|d| d.compute_node_id),
-        },
-        Family::Reservation => Concerns {
-            pool: read::<ReservationRef>(data).map(|r| r.pool_id),
-            node: None,
-        },
-        Family::JoinToken => Concerns {
-            pool: data
-                .pointer("/joinToken/poolId")
-                .and_then(|p| p.as_str())
-                .and_then(PoolId::from_trusted),
-            node: None,
-        },
-        Family::Site
-        | Family::Quota
-        | Family::EventSink
-        | Family::Command
-        | Family::Instance
-        | Family::Usage => Concerns::default(),
-    }
 }
 
 /// `usage.*`: one usage record of a window (`usage.window_closed`: the window's record;

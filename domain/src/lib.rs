@@ -8,7 +8,6 @@ pub mod actor;
 pub mod clock;
 pub mod condition;
 pub mod db;
-pub mod enrollment;
 pub mod error;
 pub mod events;
 pub mod fleet;

@@ -4,59 +4,130 @@
 //! change, so the event exists exactly when the change committed. The row's `txid` is the writing
 //! transaction's id and `seq` comes from a sequence; readers (subscriptions, SSE, webhooks) take
 //! rows only below the oldest running transaction, so nothing appears behind their cursor.
-//! After a process commits a change, its [`Poker`] sends a `NOTIFY compute_outbox` poke, at
+//! After a process commits a change, its `db::poke::Poker` sends a `NOTIFY compute_outbox` poke, at
 //! most one per [`POKE_INTERVAL`] however many transactions committed, from a transaction of its
 //! own: it only wakes readers early, they poll anyway. (Until migration 0015 `compute_emit`
 //! notified inside every writing transaction, and PostgreSQL takes one cluster-wide lock at the
 //! commit of a notifying transaction: every event-writing commit waited in one line.)
 
-use crate::events::EventType;
-use crate::ids::{EventId, TenantId};
+use crate::events::{EventType, Family};
+use crate::ids::{EventId, NodeId, PoolId, TenantId};
 use serde_json::Value;
 use sqlx::PgConnection;
 
 use crate::error::Result;
 
-/// The channel of the outbox poke.
-pub const NOTIFY_CHANNEL: &str = "compute_outbox";
+pub use crate::db::poke::{NOTIFY_CHANNEL, POKE_INTERVAL};
 
-/// The shortest time between two pokes of one process: the most a poke waits for the one
-/// before it, and what bounds a process to 200 notifying transactions a second. A change after a
-/// quiet spell is poked at once; under load, changes within this interval share one poke (and
-/// every listening process one read of the outbox), which at 5 ms cost about one notifying
-/// transaction and one read per listener for each reservation (`bench-reservations`).
-pub const POKE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(5);
-
-/// Pokes the outbox readers of every process after this process committed a change
-/// ([`crate::db::Db`] calls [`Poker::poke`] after each writing commit). Pokes that arrive while
-/// one is being sent, or within [`POKE_INTERVAL`] of it, fold into one more.
-#[derive(Debug, Clone)]
-pub(crate) struct Poker(tokio::sync::mpsc::Sender<()>);
-
-impl Poker {
-    /// Starts the task that sends the pokes on `pool`; it ends when the last handle is dropped.
-    /// `None` outside a Tokio runtime.
-    pub(crate) fn start(pool: sqlx::PgPool) -> Option<Poker> {
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
-        runtime.spawn(async move {
-            while rx.recv().await.is_some() {
-                if let Err(e) = sqlx::query("SELECT pg_notify($1, '')")
-                    .bind(NOTIFY_CHANNEL)
-                    .execute(&pool)
-                    .await
-                {
-                    tracing::debug!(error = %e, "the outbox poke was not sent (readers poll anyway)");
-                }
-                tokio::time::sleep(POKE_INTERVAL).await;
-            }
-        });
-        Some(Poker(tx))
+/// Checks event-type names: at most 100, each dotted lowercase (`reservation.active`).
+pub(crate) fn check_types(types: &[String]) -> Result<()> {
+    if types.len() > MAX_FILTER_ITEMS {
+        return Err(crate::Error::bad_input(
+            "types",
+            format!("at most {MAX_FILTER_ITEMS} types"),
+        ));
     }
+    for t in types {
+        let ok = t.split('.').count() >= 2
+            && t.split('.').all(|p| {
+                !p.is_empty()
+                    && p.starts_with(|c: char| c.is_ascii_lowercase())
+                    && p.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            });
+        if !ok {
+            return Err(crate::Error::bad_input(
+                "types",
+                format!(
+                    "`{t}` is not an event type (dotted lowercase names, such as reservation.active)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
 
-    /// Asks for a poke; never waits.
-    pub(crate) fn poke(&self) {
-        let _ = self.0.try_send(());
+/// What an event is about, for readers that follow a pool or a node (the tailer's subscribers),
+/// read from its typed payload instead of probing JSON keys.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Concerns {
+    pub pool: Option<PoolId>,
+    pub node: Option<NodeId>,
+}
+
+/// [`Concerns`] of an event of type `event_type` with payload `data`. An event of a type this
+/// process does not know (written by a newer version) concerns nothing it follows.
+pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct PoolRef {
+        id: PoolId,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct NodeRef {
+        id: NodeId,
+        pool_id: PoolId,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct DeviceRef {
+        compute_node_id: NodeId,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct ReservationRef {
+        pool_id: PoolId,
+    }
+    #[derive(serde::Deserialize)]
+    struct Of<T> {
+        #[serde(
+            alias = "pool",
+            alias = "node",
+            alias = "device",
+            alias = "reservation"
+        )]
+        inner: T,
+    }
+    fn read<T: for<'de> serde::Deserialize<'de>>(data: &serde_json::Value) -> Option<T> {
+        serde_json::from_value::<Of<T>>(data.clone())
+            .ok()
+            .map(|o| o.inner)
+    }
+    let Some(t) = EventType::parse(event_type) else {
+        return Concerns::default();
+    };
+    match t.family() {
+        Family::Pool => Concerns {
+            pool: read::<PoolRef>(data).map(|p| p.id),
+            node: None,
+        },
+        Family::Node => read::<NodeRef>(data)
+            .map(|n| Concerns {
+                pool: Some(n.pool_id),
+                node: Some(n.id),
+            })
+            .unwrap_or_default(),
+        Family::Device => Concerns {
+            pool: None,
+            node: read::<DeviceRef>(data).map(|d| d.compute_node_id),
+        },
+        Family::Reservation => Concerns {
+            pool: read::<ReservationRef>(data).map(|r| r.pool_id),
+            node: None,
+        },
+        Family::JoinToken => Concerns {
+            pool: data
+                .pointer("/joinToken/poolId")
+                .and_then(|p| p.as_str())
+                .and_then(PoolId::from_trusted),
+            node: None,
+        },
+        Family::Site
+        | Family::Quota
+        | Family::EventSink
+        | Family::Command
+        | Family::Instance
+        | Family::Usage => Concerns::default(),
     }
 }
 
@@ -201,7 +272,7 @@ impl EventFilter {
         types: Vec<String>,
         subjects: Vec<String>,
     ) -> Result<EventFilter> {
-        crate::sinks::check_types(&types)?;
+        check_types(&types)?;
         if subjects.len() > MAX_FILTER_ITEMS {
             return Err(crate::Error::bad_input(
                 "subjects",
@@ -422,7 +493,7 @@ pub async fn prune(
     Ok(deleted as u64)
 }
 
-/// Listens for the outbox pokes ([`Poker`]) and calls `on_poke` for each, until the listening
+/// Listens for the outbox pokes (`db::poke::Poker`) and calls `on_poke` for each, until the listening
 /// connection fails (the error is returned; call again to reconnect).
 pub async fn listen_for_pokes(db: &crate::db::Db, on_poke: impl Fn()) -> crate::Result<()> {
     let mut listener = db.listener().await?;

@@ -311,3 +311,218 @@ fn the_server_depends_on_its_dev_crates_only_through_the_dev_feature() {
         broken.join("\n")
     );
 }
+
+/// The domain's modules that are leaves of their aggregate: they hold the enums and value
+/// types other modules (the event contract above all) name, and import nothing of their
+/// aggregate, so they count as modules of their own in the import graph.
+const DOMAIN_LEAVES: &[&str] = &[
+    "fleet::model",
+    "fleet::state",
+    "reservations::model",
+    "reservations::state",
+    "instances::state",
+    "node_commands::state",
+    "quota::model",
+    "sinks::model",
+];
+
+/// The module path of a file under `domain/src` (`fleet/mod.rs` is `fleet`).
+fn module_path(rel: &Path) -> Vec<String> {
+    let mut parts: Vec<String> = rel
+        .with_extension("")
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod") {
+        parts.pop();
+    }
+    parts
+}
+
+/// The graph node of a module path: its leaf (`fleet::model`) when it is in one, else its
+/// top-level module.
+fn domain_node(path: &[String]) -> String {
+    if path.len() >= 2 {
+        let two = format!("{}::{}", path[0], path[1]);
+        if DOMAIN_LEAVES.contains(&two.as_str()) {
+            return two;
+        }
+    }
+    path.first().cloned().unwrap_or_default()
+}
+
+/// The paths a use tree names, from `text` just after `crate::` or `super::` (groups nest, and
+/// may span lines): `fleet::{model::Labels, Node}` gives `fleet::model::Labels` and `fleet::Node`.
+fn use_tree(text: &str) -> Vec<Vec<String>> {
+    fn tree(s: &[u8], i: &mut usize) -> Vec<Vec<String>> {
+        let skip = |i: &mut usize| {
+            while *i < s.len() && s[*i].is_ascii_whitespace() {
+                *i += 1;
+            }
+        };
+        skip(i);
+        if *i < s.len() && s[*i] == b'{' {
+            *i += 1;
+            let mut out = Vec::new();
+            loop {
+                out.extend(tree(s, i));
+                skip(i);
+                match s.get(*i) {
+                    Some(b',') => *i += 1,
+                    Some(b'}') => {
+                        *i += 1;
+                        return out;
+                    }
+                    _ => return out,
+                }
+                skip(i);
+                if s.get(*i) == Some(&b'}') {
+                    *i += 1;
+                    return out;
+                }
+            }
+        }
+        let start = *i;
+        while *i < s.len() && (s[*i].is_ascii_alphanumeric() || s[*i] == b'_' || s[*i] == b'*') {
+            *i += 1;
+        }
+        let name = String::from_utf8_lossy(&s[start..*i]).into_owned();
+        if name.is_empty() {
+            return vec![Vec::new()];
+        }
+        if s[*i..].starts_with(b"::") {
+            *i += 2;
+            return tree(s, i)
+                .into_iter()
+                .map(|mut rest| {
+                    rest.insert(0, name.clone());
+                    rest
+                })
+                .collect();
+        }
+        vec![vec![name]]
+    }
+    let mut i = 0;
+    tree(text.as_bytes(), &mut i)
+}
+
+/// The domain's import graph: for each node, the nodes it names through `crate::` or `super::`
+/// (code after a file's `#[cfg(test)]` and comments left out).
+fn domain_graph() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let src = root().join("domain/src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut graph: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    for file in &files {
+        let rel = file.strip_prefix(&src).expect("under domain/src");
+        if rel == Path::new("lib.rs") {
+            continue;
+        }
+        let path = module_path(rel);
+        let me = domain_node(&path);
+        let text: String = std::fs::read_to_string(file)
+            .expect("read")
+            .lines()
+            .take_while(|l| l.trim() != "#[cfg(test)]")
+            .map(|l| l.split("//").next().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let edges = graph.entry(me.clone()).or_default();
+        for (keyword, base) in [
+            ("crate::", Vec::new()),
+            ("super::", path[..path.len() - 1].to_vec()),
+        ] {
+            let mut rest = text.as_str();
+            while let Some(at) = rest.find(keyword) {
+                let before = rest[..at].chars().next_back();
+                rest = &rest[at + keyword.len()..];
+                if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$') {
+                    continue;
+                }
+                for named in use_tree(rest) {
+                    let full: Vec<String> = base.iter().cloned().chain(named).collect();
+                    let target = domain_node(&full);
+                    if !target.is_empty() && target != me {
+                        edges.insert(target);
+                    }
+                }
+            }
+        }
+    }
+    let known: std::collections::BTreeSet<String> = graph.keys().cloned().collect();
+    for edges in graph.values_mut() {
+        edges.retain(|t| known.contains(t));
+    }
+    graph
+}
+
+/// The domain's modules (with the aggregates' `model`/`state` leaves as modules of their own)
+/// import each other without a circle: `db` knows no module above it, the event contract only
+/// the leaves. The layers are written down in `ARCHITECTURE.md`.
+#[test]
+fn domain_modules_form_no_cycle() {
+    let graph = domain_graph();
+    // Depth-first search; a grey node met again closes a circle.
+    fn visit(
+        n: &str,
+        graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        colour: &mut std::collections::BTreeMap<String, u8>,
+        stack: &mut Vec<String>,
+        circles: &mut Vec<String>,
+    ) {
+        colour.insert(n.to_owned(), 1);
+        stack.push(n.to_owned());
+        for t in &graph[n] {
+            match colour.get(t.as_str()).copied().unwrap_or(0) {
+                0 => visit(t, graph, colour, stack, circles),
+                1 => {
+                    let from = stack.iter().position(|s| s == t).unwrap_or(0);
+                    circles.push(format!("{} -> {t}", stack[from..].join(" -> ")));
+                }
+                _ => {}
+            }
+        }
+        stack.pop();
+        colour.insert(n.to_owned(), 2);
+    }
+    let mut colour = std::collections::BTreeMap::new();
+    let mut circles = Vec::new();
+    for n in graph.keys() {
+        if !colour.contains_key(n) {
+            visit(n, &graph, &mut colour, &mut Vec::new(), &mut circles);
+        }
+    }
+    assert!(
+        circles.is_empty(),
+        "the domain's modules import each other in a circle:\n{}",
+        circles.join("\n")
+    );
+    // The graph is what the test thinks it is: the contract and the rows' aggregates meet only
+    // through the leaves, and `db` names nothing above it.
+    assert!(graph["fleet"].contains("events"), "fleet emits events");
+    assert!(
+        graph["events"].contains("fleet::model"),
+        "the contract names fleet's enums"
+    );
+    for low in ["db", "events"] {
+        for high in ["fleet", "reservations", "outbox", "leases", "instances"] {
+            assert!(!graph[low].contains(high), "`{low}` imports `{high}`");
+        }
+    }
+    // ARCHITECTURE.md names every module of the graph in its table of layers.
+    let arch = std::fs::read_to_string(root().join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let layers = arch
+        .split("The domain's layers")
+        .nth(1)
+        .and_then(|s| s.split("\n\n").nth(1))
+        .unwrap_or_default();
+    let missing: Vec<&String> = graph
+        .keys()
+        .filter(|n| !layers.contains(&format!("`{n}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md's \"The domain's layers\" leaves out {missing:?}"
+    );
+}

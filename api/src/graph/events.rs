@@ -526,7 +526,7 @@ struct PoolRelevance {
 
 impl PoolRelevance {
     fn concerns(&mut self, event: &Event) -> bool {
-        let about = compute_domain::events::concerns(&event.event_type, &event.data);
+        let about = compute_domain::outbox::concerns(&event.event_type, &event.data);
         if about.pool.as_ref() == Some(&self.pool_id) {
             if let Some(node) = about.node {
                 self.nodes.insert(node);

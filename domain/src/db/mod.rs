@@ -16,6 +16,9 @@ use tracing::{Instrument, debug, warn};
 
 use crate::error::{Error, Result};
 
+pub mod fence;
+pub mod poke;
+
 /// The migrations of the system, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
@@ -115,11 +118,11 @@ pub struct Db {
     pool: PgPool,
     metrics: crate::metrics::TxMetrics,
     /// When set, every transaction of this handle checks the lease first ([`Db::fenced`]).
-    fence: Option<crate::leases::Fence>,
+    fence: Option<fence::Fence>,
     /// The keys that seal sink secrets at rest; none stores them as they are (development).
     keyring: Option<std::sync::Arc<crate::secrets::Keyring>>,
-    /// Wakes the outbox readers after a writing commit (`outbox::Poker`).
-    poker: Option<crate::outbox::Poker>,
+    /// Wakes the outbox readers after a writing commit (`poke::Poker`).
+    poker: Option<poke::Poker>,
     /// Where `LISTEN` connects, when not through the pool ([`PoolSettings::listen_url`]).
     listen_url: Option<std::sync::Arc<str>>,
 }
@@ -177,7 +180,7 @@ impl Db {
 
     /// Wraps an existing pool.
     pub fn from_pool(pool: PgPool) -> Db {
-        let poker = crate::outbox::Poker::start(pool.clone());
+        let poker = poke::Poker::start(pool.clone());
         Db {
             pool,
             metrics: crate::metrics::TxMetrics::default(),
@@ -304,11 +307,11 @@ impl Db {
     }
 
     /// This handle with every transaction fenced by `fence`: the first statement of each checks
-    /// the lease (`FOR SHARE`, [`crate::leases::check`]) and fails with `LeaseLost` when another
+    /// the lease (`FOR SHARE`, [`fence::check`]) and fails with `LeaseLost` when another
     /// holder took it, so a worker that lost its lease mid-pass writes nothing more. Workers hand
     /// it to every domain step they run under a lease (the reconciler's passes, the work
     /// queue's items).
-    pub fn fenced(&self, fence: &crate::leases::Fence) -> Db {
+    pub fn fenced(&self, fence: &fence::Fence) -> Db {
         Db {
             fence: Some(fence.clone()),
             ..self.clone()
@@ -319,7 +322,7 @@ impl Db {
         &self,
         name: &'static str,
         kind: TxKind,
-        fence: Option<&crate::leases::Fence>,
+        fence: Option<&fence::Fence>,
         body: F,
     ) -> Result<T>
     where
@@ -356,7 +359,7 @@ impl Db {
         &self,
         name: &'static str,
         kind: TxKind,
-        fence: Option<&crate::leases::Fence>,
+        fence: Option<&fence::Fence>,
         mut body: F,
     ) -> Result<T>
     where
@@ -398,7 +401,7 @@ impl Db {
     pub async fn fenced_tx<T, F>(
         &self,
         name: &'static str,
-        fence: &crate::leases::Fence,
+        fence: &fence::Fence,
         kind: TxKind,
         body: F,
     ) -> Result<T>
@@ -412,7 +415,7 @@ impl Db {
     async fn try_tx<T, F>(
         &self,
         kind: TxKind,
-        fence: Option<&crate::leases::Fence>,
+        fence: Option<&fence::Fence>,
         body: &mut F,
     ) -> Result<T>
     where
@@ -420,7 +423,7 @@ impl Db {
     {
         let mut tx = self.pool.begin_with(kind.begin_statement()).await?;
         if let Some(fence) = fence {
-            crate::leases::check(&mut tx, fence).await?;
+            fence::check(&mut tx, fence).await?;
         }
         let value = body(&mut tx).await?;
         tx.commit().await?;

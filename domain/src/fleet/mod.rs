@@ -7,7 +7,9 @@
 
 pub mod commands;
 pub mod demo;
+pub mod enrollment;
 pub mod model;
+mod payload;
 pub mod state;
 
 use std::collections::HashMap;

@@ -13,6 +13,7 @@
 //! Lock order (`docs/database-locks.md`): the idempotency key and the reservation row
 //! (`FOR SHARE`, creation only), the instance row, its commands, the outbox, `work_queue` last.
 
+mod payload;
 pub mod state;
 
 use std::collections::BTreeMap;

@@ -8,11 +8,10 @@ mod held;
 
 use std::time::Duration;
 
-use sqlx::PgConnection;
-
 use crate::db::Db;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
+pub use crate::db::fence::{Fence, check};
 pub use held::{Bound, HeldLease, PassLease};
 
 /// How long a lease lives without renewal.
@@ -68,14 +67,6 @@ pub mod name {
     }
 }
 
-/// A held lease: what a fenced transaction proves it still holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fence {
-    pub name: String,
-    pub owner: String,
-    pub epoch: i64,
-}
-
 /// Acquires `name` for `owner`, or renews it when `owner` holds it. Returns the fence, or `None`
 /// when another owner holds an unexpired lease. A takeover increments the epoch; it waits for
 /// the old holder's fenced transactions (their `FOR SHARE`) to end.
@@ -127,26 +118,6 @@ pub async fn release(db: &Db, fence: &Fence) -> Result<()> {
     )
     .execute(db.pool())
     .await?;
-    Ok(())
-}
-
-/// The first statement of a fenced transaction: the lease row `FOR SHARE` at the holder's epoch.
-/// A plain existence check would not fence under READ COMMITTED; the row lock does.
-pub async fn check(conn: &mut PgConnection, fence: &Fence) -> Result<()> {
-    let held = sqlx::query_scalar!(
-        "SELECT 1 AS held FROM leases WHERE name = $1 AND owner = $2 AND epoch = $3 AND expires_at > compute_now() FOR SHARE",
-        fence.name,
-        fence.owner,
-        fence.epoch,
-    )
-    .fetch_optional(&mut *conn)
-    .await?;
-    if held.is_none() {
-        return Err(Error::LeaseLost(format!(
-            "lease {} (epoch {}) is no longer held by {}",
-            fence.name, fence.epoch, fence.owner
-        )));
-    }
     Ok(())
 }
 

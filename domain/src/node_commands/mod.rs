@@ -22,6 +22,7 @@
 //! Lock order (`docs/database-locks.md`): the lease fence, `node_sessions`, `commands` (of one
 //! node, ascending id), the outbox, `work_queue` last.
 
+mod payload;
 pub mod state;
 
 use chrono::{DateTime, Utc};
@@ -37,10 +38,9 @@ use crate::idempotency::{self, Actor, Claim, Outcome};
 use crate::ids::{CommandId, NodeId};
 use crate::outbox::{self, NewEvent};
 use crate::page::{Page, PageArgs};
-use crate::text_enum::text_enum;
 use crate::work_queue::{self, WorkKind};
-pub use state::State;
 use state::{Action, stored_from};
+pub use state::{Kind, State};
 
 /// The channel a dispatcher pokes with the gateway's id after dispatching to one of its
 /// sessions.
@@ -51,37 +51,6 @@ pub const DISPATCH_BATCH: i64 = 100;
 pub const MAX_OBJECT_BYTES: usize = 16 * 1024;
 /// Who the control plane's own commands are created by.
 pub const CONTROL_PLANE: &str = "control-plane";
-
-text_enum!(
-    /// What a command asks a daemon to do.
-    Kind {
-        /// Apply the node's spec at `args.generation` (made by the control plane when the
-        /// generation moves), then report it as `observedGeneration`.
-        ApplySpec = "apply_spec",
-        /// Reset one GPU (`args.device`).
-        ResetGpu = "reset_gpu",
-        /// Repartition a GPU's MIG instances (`args.device`, `args.layout`).
-        SetMigLayout = "set_mig_layout",
-        /// Stop the workloads running on the node.
-        DrainWorkloads = "drain_workloads",
-        /// Start an instance's workload.
-        RunInstance = "run_instance",
-        /// Stop an instance's workload.
-        StopInstance = "stop_instance",
-        /// Does nothing (tests, and checking the path to a node).
-        Noop = "noop",
-    }
-);
-
-impl Kind {
-    /// Whether running it twice is harmless, unless the request says otherwise.
-    pub fn retry_safe_by_default(self) -> bool {
-        matches!(
-            self,
-            Kind::ApplySpec | Kind::DrainWorkloads | Kind::StopInstance | Kind::Noop
-        )
-    }
-}
 
 /// A command.
 #[derive(Debug, Clone, FromRow)]

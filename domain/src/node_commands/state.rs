@@ -1,4 +1,4 @@
-//! The command state table: the one place that says which transitions are legal and who makes
+//! The command's kinds ([`Kind`]) and its state table: the one place that says which transitions are legal and who makes
 //! them (`docs/commands.md`). Guarded updates test `commands.state = ANY(allowed_from(action))`
 //! under the row lock, so two writers racing for one command cannot both move it.
 
@@ -114,6 +114,37 @@ pub fn stored_from(action: Action) -> Vec<&'static str> {
 /// Whether `action` may move a command from `from` to `to`.
 pub fn allowed(action: Action, from: State, to: State) -> bool {
     TRANSITIONS.contains(&(action, from, to))
+}
+
+text_enum!(
+    /// What a command asks a daemon to do.
+    Kind {
+        /// Apply the node's spec at `args.generation` (made by the control plane when the
+        /// generation moves), then report it as `observedGeneration`.
+        ApplySpec = "apply_spec",
+        /// Reset one GPU (`args.device`).
+        ResetGpu = "reset_gpu",
+        /// Repartition a GPU's MIG instances (`args.device`, `args.layout`).
+        SetMigLayout = "set_mig_layout",
+        /// Stop the workloads running on the node.
+        DrainWorkloads = "drain_workloads",
+        /// Start an instance's workload.
+        RunInstance = "run_instance",
+        /// Stop an instance's workload.
+        StopInstance = "stop_instance",
+        /// Does nothing (tests, and checking the path to a node).
+        Noop = "noop",
+    }
+);
+
+impl Kind {
+    /// Whether running it twice is harmless, unless the request says otherwise.
+    pub fn retry_safe_by_default(self) -> bool {
+        matches!(
+            self,
+            Kind::ApplySpec | Kind::DrainWorkloads | Kind::StopInstance | Kind::Noop
+        )
+    }
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 
 pub mod commands;
 pub mod model;
+mod payload;
 pub mod placement;
 pub mod reconcile;
 pub mod state;

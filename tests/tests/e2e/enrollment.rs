@@ -443,7 +443,7 @@ async fn many_joins_racing_in_the_database_register_one_node() {
                         mig: vec![],
                     }],
                 };
-                compute_domain::enrollment::join(&db, &secret, None, &inv)
+                compute_domain::fleet::enrollment::join(&db, &secret, None, &inv)
                     .await
                     .expect("no error")
                     .map(|j| j.registered.node.id.to_string())

@@ -554,7 +554,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
             .expect("current");
         assert!(d.is_empty(), "{d:?}");
         // A join token made, one revoked, one used by a machine that joins, which is retired.
-        use compute_domain::enrollment::{self, NewJoinToken};
+        use compute_domain::fleet::enrollment::{self, NewJoinToken};
         let new_token = |key: &'static str| {
             let (operator, pool) = (operator.clone(), pool.id.clone());
             async move {

@@ -354,7 +354,7 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
                 .bind(id.as_str())
                 .fetch_one(&mut *conn)
                 .await?;
-            let fresh = crate::enrollment::new_node(pool, Labels::new(), &Inventory {
+            let fresh = crate::fleet::enrollment::new_node(pool, Labels::new(), &Inventory {
                 gpus: inventory.gpus.iter().filter(|g| !known.contains(g.uuid.as_str())).cloned().collect(),
                 ..inventory.clone()
             })?;

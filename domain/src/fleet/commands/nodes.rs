@@ -447,7 +447,7 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
             }
             emit(conn, EventType::NodeRetired, &node.id, &NodePayload::of(&node)).await?;
             // A node that joined by itself: its credential opens no session from now on.
-            if crate::enrollment::revoke_credential(conn, &id).await? {
+            if crate::fleet::enrollment::revoke_credential(conn, &id).await? {
                 emit(conn, EventType::NodeCredentialRevoked, &node.id, &NodePayload::of(&node)).await?;
             }
             Ok(node)

@@ -11,6 +11,7 @@
 //! finds it used), then registration's order (pool `FOR SHARE`, the node, its devices, its
 //! resources, the rollup), the credential row last.
 
+mod payload;
 use chrono::{DateTime, Utc};
 use serde_json::json;
 use sqlx::PgConnection;

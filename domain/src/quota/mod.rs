@@ -11,17 +11,10 @@ use crate::events::{self, EventType, QuotaPayload, QuotaView};
 use crate::idempotency::Actor;
 use crate::ids::{ScopeId, TenantId};
 use crate::outbox::{self, NewEvent};
-use crate::text_enum::text_enum;
+pub mod model;
+mod payload;
 
-text_enum!(
-    /// What a quota limits.
-    QuotaResource {
-        /// GPUs, in whole-GPU equivalents (a MIG instance or a slot is a fraction).
-        Gpu = "gpu",
-        Vcpu = "vcpu",
-        MemoryMib = "memory_mib",
-    }
-);
+pub use model::QuotaResource;
 
 /// One quota row a reservation charged, as its refund reads it back (`reservations.charged`,
 /// `[{"scope_kind", "scope_id", "resource", "amount"}]`; `scope_kind` is kept for readers of

@@ -10,7 +10,6 @@
 
 use crate::events::{self, EventSinkPayload, EventType};
 use crate::ids::{SinkId, TenantId};
-use crate::text_enum::text_enum;
 use sqlx::{FromRow, PgConnection};
 
 use crate::db::{Db, TxKind};
@@ -18,22 +17,15 @@ use crate::error::{Error, Result};
 use crate::outbox::{Cursor, EventFilter};
 use crate::page::{Page, PageArgs};
 
+pub mod model;
+mod payload;
+
+pub use model::SinkState;
+
 /// Consecutive failures after which a sink shows as `failing`.
 pub const FAILING_AFTER: i32 = 3;
 /// The longest wait between two attempts of a failing sink.
 pub const MAX_BACKOFF_SECONDS: f64 = 300.0;
-
-text_enum!(
-    /// How a sink's deliveries are going.
-    SinkState {
-        /// Deliveries succeed (or have not failed often enough to say otherwise).
-        Healthy = "healthy",
-        /// The last deliveries failed; it is retried with backoff.
-        Failing = "failing",
-        /// It fell behind the outbox's retention and skipped events.
-        Behind = "behind",
-    }
-);
 
 /// A sink, with its position.
 #[derive(Debug, Clone, FromRow)]
@@ -142,33 +134,6 @@ fn check_url(url: &str) -> Result<()> {
     Ok(())
 }
 
-/// Checks event-type names: at most 100, each dotted lowercase (`reservation.active`).
-pub(crate) fn check_types(types: &[String]) -> Result<()> {
-    if types.len() > crate::outbox::MAX_FILTER_ITEMS {
-        return Err(Error::bad_input("types", "at most 100 types"));
-    }
-    for t in types {
-        let ok = t.split('.').count() >= 2
-            && t.split('.').all(|p| {
-                !p.is_empty()
-                    && p.starts_with(|c: char| c.is_ascii_lowercase())
-                    && p.chars().all(|c| c.is_ascii_lowercase() || c == '_')
-            });
-        if !ok {
-            return Err(Error::bad_input(
-                "types",
-                format!(
-                    "`{t}` is not an event type (dotted lowercase names, such as reservation.active)"
-                ),
-            ));
-        }
-    }
-    if types.len() > 100 {
-        return Err(Error::bad_input("types", "at most 100 types"));
-    }
-    Ok(())
-}
-
 /// A fresh signing secret: 32 random bytes from the operating system, hex.
 fn new_secret() -> Result<String> {
     Ok(format!("whsec_{}", crate::process::random_hex(32)?))
@@ -212,7 +177,7 @@ pub async fn create(
     types: Vec<String>,
 ) -> Result<(Sink, String)> {
     check_url(url)?;
-    check_types(&types)?;
+    crate::outbox::check_types(&types)?;
     let secret = new_secret()?;
     let id = SinkId::generate();
     // Stored sealed under the configured key, bound to this sink's id (docs/security.md).
@@ -279,7 +244,7 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
         check_url(url)?;
     }
     if let Some(types) = &change.types {
-        check_types(types)?;
+        crate::outbox::check_types(types)?;
     }
     db.tx("update_event_sink", TxKind::Write, |conn| {
         let (id, change, scope) = (id.clone(), change.clone(), scope.clone());
