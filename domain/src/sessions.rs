@@ -128,6 +128,7 @@ async fn emit_node(conn: &mut PgConnection, event: EventType, node: &Node) -> Re
 /// (leaving `UNREACHABLE` if it was) and `node.connected` is written. Returns the new epoch.
 /// An unknown node is `NOT_FOUND`; a retired one `CONFLICT`; a generation the node was never
 /// given `BAD_USER_INPUT`.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node, gateway = gateway, gateway_epoch = gateway_epoch))]
 pub async fn open(
     db: &Db,
     node: &NodeId,
@@ -219,6 +220,7 @@ pub async fn open(
 /// Closes `node`'s session at `epoch` for `reason`; the node becomes `DISCONNECTED` (nothing is
 /// released) with `unreachable_at` set, and `node.disconnected` is written. `false` when the
 /// session at that epoch was already closed or superseded (then nothing changes).
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node, epoch = epoch))]
 pub async fn close(db: &Db, node: &NodeId, epoch: i64, reason: CloseReason) -> Result<bool> {
     db.tx("close_node_session", TxKind::Write, |conn| {
         let node = node.clone();
@@ -274,6 +276,7 @@ pub struct Seen {
 /// gateway's lease): `last_seen_at = compute_now() - age`, never later than now and never
 /// earlier than it was. Returns the nodes whose session is still this gateway's at that epoch;
 /// the gateway closes the connections of the others (superseded, or ended by the reconciler).
+#[tracing::instrument(level = "debug", skip_all, fields(gateway = gateway, sessions = seen.len()))]
 pub async fn flush(db: &Db, gateway: &str, seen: &[Seen]) -> Result<Vec<NodeId>> {
     let nodes: Vec<String> = seen.iter().map(|s| s.node.to_string()).collect();
     let epochs: Vec<i64> = seen.iter().map(|s| s.epoch).collect();
@@ -311,6 +314,7 @@ pub async fn flush(db: &Db, gateway: &str, seen: &[Seen]) -> Result<Vec<NodeId>>
 /// Records the generation the daemon of `node` (session `epoch`) has applied; writes
 /// `node.updated` when it moved. `false` when the session is no longer current. A generation
 /// past the node's is `BAD_USER_INPUT`.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node, epoch = epoch, generation = generation))]
 pub async fn observe_generation(
     db: &Db,
     node: &NodeId,

@@ -60,6 +60,7 @@ pub struct Batch {
 }
 
 /// Runs one batch of closing in a transaction of its own.
+#[tracing::instrument(level = "debug", skip_all, fields(limit = limit))]
 pub async fn close_batch(db: &Db, limit: i64) -> Result<Batch> {
     db.tx("usage_close_batch", TxKind::Maintenance, |conn| {
         Box::pin(async move {
@@ -84,6 +85,7 @@ pub async fn close_batch(db: &Db, limit: i64) -> Result<Batch> {
 
 /// Checks up to `limit` reservation changes against the windows that hold records, in a
 /// transaction of its own; returns the records written and whether more changes wait.
+#[tracing::instrument(level = "debug", skip_all, fields(limit = limit))]
 pub async fn check_changes(db: &Db, limit: i64) -> Result<(i64, bool)> {
     db.tx("usage_check", TxKind::Maintenance, |conn| {
         Box::pin(async move {
@@ -212,6 +214,7 @@ pub async fn meter(db: &Db) -> Result<Meter> {
 
 /// Sets the length of the windows opened from now on (the open window keeps its length); returns
 /// whether it changed. Between [`MIN_WINDOW_SECONDS`] and [`MAX_WINDOW_SECONDS`].
+#[tracing::instrument(level = "debug", skip_all, fields(seconds = seconds))]
 pub async fn set_window(db: &Db, seconds: i32) -> Result<bool> {
     if !(MIN_WINDOW_SECONDS..=MAX_WINDOW_SECONDS).contains(&seconds) {
         return Err(Error::bad_input(

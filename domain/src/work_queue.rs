@@ -96,6 +96,7 @@ pub async fn claim(
 
 /// Enqueues every pool for the capacity-rollup reconciler (the resync: a lost queue row only
 /// costs time). Returns how many pools.
+#[tracing::instrument(level = "debug", skip_all)]
 pub async fn enqueue_all_pools(db: &crate::db::Db) -> Result<u64> {
     // A transaction (not a bare statement), so a fenced handle checks its lease first.
     let n = db

@@ -174,6 +174,7 @@ async fn load(conn: &mut PgConnection, id: &InstanceId) -> Result<Option<Instanc
 /// exact idempotency semantics of reservations. Another tenant's allocation is `NOT_FOUND`; a
 /// reservation that ended, an allocation not placed yet, or one that already has a live
 /// instance is `CONFLICT`.
+#[tracing::instrument(level = "debug", skip_all, fields(allocation = %req.allocation_id, subject = %actor.subject))]
 pub async fn create_instance(
     db: &Db,
     actor: &Actor,
@@ -300,6 +301,7 @@ async fn create_effect(
 /// `stopInstance`: asks the workflow to stop the instance (it stops its workload, then is
 /// `STOPPED`). Safe to repeat; an ended instance is returned as it is. Another tenant's is
 /// `NOT_FOUND`.
+#[tracing::instrument(level = "debug", skip_all, fields(instance = %id, subject = %actor.subject))]
 pub async fn stop_instance(db: &Db, actor: &Actor, id: &InstanceId) -> Result<Instance> {
     db.tx("stop_instance", TxKind::Write, |conn| {
         let (actor, id) = (actor.clone(), id.clone());
@@ -465,6 +467,7 @@ impl ReportedExit {
 /// whose exit is not known yet: a running one becomes `exited` now (with its event), any other
 /// keeps the exit for its workflow, which it wakes. The instance, or `None` when nothing
 /// changed (a superseded session, another node's or an ended instance, an exit already held).
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node, epoch = epoch, instance = %instance))]
 pub async fn record_exit(
     db: &Db,
     node: &NodeId,
@@ -518,6 +521,7 @@ fn failure(step: &str, c: &cmds::Command) -> String {
 
 /// One run of `id`'s workflow, in one transaction of `db` (fenced by the shard's lease): takes
 /// every step that is due now and says when it is due again.
+#[tracing::instrument(level = "debug", skip_all, fields(instance = %id))]
 pub async fn reconcile(db: &Db, id: &InstanceId) -> Result<Step> {
     db.tx("reconcile_instance", TxKind::Maintenance, |conn| {
         let id = id.clone();

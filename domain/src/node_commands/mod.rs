@@ -237,6 +237,7 @@ pub async fn ensure(conn: &mut PgConnection, new: NewCommand<'_>) -> Result<(Com
 /// reservations (the same key and arguments get the same command; other arguments
 /// `IDEMPOTENCY_KEY_REUSED`). An unknown node is `NOT_FOUND`, a retired one `CONFLICT`, a
 /// `minGeneration` past the node's generation `BAD_USER_INPUT` (it would wait forever).
+#[tracing::instrument(level = "debug", skip_all, fields(node = %req.node_id, kind = req.kind.as_str(), subject = %actor.subject))]
 pub async fn run_command(
     db: &Db,
     actor: &Actor,
@@ -345,6 +346,7 @@ pub async fn run_command(
 /// `cancelCommand`: withdraws a command that is `pending` or `dispatched` (a daemon that
 /// acknowledges it afterwards is told it was cancelled, and does not run it). Cancelling a
 /// cancelled command returns it as it is; one that runs or ran is `CONFLICT`.
+#[tracing::instrument(level = "debug", skip_all, fields(command = %id, subject = %actor.subject))]
 pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
     if !actor.is_operator() {
         return Err(Error::Forbidden("only operators cancel commands".into()));
@@ -477,6 +479,7 @@ pub struct Dispatched {
 /// (oldest first, at most [`DISPATCH_BATCH`]), and pokes the session's gateway. A node without
 /// an open session gets nothing (its next session wakes this again); a retired node's commands
 /// fail with `NODE_RETIRED`.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node))]
 pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
     db.tx("dispatch_commands", TxKind::Maintenance, |conn| {
         let node = node.clone();
@@ -599,6 +602,7 @@ const SESSION_GUARD: &str = "WITH s AS (SELECT 1 FROM node_sessions \
 /// The daemon of `node` (session `epoch`) acknowledges command `id`; `db` is fenced by the
 /// gateway's lease. A repeated acknowledgement of a running command proceeds again (the daemon's
 /// journal keeps it from running twice).
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node, epoch = epoch, command = %id))]
 pub async fn ack(db: &Db, node: &NodeId, epoch: i64, id: &CommandId) -> Result<AckAnswer> {
     db.tx("ack_command", TxKind::Write, |conn| {
         let (node, id) = (node.clone(), id.clone());
@@ -638,6 +642,7 @@ pub async fn ack(db: &Db, node: &NodeId, epoch: i64, id: &CommandId) -> Result<A
 
 /// Records the progress a daemon reports for a running command; `false` when the command is
 /// not running in this session (then nothing changes).
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node, epoch = epoch, command = %id))]
 pub async fn progress(
     db: &Db,
     node: &NodeId,
@@ -718,6 +723,7 @@ impl Report {
 /// Records the outcome the daemon of `node` (session `epoch`) reports for command `id`; `db`
 /// is fenced by the gateway's lease. `None` when the command is not dispatched to or running in
 /// this session (a superseded session, a zombie gateway, a repeat): nothing changes.
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node, epoch = epoch, command = %id))]
 pub async fn finish(
     db: &Db,
     node: &NodeId,
