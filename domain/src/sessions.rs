@@ -25,7 +25,7 @@ use sqlx::{FromRow, PgConnection};
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{self, EventType, NodePayload};
-use crate::fleet::{NODE_COLS, Node};
+use crate::fleet::{Node, query_nodes};
 use crate::ids::NodeId;
 use crate::outbox::{self, NewEvent};
 use crate::text_enum::text_enum;
@@ -184,20 +184,20 @@ pub async fn open(
             )
             .fetch_one(&mut *conn)
             .await?;
-            let sql = format!(
+            let updated = query_nodes!(
                 "UPDATE nodes AS n SET reachability = 'connected', \
                         reachability_since = CASE WHEN n.reachability = 'connected' THEN n.reachability_since ELSE compute_now() END, \
                         unreachable_at = NULL, \
                         conditions = compute_conditions_without(compute_conditions_without(n.conditions, 'NodeUnreachable'), 'NodeLost'), \
                         observed_generation = greatest(n.observed_generation, $2), \
                         version = n.version + 1, updated_at = compute_now() \
-                  WHERE n.id = $1 RETURNING {NODE_COLS}"
-            );
-            let updated = sqlx::query_as::<_, Node>(&sql)
-                .bind(&node)
-                .bind(hello.observed_generation)
-                .fetch_one(&mut *conn)
-                .await?;
+                  WHERE n.id = $1 RETURNING",
+                "",
+                node.as_str(),
+                hello.observed_generation,
+            )
+            .fetch_one(&mut *conn)
+            .await?;
             emit_node(conn, EventType::NodeConnected, &updated).await?;
             let reopened = crate::node_commands::on_session_open(
                 conn,
@@ -247,16 +247,16 @@ async fn close_in(
     if closed.is_none() {
         return Ok(false);
     }
-    let sql = format!(
+    if let Some(updated) = query_nodes!(
         "UPDATE nodes AS n SET reachability = 'disconnected', reachability_since = compute_now(), \
                 unreachable_at = compute_unreachable_at($2), version = n.version + 1, updated_at = compute_now() \
-          WHERE n.id = $1 AND n.reachability = 'connected' RETURNING {NODE_COLS}"
-    );
-    if let Some(updated) = sqlx::query_as::<_, Node>(&sql)
-        .bind(node)
-        .bind(reason.as_str())
-        .fetch_optional(&mut *conn)
-        .await?
+          WHERE n.id = $1 AND n.reachability = 'connected' RETURNING",
+        "",
+        node.as_str(),
+        reason.as_str(),
+    )
+    .fetch_optional(&mut *conn)
+    .await?
     {
         emit_node(conn, EventType::NodeDisconnected, &updated).await?;
     }
@@ -338,15 +338,15 @@ pub async fn observe_generation(
                 .fetch_one(&mut *conn)
                 .await?;
             check_generation(generation, limit)?;
-            let sql = format!(
+            if let Some(updated) = query_nodes!(
                 "UPDATE nodes AS n SET observed_generation = $2, version = n.version + 1, updated_at = compute_now() \
-                  WHERE n.id = $1 AND n.observed_generation < $2 RETURNING {NODE_COLS}"
-            );
-            if let Some(updated) = sqlx::query_as::<_, Node>(&sql)
-                .bind(&node)
-                .bind(generation)
-                .fetch_optional(&mut *conn)
-                .await?
+                  WHERE n.id = $1 AND n.observed_generation < $2 RETURNING",
+                "",
+                node.as_str(),
+                generation,
+            )
+            .fetch_optional(&mut *conn)
+            .await?
             {
                 emit_node(conn, EventType::NodeUpdated, &updated).await?;
                 // Commands that waited for this generation may go now.
@@ -484,49 +484,49 @@ enum Transition {
 /// Moves one node to `UNREACHABLE` or `LOST` if it is still due, raising its condition and
 /// writing its event; `false` when it no longer was (it reconnected, or someone moved it).
 async fn transition(db: &Db, id: &NodeId, to: Transition) -> Result<bool> {
-    let (name, sql, event) = match to {
-        Transition::Unreachable => (
-            "node_unreachable",
-            format!(
-                "UPDATE nodes AS n SET reachability = 'unreachable', reachability_since = compute_now(), \
-                        conditions = compute_conditions_without(n.conditions, 'NodeUnreachable') || jsonb_build_array(jsonb_build_object( \
-                            'type', 'NodeUnreachable', 'status', 'True', 'reason', 'NoSession', \
-                            'message', 'no session with the node''s daemon for 40 s and its grace: it takes no new work and keeps what it has', \
-                            'since', compute_now())), \
-                        version = n.version + 1, updated_at = compute_now() \
-                  WHERE n.id = $1 AND n.reachability = 'disconnected' AND n.retired_at IS NULL \
-                    AND coalesce(n.unreachable_at, n.joined_at + interval '40 seconds') <= compute_now() \
-                    AND NOT EXISTS (SELECT 1 FROM node_sessions s WHERE s.node_id = n.id AND s.closed_at IS NULL) \
-                  RETURNING {NODE_COLS}"
-            ),
-            EventType::NodeUnreachable,
-        ),
-        Transition::Lost => (
-            "node_lost",
-            format!(
-                "UPDATE nodes AS n SET reachability = 'lost', reachability_since = compute_now(), \
-                        conditions = compute_conditions_without(n.conditions, 'NodeLost') || jsonb_build_array(jsonb_build_object( \
-                            'type', 'NodeLost', 'status', 'True', 'reason', 'LostAfter', \
-                            'message', 'unreachable for longer than the pool''s lostAfterSeconds; its reservations fail', \
-                            'since', compute_now())), \
-                        version = n.version + 1, updated_at = compute_now() \
-                   FROM pools p \
-                  WHERE n.id = $1 AND p.id = n.pool_id AND n.reachability = 'unreachable' \
-                    AND p.kind IN ('provider', 'vps_host') AND p.lost_after IS NOT NULL \
-                    AND coalesce(n.reachability_since, n.joined_at) + p.lost_after <= compute_now() \
-                  RETURNING {NODE_COLS}"
-            ),
-            EventType::NodeLost,
-        ),
+    let (name, event) = match to {
+        Transition::Unreachable => ("node_unreachable", EventType::NodeUnreachable),
+        Transition::Lost => ("node_lost", EventType::NodeLost),
     };
     db.tx(name, TxKind::Maintenance, |conn| {
-        let (id, sql) = (id.clone(), sql.clone());
+        let id = id.clone();
         Box::pin(async move {
-            match sqlx::query_as::<_, Node>(&sql)
-                .bind(&id)
+            let moved = match to {
+                Transition::Unreachable => query_nodes!(
+                    "UPDATE nodes AS n SET reachability = 'unreachable', reachability_since = compute_now(), \
+                            conditions = compute_conditions_without(n.conditions, 'NodeUnreachable') || jsonb_build_array(jsonb_build_object( \
+                                'type', 'NodeUnreachable', 'status', 'True', 'reason', 'NoSession', \
+                                'message', 'no session with the node''s daemon for 40 s and its grace: it takes no new work and keeps what it has', \
+                                'since', compute_now())), \
+                            version = n.version + 1, updated_at = compute_now() \
+                      WHERE n.id = $1 AND n.reachability = 'disconnected' AND n.retired_at IS NULL \
+                        AND coalesce(n.unreachable_at, n.joined_at + interval '40 seconds') <= compute_now() \
+                        AND NOT EXISTS (SELECT 1 FROM node_sessions s WHERE s.node_id = n.id AND s.closed_at IS NULL) \
+                      RETURNING",
+                    "",
+                    id.as_str(),
+                )
                 .fetch_optional(&mut *conn)
-                .await?
-            {
+                .await?,
+                Transition::Lost => query_nodes!(
+                    "UPDATE nodes AS n SET reachability = 'lost', reachability_since = compute_now(), \
+                            conditions = compute_conditions_without(n.conditions, 'NodeLost') || jsonb_build_array(jsonb_build_object( \
+                                'type', 'NodeLost', 'status', 'True', 'reason', 'LostAfter', \
+                                'message', 'unreachable for longer than the pool''s lostAfterSeconds; its reservations fail', \
+                                'since', compute_now())), \
+                            version = n.version + 1, updated_at = compute_now() \
+                       FROM pools p \
+                      WHERE n.id = $1 AND p.id = n.pool_id AND n.reachability = 'unreachable' \
+                        AND p.kind IN ('provider', 'vps_host') AND p.lost_after IS NOT NULL \
+                        AND coalesce(n.reachability_since, n.joined_at) + p.lost_after <= compute_now() \
+                      RETURNING",
+                    "",
+                    id.as_str(),
+                )
+                .fetch_optional(&mut *conn)
+                .await?,
+            };
+            match moved {
                 Some(node) => {
                     emit_node(conn, event, &node).await?;
                     Ok(true)

@@ -613,7 +613,7 @@ const FORMAT_SQL: &[(&str, usize)] = &[
     ("instances/mod.rs", 8),
     ("node_commands/mod.rs", 12),
     ("reservations/mod.rs", 1),
-    ("sessions.rs", 6),
+    ("sessions.rs", 1),
 ];
 
 /// How many `format!` calls in `text` start with an SQL statement's first keyword.

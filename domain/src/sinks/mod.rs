@@ -168,7 +168,7 @@ fn visible(scope: &Scope, sink: &Sink) -> bool {
 
 /// Creates a sink for `scope` that starts at the present; returns it and its signing secret
 /// (which is never shown again).
-#[tracing::instrument(level = "debug", skip_all, fields(url))]
+#[tracing::instrument(level = "debug", skip_all, fields(created_by = created_by))]
 pub async fn create(
     db: &Db,
     scope: &Scope,
