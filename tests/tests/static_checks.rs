@@ -610,7 +610,7 @@ const FORMAT_SQL: &[(&str, usize)] = &[
     ("fleet/commands/nodes.rs", 1),
     ("fleet/enrollment/mod.rs", 6),
     ("fleet/mod.rs", 8),
-    ("instances/mod.rs", 8),
+    ("instances/mod.rs", 1),
     ("node_commands/mod.rs", 12),
     ("reservations/mod.rs", 1),
     ("sessions.rs", 1),

@@ -66,6 +66,24 @@ const COLS: &str = "i.id, i.tenant_id, i.reservation_id, i.allocation_id, i.node
      i.state, i.stop_requested, i.reason, i.created_by, i.created_at, i.updated_at, i.started_at, i.stopped_at, i.version, \
      i.exit_code, i.exit_signal, i.exited_at";
 
+/// A checked `query_as!` of [`Instance`]s: `$head` + the columns of `instances i` + `$tail`
+/// (the same columns as [`COLS`], which the listing's dynamic builder uses).
+macro_rules! query_instances {
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            Instance,
+            $head
+                + r#" i.id AS "id: _", i.tenant_id AS "tenant_id: _", i.reservation_id AS "reservation_id: _",
+                     i.allocation_id AS "allocation_id: _", i.node_id AS "node_id: _", i.image, i.command,
+                     i.env AS "env: _", i.state AS "state: _", i.stop_requested, i.reason, i.created_by,
+                     i.created_at, i.updated_at, i.started_at, i.stopped_at, i.version,
+                     i.exit_code, i.exit_signal, i.exited_at "#
+                + $tail
+            $(, $arg)*
+        )
+    };
+}
+
 /// What a tenant asks for with `createInstance`.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -163,8 +181,7 @@ async fn wake(conn: &mut PgConnection, id: &InstanceId) -> Result<()> {
 
 async fn load(conn: &mut PgConnection, id: &InstanceId) -> Result<Option<Instance>> {
     Ok(
-        sqlx::query_as::<_, Instance>(&format!("SELECT {COLS} FROM instances i WHERE i.id = $1"))
-            .bind(id)
+        query_instances!("SELECT", "FROM instances i WHERE i.id = $1", id.as_str())
             .fetch_optional(&mut *conn)
             .await?,
     )
@@ -264,21 +281,23 @@ async fn create_effect(
             current_version: None,
         });
     };
-    let inserted = sqlx::query_as::<_, Instance>(&format!(
+    let id = InstanceId::generate();
+    let inserted = query_instances!(
         "INSERT INTO instances AS i (id, tenant_id, reservation_id, allocation_id, node_id, image, command, env, created_by) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
          ON CONFLICT (allocation_id) WHERE state IN ('provisioning', 'running', 'stopping') DO NOTHING \
-         RETURNING {COLS}"
-    ))
-    .bind(InstanceId::generate())
-    .bind(&found.tenant_id)
-    .bind(&found.reservation_id)
-    .bind(&req.allocation_id)
-    .bind(&node)
-    .bind(&req.image)
-    .bind(&req.command)
-    .bind(Json(&req.env))
-    .bind(&actor.subject)
+         RETURNING",
+        "",
+        id.as_str(),
+        found.tenant_id.as_str(),
+        found.reservation_id.as_str(),
+        req.allocation_id.as_str(),
+        node.as_str(),
+        req.image,
+        &req.command[..],
+        Json(&req.env) as _,
+        actor.subject,
+    )
     .fetch_optional(&mut *conn)
     .await?;
     let Some(instance) = inserted else {
@@ -316,11 +335,12 @@ pub async fn stop_instance(db: &Db, actor: &Actor, id: &InstanceId) -> Result<In
             if instance.state.is_terminal() || instance.stop_requested {
                 return Ok(instance);
             }
-            let asked = sqlx::query_as::<_, Instance>(&format!(
+            let asked = query_instances!(
                 "UPDATE instances AS i SET stop_requested = true, version = i.version + 1, updated_at = compute_now() \
-                  WHERE i.id = $1 RETURNING {COLS}"
-            ))
-            .bind(&id)
+                  WHERE i.id = $1 RETURNING",
+                "",
+                id.as_str(),
+            )
             .fetch_one(&mut *conn)
             .await?;
             wake(conn, &id).await?;
@@ -333,10 +353,11 @@ pub async fn stop_instance(db: &Db, actor: &Actor, id: &InstanceId) -> Result<In
 /// Instances by id.
 pub async fn get_instances(db: &Db, ids: &[InstanceId]) -> Result<Vec<Instance>> {
     let ids: Vec<&str> = ids.iter().map(InstanceId::as_str).collect();
-    Ok(sqlx::query_as::<_, Instance>(&format!(
-        "SELECT {COLS} FROM instances i WHERE i.id = ANY($1)"
-    ))
-    .bind(&ids)
+    Ok(query_instances!(
+        "SELECT",
+        "FROM instances i WHERE i.id = ANY($1)",
+        &ids[..] as &[&str],
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -404,17 +425,18 @@ async fn transition(
             action, instance.state
         )));
     }
-    let moved = sqlx::query_as::<_, Instance>(&format!(
+    let moved = query_instances!(
         "UPDATE instances AS i SET state = $2, reason = coalesce($3, i.reason), \
                 started_at = CASE WHEN $2 = 'running' THEN compute_now() ELSE i.started_at END, \
                 stopped_at = CASE WHEN $2 IN ('stopped', 'failed', 'exited') THEN compute_now() ELSE i.stopped_at END, \
                 version = i.version + 1, updated_at = compute_now() \
-          WHERE i.id = $1 AND i.state = $4 RETURNING {COLS}"
-    ))
-    .bind(&instance.id)
-    .bind(to)
-    .bind(reason)
-    .bind(instance.state)
+          WHERE i.id = $1 AND i.state = $4 RETURNING",
+        "",
+        instance.id.as_str(),
+        to.as_str(),
+        reason.as_deref(),
+        instance.state.as_str(),
+    )
     .fetch_one(&mut *conn)
     .await?;
     emit(conn, &moved).await?;
@@ -479,7 +501,7 @@ pub async fn record_exit(
     db.tx("record_instance_exit", TxKind::Write, |conn| {
         let (node, instance) = (node.clone(), instance.clone());
         Box::pin(async move {
-            let held = sqlx::query_as::<_, Instance>(&format!(
+            let held = query_instances!(
                 "WITH s AS (SELECT 1 FROM node_sessions \
                      WHERE node_id = $1 AND session_epoch = $2 AND closed_at IS NULL FOR SHARE) \
                  UPDATE instances AS i SET exit_code = $4, exit_signal = $5, \
@@ -487,14 +509,15 @@ pub async fn record_exit(
                         version = i.version + 1, updated_at = compute_now() \
                   WHERE i.id = $3 AND i.node_id = $1 AND i.exited_at IS NULL \
                     AND i.state IN ('provisioning', 'running', 'stopping') AND EXISTS (SELECT 1 FROM s) \
-              RETURNING {COLS}"
-            ))
-            .bind(&node)
-            .bind(epoch)
-            .bind(&instance)
-            .bind(exit.code)
-            .bind(exit.signal)
-            .bind(exit.seconds_ago)
+              RETURNING",
+                "",
+                node.as_str(),
+                epoch,
+                instance.as_str(),
+                exit.code,
+                exit.signal,
+                exit.seconds_ago,
+            )
             .fetch_optional(&mut *conn)
             .await?;
             let Some(held) = held else { return Ok(None) };
@@ -531,10 +554,11 @@ pub async fn reconcile(db: &Db, id: &InstanceId) -> Result<Step> {
 }
 
 async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> {
-    let Some(mut instance) = sqlx::query_as::<_, Instance>(&format!(
-        "SELECT {COLS} FROM instances i WHERE i.id = $1 FOR UPDATE"
-    ))
-    .bind(id)
+    let Some(mut instance) = query_instances!(
+        "SELECT",
+        "FROM instances i WHERE i.id = $1 FOR UPDATE",
+        id.as_str(),
+    )
     .fetch_optional(&mut *conn)
     .await?
     else {
