@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use compute_domain::db::Db;
-use compute_domain::ids::{CommandId, NodeId};
+use compute_domain::ids::{CommandId, GatewayId, NodeId};
 use compute_domain::leases::Fence;
 use compute_domain::leases::HeldLease;
 use compute_domain::node_commands::{self, Command};
@@ -26,7 +26,7 @@ use tracing::{debug, info, warn};
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
     /// This gateway's id; its lease is `gateway:<id>`. Unique per process.
-    pub id: String,
+    pub id: GatewayId,
     /// How often daemons send a heartbeat (told to them in `welcome`).
     pub heartbeat: Duration,
     /// How often the gateway writes its sessions' ages.
@@ -50,7 +50,7 @@ impl GatewayConfig {
         let host = compute_domain::process::host_name();
         let suffix = compute_domain::process::random_hex(4).unwrap_or_default();
         GatewayConfig {
-            id: format!("{host}-{}-{suffix}", std::process::id()),
+            id: GatewayId::for_process(&host, std::process::id(), &suffix),
             heartbeat: Duration::from_secs(5),
             flush_every: Duration::from_secs(2),
             silent_after: Duration::from_secs(15),
@@ -148,7 +148,7 @@ impl Gateway {
         &self.0.config
     }
 
-    pub fn id(&self) -> &str {
+    pub fn id(&self) -> &GatewayId {
         &self.0.config.id
     }
 
@@ -172,7 +172,7 @@ impl Gateway {
         let acquired = HeldLease::acquire_with(
             &self.0.db,
             &name,
-            self.id(),
+            self.id().as_str(),
             GATEWAY_TTL,
             compute_domain::leases::RENEW_EVERY,
         )
@@ -391,7 +391,7 @@ impl Gateway {
                 loop {
                     let me = gateway.clone();
                     let result = node_commands::listen_for_pokes(&gateway.0.db, move |id| {
-                        if id == me.id() {
+                        if id == me.id().as_str() {
                             me.poke();
                         }
                     })

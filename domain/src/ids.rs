@@ -226,6 +226,62 @@ impl From<TenantId> for String {
     }
 }
 
+/// A gateway's id: 1 to 100 of letters, digits, `-`, `_` and `.`; its lease is `gateway:<id>`
+/// ([`crate::leases::name::gateway`]) and sessions and dispatched commands name it. Given by the
+/// operator (`--gateway-id`) or made for the process ([`GatewayId::for_process`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, sqlx::Type)]
+#[sqlx(transparent)]
+#[serde(transparent)]
+pub struct GatewayId(String);
+
+impl GatewayId {
+    /// The largest id, in bytes.
+    pub const MAX_LEN: usize = 100;
+
+    fn allowed(c: char) -> bool {
+        c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
+    }
+
+    /// Parses input; `field` names it in the error.
+    pub fn parse(field: &str, s: &str) -> Result<GatewayId> {
+        if !s.is_empty() && s.len() <= Self::MAX_LEN && s.chars().all(Self::allowed) {
+            Ok(GatewayId(s.to_owned()))
+        } else {
+            Err(Error::bad_input(
+                field,
+                format!("`{s}` is not a gateway id: 1 to 100 of letters, digits, `-`, `_` and `.`"),
+            ))
+        }
+    }
+
+    /// An id unique to this process: the host name (its other characters made `-`), the process
+    /// id and `suffix` (random hex), cut to [`GatewayId::MAX_LEN`].
+    pub fn for_process(host: &str, pid: u32, suffix: &str) -> GatewayId {
+        let host: String = host
+            .chars()
+            .map(|c| if Self::allowed(c) { c } else { '-' })
+            .collect();
+        let tail = format!("-{pid}-{suffix}");
+        let mut host = if host.is_empty() {
+            "gateway".to_owned()
+        } else {
+            host
+        };
+        host.truncate(Self::MAX_LEN.saturating_sub(tail.len()));
+        GatewayId(host + &tail)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for GatewayId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// A bookable atom's name: its GPU's hardware id, then `/mig/<k>` for a MIG instance or `/s<k>`
 /// for a slot (the atom rule, `fleet::model::Layout::atoms`, makes them).
 #[derive(
@@ -373,5 +429,22 @@ mod tests {
         for bad in ["", "-x", "a b", "a\0b", &"x".repeat(64)] {
             assert!(TenantId::parse("tenant", bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn gateway_ids_are_checked_and_made_valid() {
+        for ok in ["g1", "host-1.example-42-ab12", &"x".repeat(100)] {
+            assert!(GatewayId::parse("gateway-id", ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "a b", "a/b", "a:b", &"x".repeat(101)] {
+            assert!(GatewayId::parse("gateway-id", bad).is_err(), "{bad:?}");
+        }
+        let made = GatewayId::for_process("héte:01", 42, "beef");
+        assert_eq!(made.as_str(), "h-te-01-42-beef");
+        let long = GatewayId::for_process(&"h".repeat(300), 7, "ab");
+        assert_eq!(long.as_str().len(), GatewayId::MAX_LEN);
+        assert!(long.as_str().ends_with("-7-ab"));
+        assert!(GatewayId::parse("id", long.as_str()).is_ok());
+        assert_eq!(GatewayId::for_process("", 1, "c").as_str(), "gateway-1-c");
     }
 }

@@ -20,13 +20,13 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{FromRow, PgConnection};
+use sqlx::PgConnection;
 
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{self, EventType, NodePayload};
 use crate::fleet::{Node, query_nodes};
-use crate::ids::NodeId;
+use crate::ids::{GatewayId, NodeId};
 use crate::outbox::{self, NewEvent};
 use crate::text_enum::text_enum;
 
@@ -44,7 +44,7 @@ pub const OUTAGE_THRESHOLD: Duration = Duration::from_secs(30);
 pub const GATEWAY_TTL: Duration = Duration::from_secs(20);
 
 /// The lease a gateway holds: `gateway:<id>` ([`crate::leases::name::gateway`]).
-pub fn gateway_lease(gateway: &str) -> String {
+pub fn gateway_lease(gateway: &GatewayId) -> String {
     crate::leases::name::gateway(gateway)
 }
 
@@ -62,11 +62,11 @@ text_enum!(
 );
 
 /// A node's session, open or the last one closed.
-#[derive(Debug, Clone, FromRow)]
+#[derive(Debug, Clone)]
 pub struct Session {
     pub node_id: NodeId,
     pub session_epoch: i64,
-    pub gateway: String,
+    pub gateway: GatewayId,
     pub daemon_version: String,
     pub journal_id: String,
     pub opened_at: DateTime<Utc>,
@@ -128,18 +128,18 @@ async fn emit_node(conn: &mut PgConnection, event: EventType, node: &Node) -> Re
 /// (leaving `UNREACHABLE` if it was) and `node.connected` is written. Returns the new epoch.
 /// An unknown node is `NOT_FOUND`; a retired one `CONFLICT`; a generation the node was never
 /// given `BAD_USER_INPUT`.
-#[tracing::instrument(level = "debug", skip_all, fields(node = %node, gateway = gateway, gateway_epoch = gateway_epoch))]
+#[tracing::instrument(level = "debug", skip_all, fields(node = %node, gateway = %gateway, gateway_epoch = gateway_epoch))]
 pub async fn open(
     db: &Db,
     node: &NodeId,
-    gateway: &str,
+    gateway: &GatewayId,
     gateway_epoch: i64,
     hello: &Hello,
 ) -> Result<i64> {
     check_label("daemonVersion", &hello.daemon_version)?;
     check_label("journalId", &hello.journal_id)?;
     db.tx("open_node_session", TxKind::Write, |conn| {
-        let (node, gateway, hello) = (node.clone(), gateway.to_owned(), hello.clone());
+        let (node, gateway, hello) = (node.clone(), gateway.clone(), hello.clone());
         Box::pin(async move {
             let Some(row) = sqlx::query!(
                 "SELECT retired_at IS NOT NULL AS \"retired!\", generation FROM nodes WHERE id = $1",
@@ -177,7 +177,7 @@ pub async fn open(
                         closed_at = NULL, close_reason = NULL \
                  RETURNING session_epoch",
                 node.as_str(),
-                gateway,
+                gateway.as_str(),
                 gateway_epoch,
                 hello.daemon_version,
                 hello.journal_id,
@@ -276,8 +276,8 @@ pub struct Seen {
 /// gateway's lease): `last_seen_at = compute_now() - age`, never later than now and never
 /// earlier than it was. Returns the nodes whose session is still this gateway's at that epoch;
 /// the gateway closes the connections of the others (superseded, or ended by the reconciler).
-#[tracing::instrument(level = "debug", skip_all, fields(gateway = gateway, sessions = seen.len()))]
-pub async fn flush(db: &Db, gateway: &str, seen: &[Seen]) -> Result<Vec<NodeId>> {
+#[tracing::instrument(level = "debug", skip_all, fields(gateway = %gateway, sessions = seen.len()))]
+pub async fn flush(db: &Db, gateway: &GatewayId, seen: &[Seen]) -> Result<Vec<NodeId>> {
     let nodes: Vec<String> = seen.iter().map(|s| s.node.to_string()).collect();
     let epochs: Vec<i64> = seen.iter().map(|s| s.epoch).collect();
     let ages: Vec<f64> = seen
@@ -291,7 +291,7 @@ pub async fn flush(db: &Db, gateway: &str, seen: &[Seen]) -> Result<Vec<NodeId>>
         })
         .collect();
     db.tx("flush_node_sessions", TxKind::Write, |conn| {
-        let (gateway, nodes, epochs, ages) = (gateway.to_owned(), nodes.clone(), epochs.clone(), ages.clone());
+        let (gateway, nodes, epochs, ages) = (gateway.clone(), nodes.clone(), epochs.clone(), ages.clone());
         Box::pin(async move {
             Ok(sqlx::query_scalar!(
                 r#"UPDATE node_sessions s
@@ -299,7 +299,7 @@ pub async fn flush(db: &Db, gateway: &str, seen: &[Seen]) -> Result<Vec<NodeId>>
                      FROM unnest($2::text[], $3::int8[], $4::float8[]) AS v(node, epoch, age)
                     WHERE s.node_id = v.node AND s.session_epoch = v.epoch AND s.gateway = $1 AND s.closed_at IS NULL
                 RETURNING s.node_id AS "node_id: NodeId""#,
-                gateway,
+                gateway.as_str(),
                 &nodes,
                 &epochs,
                 &ages,
@@ -358,18 +358,19 @@ pub async fn observe_generation(
     .await
 }
 
-const SESSION_COLS: &str = "s.node_id, s.session_epoch, s.gateway, s.daemon_version, s.journal_id, \
-     s.opened_at, s.last_seen_at, s.closed_at, s.close_reason, \
-     extract(epoch FROM compute_now() - s.last_seen_at)::float8 AS seconds_since_seen";
-
 /// The sessions of `nodes` (open, or the last one closed), for the graph's loader.
 pub async fn sessions_of(db: &Db, nodes: &[NodeId]) -> Result<Vec<Session>> {
     let ids: Vec<String> = nodes.iter().map(ToString::to_string).collect();
-    let sql = format!("SELECT {SESSION_COLS} FROM node_sessions s WHERE s.node_id = ANY($1)");
-    Ok(sqlx::query_as::<_, Session>(&sql)
-        .bind(&ids)
-        .fetch_all(db.pool())
-        .await?)
+    Ok(sqlx::query_as!(
+        Session,
+        r#"SELECT s.node_id AS "node_id: _", s.session_epoch, s.gateway AS "gateway: _", s.daemon_version,
+                  s.journal_id, s.opened_at, s.last_seen_at, s.closed_at, s.close_reason AS "close_reason: _",
+                  extract(epoch FROM compute_now() - s.last_seen_at)::float8 AS "seconds_since_seen!"
+             FROM node_sessions s WHERE s.node_id = ANY($1)"#,
+        &ids[..] as &[String],
+    )
+    .fetch_all(db.pool())
+    .await?)
 }
 
 /// What one liveness pass did.

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use compute_domain::db::{Db, PoolSettings};
+use compute_domain::ids::GatewayId;
 use compute_domain::secrets::Keyring;
 use compute_domain::{Error, Result};
 use tracing::info;
@@ -142,18 +143,7 @@ impl GatewayArgs {
     pub fn config(&self) -> Result<crate::gateway::GatewayConfig> {
         let mut config = crate::gateway::GatewayConfig::new();
         if let Some(id) = &self.gateway_id {
-            if id.is_empty()
-                || id.len() > 100
-                || !id
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-            {
-                return Err(Error::bad_input(
-                    "gateway-id",
-                    "1 to 100 of letters, digits, `-`, `_` and `.`",
-                ));
-            }
-            config.id = id.clone();
+            config.id = GatewayId::parse("gateway-id", id)?;
         }
         if !(1..=60).contains(&self.agent_heartbeat_seconds) {
             return Err(Error::bad_input("agent-heartbeat-seconds", "1 to 60"));

@@ -341,7 +341,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
     info!(node = %node, epoch, gateway = %gateway.id(), version = %hello.daemon_version, "node session opened");
     let welcome = ToDaemon::Welcome {
         session_epoch: epoch,
-        gateway_id: gateway.id().to_owned(),
+        gateway_id: gateway.id().to_string(),
         heartbeat_seconds: config.heartbeat.as_secs_f64(),
         protocol: PROTOCOL.to_owned(),
     };

@@ -62,7 +62,7 @@ pub mod name {
     }
 
     /// A gateway's lease.
-    pub fn gateway(id: &str) -> String {
+    pub fn gateway(id: &crate::ids::GatewayId) -> String {
         format!("gateway:{id}")
     }
 }

@@ -35,7 +35,7 @@ use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{self, CommandPayload, EventType};
 use crate::idempotency::{self, Actor, Claim, Outcome};
-use crate::ids::{CommandId, NodeId};
+use crate::ids::{CommandId, GatewayId, NodeId};
 use crate::outbox::{self, NewEvent};
 use crate::page::{Page, PageArgs};
 use crate::work_queue::{self, WorkKind};
@@ -70,7 +70,7 @@ pub struct Command {
     pub error_message: Option<String>,
     pub session_epoch: Option<i64>,
     pub journal_id: Option<String>,
-    pub gateway: Option<String>,
+    pub gateway: Option<GatewayId>,
     pub created_by: String,
     /// The workflow (instance) this command is a step of.
     pub workflow_id: Option<String>,
@@ -82,10 +82,40 @@ pub struct Command {
     pub version: i64,
 }
 
-/// The columns of [`Command`], of `commands c`.
+/// The columns of [`Command`], of `commands c`, for the listing's dynamic builder; the same
+/// columns as [`query_commands!`] (a static test compares them).
 const COLS: &str = "c.id, c.node_id, c.kind, c.args, c.min_generation, c.retry_safe, c.idempotency_key, \
      c.state, c.attempts, c.progress, c.result, c.error_code, c.error_message, c.session_epoch, c.journal_id, \
      c.gateway, c.created_by, c.workflow_id, c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version";
+
+/// A checked `query_as!` of [`Command`]s: `$head` + the columns of `commands c` + `$tail`. The
+/// `guarded:` form puts the session guard first: `s` is the node's open session at `$2`
+/// (`node_id = $1`), locked `FOR SHARE` so it cannot be superseded before the transaction ends;
+/// the statement adds `AND EXISTS (SELECT 1 FROM s)`.
+macro_rules! query_commands {
+    (guarded: $head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        query_commands!(@ "WITH s AS (SELECT 1 FROM node_sessions \
+               WHERE node_id = $1 AND session_epoch = $2 AND closed_at IS NULL FOR SHARE) "
+            $head, $tail $(, $arg)*)
+    };
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        query_commands!(@ "" $head, $tail $(, $arg)*)
+    };
+    (@ $guard:literal $head:literal, $tail:literal $(, $arg:expr)*) => {
+        sqlx::query_as!(
+            Command,
+            $guard
+                + $head
+                + r#" c.id AS "id: _", c.node_id AS "node_id: _", c.kind AS "kind: _", c.args AS "args: _",
+                     c.min_generation, c.retry_safe, c.idempotency_key, c.state AS "state: _", c.attempts,
+                     c.progress AS "progress: _", c.result AS "result: _", c.error_code, c.error_message,
+                     c.session_epoch, c.journal_id, c.gateway AS "gateway: _", c.created_by, c.workflow_id,
+                     c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version "#
+                + $tail
+            $(, $arg)*
+        )
+    };
+}
 
 /// What an operator asks for with `runCommand`.
 #[derive(Debug, Clone, Serialize)]
@@ -168,8 +198,7 @@ async fn enqueue(conn: &mut PgConnection, node: &NodeId) -> Result<()> {
 
 async fn load(conn: &mut PgConnection, id: &CommandId) -> Result<Option<Command>> {
     Ok(
-        sqlx::query_as::<_, Command>(&format!("SELECT {COLS} FROM commands c WHERE c.id = $1"))
-            .bind(id)
+        query_commands!("SELECT", "FROM commands c WHERE c.id = $1", id.as_str())
             .fetch_optional(&mut *conn)
             .await?,
     )
@@ -203,19 +232,21 @@ pub async fn ensure(conn: &mut PgConnection, new: NewCommand<'_>) -> Result<(Com
         created_by,
         workflow,
     } = new;
-    let inserted = sqlx::query_as::<_, Command>(&format!(
+    let id = CommandId::generate();
+    let inserted = query_commands!(
         "INSERT INTO commands AS c (id, node_id, kind, args, min_generation, retry_safe, idempotency_key, created_by, workflow_id) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (node_id, idempotency_key) DO NOTHING RETURNING {COLS}"
-    ))
-    .bind(CommandId::generate())
-    .bind(node)
-    .bind(kind)
-    .bind(Json(args))
-    .bind(min_generation)
-    .bind(retry_safe)
-    .bind(key)
-    .bind(created_by)
-    .bind(workflow)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (node_id, idempotency_key) DO NOTHING RETURNING",
+        "",
+        id.as_str(),
+        node.as_str(),
+        kind.as_str(),
+        Json(args) as _,
+        min_generation,
+        retry_safe,
+        key,
+        created_by,
+        workflow,
+    )
     .fetch_optional(&mut *conn)
     .await?;
     if let Some(c) = inserted {
@@ -223,11 +254,12 @@ pub async fn ensure(conn: &mut PgConnection, new: NewCommand<'_>) -> Result<(Com
         enqueue(conn, node).await?;
         return Ok((c, true));
     }
-    let existing = sqlx::query_as::<_, Command>(&format!(
-        "SELECT {COLS} FROM commands c WHERE c.node_id = $1 AND c.idempotency_key = $2"
-    ))
-    .bind(node)
-    .bind(key)
+    let existing = query_commands!(
+        "SELECT",
+        "FROM commands c WHERE c.node_id = $1 AND c.idempotency_key = $2",
+        node.as_str(),
+        key,
+    )
     .fetch_one(&mut *conn)
     .await?;
     Ok((existing, false))
@@ -380,13 +412,14 @@ pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
 /// operator, or a workflow withdrawing a step it no longer needs), with its event; the
 /// cancelled command, or `None` when it was not cancellable.
 pub async fn cancel_in(conn: &mut PgConnection, id: &CommandId) -> Result<Option<Command>> {
-    let cancelled = sqlx::query_as::<_, Command>(&format!(
+    let cancelled = query_commands!(
         "UPDATE commands AS c SET state = 'cancelled', finished_at = compute_now(), \
                 version = c.version + 1, updated_at = compute_now() \
-          WHERE c.id = $1 AND c.state = ANY($2) RETURNING {COLS}"
-    ))
-    .bind(id)
-    .bind(stored_from(Action::Cancel))
+          WHERE c.id = $1 AND c.state = ANY($2) RETURNING",
+        "",
+        id.as_str(),
+        &stored_from(Action::Cancel)[..] as &[&str],
+    )
     .fetch_optional(&mut *conn)
     .await?;
     if let Some(c) = &cancelled {
@@ -400,10 +433,11 @@ pub async fn of_workflow(
     conn: &mut PgConnection,
     workflow: &str,
 ) -> Result<std::collections::HashMap<String, Command>> {
-    Ok(sqlx::query_as::<_, Command>(&format!(
-        "SELECT {COLS} FROM commands c WHERE c.workflow_id = $1"
-    ))
-    .bind(workflow)
+    Ok(query_commands!(
+        "SELECT",
+        "FROM commands c WHERE c.workflow_id = $1",
+        workflow
+    )
     .fetch_all(&mut *conn)
     .await?
     .into_iter()
@@ -414,10 +448,11 @@ pub async fn of_workflow(
 /// Commands by id.
 pub async fn get_commands(db: &Db, ids: &[CommandId]) -> Result<Vec<Command>> {
     let ids: Vec<&str> = ids.iter().map(CommandId::as_str).collect();
-    Ok(sqlx::query_as::<_, Command>(&format!(
-        "SELECT {COLS} FROM commands c WHERE c.id = ANY($1)"
-    ))
-    .bind(&ids)
+    Ok(query_commands!(
+        "SELECT",
+        "FROM commands c WHERE c.id = ANY($1)",
+        &ids[..] as &[&str]
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -494,14 +529,15 @@ pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
                 return Ok(Dispatched::default());
             };
             if spec.retired {
-                let failed = sqlx::query_as::<_, Command>(&format!(
+                let failed = query_commands!(
                     "UPDATE commands AS c SET state = 'failed', error_code = 'NODE_RETIRED', \
                             error_message = 'the node was retired before the command finished', \
                             finished_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
-                      WHERE c.node_id = $1 AND c.state = ANY($2) RETURNING {COLS}"
-                ))
-                .bind(&node)
-                .bind(stored_from(Action::Abandon))
+                      WHERE c.node_id = $1 AND c.state = ANY($2) RETURNING",
+                    "",
+                    node.as_str(),
+                    &stored_from(Action::Abandon)[..] as &[&str],
+                )
                 .fetch_all(&mut *conn)
                 .await?;
                 emit(conn, &failed, EventType::CommandFailed).await?;
@@ -538,22 +574,23 @@ pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
                 )
                 .await?;
             }
-            let sent = sqlx::query_as::<_, Command>(&format!(
+            let sent = query_commands!(
                 "UPDATE commands AS c SET state = 'dispatched', session_epoch = $2, journal_id = $3, gateway = $4, \
                         attempts = c.attempts + 1, dispatched_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
                   WHERE c.id IN (SELECT p.id FROM commands p \
                                   WHERE p.node_id = $1 AND p.state = 'pending' AND p.min_generation <= $5 \
                                   ORDER BY p.id LIMIT $6 FOR UPDATE) \
                     AND c.state = ANY($7) \
-                  RETURNING {COLS}"
-            ))
-            .bind(&node)
-            .bind(session.session_epoch)
-            .bind(&session.journal_id)
-            .bind(&session.gateway)
-            .bind(spec.observed_generation)
-            .bind(DISPATCH_BATCH)
-            .bind(stored_from(Action::Dispatch))
+                  RETURNING",
+                "",
+                node.as_str(),
+                session.session_epoch,
+                session.journal_id,
+                session.gateway,
+                spec.observed_generation,
+                DISPATCH_BATCH,
+                &stored_from(Action::Dispatch)[..] as &[&str],
+            )
             .fetch_all(&mut *conn)
             .await?;
             if sent.is_empty() {
@@ -576,11 +613,12 @@ pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
 
 /// The commands dispatched to sessions `gateway` holds and not yet acknowledged: what it has
 /// to push (it pushes each at most once per session).
-pub async fn to_push(db: &Db, gateway: &str) -> Result<Vec<Command>> {
-    Ok(sqlx::query_as::<_, Command>(&format!(
-        "SELECT {COLS} FROM commands c WHERE c.gateway = $1 AND c.state = 'dispatched' ORDER BY c.node_id, c.id"
-    ))
-    .bind(gateway)
+pub async fn to_push(db: &Db, gateway: &GatewayId) -> Result<Vec<Command>> {
+    Ok(query_commands!(
+        "SELECT",
+        "FROM commands c WHERE c.gateway = $1 AND c.state = 'dispatched' ORDER BY c.node_id, c.id",
+        gateway.as_str(),
+    )
     .fetch_all(db.pool())
     .await?)
 }
@@ -594,11 +632,6 @@ pub enum AckAnswer {
     Refused(String),
 }
 
-/// The session guard of every daemon-side write: the session at `$2` is the node's open one,
-/// locked `FOR SHARE` so it cannot be superseded before this transaction ends.
-const SESSION_GUARD: &str = "WITH s AS (SELECT 1 FROM node_sessions \
-       WHERE node_id = $1 AND session_epoch = $2 AND closed_at IS NULL FOR SHARE)";
-
 /// The daemon of `node` (session `epoch`) acknowledges command `id`; `db` is fenced by the
 /// gateway's lease. A repeated acknowledgement of a running command proceeds again (the daemon's
 /// journal keeps it from running twice).
@@ -607,16 +640,17 @@ pub async fn ack(db: &Db, node: &NodeId, epoch: i64, id: &CommandId) -> Result<A
     db.tx("ack_command", TxKind::Write, |conn| {
         let (node, id) = (node.clone(), id.clone());
         Box::pin(async move {
-            let started = sqlx::query_as::<_, Command>(&format!(
-                "{SESSION_GUARD} UPDATE commands AS c SET state = 'running', started_at = compute_now(), \
+            let started = query_commands!(
+                guarded: "UPDATE commands AS c SET state = 'running', started_at = compute_now(), \
                         version = c.version + 1, updated_at = compute_now() \
                   WHERE c.id = $3 AND c.node_id = $1 AND c.session_epoch = $2 AND c.state = ANY($4) \
-                    AND EXISTS (SELECT 1 FROM s) RETURNING {COLS}"
-            ))
-            .bind(&node)
-            .bind(epoch)
-            .bind(&id)
-            .bind(stored_from(Action::Ack))
+                    AND EXISTS (SELECT 1 FROM s) RETURNING",
+                "",
+                node.as_str(),
+                epoch,
+                id.as_str(),
+                &stored_from(Action::Ack)[..] as &[&str],
+            )
             .fetch_optional(&mut *conn)
             .await?;
             if let Some(c) = started {
@@ -654,15 +688,16 @@ pub async fn progress(
     db.tx("command_progress", TxKind::Write, |conn| {
         let (node, id, progress) = (node.clone(), id.clone(), progress.clone());
         Box::pin(async move {
-            let moved = sqlx::query_as::<_, Command>(&format!(
-                "{SESSION_GUARD} UPDATE commands AS c SET progress = $4, version = c.version + 1, updated_at = compute_now() \
+            let moved = query_commands!(
+                guarded: "UPDATE commands AS c SET progress = $4, version = c.version + 1, updated_at = compute_now() \
                   WHERE c.id = $3 AND c.node_id = $1 AND c.session_epoch = $2 AND c.state = 'running' \
-                    AND EXISTS (SELECT 1 FROM s) RETURNING {COLS}"
-            ))
-            .bind(&node)
-            .bind(epoch)
-            .bind(&id)
-            .bind(Json(&progress))
+                    AND EXISTS (SELECT 1 FROM s) RETURNING",
+                "",
+                node.as_str(),
+                epoch,
+                id.as_str(),
+                Json(&progress) as _,
+            )
             .fetch_optional(&mut *conn)
             .await?;
             match moved {
@@ -741,21 +776,22 @@ pub async fn finish(
         let (node, id, report, message) = (node.clone(), id.clone(), report.clone(), message.clone());
         Box::pin(async move {
             let state = if report.succeeded { State::Succeeded } else { State::Failed };
-            let done = sqlx::query_as::<_, Command>(&format!(
-                "{SESSION_GUARD} UPDATE commands AS c SET state = $4, result = $5, error_code = $6, error_message = $7, \
+            let done = query_commands!(
+                guarded: "UPDATE commands AS c SET state = $4, result = $5, error_code = $6, error_message = $7, \
                         started_at = coalesce(c.started_at, compute_now()), finished_at = compute_now(), \
                         version = c.version + 1, updated_at = compute_now() \
                   WHERE c.id = $3 AND c.node_id = $1 AND c.session_epoch = $2 AND c.state = ANY($8) \
-                    AND EXISTS (SELECT 1 FROM s) RETURNING {COLS}"
-            ))
-            .bind(&node)
-            .bind(epoch)
-            .bind(&id)
-            .bind(state)
-            .bind(Json(&report.output))
-            .bind(&report.error_code)
-            .bind(&message)
-            .bind(stored_from(Action::Finish))
+                    AND EXISTS (SELECT 1 FROM s) RETURNING",
+                "",
+                node.as_str(),
+                epoch,
+                id.as_str(),
+                state.as_str(),
+                Json(&report.output) as _,
+                report.error_code,
+                message,
+                &stored_from(Action::Finish)[..] as &[&str],
+            )
             .fetch_optional(&mut *conn)
             .await?;
             let Some(c) = done else { return Ok(None) };
@@ -797,32 +833,34 @@ pub async fn on_session_open(
     let wiped = previous.is_some_and(|p| p != journal);
     let mut out = Reopened::default();
     if wiped {
-        let failed = sqlx::query_as::<_, Command>(&format!(
+        let failed = query_commands!(
             "UPDATE commands AS c SET state = 'failed', error_code = 'JOURNAL_RESET', \
                     error_message = 'the daemon came back with a new journal (it lost its memory): this command may or may not have run, and is not safe to run again', \
                     finished_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
               WHERE c.node_id = $1 AND c.state = ANY($2) AND NOT c.retry_safe \
                 AND CASE WHEN c.state = 'pending' THEN c.journal_id IS DISTINCT FROM $4 AND c.journal_id IS NOT NULL \
                          ELSE c.session_epoch < $3 END \
-              RETURNING {COLS}"
-        ))
-        .bind(node)
-        .bind(stored_from(Action::JournalReset))
-        .bind(epoch)
-        .bind(journal)
+              RETURNING",
+            "",
+            node.as_str(),
+            &stored_from(Action::JournalReset)[..] as &[&str],
+            epoch,
+            journal,
+        )
         .fetch_all(&mut *conn)
         .await?;
         emit(conn, &failed, EventType::CommandFailed).await?;
         out.reset = failed.len();
     }
-    let requeued = sqlx::query_as::<_, Command>(&format!(
+    let requeued = query_commands!(
         "UPDATE commands AS c SET state = 'pending', session_epoch = NULL, version = c.version + 1, updated_at = compute_now() \
           WHERE c.node_id = $1 AND c.state = ANY($2) AND c.session_epoch < $3 \
-          RETURNING {COLS}"
-    ))
-    .bind(node)
-    .bind(stored_from(Action::Requeue))
-    .bind(epoch)
+          RETURNING",
+        "",
+        node.as_str(),
+        &stored_from(Action::Requeue)[..] as &[&str],
+        epoch,
+    )
     .fetch_all(&mut *conn)
     .await?;
     emit(conn, &requeued, EventType::CommandRequeued).await?;

@@ -95,14 +95,14 @@ async fn a_session_connects_the_node_and_a_newer_one_supersedes_it() {
         .await
         .expect("open");
     assert_eq!(first.welcome.session_epoch, 1);
-    assert_eq!(first.welcome.gateway_id, app.gateway.id());
+    assert_eq!(first.welcome.gateway_id, app.gateway.id().as_str());
     assert_eq!(reachability(&app, node).await, "connected");
     let d = app
         .ok(&app.operator(), "query($id: ID!) { computeNode: node(id: $id) { ... on ComputeNode { reachability session { epoch gatewayId daemonVersion journalId open } } } }", json!({ "id": node }))
         .await;
     assert_eq!(
         d["computeNode"],
-        json!({ "reachability": "CONNECTED", "session": { "epoch": 1, "gatewayId": app.gateway.id(), "daemonVersion": "sim/1", "journalId": "j1", "open": true } })
+        json!({ "reachability": "CONNECTED", "session": { "epoch": 1, "gatewayId": app.gateway.id().as_str(), "daemonVersion": "sim/1", "journalId": "j1", "open": true } })
     );
 
     // The daemon restarts (its old connection still open): the new session supersedes the old.

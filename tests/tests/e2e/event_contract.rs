@@ -106,6 +106,11 @@ fn read_back(t: EventType, data: &Value) -> Result<(), String> {
     ok.map_err(|e| format!("{t}: {e}: {data}"))
 }
 
+/// The gateway these tests open sessions on.
+fn gw_contract() -> compute_domain::ids::GatewayId {
+    compute_domain::ids::GatewayId::parse("gateway", "gw-contract").expect("a gateway id")
+}
+
 fn alloc(count: i64) -> AllocationInput {
     AllocationInput {
         gpu_count: count,
@@ -350,7 +355,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
             journal_id: "j-inst".into(),
             observed_generation: 0,
         };
-        let epoch = compute_domain::sessions::open(db, &node, "gw-contract", 1, &hello)
+        let epoch = compute_domain::sessions::open(db, &node, &gw_contract(), 1, &hello)
             .await
             .expect("a session");
         // Runs the step's command as the daemon would: acknowledged, then this outcome.
@@ -514,7 +519,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
         observed_generation: 0,
     };
     let h1 = registered.node.id.clone();
-    let epoch = compute_domain::sessions::open(db, &h1, "gw-contract", 1, &hello)
+    let epoch = compute_domain::sessions::open(db, &h1, &gw_contract(), 1, &hello)
         .await
         .expect("open a session");
     // Its daemon reports an inventory without GPU-4, then the whole machine again.
@@ -650,7 +655,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
         .expect("cancel");
     run(Kind::Noop, "c-requeue").await;
     cmds::dispatch_node(db, &h1).await.expect("dispatch");
-    let epoch = compute_domain::sessions::open(db, &h1, "gw-contract", 1, &hello)
+    let epoch = compute_domain::sessions::open(db, &h1, &gw_contract(), 1, &hello)
         .await
         .expect("a newer session takes the command back");
     compute_domain::sessions::close(

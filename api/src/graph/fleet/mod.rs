@@ -831,7 +831,7 @@ impl NodeSession {
     }
     /// The gateway holding it (its lease is `gateway:<id>`).
     async fn gateway_id(&self) -> &str {
-        &self.0.gateway
+        self.0.gateway.as_str()
     }
     /// Whether it is open.
     async fn open(&self) -> bool {

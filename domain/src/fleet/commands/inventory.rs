@@ -181,31 +181,33 @@ async fn apply(
 ) -> Result<()> {
     let ids: Vec<&str> = gpus.iter().map(|g| g.id.as_str()).collect();
     let mismatch: Vec<Option<String>> = gpus.iter().map(|g| d.of(&g.id)).collect();
-    let changed: Vec<Device> = sqlx::query_as(&format!(
+    let changed: Vec<Device> = query_devices!(
         "UPDATE devices AS d SET inventory_mismatch = x.m, version = d.version + 1, updated_at = compute_now() \
            FROM unnest($1::text[], $2::text[]) AS x(id, m) \
-          WHERE d.id = x.id AND d.inventory_mismatch IS DISTINCT FROM x.m RETURNING {DEVICE_COLS}"
-    ))
-    .bind(&ids)
-    .bind(&mismatch)
+          WHERE d.id = x.id AND d.inventory_mismatch IS DISTINCT FROM x.m RETURNING",
+        "",
+        &ids[..] as &[&str],
+        &mismatch[..] as &[Option<String>],
+    )
     .fetch_all(&mut *conn)
     .await?;
     let all = d.all();
     let message = (!all.is_empty()).then(|| crate::error::bounded(&all.join("; ")));
     // The condition changes only when its message does, so a report that says the same again
     // writes no event.
-    let updated: Option<Node> = sqlx::query_as(&format!(
+    let updated: Option<Node> = query_nodes!(
         "UPDATE nodes AS n SET conditions = compute_conditions_without(n.conditions, $2) || CASE WHEN $3::text IS NULL THEN '[]'::jsonb \
               ELSE jsonb_build_array(jsonb_build_object('type', $2, 'status', 'True', 'reason', 'ReportDiffers', \
                                                          'message', $3::text, 'since', compute_now())) END, \
                 version = n.version + 1, updated_at = compute_now() \
           WHERE n.id = $1 AND (SELECT c->>'message' FROM jsonb_array_elements(n.conditions) c WHERE c->>'type' = $2 LIMIT 1) \
                 IS DISTINCT FROM $3::text \
-          RETURNING {NODE_COLS}"
-    ))
-    .bind(node.as_str())
-    .bind(INVENTORY_MISMATCH)
-    .bind(&message)
+          RETURNING",
+        "",
+        node.as_str(),
+        INVENTORY_MISMATCH,
+        message,
+    )
     .fetch_optional(&mut *conn)
     .await?;
     if let Some(n) = updated {
@@ -393,10 +395,11 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
 }
 
 async fn gpus_of(conn: &mut PgConnection, id: &NodeId) -> Result<Vec<Device>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {DEVICE_COLS} FROM devices d WHERE d.node_id = $1 ORDER BY d.id"
-    ))
-    .bind(id.as_str())
+    Ok(query_devices!(
+        "SELECT",
+        "FROM devices d WHERE d.node_id = $1 ORDER BY d.id",
+        id.as_str()
+    )
     .fetch_all(&mut *conn)
     .await?)
 }
@@ -436,17 +439,18 @@ pub async fn report_health(
             if current.is_none() {
                 return Ok(None);
             }
-            let changed: Option<Device> = sqlx::query_as(&format!(
+            let changed: Option<Device> = query_devices!(
                 "UPDATE devices AS d SET health = $3, health_reason = $4, health_by = 'node', \
                         health_since = compute_now(), version = d.version + 1, updated_at = compute_now() \
                   WHERE d.node_id = $1 AND d.uuid = $2 AND (d.health, d.health_reason) IS DISTINCT FROM ($3, $4) \
                     AND ($3 = 'unhealthy' OR d.health_by = 'node') \
-                  RETURNING {DEVICE_COLS}"
-            ))
-            .bind(node.as_str())
-            .bind(&uuid)
-            .bind(health.as_str())
-            .bind(&reason)
+                  RETURNING",
+                "",
+                node.as_str(),
+                uuid,
+                health.as_str(),
+                reason,
+            )
             .fetch_optional(&mut *conn)
             .await?;
             if let Some(device) = changed {

@@ -58,6 +58,26 @@ const TOKEN_COLS: &str = "t.id, t.pool_id, t.labels, t.expires_at, t.created_by,
      CASE WHEN t.used_at IS NOT NULL THEN 'used' WHEN t.revoked_at IS NOT NULL THEN 'revoked' \
           WHEN t.expires_at <= compute_now() THEN 'expired' ELSE 'active' END AS state";
 
+/// A checked `query_as!` of [`JoinToken`]s: `$head` + the columns of `t` (the table, or a
+/// `WITH t AS (… RETURNING *)`) + `$tail`; the same columns as [`TOKEN_COLS`], which the
+/// listing's dynamic builder uses. Columns that cannot be null are marked `!`, because the
+/// database cannot tell through a `WITH`.
+macro_rules! query_tokens {
+    ($head:literal, $tail:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            JoinToken,
+            $head
+                + r#" t.id AS "id!: _", t.pool_id AS "pool_id!: _", t.labels AS "labels!: _",
+                     t.expires_at AS "expires_at!", t.created_by AS "created_by!", t.created_at AS "created_at!",
+                     t.used_at, t.node_id AS "node_id: _", t.revoked_at, t.revoked_by,
+                     CASE WHEN t.used_at IS NOT NULL THEN 'used' WHEN t.revoked_at IS NOT NULL THEN 'revoked'
+                          WHEN t.expires_at <= compute_now() THEN 'expired' ELSE 'active' END AS "state!" "#
+                + $tail
+            $(, $arg)*
+        )
+    };
+}
+
 /// The input of [`create_join_token`].
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct NewJoinToken {
@@ -110,12 +130,11 @@ async fn emit_token(conn: &mut PgConnection, event: EventType, token: &JoinToken
 }
 
 async fn load(conn: &mut PgConnection, id: &str) -> Result<Option<JoinToken>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {TOKEN_COLS} FROM node_join_tokens t WHERE t.id = $1"
-    ))
-    .bind(id)
-    .fetch_optional(&mut *conn)
-    .await?)
+    Ok(
+        query_tokens!("SELECT", "FROM node_join_tokens t WHERE t.id = $1", id)
+            .fetch_optional(&mut *conn)
+            .await?,
+    )
 }
 
 /// Makes a one-time join token for a pool, valid `expires_in_seconds`; with an idempotency key,
@@ -171,17 +190,18 @@ pub async fn create_join_token(
             }
             let created = async {
                 // The pool FOR KEY SHARE by the foreign key; its absence is NOT_FOUND.
-                let token: Option<JoinToken> = sqlx::query_as(&format!(
+                let token: Option<JoinToken> = query_tokens!(
                     "WITH t AS (INSERT INTO node_join_tokens (id, pool_id, secret_sha256, labels, expires_at, created_by) \
                      SELECT $1, p.id, $3, $4, compute_now() + make_interval(secs => $5), $6 FROM pools p WHERE p.id = $2 \
-                     RETURNING *) SELECT {TOKEN_COLS} FROM t"
-                ))
-                .bind(id.as_str())
-                .bind(input.pool_id.as_str())
-                .bind(digest(&secret))
-                .bind(Json(&input.labels))
-                .bind(input.expires_in_seconds as f64)
-                .bind(&actor.subject)
+                     RETURNING *) SELECT",
+                    "FROM t",
+                    id.as_str(),
+                    input.pool_id.as_str(),
+                    &digest(&secret)[..],
+                    Json(&input.labels) as _,
+                    input.expires_in_seconds as f64,
+                    actor.subject,
+                )
                 .fetch_optional(&mut *conn)
                 .await?;
                 let token = token.ok_or_else(|| Error::NotFound {
@@ -214,13 +234,14 @@ pub async fn revoke_join_token(db: &Db, actor: &Actor, id: &JoinTokenId) -> Resu
     db.tx("revoke_join_token", TxKind::Write, |conn| {
         let (id, by) = (id.clone(), actor.subject.clone());
         Box::pin(async move {
-            let revoked: Option<JoinToken> = sqlx::query_as(&format!(
+            let revoked: Option<JoinToken> = query_tokens!(
                 "WITH t AS (UPDATE node_join_tokens SET revoked_at = compute_now(), revoked_by = $2 \
                   WHERE id = $1 AND used_at IS NULL AND revoked_at IS NULL RETURNING *) \
-                 SELECT {TOKEN_COLS} FROM t"
-            ))
-            .bind(id.as_str())
-            .bind(&by)
+                 SELECT",
+                "FROM t",
+                id.as_str(),
+                by,
+            )
             .fetch_optional(&mut *conn)
             .await?;
             if let Some(token) = revoked {
@@ -376,15 +397,16 @@ pub async fn join(
         );
         Box::pin(async move {
             // 1. The token, used in one guarded statement (the first lock).
-            let used: Option<JoinToken> = sqlx::query_as(&format!(
+            let used: Option<JoinToken> = query_tokens!(
                 "WITH t AS (UPDATE node_join_tokens SET used_at = compute_now(), node_id = $2 \
                   WHERE secret_sha256 = $1 AND used_at IS NULL AND revoked_at IS NULL \
                     AND expires_at > compute_now() AND ($3::text IS NULL OR pool_id = $3) RETURNING *) \
-                 SELECT {TOKEN_COLS} FROM t"
-            ))
-            .bind(&hash)
-            .bind(node_id.as_str())
-            .bind(pool.as_ref().map(PoolId::as_str))
+                 SELECT",
+                "FROM t",
+                &hash[..],
+                node_id.as_str(),
+                pool.as_ref().map(PoolId::as_str),
+            )
             .fetch_optional(&mut *conn)
             .await?;
             let Some(token) = used else {
@@ -418,10 +440,11 @@ async fn explain_refusal(
     hash: &[u8],
     pool: Option<&PoolId>,
 ) -> Result<JoinRefused> {
-    let found: Option<JoinToken> = sqlx::query_as(&format!(
-        "SELECT {TOKEN_COLS} FROM node_join_tokens t WHERE t.secret_sha256 = $1"
-    ))
-    .bind(hash)
+    let found: Option<JoinToken> = query_tokens!(
+        "SELECT",
+        "FROM node_join_tokens t WHERE t.secret_sha256 = $1",
+        hash,
+    )
     .fetch_optional(&mut *conn)
     .await?;
     let Some(t) = found else {
