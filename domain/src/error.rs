@@ -10,7 +10,8 @@ use std::fmt;
 ///
 /// Adding a code is a change to the public contract: list it in `docs/errors.md` in the same
 /// change.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ErrorCode {
     /// No credentials, or credentials that are invalid, expired or signed the wrong way.
     Unauthenticated,
@@ -416,6 +417,18 @@ pub fn bounded(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_code_is_stored_as_clients_see_it() {
+        for code in ErrorCode::ALL {
+            let json = serde_json::to_value(code).expect("serializes");
+            assert_eq!(json, serde_json::json!(code.as_str()));
+            assert_eq!(
+                serde_json::from_value::<ErrorCode>(json).expect("reads back"),
+                code
+            );
+        }
+    }
 
     #[test]
     fn a_message_never_echoes_unbounded_or_unprintable_input() {

@@ -17,8 +17,11 @@
 //!   Validation and authentication failures never reach here, and transient errors (lock
 //!   timeouts, internal) roll everything back, key included, so a retry runs again.
 //! * Keys are kept at least [`RETENTION_HOURS`] hours, then pruned by [`prune`].
+//! * A key's answer has one shape, [`Stored`], whoever writes it: Rust ([`settle`]) or
+//!   PL/pgSQL (`compute_create_reservation`, `domain/sql/compute_create_reservation.sql`).
 
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use sqlx::PgConnection;
 
 use crate::db::Db;
@@ -42,10 +45,62 @@ pub enum Claim {
     /// The key is new and the savepoint of the effect is taken: run the operation, then
     /// [`settle`] it in the same transaction.
     New,
-    /// The same request ran before; this is its stored response.
-    Replay(Value),
+    /// The same request ran before and made the object with this id; the caller reads it again.
+    Replay(String),
     /// The same request ran before and got this final error; it is the answer again.
     Refused(Error),
+}
+
+/// A key's stored answer (`idempotency_keys.response`), the one shape every writer uses:
+/// `{"id": "<the object the request made or changed>"}`, or
+/// `{"error": {"code": "QUOTA_EXCEEDED", "message": "…"}}` for a final error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Stored {
+    Refused {
+        error: StoredError,
+    },
+    Done {
+        /// The aliases read what the previous binary stored while both run (migration 0022
+        /// converted the rows it found); a later migration drops them.
+        #[serde(alias = "reservationId", alias = "commandId", alias = "instanceId")]
+        id: String,
+    },
+}
+
+/// A final error as stored under its key and as `compute_create_reservation` answers it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl StoredError {
+    /// The stored form of `e`.
+    pub fn of(e: &Error) -> StoredError {
+        StoredError {
+            code: e.code(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<StoredError> for Error {
+    fn from(e: StoredError) -> Error {
+        Error::from_code(e.code.as_str(), e.message)
+    }
+}
+
+impl Stored {
+    /// Reads a stored response; one of another shape is our bug (`INTERNAL`).
+    pub fn decode(response: Value) -> Result<Stored> {
+        serde_json::from_value(response.clone()).map_err(|e| {
+            Error::internal(format!(
+                "an idempotency key's stored response {response} is not of the stored shape: {e}"
+            ))
+        })
+    }
 }
 
 /// The savepoint the effect of a claimed key runs under.
@@ -107,9 +162,9 @@ pub async fn claim(
         (false, _) => Err(Error::IdempotencyKeyReused(format!(
             "idempotency key `{key}` was already used with different arguments; use a new key for a new request"
         ))),
-        (true, Some(response)) => Ok(match stored_error(&response) {
-            Some(e) => Claim::Refused(e),
-            None => Claim::Replay(response),
+        (true, Some(response)) => Ok(match Stored::decode(response)? {
+            Stored::Refused { error } => Claim::Refused(error.into()),
+            Stored::Done { id } => Claim::Replay(id),
         }),
         (true, None) => Err(in_progress(key)),
     }
@@ -126,8 +181,9 @@ async fn complete(
     conn: &mut PgConnection,
     actor: &Actor,
     key: &str,
-    response: &Value,
+    response: &Stored,
 ) -> Result<()> {
+    let response = serde_json::to_value(response).map_err(Error::internal)?;
     sqlx::query!(
         "UPDATE idempotency_keys SET response = $4 WHERE tenant_id = $1 AND subject = $2 AND key = $3",
         actor.idempotency_scope(),
@@ -155,7 +211,8 @@ pub fn is_final(err: &Error) -> bool {
 /// Ends the effect of a claimed key (`key` is `None` for a request sent without one), in the
 /// transaction of the claim:
 ///
-/// * a success stores `response(&value)` as the key's answer: `Ok(Ok(value))`, commit;
+/// * a success stores `id(&value)`, the id of what it made or changed, as the key's answer:
+///   `Ok(Ok(value))`, commit;
 /// * a final error ([`is_final`]) rolls the effect back to the claim's savepoint and stores the
 ///   error as the key's answer: `Ok(Err(error))`, commit (the key and its answer, nothing else);
 /// * any other error is returned as it is, and the whole transaction rolls back, key included;
@@ -166,19 +223,20 @@ pub async fn settle<T>(
     actor: &Actor,
     key: Option<&str>,
     result: Result<T>,
-    response: impl FnOnce(&T) -> Value,
+    id: impl FnOnce(&T) -> String,
 ) -> Result<Result<T>> {
     let Some(key) = key else {
         return result.map(Ok);
     };
     match result {
         Ok(value) => {
-            complete(conn, actor, key, &response(&value)).await?;
+            complete(conn, actor, key, &Stored::Done { id: id(&value) }).await?;
             Ok(Ok(value))
         }
         Err(e) if is_final(&e) => {
-            let stored =
-                json!({ "error": { "code": e.code().as_str(), "message": e.to_string() } });
+            let stored = Stored::Refused {
+                error: StoredError::of(&e),
+            };
             let recorded = async {
                 sqlx::query(&format!("ROLLBACK TO SAVEPOINT {EFFECT_SAVEPOINT}"))
                     .execute(&mut *conn)
@@ -201,18 +259,6 @@ pub async fn settle<T>(
     }
 }
 
-/// The error a stored response holds, if it holds one.
-fn stored_error(response: &Value) -> Option<Error> {
-    let e = response.get("error")?;
-    let code = e.get("code")?.as_str()?;
-    let message = e
-        .get("message")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_owned();
-    Some(Error::from_code(code, message))
-}
-
 /// Deletes keys older than `hours` (at least [`RETENTION_HOURS`]); returns how many.
 pub async fn prune(db: &Db, hours: i64) -> Result<u64> {
     let hours = hours.max(RETENTION_HOURS);
@@ -223,4 +269,50 @@ pub async fn prune(db: &Db, hours: i64) -> Result<u64> {
     .execute(db.pool())
     .await?;
     Ok(done.rows_affected())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_stored_answer_has_one_shape() {
+        let done = Stored::Done { id: "rsv_1".into() };
+        assert_eq!(
+            serde_json::to_value(&done).expect("json"),
+            json!({ "id": "rsv_1" })
+        );
+        let refused = Stored::Refused {
+            error: StoredError {
+                code: ErrorCode::QuotaExceeded,
+                message: "over".into(),
+            },
+        };
+        let v = serde_json::to_value(&refused).expect("json");
+        assert_eq!(
+            v,
+            json!({ "error": { "code": "QUOTA_EXCEEDED", "message": "over" } })
+        );
+        assert_eq!(Stored::decode(v).expect("reads back"), refused);
+        // What the previous binary stored still reads, as the same id.
+        for legacy in [
+            json!({ "reservationId": "rsv_2", "state": "active" }),
+            json!({ "reservationId": "rsv_2", "endsAt": "2026-01-01T00:00:00Z" }),
+        ] {
+            assert_eq!(
+                Stored::decode(legacy).expect("legacy"),
+                Stored::Done { id: "rsv_2".into() }
+            );
+        }
+        // Anything else is our bug, not a replay of nothing.
+        for bad in [
+            json!({}),
+            json!({ "error": { "code": "NOPE", "message": "x" } }),
+            json!("rsv_1"),
+        ] {
+            let err = Stored::decode(bad.clone()).expect_err("not a stored answer");
+            assert_eq!(err.code(), ErrorCode::Internal, "{bad}");
+        }
+    }
 }

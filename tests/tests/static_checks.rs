@@ -844,3 +844,179 @@ fn each_column_list_constant_names_the_columns_of_its_query_macro() {
     );
     assert!(broken.is_empty(), "{}", broken.join("\n"));
 }
+
+/// The statements of an SQL script, split at `;` outside comments, quotes and dollar quotes;
+/// each without the comments and blank lines that lead it.
+fn sql_statements(script: &str) -> Vec<String> {
+    let b = script.as_bytes();
+    let (mut out, mut start, mut i) = (Vec::new(), 0, 0);
+    while i < b.len() {
+        match b[i] {
+            b'-' if b.get(i + 1) == Some(&b'-') => {
+                i = script[i..].find('\n').map_or(b.len(), |n| i + n);
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                i = script[i + 2..]
+                    .find("*/")
+                    .map_or(b.len(), |n| i + 2 + n + 2);
+            }
+            q @ (b'\'' | b'"') => {
+                i += 1;
+                while i < b.len() && b[i] != q {
+                    i += 1;
+                }
+                i += 1;
+            }
+            b'$' => {
+                let tag_len = script[i + 1..]
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(0);
+                if b.get(i + 1 + tag_len) == Some(&b'$') && !b[i + 1].is_ascii_digit() {
+                    let tag = &script[i..i + tag_len + 2];
+                    let body = i + tag.len();
+                    i = script[body..]
+                        .find(tag)
+                        .map_or(b.len(), |n| body + n + tag.len());
+                } else {
+                    i += 1;
+                }
+            }
+            b';' => {
+                out.push(script[start..=i].to_owned());
+                start = i + 1;
+                i += 1;
+            }
+            _ => i += 1,
+        }
+    }
+    out.into_iter()
+        .map(|s| {
+            let mut s = s.as_str();
+            loop {
+                s = s.trim_start();
+                if s.starts_with("--") {
+                    s = s.split_once('\n').map_or("", |(_, rest)| rest);
+                } else {
+                    break;
+                }
+            }
+            s.to_owned()
+        })
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// The function a `CREATE [OR REPLACE] FUNCTION` or `ALTER FUNCTION` statement names.
+fn function_statement(stmt: &str) -> Option<(bool, String)> {
+    let words: Vec<&str> = stmt.split_whitespace().take(5).collect();
+    let (create, name) = match words.as_slice() {
+        ["CREATE", "FUNCTION", name, ..] | ["CREATE", "OR", "REPLACE", "FUNCTION", name, ..] => {
+            (true, *name)
+        }
+        ["ALTER", "FUNCTION", name, ..] => (false, *name),
+        _ => return None,
+    };
+    Some((create, name.split('(').next().unwrap_or(name).to_owned()))
+}
+
+/// Each SQL function's current definition from the migrations: its last `CREATE`, and the
+/// `ALTER FUNCTION … SET` statements after it (a `CREATE OR REPLACE` clears them), with the
+/// migration that last created it.
+fn current_sql_functions() -> std::collections::BTreeMap<String, (String, String)> {
+    let mut migrations: Vec<_> = std::fs::read_dir(root().join("migrations"))
+        .expect("migrations/")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "sql"))
+        .collect();
+    migrations.sort();
+    let mut current = std::collections::BTreeMap::<String, (String, String)>::new();
+    for path in &migrations {
+        let file = path
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        let text = std::fs::read_to_string(path).expect("read");
+        for stmt in sql_statements(&text) {
+            match function_statement(&stmt) {
+                Some((true, name)) => {
+                    current.insert(name, (file.clone(), stmt + "\n"));
+                }
+                Some((false, name)) => {
+                    let entry = current.get_mut(&name).unwrap_or_else(|| {
+                        panic!("{file}: ALTER FUNCTION {name} before it exists")
+                    });
+                    entry.1.push_str(&stmt);
+                    entry.1.push('\n');
+                }
+                None => {}
+            }
+        }
+    }
+    current
+}
+
+/// The first line of each `domain/sql/<function>.sql`: which migration defined it last.
+fn sql_file_header(migration: &str) -> String {
+    format!(
+        "-- The current definition, as migrations/{migration} left it. Change it with a new migration\n\
+         -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks\n\
+         -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.\n\n"
+    )
+}
+
+#[test]
+fn each_sql_function_is_its_last_migration() {
+    let dir = root().join("domain/sql");
+    let current = current_sql_functions();
+    let bless = std::env::var_os("COMPUTE_BLESS_SQL").is_some();
+    let mut broken = Vec::new();
+    for (name, (migration, text)) in &current {
+        let path = dir.join(format!("{name}.sql"));
+        let want = sql_file_header(migration) + text;
+        if bless {
+            std::fs::create_dir_all(&dir).expect("domain/sql");
+            std::fs::write(&path, &want).expect("write");
+        }
+        match std::fs::read_to_string(&path) {
+            Ok(have) if have == want => {}
+            Ok(_) => broken.push(format!(
+                "domain/sql/{name}.sql differs from its definition in migrations/{migration} \
+                 (and the ALTER FUNCTIONs after it): a migration changed it without the file, or \
+                 the file was edited without a migration"
+            )),
+            Err(_) => broken.push(format!(
+                "domain/sql/{name}.sql is missing (defined by migrations/{migration})"
+            )),
+        }
+    }
+    for entry in std::fs::read_dir(&dir).expect("domain/sql") {
+        let path = entry.expect("entry").path();
+        let stem = path
+            .file_stem()
+            .expect("stem")
+            .to_string_lossy()
+            .into_owned();
+        if !current.contains_key(&stem) {
+            broken.push(format!("{}: no migration defines {stem}", path.display()));
+        }
+    }
+    // The splitter sees through what hides a `;`.
+    assert_eq!(
+        sql_statements(
+            "-- a; comment\nCREATE FUNCTION f() RETURNS int AS $x$ SELECT 1; $x$ LANGUAGE sql;\n\
+             /* b; */ SELECT 'c;d', \"e;\" ; ALTER FUNCTION f() SET a = b;"
+        ),
+        [
+            "CREATE FUNCTION f() RETURNS int AS $x$ SELECT 1; $x$ LANGUAGE sql;",
+            "/* b; */ SELECT 'c;d', \"e;\" ;",
+            "ALTER FUNCTION f() SET a = b;"
+        ]
+    );
+    assert!(
+        current.len() >= 30,
+        "only {} functions found",
+        current.len()
+    );
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}

@@ -208,13 +208,10 @@ pub async fn create_instance(
             match idempotency::claim(conn, &actor, &key, "createInstance", &fingerprint).await? {
                 Claim::New => {}
                 Claim::Refused(e) => return Ok(Err(e)),
-                Claim::Replay(response) => {
-                    let id = response["instanceId"]
-                        .as_str()
-                        .and_then(InstanceId::from_trusted)
-                        .ok_or_else(|| {
-                            Error::internal("a stored createInstance response names no instance")
-                        })?;
+                Claim::Replay(id) => {
+                    let id = InstanceId::from_trusted(&id).ok_or_else(|| {
+                        Error::internal("a stored createInstance response names no instance")
+                    })?;
                     let value = load(conn, &id).await?.ok_or_else(|| {
                         Error::internal("a stored createInstance response names a missing instance")
                     })?;
@@ -225,13 +222,9 @@ pub async fn create_instance(
                 }
             }
             let created = create_effect(conn, &actor, &req).await;
-            idempotency::settle(
-                conn,
-                &actor,
-                Some(&key),
-                created,
-                |o| json!({ "instanceId": o.value.id }),
-            )
+            idempotency::settle(conn, &actor, Some(&key), created, |o| {
+                o.value.id.to_string()
+            })
             .await
         })
     })

@@ -291,11 +291,8 @@ pub async fn run_command(
             match idempotency::claim(conn, &actor, &key, "runCommand", &fingerprint).await? {
                 Claim::New => {}
                 Claim::Refused(e) => return Ok(Err(e)),
-                Claim::Replay(response) => {
-                    let id = response["commandId"]
-                        .as_str()
-                        .and_then(CommandId::from_trusted)
-                        .ok_or_else(|| {
+                Claim::Replay(id) => {
+                    let id = CommandId::from_trusted(&id).ok_or_else(|| {
                             Error::internal("a stored runCommand response names no command")
                         })?;
                     let value = load(conn, &id).await?.ok_or_else(|| {
@@ -367,7 +364,7 @@ pub async fn run_command(
             }
             .await;
             idempotency::settle(conn, &actor, Some(&key), created, |o| {
-                json!({ "commandId": o.value.id })
+                o.value.id.to_string()
             })
             .await
         })

@@ -11,7 +11,7 @@
 //! with an `Unschedulable` condition, still holding its quota.
 
 use chrono::{DateTime, Duration, Utc};
-use serde_json::json;
+use serde_json::{Value, json};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
@@ -24,7 +24,7 @@ use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::EventType;
 use crate::fleet::model::BookingReason;
-use crate::idempotency::{self, Actor, Claim, Outcome};
+use crate::idempotency::{self, Actor, Claim, Outcome, StoredError};
 use crate::ids::{AllocationId, AtomName, ReservationId, TenantId};
 use crate::quota;
 
@@ -190,46 +190,118 @@ pub async fn create_reservation(
             )
             .fetch_one(&mut *conn)
             .await?;
-            let outcome = answer.outcome;
-            match outcome["outcome"].as_str() {
-                Some("refused") => {
-                    let e = &outcome["error"];
-                    Ok(Err(Error::from_code(
-                        e["code"].as_str().unwrap_or_default(),
-                        e["message"].as_str().unwrap_or_default().to_owned(),
-                    )))
-                }
-                Some(replay @ ("replay" | "created")) => {
-                    let value: Reservation = answer
-                        .reservation
-                        .ok_or_else(|| {
-                            Error::internal(format!(
-                                "createReservation answered {outcome} without its reservation"
-                            ))
-                        })
-                        .and_then(|r| {
-                            serde_json::from_value(r).map_err(|e| {
-                                Error::internal(format!(
-                                    "the reservation of createReservation did not decode: {e}"
-                                ))
-                            })
-                        })?;
-                    let replans = outcome["replans"].as_u64().unwrap_or(0) as usize;
-                    Ok(Ok((
-                        Outcome {
-                            value,
-                            replayed: replay == "replay",
-                        },
-                        CreateStats { replans },
-                    )))
-                }
-                _ => Err(Error::internal(format!(
-                    "compute_create_reservation answered {outcome}"
-                ))),
-            }
+            Ok(match CreateAnswer::decode(answer.outcome)? {
+                CreateAnswer::Refused { error } => Err(error.into()),
+                CreateAnswer::Created { replans, .. } => Ok((
+                    Outcome {
+                        value: ReservationJson::decode(answer.reservation)?,
+                        replayed: false,
+                    },
+                    CreateStats { replans },
+                )),
+                CreateAnswer::Replay { .. } => Ok((
+                    Outcome {
+                        value: ReservationJson::decode(answer.reservation)?,
+                        replayed: true,
+                    },
+                    CreateStats { replans: 0 },
+                )),
+            })
         })
     })
     .await?
+}
+
+/// What `compute_create_reservation` answers (`domain/sql/compute_create_reservation.sql`),
+/// tagged by `outcome`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(
+    tag = "outcome",
+    rename_all = "lowercase",
+    rename_all_fields = "camelCase"
+)]
+enum CreateAnswer {
+    /// Made now; placement took `replans` searches again after lost races.
+    Created {
+        #[expect(
+            dead_code,
+            reason = "the reservation comes beside the answer, read in the same statement"
+        )]
+        reservation_id: ReservationId,
+        replans: usize,
+    },
+    /// The key's earlier request made it.
+    Replay {
+        #[expect(
+            dead_code,
+            reason = "the reservation comes beside the answer, read in the same statement"
+        )]
+        reservation_id: ReservationId,
+    },
+    /// A final error, now or stored under the key.
+    Refused { error: StoredError },
+}
+
+impl CreateAnswer {
+    fn decode(v: Value) -> Result<CreateAnswer> {
+        serde_json::from_value(v.clone())
+            .map_err(|e| Error::internal(format!("compute_create_reservation answered {v}: {e}")))
+    }
+}
+
+/// A reservation as `compute_reservation_json` writes it: the row's `to_jsonb`, with `state` as
+/// time says and `charge_gpu` as a float. Decoded here only, into a [`Reservation`].
+#[derive(Debug, serde::Deserialize)]
+struct ReservationJson {
+    id: ReservationId,
+    tenant_id: TenantId,
+    created_by: String,
+    pool_id: crate::ids::PoolId,
+    state: State,
+    starts_at: DateTime<Utc>,
+    ends_at: DateTime<Utc>,
+    conditions: crate::condition::Conditions,
+    charge_gpu: f64,
+    charge_vcpu: i64,
+    charge_memory_mib: i64,
+    charged: Vec<crate::quota::Charge>,
+    next_attempt_at: Option<DateTime<Utc>>,
+    version: i64,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+    ended_at: Option<DateTime<Utc>>,
+}
+
+impl ReservationJson {
+    /// The reservation a create answered with; none is our bug.
+    fn decode(v: Option<Value>) -> Result<Reservation> {
+        let v =
+            v.ok_or_else(|| Error::internal("createReservation answered without its reservation"))?;
+        let r: ReservationJson = serde_json::from_value(v).map_err(|e| {
+            Error::internal(format!(
+                "the reservation of createReservation did not decode: {e}"
+            ))
+        })?;
+        Ok(Reservation {
+            id: r.id,
+            tenant_id: r.tenant_id,
+            created_by: r.created_by,
+            pool_id: r.pool_id,
+            state: r.state,
+            starts_at: r.starts_at,
+            ends_at: r.ends_at,
+            conditions: r.conditions,
+            charge_gpu: r.charge_gpu,
+            charge_vcpu: r.charge_vcpu,
+            charge_memory_mib: r.charge_memory_mib,
+            charged: Json(r.charged),
+            next_attempt_at: r.next_attempt_at,
+            version: r.version,
+            created_at: r.created_at,
+            updated_at: r.updated_at,
+            ended_at: r.ended_at,
+        })
+    }
 }
 
 /// Locks a reservation the caller may act on (its tenant's; operators any), for `action`.
@@ -532,13 +604,9 @@ pub async fn extend_reservation(
                 }
             }
             let extended = extend_effect(conn, &actor, &id, ends_at).await;
-            idempotency::settle(
-                conn,
-                &actor,
-                Some(&key),
-                extended,
-                |o| json!({ "reservationId": o.value.id, "endsAt": o.value.ends_at }),
-            )
+            idempotency::settle(conn, &actor, Some(&key), extended, |o| {
+                o.value.id.to_string()
+            })
             .await
         })
     })

@@ -24,9 +24,9 @@ use crate::quota::Charge;
 use model::Toleration;
 use state::State;
 
-/// A reservation. It is read from rows (`query_reservations!`) and, where a statement answers
-/// with it as JSON under the same names, from JSON (`compute_reservation_json`).
-#[derive(Debug, Clone, FromRow, serde::Deserialize)]
+/// A reservation, read from rows (`query_reservations!`; the create's one round trip reads it
+/// as JSON through its own decoded type, `commands::ReservationJson`).
+#[derive(Debug, Clone, FromRow)]
 pub struct Reservation {
     pub id: ReservationId,
     pub tenant_id: TenantId,

@@ -37,14 +37,33 @@ pub(crate) enum Placement {
     Unschedulable(Condition),
 }
 
+/// What `compute_place` answers (`domain/sql/compute_place.sql`).
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlaceAnswer {
+    placed: bool,
+    /// Searches taken again after lost races.
+    #[expect(dead_code, reason = "counted by the create's answer, not by a retry")]
+    replans: u32,
+    /// Why nothing fits, when nothing was placed.
+    #[serde(default)]
+    condition: Option<Condition>,
+}
+
 /// Reads what `compute_place` returned.
-pub(crate) fn outcome(v: &Value) -> Result<Placement> {
-    if v["placed"].as_bool() == Some(true) {
-        return Ok(Placement::Placed);
-    }
-    let condition = serde_json::from_value(v["condition"].clone())
+pub(crate) fn outcome(v: Value) -> Result<Placement> {
+    let answer: PlaceAnswer = serde_json::from_value(v.clone())
         .map_err(|e| Error::internal(format!("compute_place returned {v}: {e}")))?;
-    Ok(Placement::Unschedulable(condition))
+    match answer {
+        PlaceAnswer { placed: true, .. } => Ok(Placement::Placed),
+        PlaceAnswer {
+            condition: Some(condition),
+            ..
+        } => Ok(Placement::Unschedulable(condition)),
+        PlaceAnswer { .. } => Err(Error::internal(format!(
+            "compute_place placed nothing and gave no reason: {v}"
+        ))),
+    }
 }
 
 /// Places every allocation of reservation `id` over `window`, or none; `describe` is each
@@ -65,5 +84,5 @@ pub(crate) async fn place(
     )
     .fetch_one(&mut *conn)
     .await?;
-    outcome(&v)
+    outcome(v)
 }

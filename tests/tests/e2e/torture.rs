@@ -801,12 +801,12 @@ pub async fn check_invariants(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>
         .await, "a finished reservation still holds a booking");
     broken.check(count(
             "SELECT count(*) FROM reservations r WHERE NOT EXISTS \
-               (SELECT 1 FROM idempotency_keys k WHERE k.operation = 'createReservation' AND k.response->>'reservationId' = r.id)"
+               (SELECT 1 FROM idempotency_keys k WHERE k.operation = 'createReservation' AND k.response->>'id' = r.id)"
         )
         .await, "a reservation without the key that made it");
     broken.check(count(
-            "SELECT count(*) FROM (SELECT response->>'reservationId' FROM idempotency_keys \
-               WHERE operation = 'createReservation' AND response ? 'reservationId' GROUP BY 1 HAVING count(*) > 1) dup"
+            "SELECT count(*) FROM (SELECT response->>'id' FROM idempotency_keys \
+               WHERE operation = 'createReservation' AND response ? 'id' GROUP BY 1 HAVING count(*) > 1) dup"
         )
         .await, "one key, two effects");
     // Eligibility: no allocation was placed (its commit) after a cordon, taint, quarantine or

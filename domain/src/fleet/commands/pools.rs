@@ -50,8 +50,7 @@ pub async fn create_pool(
                 match idempotency::claim(conn, &actor, key, "createPool", &request).await? {
                     Claim::New => {}
                     Claim::Refused(e) => return Ok(Err(e)),
-                    Claim::Replay(response) => {
-                        let id = response["id"].as_str().unwrap_or_default();
+                    Claim::Replay(id) => {
                         let value = query_pools!("SELECT", "FROM pools p WHERE p.id = $1", id)
                             .fetch_one(&mut *conn)
                             .await?;
@@ -89,7 +88,7 @@ pub async fn create_pool(
             Ok(Outcome { value: pool, replayed: false })
             }
             .await;
-            idempotency::settle(conn, &actor, key.as_deref(), created, |o| json!({ "id": o.value.id })).await
+            idempotency::settle(conn, &actor, key.as_deref(), created, |o| o.value.id.to_string()).await
         })
     })
     .await?

@@ -35,8 +35,7 @@ pub async fn create_site(
                 match idempotency::claim(conn, &actor, key, "createSite", &request).await? {
                     Claim::New => {}
                     Claim::Refused(e) => return Ok(Err(e)),
-                    Claim::Replay(response) => {
-                        let id = response["id"].as_str().unwrap_or_default();
+                    Claim::Replay(id) => {
                         let value = query_sites!("SELECT", "FROM sites s WHERE s.id = $1", id)
                             .fetch_one(&mut *conn)
                             .await?;
@@ -83,13 +82,9 @@ pub async fn create_site(
                 })
             }
             .await;
-            idempotency::settle(
-                conn,
-                &actor,
-                key.as_deref(),
-                created,
-                |o| json!({ "id": o.value.id }),
-            )
+            idempotency::settle(conn, &actor, key.as_deref(), created, |o| {
+                o.value.id.to_string()
+            })
             .await
         })
     })

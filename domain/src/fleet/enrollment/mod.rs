@@ -13,7 +13,6 @@
 
 mod payload;
 use chrono::{DateTime, Utc};
-use serde_json::json;
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
@@ -173,9 +172,8 @@ pub async fn create_join_token(
                 match idempotency::claim(conn, &actor, key, "createNodeJoinToken", &request).await? {
                     Claim::New => {}
                     Claim::Refused(e) => return Ok(Err(e)),
-                    Claim::Replay(response) => {
-                        let id = response["id"].as_str().unwrap_or_default();
-                        let token = load(conn, id).await?.ok_or_else(|| {
+                    Claim::Replay(id) => {
+                        let token = load(conn, &id).await?.ok_or_else(|| {
                             Error::internal("a stored createNodeJoinToken names a missing token")
                         })?;
                         return Ok(Ok(Outcome {
@@ -219,7 +217,7 @@ pub async fn create_join_token(
             }
             .await;
             idempotency::settle(conn, &actor, key.as_deref(), created, |o| {
-                json!({ "id": o.value.token.id })
+                o.value.token.id.to_string()
             })
             .await
         })

@@ -1,0 +1,7 @@
+-- The current definition, as migrations/0010_one_home_sql_facts.sql left it. Change it with a new migration
+-- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
+-- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
+
+CREATE FUNCTION compute_device_schedulable(p_health text, p_quarantined boolean) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT p_health <> 'unhealthy' AND NOT p_quarantined $$;
