@@ -162,9 +162,7 @@ pub struct CommandCount(pub CommandFilter);
 impl CommandCount {
     /// How many commands match, across all pages.
     async fn total_count(&self, ctx: &Context<'_>) -> GqlResult<i64> {
-        cmds::count_commands(db(ctx)?, &self.0)
-            .await
-            .map_err(gql_error)
+        Ok(cmds::count_commands(db(ctx)?, &self.0).await?)
     }
 }
 
@@ -175,10 +173,8 @@ pub async fn page(
     request: compute_domain::page::PageRequest,
 ) -> GqlResult<Connection<String, CommandObj, CommandCount>> {
     require_operator(ctx)?;
-    let args = request.resolve().map_err(gql_error)?;
-    let page = cmds::list_commands(db(ctx)?, &filter, &args)
-        .await
-        .map_err(gql_error)?;
+    let args = request.resolve()?;
+    let page = cmds::list_commands(db(ctx)?, &filter, &args).await?;
     Ok(connection(
         page,
         CommandCount(filter),
@@ -201,7 +197,7 @@ impl CommandQuery {
         #[graphql(desc = "The global id of the object.")] id: ID,
     ) -> GqlResult<CommandObj> {
         require_operator(ctx)?;
-        let cid = CommandId::parse("id", id.as_str()).map_err(gql_error)?;
+        let cid = CommandId::parse("id", id.as_str())?;
         loaders_of(ctx)?
             .load_one(cid.clone())
             .await?
@@ -242,8 +238,7 @@ impl CommandQuery {
         let filter = CommandFilter {
             node_id: compute_node_id
                 .map(|n| NodeId::parse("computeNodeId", n.as_str()))
-                .transpose()
-                .map_err(gql_error)?,
+                .transpose()?,
             state: state.map(Into::into),
             kind: kind.map(Into::into),
         };
@@ -304,8 +299,7 @@ impl CommandMutation {
     ) -> GqlResult<CommandPayload> {
         let actor = actor(ctx)?;
         let request = CommandRequest {
-            node_id: NodeId::parse("computeNodeId", input.compute_node_id.as_str())
-                .map_err(gql_error)?,
+            node_id: NodeId::parse("computeNodeId", input.compute_node_id.as_str())?,
             kind: input.kind.into(),
             args: input
                 .args
@@ -314,9 +308,7 @@ impl CommandMutation {
             min_generation: input.min_generation,
             retry_safe: input.retry_safe,
         };
-        let outcome = cmds::run_command(db(ctx)?, &actor, request, &input.idempotency_key)
-            .await
-            .map_err(gql_error)?;
+        let outcome = cmds::run_command(db(ctx)?, &actor, request, &input.idempotency_key).await?;
         if outcome.replayed {
             ReplayFlag::mark(ctx);
         }
@@ -334,10 +326,8 @@ impl CommandMutation {
         #[graphql(desc = "The arguments of `cancelCommand`.")] input: CancelCommandInput,
     ) -> GqlResult<CommandPayload> {
         let actor = actor(ctx)?;
-        let id = CommandId::parse("id", input.id.as_str()).map_err(gql_error)?;
-        let command = cmds::cancel(db(ctx)?, &actor, &id)
-            .await
-            .map_err(gql_error)?;
+        let id = CommandId::parse("id", input.id.as_str())?;
+        let command = cmds::cancel(db(ctx)?, &actor, &id).await?;
         Ok(CommandPayload {
             command: CommandObj(command),
             idempotent_replay: false,

@@ -9,7 +9,7 @@ use compute_domain::fleet::model::Window;
 use compute_domain::ids::EntityId;
 use compute_domain::page::PageRequest;
 
-use crate::graph::context::{GqlResult, gql_error};
+use crate::graph::context::GqlResult;
 
 /// What a taint does to placement.
 #[derive(async_graphql::Enum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -77,7 +77,7 @@ pub fn page_request(
 
 /// Parses an id argument of entity type `I`; `field` names the argument in errors.
 pub fn parse_id<I: EntityId>(field: &str, id: &ID) -> GqlResult<I> {
-    I::parse(field, id.as_str()).map_err(gql_error)
+    Ok(I::parse(field, id.as_str())?)
 }
 
 /// [`parse_id`] of an optional argument.
@@ -101,8 +101,8 @@ pub struct WindowInput {
 
 /// A window input, checked.
 pub fn window(w: Option<WindowInput>) -> GqlResult<Option<Window>> {
-    w.map(|w| Window::new("window", w.start, w.end).map_err(gql_error))
-        .transpose()
+    Ok(w.map(|w| Window::new("window", w.start, w.end))
+        .transpose()?)
 }
 
 /// A condition of a node or reservation, such as `NodeUnreachable` or `Unschedulable`.

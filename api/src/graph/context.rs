@@ -159,10 +159,9 @@ pub fn listing_tenant(
 ) -> GqlResult<Option<compute_domain::ids::TenantId>> {
     match actor(ctx)?.visible_tenant() {
         Ok(Some(own)) => Ok(Some(own.clone())),
-        Ok(None) => requested
+        Ok(None) => Ok(requested
             .map(|t| compute_domain::ids::TenantId::parse("tenantId", &t))
-            .transpose()
-            .map_err(gql_error),
+            .transpose()?),
         Err(_) => Err(gql_error(compute_domain::Error::Forbidden(
             "your token names no tenant".into(),
         ))),

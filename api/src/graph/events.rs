@@ -148,10 +148,7 @@ fn tailer<'a>(ctx: &'a Context<'_>) -> GqlResult<&'a Tailer> {
 async fn start(ctx: &Context<'_>, after: Option<String>) -> GqlResult<Cursor> {
     let given = match ctx.data_opt::<ResumeAfter>() {
         Some(r) => Some(r.0),
-        None => after
-            .map(|c| Cursor::decode("after", &c))
-            .transpose()
-            .map_err(gql_error)?,
+        None => after.map(|c| Cursor::decode("after", &c)).transpose()?,
     };
     // Checked against the front the tailer read with its last poll, so thousands of clients
     // resuming after a restart cost no query each; a feed that must read the database checks
@@ -160,7 +157,7 @@ async fn start(ctx: &Context<'_>, after: Option<String>) -> GqlResult<Cursor> {
     match given {
         Some(c) => {
             tailer.present().await;
-            tailer.check_not_expired(c).map_err(gql_error)?;
+            tailer.check_not_expired(c)?;
             Ok(c)
         }
         None => Ok(tailer.present().await),
@@ -219,7 +216,7 @@ impl EventsQuery {
     /// delivered after it: the stream never skips, it may only repeat what the page shows.)
     async fn event_cursor(&self, ctx: &Context<'_>) -> GqlResult<String> {
         viewer(ctx)?;
-        Ok(outbox::head(db(ctx)?).await.map_err(gql_error)?.encode())
+        Ok(outbox::head(db(ctx)?).await?.encode())
     }
 }
 
@@ -277,11 +274,10 @@ impl SubscriptionRoot {
         impl Stream<Item = async_graphql::Result<crate::graph::reservations::ReservationObj>> + use<>,
         GqlError,
     > {
-        let rid = ReservationId::parse("id", id.as_str()).map_err(gql_error)?;
+        let rid = ReservationId::parse("id", id.as_str())?;
         let db = db(ctx)?.clone();
-        let found = compute_domain::reservations::get_reservations(&db, std::slice::from_ref(&rid))
-            .await
-            .map_err(gql_error)?;
+        let found =
+            compute_domain::reservations::get_reservations(&db, std::slice::from_ref(&rid)).await?;
         let tenant = match found.first() {
             Some(r) if crate::graph::reservations::visible(ctx, r)? => r.tenant_id.clone(),
             _ => {
@@ -320,11 +316,10 @@ impl SubscriptionRoot {
         GqlError,
     > {
         crate::graph::require_operator(ctx)?;
-        let nid = NodeId::parse("id", id.as_str()).map_err(gql_error)?;
+        let nid = NodeId::parse("id", id.as_str())?;
         let db = db(ctx)?.clone();
         if compute_domain::fleet::get_nodes(&db, std::slice::from_ref(&nid))
-            .await
-            .map_err(gql_error)?
+            .await?
             .is_empty()
         {
             return Err(gql_error(compute_domain::Error::NotFound {
@@ -359,11 +354,10 @@ impl SubscriptionRoot {
         impl Stream<Item = async_graphql::Result<crate::graph::instances::InstanceObj>> + use<>,
         GqlError,
     > {
-        let iid = InstanceId::parse("id", id.as_str()).map_err(gql_error)?;
+        let iid = InstanceId::parse("id", id.as_str())?;
         let db = db(ctx)?.clone();
-        let found = compute_domain::instances::get_instances(&db, std::slice::from_ref(&iid))
-            .await
-            .map_err(gql_error)?;
+        let found =
+            compute_domain::instances::get_instances(&db, std::slice::from_ref(&iid)).await?;
         let tenant = match found.first() {
             Some(i) if crate::graph::instances::visible(ctx, i)? => i.tenant_id.clone(),
             _ => {
@@ -402,11 +396,10 @@ impl SubscriptionRoot {
         GqlError,
     > {
         crate::graph::require_operator(ctx)?;
-        let cid = CommandId::parse("id", id.as_str()).map_err(gql_error)?;
+        let cid = CommandId::parse("id", id.as_str())?;
         let db = db(ctx)?.clone();
         if compute_domain::node_commands::get_commands(&db, std::slice::from_ref(&cid))
-            .await
-            .map_err(gql_error)?
+            .await?
             .is_empty()
         {
             return Err(gql_error(compute_domain::Error::NotFound {
@@ -445,11 +438,10 @@ impl SubscriptionRoot {
         GqlError,
     > {
         viewer(ctx)?;
-        let pid = PoolId::parse("id", id.as_str()).map_err(gql_error)?;
+        let pid = PoolId::parse("id", id.as_str())?;
         let db = db(ctx)?.clone();
         if compute_domain::fleet::get_pools(&db, std::slice::from_ref(&pid))
-            .await
-            .map_err(gql_error)?
+            .await?
             .is_empty()
         {
             return Err(gql_error(compute_domain::Error::NotFound {
@@ -460,9 +452,7 @@ impl SubscriptionRoot {
         // The cursor first, then the pool's nodes: a node that joins in between is seen by its
         // `node.registered` event, after the cursor.
         let cursor = start(ctx, after).await?;
-        let nodes = compute_domain::fleet::node_ids_of_pool(&db, &pid)
-            .await
-            .map_err(gql_error)?;
+        let nodes = compute_domain::fleet::node_ids_of_pool(&db, &pid).await?;
         let mut relevance = PoolRelevance {
             pool_id: pid.clone(),
             nodes: nodes.into_iter().collect(),

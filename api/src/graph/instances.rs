@@ -137,9 +137,7 @@ pub struct InstanceCount(InstanceFilter);
 impl InstanceCount {
     /// How many instances match, across all pages.
     async fn total_count(&self, ctx: &Context<'_>) -> GqlResult<i64> {
-        ins::count_instances(db(ctx)?, &self.0)
-            .await
-            .map_err(gql_error)
+        Ok(ins::count_instances(db(ctx)?, &self.0).await?)
     }
 }
 
@@ -156,7 +154,7 @@ impl InstanceQuery {
         ctx: &Context<'_>,
         #[graphql(desc = "The global id of the object.")] id: ID,
     ) -> GqlResult<InstanceObj> {
-        let iid = InstanceId::parse("id", id.as_str()).map_err(gql_error)?;
+        let iid = InstanceId::parse("id", id.as_str())?;
         match loaders_of(ctx)?.load_one(iid.clone()).await? {
             Some(i) if visible(ctx, &i)? => Ok(InstanceObj(i)),
             _ => Err(gql_error(Error::NotFound {
@@ -195,16 +193,11 @@ impl InstanceQuery {
             tenant_id: tenant,
             reservation_id: reservation_id
                 .map(|r| ReservationId::parse("reservationId", r.as_str()))
-                .transpose()
-                .map_err(gql_error)?,
+                .transpose()?,
             state: state.map(Into::into),
         };
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
-        let page = ins::list_instances(db(ctx)?, &filter, &args)
-            .await
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = ins::list_instances(db(ctx)?, &filter, &args).await?;
         Ok(connection(
             page,
             InstanceCount(filter),
@@ -283,15 +276,13 @@ impl InstanceMutation {
             }
         }
         let request = InstanceRequest {
-            allocation_id: AllocationId::parse("allocationId", input.allocation_id.as_str())
-                .map_err(gql_error)?,
+            allocation_id: AllocationId::parse("allocationId", input.allocation_id.as_str())?,
             image: input.image,
             command: input.command,
             env,
         };
-        let outcome = ins::create_instance(db(ctx)?, &actor, request, &input.idempotency_key)
-            .await
-            .map_err(gql_error)?;
+        let outcome =
+            ins::create_instance(db(ctx)?, &actor, request, &input.idempotency_key).await?;
         if outcome.replayed {
             ReplayFlag::mark(ctx);
         }
@@ -309,10 +300,8 @@ impl InstanceMutation {
         #[graphql(desc = "The arguments of `stopInstance`.")] input: StopInstanceInput,
     ) -> GqlResult<InstancePayload> {
         let actor = actor(ctx)?;
-        let id = InstanceId::parse("id", input.id.as_str()).map_err(gql_error)?;
-        let instance = ins::stop_instance(db(ctx)?, &actor, &id)
-            .await
-            .map_err(gql_error)?;
+        let id = InstanceId::parse("id", input.id.as_str())?;
+        let instance = ins::stop_instance(db(ctx)?, &actor, &id).await?;
         Ok(InstancePayload {
             instance: InstanceObj(instance),
             idempotent_replay: false,

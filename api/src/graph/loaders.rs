@@ -186,9 +186,7 @@ macro_rules! by_id {
             type Error = async_graphql::Error;
 
             async fn load(&self, keys: &[$key]) -> LoadResult<$key, $value> {
-                let rows = $fetch(&self.db, &ids(keys, |k| k))
-                    .await
-                    .map_err(gql_error)?;
+                let rows = $fetch(&self.db, &ids(keys, |k| k)).await?;
                 Ok(rows.into_iter().map(|r| (r.id.clone(), r)).collect())
             }
         }
@@ -226,9 +224,7 @@ macro_rules! children {
             type Error = async_graphql::Error;
 
             async fn load(&self, keys: &[$key]) -> LoadResult<$key, Vec<$value>> {
-                let rows = $fetch(&self.db, &ids(keys, |k| &k.0))
-                    .await
-                    .map_err(gql_error)?;
+                let rows = $fetch(&self.db, &ids(keys, |k| &k.0)).await?;
                 let mut out: HashMap<$key, Vec<$value>> =
                     keys.iter().map(|k| (k.clone(), Vec::new())).collect();
                 for row in rows {
@@ -262,9 +258,7 @@ impl Loader<AtomsOfNode> for FleetLoader {
     type Error = async_graphql::Error;
 
     async fn load(&self, keys: &[AtomsOfNode]) -> LoadResult<AtomsOfNode, Vec<Atom>> {
-        let rows = fleet::atoms_by_nodes(&self.db, &ids(keys, |k| &k.0))
-            .await
-            .map_err(gql_error)?;
+        let rows = fleet::atoms_by_nodes(&self.db, &ids(keys, |k| &k.0)).await?;
         let mut out: HashMap<AtomsOfNode, Vec<Atom>> =
             keys.iter().map(|k| (k.clone(), Vec::new())).collect();
         for (node, atom) in rows {
@@ -318,7 +312,7 @@ macro_rules! nested_page {
             async fn load(&self, keys: &[$key]) -> LoadResult<$key, Page<$value>> {
                 let mut out = HashMap::new();
                 for (args, parents) in by_args(keys, |k| (&k.0, &k.1)) {
-                    let pages = $fetch(&self.db, &parents, &args).await.map_err(gql_error)?;
+                    let pages = $fetch(&self.db, &parents, &args).await?;
                     for (parent, page) in pages {
                         out.insert($key(parent, args.clone()), page);
                     }
@@ -343,9 +337,7 @@ macro_rules! child_count {
             type Error = async_graphql::Error;
 
             async fn load(&self, keys: &[$key]) -> LoadResult<$key, i64> {
-                let counts = $fetch(&self.db, &ids(keys, |k| &k.0))
-                    .await
-                    .map_err(gql_error)?;
+                let counts = $fetch(&self.db, &ids(keys, |k| &k.0)).await?;
                 Ok(keys
                     .iter()
                     .map(|k| (k.clone(), counts.get(&k.0).copied().unwrap_or(0)))
@@ -378,20 +370,14 @@ impl Loader<CapacityOf> for FleetLoader {
         let mut out: HashMap<CapacityOf, Vec<CapacityRow>> =
             keys.iter().map(|k| (k.clone(), Vec::new())).collect();
         for (window, ids) in pools {
-            for row in fleet::pool_capacity(&self.db, &ids, window)
-                .await
-                .map_err(gql_error)?
-            {
+            for row in fleet::pool_capacity(&self.db, &ids, window).await? {
                 out.entry(CapacityOf(row.scope_id.clone(), window))
                     .or_default()
                     .push(row);
             }
         }
         for (window, ids) in sites {
-            for row in fleet::site_capacity(&self.db, &ids, window)
-                .await
-                .map_err(gql_error)?
-            {
+            for row in fleet::site_capacity(&self.db, &ids, window).await? {
                 out.entry(CapacityOf(row.scope_id.clone(), window))
                     .or_default()
                     .push(row);

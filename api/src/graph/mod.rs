@@ -119,7 +119,7 @@ impl CoreQuery {
 
     /// Business time: `compute_now()`, the one clock every time comparison reads.
     async fn server_time(&self, ctx: &Context<'_>) -> GqlResult<DateTime<Utc>> {
-        db(ctx)?.compute_now().await.map_err(gql_error)
+        Ok(db(ctx)?.compute_now().await?)
     }
 }
 

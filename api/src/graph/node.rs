@@ -47,38 +47,32 @@ pub async fn load_node(
     let key = id.as_str();
     Ok(match prefix {
         SiteId::PREFIX => loaders
-            .load_one(SiteId::parse("id", key).map_err(gql_error)?)
+            .load_one(SiteId::parse("id", key)?)
             .await?
             .map(|s| NodeInterface::Site(SiteObj(s))),
         PoolId::PREFIX => loaders
-            .load_one(PoolId::parse("id", key).map_err(gql_error)?)
+            .load_one(PoolId::parse("id", key)?)
             .await?
             .map(|p| NodeInterface::Pool(PoolObj(p))),
         NodeId::PREFIX if operator => loaders
-            .load_one(NodeId::parse("id", key).map_err(gql_error)?)
+            .load_one(NodeId::parse("id", key)?)
             .await?
             .map(|n| NodeInterface::ComputeNode(ComputeNodeObj::new(n))),
         DeviceId::PREFIX if operator => loaders
-            .load_one(DeviceId::parse("id", key).map_err(gql_error)?)
+            .load_one(DeviceId::parse("id", key)?)
             .await?
             .map(|d| NodeInterface::Device(DeviceObj::new(d))),
         CommandId::PREFIX if operator => loaders
-            .load_one(CommandId::parse("id", key).map_err(gql_error)?)
+            .load_one(CommandId::parse("id", key)?)
             .await?
             .map(|c| NodeInterface::Command(CommandObj(c))),
-        InstanceId::PREFIX => match loaders
-            .load_one(InstanceId::parse("id", key).map_err(gql_error)?)
-            .await?
-        {
+        InstanceId::PREFIX => match loaders.load_one(InstanceId::parse("id", key)?).await? {
             Some(i) if crate::graph::instances::visible(ctx, &i)? => {
                 Some(NodeInterface::Instance(InstanceObj(i)))
             }
             _ => None,
         },
-        ReservationId::PREFIX => match loaders
-            .load_one(ReservationId::parse("id", key).map_err(gql_error)?)
-            .await?
-        {
+        ReservationId::PREFIX => match loaders.load_one(ReservationId::parse("id", key)?).await? {
             Some(r) if crate::graph::reservations::visible(ctx, &r)? => {
                 Some(NodeInterface::Reservation(ReservationObj(r)))
             }

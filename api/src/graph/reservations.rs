@@ -205,9 +205,7 @@ pub struct ReservationCount(ReservationFilter);
 impl ReservationCount {
     /// How many reservations match, across all pages.
     async fn total_count(&self, ctx: &Context<'_>) -> GqlResult<i64> {
-        rsv::count_reservations(db(ctx)?, &self.0)
-            .await
-            .map_err(gql_error)
+        Ok(rsv::count_reservations(db(ctx)?, &self.0).await?)
     }
 }
 
@@ -224,7 +222,7 @@ impl ReservationQuery {
         ctx: &Context<'_>,
         #[graphql(desc = "The global id of the object.")] id: ID,
     ) -> GqlResult<ReservationObj> {
-        let rid = ReservationId::parse("id", id.as_str()).map_err(gql_error)?;
+        let rid = ReservationId::parse("id", id.as_str())?;
         let found = loaders_of(ctx)?.load_one(rid.clone()).await?;
         match found {
             Some(r) if visible(ctx, &r)? => Ok(ReservationObj(r)),
@@ -270,12 +268,10 @@ impl ReservationQuery {
             state: state.map(Into::into),
             pool_id: pool_id
                 .map(|p| PoolId::parse("poolId", p.as_str()))
-                .transpose()
-                .map_err(gql_error)?,
+                .transpose()?,
             window: window
                 .map(|w| Window::new("window", w.start, w.end))
-                .transpose()
-                .map_err(gql_error)?,
+                .transpose()?,
         };
         let args = PageRequest {
             first: first.map(i64::from),
@@ -283,11 +279,8 @@ impl ReservationQuery {
             last: last.map(i64::from),
             before,
         }
-        .resolve()
-        .map_err(gql_error)?;
-        let page = rsv::list_reservations(db(ctx)?, &filter, &args)
-            .await
-            .map_err(gql_error)?;
+        .resolve()?;
+        let page = rsv::list_reservations(db(ctx)?, &filter, &args).await?;
         Ok(connection(
             page,
             ReservationCount(filter),
@@ -455,12 +448,9 @@ impl ReservationMutation {
             input.starts_at,
             input.ends_at,
             &allocations,
-        )
-        .map_err(gql_error)?;
+        )?;
         let (outcome, stats) =
-            commands::create_reservation(db(ctx)?, &actor, request, &input.idempotency_key)
-                .await
-                .map_err(gql_error)?;
+            commands::create_reservation(db(ctx)?, &actor, request, &input.idempotency_key).await?;
         Ok(payload(ctx, outcome, stats.replans))
     }
 
@@ -472,7 +462,7 @@ impl ReservationMutation {
         #[graphql(desc = "The arguments of `extendReservation`.")] input: ExtendReservationInput,
     ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
-        let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
+        let id = ReservationId::parse("id", input.id.as_str())?;
         let outcome = commands::extend_reservation(
             db(ctx)?,
             &actor,
@@ -480,8 +470,7 @@ impl ReservationMutation {
             input.ends_at,
             &input.idempotency_key,
         )
-        .await
-        .map_err(gql_error)?;
+        .await?;
         Ok(payload(ctx, outcome, 0))
     }
 
@@ -492,10 +481,8 @@ impl ReservationMutation {
         #[graphql(desc = "The arguments of `releaseReservation`.")] input: ReservationActionInput,
     ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
-        let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
-        let r = commands::release_reservation(db(ctx)?, &actor, &id, input.version)
-            .await
-            .map_err(gql_error)?;
+        let id = ReservationId::parse("id", input.id.as_str())?;
+        let r = commands::release_reservation(db(ctx)?, &actor, &id, input.version).await?;
         Ok(ReservationPayload {
             reservation: ReservationObj(r),
             idempotent_replay: false,
@@ -511,10 +498,8 @@ impl ReservationMutation {
         #[graphql(desc = "The arguments of `cancelReservation`.")] input: ReservationActionInput,
     ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
-        let id = ReservationId::parse("id", input.id.as_str()).map_err(gql_error)?;
-        let r = commands::cancel_reservation(db(ctx)?, &actor, &id, input.version)
-            .await
-            .map_err(gql_error)?;
+        let id = ReservationId::parse("id", input.id.as_str())?;
+        let r = commands::cancel_reservation(db(ctx)?, &actor, &id, input.version).await?;
         Ok(ReservationPayload {
             reservation: ReservationObj(r),
             idempotent_replay: false,

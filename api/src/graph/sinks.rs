@@ -34,7 +34,7 @@ fn scope(ctx: &Context<'_>) -> GqlResult<(Scope, String)> {
 }
 
 fn sink_id(field: &str, id: &ID) -> GqlResult<SinkId> {
-    SinkId::parse(field, id.as_str()).map_err(gql_error)
+    Ok(SinkId::parse(field, id.as_str())?)
 }
 
 /// How a sink's delivery is going.
@@ -137,7 +137,7 @@ pub struct SinkCount(Scope);
 impl SinkCount {
     /// How many sinks there are, across all pages.
     async fn total_count(&self, ctx: &Context<'_>) -> GqlResult<i64> {
-        sinks::count(db(ctx)?, &self.0).await.map_err(gql_error)
+        Ok(sinks::count(db(ctx)?, &self.0).await?)
     }
 }
 
@@ -172,11 +172,8 @@ impl SinkQuery {
             last: last.map(i64::from),
             before,
         }
-        .resolve()
-        .map_err(gql_error)?;
-        let page = sinks::list(db(ctx)?, &scope, &args)
-            .await
-            .map_err(gql_error)?;
+        .resolve()?;
+        let page = sinks::list(db(ctx)?, &scope, &args).await?;
         Ok(connection(
             page,
             SinkCount(scope),
@@ -193,10 +190,7 @@ impl SinkQuery {
     ) -> GqlResult<EventSinkObj> {
         let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &id)?;
-        sinks::get(db(ctx)?, &scope, &id)
-            .await
-            .map(EventSinkObj)
-            .map_err(gql_error)
+        Ok(EventSinkObj(sinks::get(db(ctx)?, &scope, &id).await?))
     }
 }
 
@@ -270,9 +264,7 @@ impl SinkMutation {
         #[graphql(desc = "The arguments of `createEventSink`.")] input: CreateEventSinkInput,
     ) -> GqlResult<CreateEventSinkPayload> {
         let (scope, by) = scope(ctx)?;
-        let (sink, secret) = sinks::create(db(ctx)?, &scope, &by, &input.url, input.types)
-            .await
-            .map_err(gql_error)?;
+        let (sink, secret) = sinks::create(db(ctx)?, &scope, &by, &input.url, input.types).await?;
         Ok(CreateEventSinkPayload {
             event_sink: EventSinkObj(sink),
             secret,
@@ -298,8 +290,7 @@ impl SinkMutation {
                 expected_version: input.expected_version,
             },
         )
-        .await
-        .map_err(gql_error)?;
+        .await?;
         Ok(UpdateEventSinkPayload {
             event_sink: EventSinkObj(sink),
         })
@@ -313,9 +304,7 @@ impl SinkMutation {
     ) -> GqlResult<DeleteEventSinkPayload> {
         let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &input.id)?;
-        let sink = sinks::delete(db(ctx)?, &scope, &id)
-            .await
-            .map_err(gql_error)?;
+        let sink = sinks::delete(db(ctx)?, &scope, &id).await?;
         Ok(DeleteEventSinkPayload {
             deleted_event_sink_id: gql_id(&sink.id),
         })

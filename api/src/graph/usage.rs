@@ -152,10 +152,7 @@ impl UsageReport {
     }
     /// The sums of every record in the range; the groups add up to it exactly.
     async fn total(&self, ctx: &Context<'_>) -> GqlResult<UsageAmounts> {
-        Ok(usage::totals(db(ctx)?, &self.q)
-            .await
-            .map_err(gql_error)?
-            .into())
+        Ok(usage::totals(db(ctx)?, &self.q).await?.into())
     }
     /// The groups, in order of the values they are grouped by; one group of everything when
     /// `groupBy` is empty.
@@ -176,17 +173,14 @@ impl UsageReport {
         }
         let offset = match after {
             None => 0,
-            Some(c) => decode_cursor("after", &c)
-                .map_err(gql_error)?
+            Some(c) => decode_cursor("after", &c)?
                 .parse::<i64>()
                 .map_err(|_| {
                     gql_error(Error::bad_input("after", "not a cursor of this connection"))
                 })?
                 .saturating_add(1),
         };
-        let mut rows = usage::groups(db(ctx)?, &self.q, limit + 1, offset)
-            .await
-            .map_err(gql_error)?;
+        let mut rows = usage::groups(db(ctx)?, &self.q, limit + 1, offset).await?;
         let has_next = rows.len() as i64 > limit;
         rows.truncate(limit as usize);
         let mut c = Connection::new(offset > 0, has_next);
@@ -241,8 +235,8 @@ impl UsageQuery {
             .into_iter()
             .map(GroupBy::from)
             .collect();
-        let q = ReportQuery::new(tenant, from, to, group_by).map_err(gql_error)?;
-        let meter = usage::meter(db(ctx)?).await.map_err(gql_error)?;
+        let q = ReportQuery::new(tenant, from, to, group_by)?;
+        let meter = usage::meter(db(ctx)?).await?;
         Ok(UsageReport { q, meter })
     }
 }

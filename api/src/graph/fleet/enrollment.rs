@@ -12,7 +12,7 @@ use compute_domain::ids::{JoinTokenId, NodeId, PoolId};
 use super::mutations::{LabelInput, labels};
 use super::{ComputeNodeObj, Label, labels_of};
 use crate::graph::common::*;
-use crate::graph::{GqlResult, actor, db, gql_error, require_operator};
+use crate::graph::{GqlResult, actor, db, require_operator};
 
 /// Where a join token is in its life.
 #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -94,9 +94,7 @@ impl JoinTokenCount {
     /// How many join tokens match, across all pages.
     async fn total_count(&self, ctx: &Context<'_>) -> GqlResult<i64> {
         require_operator(ctx)?;
-        enrollment::count_join_tokens(db(ctx)?, &self.0)
-            .await
-            .map_err(gql_error)
+        Ok(enrollment::count_join_tokens(db(ctx)?, &self.0).await?)
     }
 }
 
@@ -129,12 +127,8 @@ impl EnrollmentQuery {
         let filter = JoinTokenFilter {
             pool_id: opt_id::<PoolId>("poolId", pool_id.as_ref())?,
         };
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
-        let page = enrollment::list_join_tokens(db(ctx)?, &filter, &args)
-            .await
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = enrollment::list_join_tokens(db(ctx)?, &filter, &args).await?;
         Ok(connection(
             page,
             JoinTokenCount(filter),
@@ -224,8 +218,7 @@ impl EnrollmentMutation {
         };
         let outcome =
             enrollment::create_join_token(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
-                .await
-                .map_err(gql_error)?;
+                .await?;
         if outcome.replayed {
             crate::graph::ReplayFlag::mark(ctx);
         }
@@ -245,9 +238,7 @@ impl EnrollmentMutation {
     ) -> GqlResult<NodeJoinTokenPayload> {
         require_operator(ctx)?;
         let id = parse_id::<JoinTokenId>("id", &input.id)?;
-        let token = enrollment::revoke_join_token(db(ctx)?, &actor(ctx)?, &id)
-            .await
-            .map_err(gql_error)?;
+        let token = enrollment::revoke_join_token(db(ctx)?, &actor(ctx)?, &id).await?;
         Ok(NodeJoinTokenPayload {
             node_join_token: NodeJoinTokenObj(token),
         })
@@ -264,9 +255,7 @@ impl EnrollmentMutation {
     ) -> GqlResult<AcceptNodeInventoryPayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
-        let node = cmd::accept_node_inventory(db(ctx)?, &id, input.version)
-            .await
-            .map_err(gql_error)?;
+        let node = cmd::accept_node_inventory(db(ctx)?, &id, input.version).await?;
         Ok(AcceptNodeInventoryPayload {
             compute_node: ComputeNodeObj::new(node),
         })

@@ -142,7 +142,7 @@ impl TotalCount {
                     .unwrap_or(0));
             }
         };
-        n.map_err(gql_error)
+        Ok(n?)
     }
 }
 
@@ -254,9 +254,7 @@ impl SiteObj {
             String,
         >,
     ) -> GqlResult<Conn<PoolObj>> {
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
         let page = loaders_of(ctx)?
             .load_one(PoolsOfSite(self.0.id.clone(), args))
             .await?
@@ -363,9 +361,7 @@ impl PoolObj {
         >,
     ) -> GqlResult<Conn<ComputeNodeObj>> {
         require_operator(ctx)?;
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
         let page = loaders_of(ctx)?
             .load_one(NodesOfPool(self.0.id.clone(), args))
             .await?
@@ -1150,12 +1146,8 @@ impl FleetQuery {
         >,
     ) -> GqlResult<Conn<SiteObj>> {
         require_viewer(ctx)?;
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
-        let page = fleet::list_sites(db(ctx)?, &args)
-            .await
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = fleet::list_sites(db(ctx)?, &args).await?;
         Ok(connection(page, CountOf::Sites, |s| s.id.as_str(), SiteObj))
     }
 
@@ -1187,12 +1179,8 @@ impl FleetQuery {
             site_id: opt_id::<SiteId>("siteId", site_id.as_ref())?,
             kind: kind.map(Into::into),
         };
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
-        let page = fleet::list_pools(db(ctx)?, &filter, &args)
-            .await
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = fleet::list_pools(db(ctx)?, &filter, &args).await?;
         Ok(connection(
             page,
             CountOf::Pools(filter),
@@ -1241,12 +1229,8 @@ impl FleetQuery {
             has_free_capacity,
             include_retired,
         };
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
-        let page = fleet::list_nodes(db(ctx)?, &filter, &args)
-            .await
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = fleet::list_nodes(db(ctx)?, &filter, &args).await?;
         node_connection(ctx, page, CountOf::Nodes(filter)).await
     }
 
@@ -1289,12 +1273,8 @@ impl FleetQuery {
             mode: mode.map(Into::into),
             health: health.map(Into::into),
         };
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
-        let page = fleet::list_devices(db(ctx)?, &filter, &args)
-            .await
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = fleet::list_devices(db(ctx)?, &filter, &args).await?;
         Ok(connection(
             page,
             CountOf::Devices(filter),
@@ -1348,12 +1328,8 @@ impl FleetQuery {
                 .transpose()?,
             free_now: free,
         };
-        let args = page_request(first, after, last, before)
-            .resolve()
-            .map_err(gql_error)?;
-        let page = fleet::list_atoms(db(ctx)?, &filter, &args)
-            .await
-            .map_err(gql_error)?;
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = fleet::list_atoms(db(ctx)?, &filter, &args).await?;
         Ok(connection(
             page,
             CountOf::Atoms(filter),
@@ -1371,7 +1347,7 @@ impl FleetQuery {
     ) -> GqlResult<Vec<Quota>> {
         let actor = actor(ctx)?;
         let tenant = match tenant_id {
-            Some(t) => TenantId::parse("tenantId", &t).map_err(gql_error)?,
+            Some(t) => TenantId::parse("tenantId", &t)?,
             None => actor.tenant.clone().ok_or_else(|| {
                 gql_error(Error::bad_input(
                     "tenantId",
@@ -1382,9 +1358,7 @@ impl FleetQuery {
         if !actor.may_access(&tenant) {
             return Ok(Vec::new());
         }
-        let rows = compute_domain::quota::quotas_of(db(ctx)?, &tenant)
-            .await
-            .map_err(gql_error)?;
+        let rows = compute_domain::quota::quotas_of(db(ctx)?, &tenant).await?;
         Ok(rows.into_iter().map(quota_obj).collect())
     }
 }

@@ -20,7 +20,7 @@ fn bad<T>(e: Error) -> GqlResult<T> {
 }
 
 fn name(field: &str, s: &str) -> GqlResult<String> {
-    m::parse_name(field, s).map_err(gql_error)
+    Ok(m::parse_name(field, s)?)
 }
 
 /// Input of `createSite`.
@@ -75,8 +75,7 @@ pub struct OvercommitInput {
 }
 
 fn ratio(field: &str, r: Option<f64>) -> GqlResult<Option<f64>> {
-    r.map(|r| m::parse_ratio(field, r).map_err(gql_error))
-        .transpose()
+    Ok(r.map(|r| m::parse_ratio(field, r)).transpose()?)
 }
 
 /// Input of `createPool`.
@@ -386,11 +385,11 @@ pub(crate) fn labels(field: &str, input: &[LabelInput]) -> GqlResult<m::Labels> 
         .iter()
         .map(|l| (l.key.clone(), l.value.clone()))
         .collect();
-    m::parse_labels(field, &pairs).map_err(gql_error)
+    Ok(m::parse_labels(field, &pairs)?)
 }
 
 fn taint(field: &str, t: &TaintInput) -> GqlResult<m::Taint> {
-    m::Taint::new(field, &t.key, &t.value, t.effect.into()).map_err(gql_error)
+    Ok(m::Taint::new(field, &t.key, &t.value, t.effect.into())?)
 }
 
 fn optional_reason(field: &str, r: Option<String>) -> GqlResult<Option<m::Reason>> {
@@ -419,9 +418,7 @@ impl FleetMutation {
                 .map(|r| name("region", r))
                 .transpose()?,
         };
-        let outcome = cmd::create_site(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
-            .await
-            .map_err(gql_error)?;
+        let outcome = cmd::create_site(db(ctx)?, &actor(ctx)?, new, input.idempotency_key).await?;
         if outcome.replayed {
             crate::graph::ReplayFlag::mark(ctx);
         }
@@ -445,9 +442,7 @@ impl FleetMutation {
             .as_deref()
             .map(|r| name("region", r))
             .transpose()?;
-        let site = cmd::update_site(db(ctx)?, &id, input.version, new_name, region)
-            .await
-            .map_err(gql_error)?;
+        let site = cmd::update_site(db(ctx)?, &id, input.version, new_name, region).await?;
         Ok(UpdateSitePayload {
             site: SiteObj(site),
         })
@@ -470,9 +465,7 @@ impl FleetMutation {
             memory_ratio: ratio("overcommit.memory", oc.memory)?.unwrap_or(1.0),
             disk_ratio: ratio("overcommit.disk", oc.disk)?.unwrap_or(1.0),
         };
-        let outcome = cmd::create_pool(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
-            .await
-            .map_err(gql_error)?;
+        let outcome = cmd::create_pool(db(ctx)?, &actor(ctx)?, new, input.idempotency_key).await?;
         if outcome.replayed {
             crate::graph::ReplayFlag::mark(ctx);
         }
@@ -512,9 +505,7 @@ impl FleetMutation {
             memory_ratio: ratio("overcommit.memory", oc.memory)?,
             disk_ratio: ratio("overcommit.disk", oc.disk)?,
         };
-        let pool = cmd::update_pool(db(ctx)?, &id, input.version, changes)
-            .await
-            .map_err(gql_error)?;
+        let pool = cmd::update_pool(db(ctx)?, &id, input.version, changes).await?;
         Ok(UpdatePoolPayload {
             pool: PoolObj(pool),
         })
@@ -536,8 +527,7 @@ impl FleetMutation {
         }
         for (i, d) in input.devices.iter().enumerate() {
             let field = format!("devices[{i}]");
-            let memory = m::parse_count(&format!("{field}.memoryMib"), d.memory_mib, 1, 1 << 24)
-                .map_err(gql_error)?;
+            let memory = m::parse_count(&format!("{field}.memoryMib"), d.memory_mib, 1, 1 << 24)?;
             let layout = d.layout.as_ref();
             devices.push(NewDevice {
                 uuid: m::GpuUuid::parse(&format!("{field}.uuid"), &d.uuid)?,
@@ -550,33 +540,29 @@ impl FleetMutation {
                     layout.and_then(|l| l.mig_profiles.as_deref()),
                     layout.and_then(|l| l.slots),
                     memory,
-                )
-                .map_err(gql_error)?,
+                )?,
             });
         }
         let new = NewNode {
             pool_id: parse_id::<PoolId>("poolId", &input.pool_id)?,
-            hostname: m::parse_hostname("hostname", &input.hostname).map_err(gql_error)?,
+            hostname: m::parse_hostname("hostname", &input.hostname)?,
             labels: labels("labels", &input.labels)?,
             taints: input
                 .taints
                 .iter()
                 .map(|t| taint("taints", t))
                 .collect::<GqlResult<_>>()?,
-            vcpu: m::parse_count("resources.vcpu", input.resources.vcpu, 1, 4096)
-                .map_err(gql_error)?,
+            vcpu: m::parse_count("resources.vcpu", input.resources.vcpu, 1, 4096)?,
             memory_mib: m::parse_count(
                 "resources.memoryMib",
                 input.resources.memory_mib,
                 1,
                 1 << 32,
-            )
-            .map_err(gql_error)?,
-            disk_gib: m::parse_count("resources.diskGib", input.resources.disk_gib, 0, 1 << 24)
-                .map_err(gql_error)?,
+            )?,
+            disk_gib: m::parse_count("resources.diskGib", input.resources.disk_gib, 0, 1 << 24)?,
             devices,
         };
-        let registered = cmd::register_node(db(ctx)?, new).await.map_err(gql_error)?;
+        let registered = cmd::register_node(db(ctx)?, new).await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(registered.node),
         })
@@ -596,8 +582,7 @@ impl FleetMutation {
             input.version,
             labels("labels", &input.labels)?,
         )
-        .await
-        .map_err(gql_error)?;
+        .await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(node),
         })
@@ -612,9 +597,7 @@ impl FleetMutation {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let reason = optional_reason("reason", input.reason)?;
-        let node = cmd::cordon_node(db(ctx)?, &id, input.version, reason)
-            .await
-            .map_err(gql_error)?;
+        let node = cmd::cordon_node(db(ctx)?, &id, input.version, reason).await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(node),
         })
@@ -628,9 +611,7 @@ impl FleetMutation {
     ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
-        let node = cmd::uncordon_node(db(ctx)?, &id, input.version)
-            .await
-            .map_err(gql_error)?;
+        let node = cmd::uncordon_node(db(ctx)?, &id, input.version).await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(node),
         })
@@ -645,9 +626,7 @@ impl FleetMutation {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
         let t = taint("taint", &input.taint)?;
-        let node = cmd::taint_node(db(ctx)?, &id, input.version, t)
-            .await
-            .map_err(gql_error)?;
+        let node = cmd::taint_node(db(ctx)?, &id, input.version, t).await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(node),
         })
@@ -661,7 +640,7 @@ impl FleetMutation {
     ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
-        let key = m::parse_key("key", &input.key).map_err(gql_error)?;
+        let key = m::parse_key("key", &input.key)?;
         let node = cmd::untaint_node(
             db(ctx)?,
             &id,
@@ -669,8 +648,7 @@ impl FleetMutation {
             &key,
             input.effect.map(Into::into),
         )
-        .await
-        .map_err(gql_error)?;
+        .await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(node),
         })
@@ -684,9 +662,7 @@ impl FleetMutation {
     ) -> GqlResult<DrainNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
-        let (node, remaining) = cmd::drain_node(db(ctx)?, &id, input.version)
-            .await
-            .map_err(gql_error)?;
+        let (node, remaining) = cmd::drain_node(db(ctx)?, &id, input.version).await?;
         Ok(DrainNodePayload {
             compute_node: ComputeNodeObj::new(node),
             remaining: remaining
@@ -709,9 +685,7 @@ impl FleetMutation {
     ) -> GqlResult<ComputeNodePayload> {
         require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
-        let node = cmd::retire_node(db(ctx)?, &id, input.version)
-            .await
-            .map_err(gql_error)?;
+        let node = cmd::retire_node(db(ctx)?, &id, input.version).await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(node),
         })
@@ -728,8 +702,7 @@ impl FleetMutation {
         let reason = optional_reason("reason", input.reason)?;
         let device =
             cmd::set_device_health(db(ctx)?, &id, input.version, input.health.into(), reason)
-                .await
-                .map_err(gql_error)?;
+                .await?;
         Ok(DevicePayload {
             device: DeviceObj::new(device),
         })
@@ -744,9 +717,7 @@ impl FleetMutation {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
         let reason = m::Reason::parse("reason", &input.reason)?;
-        let device = cmd::quarantine_device(db(ctx)?, &id, input.version, reason)
-            .await
-            .map_err(gql_error)?;
+        let device = cmd::quarantine_device(db(ctx)?, &id, input.version, reason).await?;
         Ok(DevicePayload {
             device: DeviceObj::new(device),
         })
@@ -760,9 +731,7 @@ impl FleetMutation {
     ) -> GqlResult<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
-        let device = cmd::release_quarantine(db(ctx)?, &id, input.version)
-            .await
-            .map_err(gql_error)?;
+        let device = cmd::release_quarantine(db(ctx)?, &id, input.version).await?;
         Ok(DevicePayload {
             device: DeviceObj::new(device),
         })
@@ -778,9 +747,7 @@ impl FleetMutation {
     ) -> GqlResult<DevicePayload> {
         require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
-        let device = cmd::retire_device(db(ctx)?, &id, input.version)
-            .await
-            .map_err(gql_error)?;
+        let device = cmd::retire_device(db(ctx)?, &id, input.version).await?;
         Ok(DevicePayload {
             device: DeviceObj::new(device),
         })
@@ -808,8 +775,7 @@ impl FleetMutation {
             request,
             input.change_window_seconds,
         )
-        .await
-        .map_err(gql_error)?;
+        .await?;
         Ok(DevicePayload {
             device: DeviceObj::new(device),
         })
@@ -827,11 +793,9 @@ impl FleetMutation {
             vcpu: input.vcpu,
             memory_mib: input.memory_mib,
         };
-        let tenant = TenantId::parse("tenantId", &input.tenant_id).map_err(gql_error)?;
-        let scope = ScopeId::parse("scopeId", input.scope_id.as_str()).map_err(gql_error)?;
-        let quotas = quota::set_quota(db(ctx)?, &actor(ctx)?, &tenant, &scope, limits)
-            .await
-            .map_err(gql_error)?;
+        let tenant = TenantId::parse("tenantId", &input.tenant_id)?;
+        let scope = ScopeId::parse("scopeId", input.scope_id.as_str())?;
+        let quotas = quota::set_quota(db(ctx)?, &actor(ctx)?, &tenant, &scope, limits).await?;
         Ok(SetQuotaPayload {
             quotas: quotas.into_iter().map(quota_obj).collect(),
         })
