@@ -138,6 +138,12 @@ pub fn db<'a>(ctx: &'a Context<'_>) -> GqlResult<&'a Db> {
         .map_err(|_| gql_error(Error::internal("the schema was built without a database")))
 }
 
+/// The caller must be authenticated (any role); whether it is an operator (members see the
+/// inventory's public face).
+pub fn require_viewer(ctx: &Context<'_>) -> GqlResult<bool> {
+    Ok(viewer(ctx)?.has_role(Role::Operator))
+}
+
 /// The caller must be an operator.
 pub fn require_operator(ctx: &Context<'_>) -> GqlResult<()> {
     let v = viewer(ctx)?;

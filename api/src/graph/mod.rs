@@ -30,7 +30,7 @@ pub mod sinks;
 pub mod usage;
 
 pub use context::{
-    GqlError, GqlResult, ReplayFlag, actor, db, gql_error, require_operator, viewer,
+    GqlError, GqlResult, ReplayFlag, actor, db, gql_error, require_operator, require_viewer, viewer,
 };
 
 /// The schema type served by the API.
@@ -40,6 +40,7 @@ pub type ApiSchema = Schema<Query, Mutation, events::SubscriptionRoot>;
 #[derive(MergedObject, Default)]
 pub struct Query(
     CoreQuery,
+    node::NodeQuery,
     fleet::FleetQuery,
     fleet::enrollment::EnrollmentQuery,
     reservations::ReservationQuery,

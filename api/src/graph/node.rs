@@ -1,6 +1,7 @@
-//! The Relay `Node` interface: every object with a global id.
+//! The Relay `Node` interface (every object with a global id) and its roots, `node(id:)` and
+//! `nodes(ids:)`: the one module that knows every object type, so no object's module needs it.
 
-use async_graphql::{Context, ID, Interface};
+use async_graphql::{Context, ID, Interface, Object};
 use compute_domain::Error;
 use compute_domain::ids::{CommandId, DeviceId, InstanceId, NodeId, PoolId, ReservationId, SiteId};
 
@@ -9,7 +10,7 @@ use crate::graph::fleet::{ComputeNodeObj, DeviceObj, PoolObj, SiteObj};
 use crate::graph::instances::InstanceObj;
 use crate::graph::loaders::*;
 use crate::graph::reservations::ReservationObj;
-use crate::graph::{GqlResult, gql_error};
+use crate::graph::{GqlResult, gql_error, require_viewer};
 
 /// Any object with a global id (Relay).
 #[derive(Interface)]
@@ -80,4 +81,53 @@ pub async fn load_node(
         },
         _ => None,
     })
+}
+
+/// The Relay roots.
+#[derive(Default)]
+pub struct NodeQuery;
+
+/// The Relay roots.
+#[Object]
+impl NodeQuery {
+    /// Any object by its global id. Members see sites and pools; another tenant's object, or an
+    /// object a member may not see, is `NOT_FOUND`.
+    async fn node(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "The global id of the object.")] id: ID,
+    ) -> GqlResult<Option<NodeInterface>> {
+        let operator = require_viewer(ctx)?;
+        let found = load_node(ctx, &id, operator).await?;
+        match found {
+            Some(n) => Ok(Some(n)),
+            None => Err(gql_error(Error::NotFound {
+                kind: "object",
+                id: id.to_string(),
+            })),
+        }
+    }
+
+    /// Many objects by their global ids, in order; `null` for each id that does not exist or is
+    /// not visible to the caller.
+    // Priced by its entry in `graph::cost::RULES`.
+    async fn nodes(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "Global ids, at most 100; the answer keeps their order.")] ids: Vec<ID>,
+    ) -> GqlResult<Vec<Option<NodeInterface>>> {
+        let operator = require_viewer(ctx)?;
+        if ids.len() > 100 {
+            return Err(gql_error(Error::bad_input(
+                "ids",
+                "at most 100 ids at once",
+            )));
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        let futures = ids.iter().map(|id| load_node(ctx, id, operator));
+        for r in futures_util::future::join_all(futures).await {
+            out.push(r.ok().flatten());
+        }
+        Ok(out)
+    }
 }

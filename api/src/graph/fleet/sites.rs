@@ -1,0 +1,179 @@
+//! Sites and pools in the graph: their fields, their nodes and their capacity.
+
+use super::*;
+
+/// A place that holds pools.
+pub struct SiteObj(pub fleet::Site);
+
+/// A place that holds pools.
+#[Object(name = "Site")]
+impl SiteObj {
+    /// The site's id (`site_…`).
+    pub async fn id(&self) -> ID {
+        gql_id(&self.0.id)
+    }
+    /// Unique name.
+    async fn name(&self) -> &str {
+        &self.0.name
+    }
+    /// Free-form region, such as `eu-west`.
+    async fn region(&self) -> Option<&str> {
+        self.0.region.as_deref()
+    }
+    /// Optimistic-concurrency version: pass it to `updateSite`.
+    async fn version(&self) -> i64 {
+        self.0.version
+    }
+    /// When the site was created.
+    async fn created_at(&self) -> DateTime<Utc> {
+        self.0.created_at
+    }
+    /// When the site last changed.
+    async fn updated_at(&self) -> DateTime<Utc> {
+        self.0.updated_at
+    }
+    /// The site's pools.
+    async fn pools(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
+        first: Option<i32>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
+        last: Option<i32>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
+    ) -> GqlResult<Conn<PoolObj>> {
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = loaders_of(ctx)?
+            .load_one(PoolsOfSite(self.0.id.clone(), args))
+            .await?
+            .unwrap_or(Page {
+                items: vec![],
+                has_next: false,
+                has_previous: false,
+            });
+        Ok(connection(
+            page,
+            CountOf::PoolsOfSite(self.0.id.clone()),
+            |p| p.id.as_str(),
+            PoolObj,
+        ))
+    }
+    /// GPUs, MIG instances and slots of the site's pools: total, booked and free, now or over a
+    /// window.
+    async fn capacity(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "The window to count bookings over; the present instant when unset.")]
+        window: Option<WindowInput>,
+    ) -> GqlResult<Vec<Capacity>> {
+        capacity(ctx, ScopeId::Site(self.0.id.clone()), window).await
+    }
+}
+
+/// Overcommit ratios of a pool: a node offers `floor(allocatable * ratio)` of each scalar.
+#[derive(SimpleObject)]
+pub struct Overcommit {
+    /// vCPU ratio.
+    vcpu: f64,
+    /// Memory ratio.
+    memory: f64,
+    /// Disk ratio.
+    disk: f64,
+}
+
+/// A pool of compute nodes in a site.
+pub struct PoolObj(pub fleet::Pool);
+
+/// A pool of compute nodes in a site.
+#[Object(name = "Pool")]
+impl PoolObj {
+    /// The pool's id (`pool_…`).
+    pub async fn id(&self) -> ID {
+        gql_id(&self.0.id)
+    }
+    /// Name, unique in its site.
+    async fn name(&self) -> &str {
+        &self.0.name
+    }
+    /// What kind of machines it holds.
+    async fn kind(&self) -> PoolKind {
+        self.0.kind.into()
+    }
+    /// After how long unreachable a node counts as lost (provider and VPS pools only).
+    async fn lost_after_seconds(&self) -> Option<i64> {
+        self.0.lost_after_seconds.map(|s| s as i64)
+    }
+    /// Overcommit ratios.
+    async fn overcommit(&self) -> Overcommit {
+        Overcommit {
+            vcpu: self.0.vcpu_ratio,
+            memory: self.0.memory_ratio,
+            disk: self.0.disk_ratio,
+        }
+    }
+    /// Optimistic-concurrency version: pass it to `updatePool`.
+    async fn version(&self) -> i64 {
+        self.0.version
+    }
+    /// When the pool was created.
+    async fn created_at(&self) -> DateTime<Utc> {
+        self.0.created_at
+    }
+    /// When the pool last changed.
+    async fn updated_at(&self) -> DateTime<Utc> {
+        self.0.updated_at
+    }
+    /// The site it belongs to.
+    async fn site(&self, ctx: &Context<'_>) -> GqlResult<SiteObj> {
+        loaders_of(ctx)?
+            .load_one(self.0.site_id.clone())
+            .await?
+            .map(SiteObj)
+            .ok_or_else(|| gql_error(Error::internal("a pool without its site")))
+    }
+    /// The pool's compute nodes, retired ones included (operators only).
+    async fn compute_nodes(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(
+            desc = "At most this many items from the start, or after `after`: 0 to 100 (50 when neither `first` nor `last` is given)."
+        )]
+        first: Option<i32>,
+        #[graphql(desc = "Only items after this cursor (an edge's `cursor`).")] after: Option<
+            String,
+        >,
+        #[graphql(desc = "At most this many items from the end, or before `before`: 0 to 100.")]
+        last: Option<i32>,
+        #[graphql(desc = "Only items before this cursor (an edge's `cursor`).")] before: Option<
+            String,
+        >,
+    ) -> GqlResult<Conn<ComputeNodeObj>> {
+        require_operator(ctx)?;
+        let args = page_request(first, after, last, before).resolve()?;
+        let page = loaders_of(ctx)?
+            .load_one(NodesOfPool(self.0.id.clone(), args))
+            .await?
+            .unwrap_or(Page {
+                items: vec![],
+                has_next: false,
+                has_previous: false,
+            });
+        node_connection(ctx, page, CountOf::NodesOfPool(self.0.id.clone())).await
+    }
+    /// GPUs, MIG instances and slots: total, booked and free, now or over a window.
+    async fn capacity(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(desc = "The window to count bookings over; the present instant when unset.")]
+        window: Option<WindowInput>,
+    ) -> GqlResult<Vec<Capacity>> {
+        capacity(ctx, ScopeId::Pool(self.0.id.clone()), window).await
+    }
+}
