@@ -536,7 +536,7 @@ pub const TEST_SECRET: &str = "test-secret-test-secret-test-secret-0123";
 /// The real server on a loopback port, on a database of its own.
 pub struct TestApp {
     pub addr: SocketAddr,
-    /// The database; shared with any other API process started on it ([`spawn_app_sharing`]).
+    /// The database; shared with any other API process started on it ([`AppBuilder::sharing`]).
     pub db: Arc<TestDb>,
     pub http: reqwest::Client,
     /// The server's node-daemon gateway (`/agent`), for tests that step it.
@@ -582,9 +582,10 @@ where
     }
 }
 
-/// Starts the API on `127.0.0.1:0` over a fresh database.
+/// Starts the API on `127.0.0.1:0` over a fresh database, with the defaults
+/// ([`TestApp::builder`] for anything else).
 pub async fn spawn_app() -> TestApp {
-    spawn_app_on(test_db().await).await
+    TestApp::builder().start().await
 }
 
 /// Logs to the test's captured output (shown when a test fails); `RUST_LOG` filters.
@@ -604,61 +605,72 @@ pub fn init_logging() {
     });
 }
 
-/// Starts the API on `127.0.0.1:0` over `db`.
-pub async fn spawn_app_on(db: TestDb) -> TestApp {
-    spawn_app_with(db, compute_api::tailer::StreamConfig::default()).await
-}
-
-/// Starts the API on `127.0.0.1:0` over `db`, with the streaming settings `stream`.
-pub async fn spawn_app_with(db: TestDb, stream: compute_api::tailer::StreamConfig) -> TestApp {
-    start_app(Arc::new(db), stream, compute_api::limits::Limits::default()).await
-}
-
-/// Starts the API on a fresh database with the published limits `limits`.
-pub async fn spawn_app_with_limits(limits: compute_api::limits::Limits) -> TestApp {
-    start_app(
-        Arc::new(test_db().await),
-        compute_api::tailer::StreamConfig::default(),
-        limits,
-    )
-    .await
-}
-
-/// Starts the API on a fresh database with persisted operations `persisted` and the browser
-/// origins `cors` allowed.
-pub async fn spawn_app_for_frontends(
-    persisted: compute_api::persisted::Persisted,
-    cors: &[&str],
-) -> TestApp {
-    let origins = cors
-        .iter()
-        .map(|o| axum::http::HeaderValue::from_str(o).expect("an origin"))
-        .collect();
-    start_app_configured(
-        Arc::new(test_db().await),
-        compute_api::tailer::StreamConfig::default(),
-        compute_api::limits::Limits::default(),
-        |s| s.with_frontends(persisted, origins),
-    )
-    .await
-}
-
-/// A second API process (as far as the database can tell) on the database of `other`.
-pub async fn spawn_app_sharing(other: &TestApp) -> TestApp {
-    start_app(
-        other.db.clone(),
-        compute_api::tailer::StreamConfig::default(),
-        compute_api::limits::Limits::default(),
-    )
-    .await
-}
-
-async fn start_app(
-    db: Arc<TestDb>,
+/// How a test's API starts: the one builder behind [`spawn_app`]. Each setting defaults to what
+/// `compute-api serve` does (a fresh database, the default stream settings and limits, no
+/// persisted operations, no browser origins).
+#[derive(Default)]
+pub struct AppBuilder {
+    db: Option<Arc<TestDb>>,
     stream: compute_api::tailer::StreamConfig,
     limits: compute_api::limits::Limits,
-) -> TestApp {
-    start_app_configured(db, stream, limits, |s| s).await
+    frontends: Option<(
+        compute_api::persisted::Persisted,
+        Vec<axum::http::HeaderValue>,
+    )>,
+}
+
+impl AppBuilder {
+    /// Over `db` instead of a fresh database.
+    pub fn on(mut self, db: TestDb) -> Self {
+        self.db = Some(Arc::new(db));
+        self
+    }
+
+    /// A second API process (as far as the database can tell) on the database of `other`.
+    pub fn sharing(mut self, other: &TestApp) -> Self {
+        self.db = Some(other.db.clone());
+        self
+    }
+
+    /// With the streaming settings `stream`.
+    pub fn stream(mut self, stream: compute_api::tailer::StreamConfig) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// With the published limits `limits`.
+    pub fn limits(mut self, limits: compute_api::limits::Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// With persisted operations `persisted` and the browser origins `cors` allowed.
+    pub fn frontends(
+        mut self,
+        persisted: compute_api::persisted::Persisted,
+        cors: &[&str],
+    ) -> Self {
+        let origins = cors
+            .iter()
+            .map(|o| axum::http::HeaderValue::from_str(o).expect("an origin"))
+            .collect();
+        self.frontends = Some((persisted, origins));
+        self
+    }
+
+    /// Starts the API on `127.0.0.1:0`.
+    pub async fn start(self) -> TestApp {
+        let db = match self.db {
+            Some(db) => db,
+            None => Arc::new(test_db().await),
+        };
+        let frontends = self.frontends;
+        start_app_configured(db, self.stream, self.limits, move |s| match frontends {
+            Some((persisted, origins)) => s.with_frontends(persisted, origins),
+            None => s,
+        })
+        .await
+    }
 }
 
 async fn start_app_configured(
@@ -707,6 +719,11 @@ async fn start_app_configured(
 }
 
 impl TestApp {
+    /// How to start one with other than the defaults.
+    pub fn builder() -> AppBuilder {
+        AppBuilder::default()
+    }
+
     /// `http://127.0.0.1:<port><path>`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)

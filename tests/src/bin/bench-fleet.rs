@@ -77,12 +77,14 @@ async fn main() {
     let arg =
         |i: usize, default: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(default);
     let (requests, pools, per_pool) = (arg(1, 300), arg(2, 9), arg(3, 250));
-    let app = compute_tests::spawn_app_with_limits(compute_api::limits::Limits {
-        max_cost: u64::MAX,
-        budget_per_minute: u64::MAX / 2,
-        ..Default::default()
-    })
-    .await;
+    let app = compute_tests::TestApp::builder()
+        .limits(compute_api::limits::Limits {
+            max_cost: u64::MAX,
+            budget_per_minute: u64::MAX / 2,
+            ..Default::default()
+        })
+        .start()
+        .await;
     let db = app.db.db.clone();
     let seeding = Instant::now();
     let pool = compute_tests::bench::gpu_fleet(&db, pools, per_pool, 8)

@@ -330,7 +330,7 @@ async fn main() {
     }
     let max_clients = client_counts.iter().copied().max().unwrap_or(8);
     let test_db = compute_tests::test_db_with(max_clients as u32 + 8).await;
-    let app = Arc::new(compute_tests::spawn_app_on(test_db).await);
+    let app = Arc::new(compute_tests::TestApp::builder().on(test_db).start().await);
     let db = app.db.db.clone();
     let _ = DB.set(db.clone());
     sqlx::raw_sql(REFERENCE)

@@ -1,12 +1,12 @@
 use compute_domain::clock::Clock;
-use compute_tests::{spawn_app_on, test_db};
+use compute_tests::test_db;
 use serde_json::json;
 
 #[tokio::test]
 async fn server_time_follows_the_simulated_clock() {
     let db = test_db().await;
     db.use_sim_clock("2031-05-01T12:00:00Z").await;
-    let app = spawn_app_on(db).await;
+    let app = compute_tests::TestApp::builder().on(db).start().await;
     let (status, body) = app.graphql("{ serverTime }", json!({}), None).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["data"]["serverTime"], "2031-05-01T12:00:00+00:00");

@@ -4,7 +4,7 @@
 //! registered operation runs by hash or text, anything else is refused, over HTTP and WebSocket).
 
 use compute_api::persisted::{Persisted, sha256_hex};
-use compute_tests::{TestApp, spawn_app, spawn_app_for_frontends};
+use compute_tests::{TestApp, spawn_app};
 use serde_json::{Value, json};
 
 use crate::subscriptions::{connect, init, next_msg, send};
@@ -33,7 +33,10 @@ fn header(res: &reqwest::Response, name: &str) -> Option<String> {
 
 #[tokio::test]
 async fn cors_answers_the_listed_origins_only() {
-    let app = spawn_app_for_frontends(Persisted::automatic(), &[CONSOLE]).await;
+    let app = compute_tests::TestApp::builder()
+        .frontends(Persisted::automatic(), &[CONSOLE])
+        .start()
+        .await;
     let res = preflight(&app, CONSOLE).await;
     assert!(res.status().is_success(), "{}", res.status());
     assert_eq!(
@@ -208,11 +211,13 @@ async fn persisted_only_runs_the_manifest_and_refuses_everything_else() {
     let hash = sha256_hex(registered);
     let manifest = json!({ "format": "apollo-persisted-query-manifest", "version": 1,
         "operations": [{ "id": hash, "name": "Who", "type": "query", "body": registered }] });
-    let app = spawn_app_for_frontends(
-        Persisted::from_manifest(&manifest.to_string(), true).expect("manifest"),
-        &[],
-    )
-    .await;
+    let app = compute_tests::TestApp::builder()
+        .frontends(
+            Persisted::from_manifest(&manifest.to_string(), true).expect("manifest"),
+            &[],
+        )
+        .start()
+        .await;
     let (_, body) = post(
         &app,
         "application/json",
@@ -283,11 +288,13 @@ async fn persisted_only_runs_the_manifest_and_refuses_everything_else() {
 #[tokio::test]
 async fn the_console_runs_under_persisted_only_by_hash_and_nothing_else_does() {
     // No manifest at all: only the console's operations, which ship with the binary.
-    let app = spawn_app_for_frontends(
-        Persisted::from_manifest("{}", true).expect("an empty manifest"),
-        &[],
-    )
-    .await;
+    let app = compute_tests::TestApp::builder()
+        .frontends(
+            Persisted::from_manifest("{}", true).expect("an empty manifest"),
+            &[],
+        )
+        .start()
+        .await;
     let ops = compute_api::console::operations();
     let viewer = ops
         .iter()

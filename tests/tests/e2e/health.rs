@@ -1,4 +1,4 @@
-use compute_tests::{spawn_app, spawn_app_on, test_db};
+use compute_tests::{spawn_app, test_db};
 use serde_json::{Value, json};
 
 #[tokio::test]
@@ -27,7 +27,7 @@ async fn readyz_reports_database_migrations_and_clock_skew() {
 async fn readyz_warns_about_a_clock_far_from_the_wall_clock() {
     let db = test_db().await;
     db.use_sim_clock("2020-01-01T00:00:00Z").await;
-    let app = spawn_app_on(db).await;
+    let app = compute_tests::TestApp::builder().on(db).start().await;
     let body: Value = app
         .http
         .get(app.url("/readyz"))

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use compute_api::auth::Role;
 use compute_api::limits::Limits;
-use compute_tests::{spawn_app, spawn_app_with_limits};
+use compute_tests::spawn_app;
 use serde_json::{Value, json};
 
 const INTROSPECT: &str = r#"
@@ -393,11 +393,13 @@ async fn documents_built_to_explode_are_refused_before_they_cost_anything() {
 
 #[tokio::test]
 async fn each_request_reports_its_cost_and_an_identity_spends_a_budget() {
-    let app = spawn_app_with_limits(Limits {
-        budget_per_minute: 120,
-        ..Limits::default()
-    })
-    .await;
+    let app = compute_tests::TestApp::builder()
+        .limits(Limits {
+            budget_per_minute: 120,
+            ..Limits::default()
+        })
+        .start()
+        .await;
     let alice = app.member("acme");
     // The bucket refills continuously, 2 points a second at 120 a minute: a remainder may be
     // above the exact figure by what the time since the first request refilled, never below.
@@ -505,11 +507,13 @@ async fn a_request_past_its_deadline_stops_and_keeps_nothing() {
     // The site row is locked by someone else; a createPool on it waits for the lock longer than
     // the request may run. The request ends with TIMEOUT, and once the lock is released no pool
     // appears: the transaction was dropped with the request.
-    let app = spawn_app_with_limits(Limits {
-        request_timeout: Duration::from_millis(700),
-        ..Limits::default()
-    })
-    .await;
+    let app = compute_tests::TestApp::builder()
+        .limits(Limits {
+            request_timeout: Duration::from_millis(700),
+            ..Limits::default()
+        })
+        .start()
+        .await;
     let op = app.operator();
     let site = app
         .ok(
@@ -609,13 +613,15 @@ async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> 
 #[tokio::test]
 async fn connections_and_streams_are_bounded() {
     use tokio::io::AsyncWriteExt;
-    let app = spawn_app_with_limits(Limits {
-        header_timeout: Duration::from_millis(500),
-        max_streams_per_identity: 2,
-        max_ws_message: 64 * 1024,
-        ..Limits::default()
-    })
-    .await;
+    let app = compute_tests::TestApp::builder()
+        .limits(Limits {
+            header_timeout: Duration::from_millis(500),
+            max_streams_per_identity: 2,
+            max_ws_message: 64 * 1024,
+            ..Limits::default()
+        })
+        .start()
+        .await;
     // A slowloris client that never finishes its headers is cut off.
     let mut slow = tokio::net::TcpStream::connect(app.addr)
         .await
@@ -754,7 +760,7 @@ async fn the_runtime_role_runs_the_api_but_cannot_change_the_schema() {
     // Simulated time is a test harness's switch (it redefines compute_now()): the owner's.
     owner.use_sim_clock("2031-01-01T00:00:00Z").await;
     let runtime = compute_tests::test_db_at(&url, &owner.name, false).await;
-    let app = compute_tests::spawn_app_on(runtime).await;
+    let app = compute_tests::TestApp::builder().on(runtime).start().await;
 
     // The whole path of a reservation works as the runtime role.
     let p = crate::reservations::pool(&app).await;

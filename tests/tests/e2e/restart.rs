@@ -40,7 +40,7 @@ async fn a_database_restart_under_load_is_retryable_and_the_pool_recovers() {
         .expect("the test's own server");
     pg.ensure_database("restart").await.expect("database");
     let db = compute_tests::test_db_at(&pg.url("restart"), "restart", true).await;
-    let app = compute_tests::spawn_app_on(db).await;
+    let app = compute_tests::TestApp::builder().on(db).start().await;
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let p = pool(&app).await;
     // A quota that does not run out: the load writes reservations (placed, then pending once

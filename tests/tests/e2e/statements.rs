@@ -92,9 +92,15 @@ async fn a_tree_query_issues_the_same_statements_for_2_and_100_nodes() {
         budget_per_minute: u64::MAX / 2,
         ..Default::default()
     };
-    let small = compute_tests::spawn_app_with_limits(limits()).await;
+    let small = compute_tests::TestApp::builder()
+        .limits(limits())
+        .start()
+        .await;
     fleet_of(&small, 2).await;
-    let large = compute_tests::spawn_app_with_limits(limits()).await;
+    let large = compute_tests::TestApp::builder()
+        .limits(limits())
+        .start()
+        .await;
     fleet_of(&large, 100).await;
 
     let (small_statements, small_gpus) = statements_for_tree(&small).await;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use compute_api::auth::Role;
 use compute_api::tailer::StreamConfig;
-use compute_tests::{TestApp, metric, spawn_app, spawn_app_sharing, spawn_app_with, test_db};
+use compute_tests::{TestApp, metric, spawn_app, test_db};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
@@ -163,14 +163,14 @@ async fn now(app: &TestApp) -> Value {
 
 #[tokio::test]
 async fn every_close_code_of_graphql_transport_ws() {
-    let app = spawn_app_with(
-        test_db().await,
-        StreamConfig {
+    let app = compute_tests::TestApp::builder()
+        .on(test_db().await)
+        .stream(StreamConfig {
             init_timeout: Duration::from_millis(300),
             ..StreamConfig::default()
-        },
-    )
-    .await;
+        })
+        .start()
+        .await;
     let member = app.member("acme");
 
     // 4408: no connection_init in time.
@@ -250,14 +250,14 @@ async fn every_close_code_of_graphql_transport_ws() {
 
 #[tokio::test]
 async fn pings_pongs_keep_alive_and_operation_errors() {
-    let app = spawn_app_with(
-        test_db().await,
-        StreamConfig {
+    let app = compute_tests::TestApp::builder()
+        .on(test_db().await)
+        .stream(StreamConfig {
             keep_alive: Duration::from_millis(200),
             ..StreamConfig::default()
-        },
-    )
-    .await;
+        })
+        .start()
+        .await;
     let member = app.member("acme");
     let mut ws = connect(&app, "graphql-transport-ws").await;
     init(&mut ws, &member).await;
@@ -428,15 +428,15 @@ async fn tenants_see_only_their_own_events() {
 async fn a_slow_subscriber_falls_back_to_the_database_and_catches_up() {
     // Channels of 2 events and a ring of 4: a burst of 60 events overflows both, so every
     // subscriber behind it must read the database to catch up.
-    let app = spawn_app_with(
-        test_db().await,
-        StreamConfig {
+    let app = compute_tests::TestApp::builder()
+        .on(test_db().await)
+        .stream(StreamConfig {
             channel_capacity: 2,
             ring: 4,
             ..StreamConfig::default()
-        },
-    )
-    .await;
+        })
+        .start()
+        .await;
     let after = now(&app).await;
     let member = app.member("acme");
     let mut slow = subscribe(
@@ -544,7 +544,10 @@ async fn a_cursor_before_the_pruned_front_is_expired() {
     }
     assert!(pruned >= 2, "the week-old events are pruned");
     // A client that reconnects, to another API process, with the cursor of "old".
-    let other = spawn_app_sharing(&app).await;
+    let other = compute_tests::TestApp::builder()
+        .sharing(&app)
+        .start()
+        .await;
     let mut again = subscribe(&other, &member, "e", EVENTS, json!({ "after": cursor })).await;
     let msg = next_msg(&mut again).await;
     assert_eq!(msg["type"], "error", "{msg}");

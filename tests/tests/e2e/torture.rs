@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
 use compute_domain::fleet::model::{DeviceMode, Labels, Layout, PoolKind};
 use compute_domain::idempotency::Actor;
-use compute_tests::{TestApp, spawn_app_on, test_db_with};
+use compute_tests::{TestApp, test_db_with};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -250,7 +250,7 @@ async fn call(
 async fn a_thousand_concurrent_operations_keep_every_invariant() {
     let db = test_db_with(24).await;
     db.use_sim_clock(T0).await;
-    let app = spawn_app_on(db).await;
+    let app = compute_tests::TestApp::builder().on(db).start().await;
     let (pool, nodes, devices) = build_fleet(&app).await;
     // The usage meter runs beside the clients with one-minute windows, so windows close while
     // reservations start, grow and end around them.
