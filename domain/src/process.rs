@@ -1,7 +1,75 @@
 //! What every process of the system takes from its host, in one place for both binaries
-//! (`compute-api`, `compute-worker`): its host name, its stop signal, and random bytes.
+//! (`compute-api`, `compute-worker`): its host name, its stop signal, random bytes, its logging
+//! and the secrets its configuration holds.
+
+use std::fmt;
 
 use crate::error::{Error, Result};
+
+/// A secret from the configuration (a database URL with its password, a key): it never prints.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> std::result::Result<Secret, Self::Err> {
+        Ok(Secret::new(s))
+    }
+}
+
+/// How a process writes its log lines (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// For a person: one line an event, coloured at a terminal.
+    Pretty,
+    /// For a log shipper: one JSON object a line, the event's fields at the top level.
+    Json,
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<LogFormat, String> {
+        match s {
+            "pretty" => Ok(LogFormat::Pretty),
+            "json" => Ok(LogFormat::Json),
+            other => Err(format!("unknown log format `{other}`: use pretty or json")),
+        }
+    }
+}
+
+/// Sets up logging once for the process, the same way in every binary: to stderr, filtered by
+/// `RUST_LOG` (default `info,sqlx=warn`), colours only for a person at a terminal (a file,
+/// journald or a log shipper gets plain text, with no escape codes in every span and line).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Pretty => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+}
 
 /// This machine's host name (`/etc/hostname`), or `unknown`: part of the names processes take
 /// in leases (workers, gateways).

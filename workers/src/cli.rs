@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use compute_domain::db::{Db, PoolSettings};
+use compute_domain::process::{LogFormat, Secret, init_logging};
+use compute_domain::work_queue::WorkKind;
 
 use crate::{Options, Role};
 
@@ -20,7 +22,7 @@ pub struct Args {
     pub role: Role,
     /// PostgreSQL URL (the same database as the API's).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    pub database_url: Secret,
     /// Connections of the database pool.
     #[arg(long, env = "COMPUTE_DB_MAX_CONNECTIONS", default_value_t = 8)]
     pub db_max_connections: u32,
@@ -33,19 +35,21 @@ pub struct Args {
     /// Address of the worker's own `/healthz` and `/metrics`.
     #[arg(long, env = "COMPUTE_WORKER_LISTEN", default_value = "127.0.0.1:9091")]
     pub listen: SocketAddr,
-    /// Seconds between two resync passes of the reservation reconciler.
-    #[arg(long, env = "COMPUTE_RESYNC_EVERY", default_value_t = 60.0)]
-    pub resync_seconds: f64,
+    /// Seconds between two resync passes of the reservation reconciler (1 to 86400).
+    #[arg(long, env = "COMPUTE_RESYNC_EVERY", default_value = "60", value_parser = seconds(1.0, 86_400.0))]
+    pub resync_seconds: Duration,
     /// The work-queue kinds this process runs (comma-separated); `noop` is for benchmarks.
     #[arg(
         long,
         env = "COMPUTE_QUEUE_KINDS",
-        default_value = "reservation,pool_capacity,instance"
+        default_value = "reservation,pool_capacity,instance",
+        value_delimiter = ',',
+        value_parser = parse_kind
     )]
-    pub queue_kinds: String,
-    /// Log format: pretty or json.
+    pub queue_kinds: Vec<WorkKind>,
+    /// Log format: pretty (for a person) or json (one object a line, for a log shipper).
     #[arg(long, env = "COMPUTE_LOG_FORMAT", default_value = "pretty")]
-    pub log_format: String,
+    pub log_format: LogFormat,
     /// Let webhooks reach private, loopback and link-local addresses (on-premises receivers).
     /// Without it, a sink whose host is or resolves to such an address fails with
     /// `refused: the target is not a public address`.
@@ -54,17 +58,39 @@ pub struct Args {
     /// The key sink secrets are sealed with (64 hex digits): the same as the API's. Without it,
     /// only secrets stored unsealed can be delivered with.
     #[arg(long, env = "COMPUTE_SECRETS_KEY", hide_env_values = true)]
-    pub secrets_key: Option<String>,
-    /// Seconds between two passes of the usage meter (closing usage windows for billing).
-    #[arg(long, env = "COMPUTE_USAGE_EVERY", default_value_t = 10.0)]
-    pub usage_every_seconds: f64,
+    pub secrets_key: Option<Secret>,
+    /// Seconds between two passes of the usage meter (closing usage windows for billing; 0.05
+    /// to 3600).
+    #[arg(long, env = "COMPUTE_USAGE_EVERY", default_value = "10", value_parser = seconds(0.05, 3_600.0))]
+    pub usage_every_seconds: Duration,
     /// Sets the length of the usage windows opened from now on (60 to 86400 s; the meter keeps
     /// the length it has when not given; the default is 3600). Give every worker the same value.
-    #[arg(long, env = "COMPUTE_USAGE_WINDOW_SECONDS")]
+    #[arg(long, env = "COMPUTE_USAGE_WINDOW_SECONDS", value_parser = clap::value_parser!(i32).range(60..=86_400))]
     pub usage_window_seconds: Option<i32>,
     /// Former keys, comma-separated, still accepted during a rotation.
     #[arg(long, env = "COMPUTE_SECRETS_OLD_KEYS", hide_env_values = true)]
-    pub secrets_old_keys: Option<String>,
+    pub secrets_old_keys: Option<Secret>,
+}
+
+/// A parser of a duration given in seconds, from `min` to `max`.
+fn seconds(min: f64, max: f64) -> impl Fn(&str) -> Result<Duration, String> + Clone {
+    move |s| {
+        let v: f64 = s
+            .parse()
+            .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+        if (min..=max).contains(&v) {
+            Ok(Duration::from_secs_f64(v))
+        } else {
+            Err(format!("{min} to {max} seconds"))
+        }
+    }
+}
+
+fn parse_kind(s: &str) -> Result<WorkKind, String> {
+    WorkKind::parse(s.trim()).ok_or_else(|| {
+        let known: Vec<&str> = crate::queue::ALL_KINDS.iter().map(|k| k.as_str()).collect();
+        format!("unknown work kind `{s}` (known: {})", known.join(", "))
+    })
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {
@@ -84,20 +110,9 @@ pub fn owner() -> String {
 /// The binary's `main`.
 pub async fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
-    // Colours only for a person at a terminal, as `compute-api` does.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    let _ = if args.log_format == "json" {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
-    };
+    init_logging(args.log_format);
     let db = match Db::connect(
-        &args.database_url,
+        args.database_url.expose(),
         &PoolSettings {
             max_connections: args.db_max_connections.max(2),
             statement_timeout: if args.db_pooled {
@@ -117,8 +132,8 @@ pub async fn main() -> ExitCode {
         }
     };
     let db = match compute_domain::secrets::Keyring::from_config(
-        args.secrets_key.as_deref(),
-        args.secrets_old_keys.as_deref(),
+        args.secrets_key.as_ref().map(Secret::expose),
+        args.secrets_old_keys.as_ref().map(Secret::expose),
     ) {
         Ok(Some(k)) => {
             tracing::info!(
@@ -166,37 +181,17 @@ pub async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut kinds = Vec::new();
-    for k in args
-        .queue_kinds
-        .split(',')
-        .map(str::trim)
-        .filter(|k| !k.is_empty())
-    {
-        match compute_domain::work_queue::WorkKind::parse(k) {
-            Some(known) => kinds.push(known),
-            None => {
-                let known: Vec<&str> = crate::queue::ALL_KINDS.iter().map(|k| k.as_str()).collect();
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "compute-worker: unknown work kind `{k}` (known: {})",
-                    known.join(", ")
-                );
-                return ExitCode::from(2);
-            }
-        }
-    }
     let registry = compute_domain::metrics::Registry::default();
     db.register_metrics(&registry);
     let options = Options {
-        kinds,
+        kinds: args.queue_kinds,
         role: args.role,
         owner: owner(),
-        resync_every: Duration::from_secs_f64(args.resync_seconds.max(1.0)),
+        resync_every: args.resync_seconds,
         queue_idle: Duration::from_millis(200),
         metrics: Some(registry.clone()),
         webhooks_allow_private: args.webhooks_allow_private,
-        usage_every: Duration::from_secs_f64(args.usage_every_seconds.max(0.05)),
+        usage_every: args.usage_every_seconds,
         usage_window_seconds: args.usage_window_seconds,
     };
     tracing::info!(listen = %args.listen, "worker /healthz and /metrics");

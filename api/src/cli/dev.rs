@@ -49,8 +49,8 @@ pub struct DevArgs {
     /// Where the embedded database and the development key live.
     #[arg(long, env = "COMPUTE_DATA_DIR", default_value = ".compute")]
     pub data_dir: PathBuf,
-    /// Log format.
-    #[arg(long, env = "COMPUTE_LOG_FORMAT", value_enum, default_value = "pretty")]
+    /// Log format: pretty (for a person) or json (one object a line, for a log shipper).
+    #[arg(long, env = "COMPUTE_LOG_FORMAT", default_value = "pretty")]
     pub log_format: LogFormat,
 }
 

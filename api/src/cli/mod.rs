@@ -25,6 +25,7 @@ use crate::auth::{self, KeySource, Role, Secret, Verifier};
 use crate::limits::Limits;
 use crate::server::Server;
 use compute_domain::process::stop_signal as shutdown_signal;
+pub use compute_domain::process::{LogFormat, init_logging};
 
 /// The database the embedded server keeps the system's data in.
 pub const EMBEDDED_DATABASE: &str = "compute";
@@ -166,12 +167,6 @@ pub struct ResealArgs {
     pub secrets: SecretsArgs,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum LogFormat {
-    Pretty,
-    Json,
-}
-
 #[derive(Debug, Args)]
 pub struct DatabaseArgs {
     /// PostgreSQL URL. Without it, an embedded server runs from --data-dir.
@@ -194,8 +189,8 @@ pub struct DatabaseArgs {
     /// pooler hear nothing: readers then wait for their polls (up to a second).
     #[arg(long, env = "COMPUTE_LISTEN_DATABASE_URL", hide_env_values = true)]
     pub listen_database_url: Option<Secret>,
-    /// Log format.
-    #[arg(long, env = "COMPUTE_LOG_FORMAT", value_enum, default_value = "pretty")]
+    /// Log format: pretty (for a person) or json (one object a line, for a log shipper).
+    #[arg(long, env = "COMPUTE_LOG_FORMAT", default_value = "pretty")]
     pub log_format: LogFormat,
 }
 
@@ -456,29 +451,6 @@ pub struct TokenArgs {
 
 fn parse_role(s: &str) -> std::result::Result<Role, String> {
     Role::parse(s).ok_or_else(|| format!("unknown role `{s}`: use operator, member or node"))
-}
-
-impl std::str::FromStr for Secret {
-    type Err = std::convert::Infallible;
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        Ok(Secret::new(s))
-    }
-}
-
-/// Sets up logging once for the process.
-pub fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
-    // Colours only for a person at a terminal: a file, journald or a log shipper gets plain
-    // text (and no escape codes to format into every span and line).
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Pretty => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-    };
 }
 
 /// A database handle, and the embedded server behind it when there is one (stopped on drop).

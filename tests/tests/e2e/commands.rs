@@ -560,17 +560,7 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
 
 /// Seeds `n` nodes (no GPUs: commands need none) in a pool of their own; their ids.
 pub async fn seed_nodes(app: &TestApp, n: usize) -> Vec<String> {
-    let z = "0".repeat(32);
-    sqlx::raw_sql(&format!(
-        "INSERT INTO sites (id, name) VALUES ('site_{z}', 'cmd');
-         INSERT INTO pools (id, site_id, name, kind) VALUES ('pool_{z}', 'site_{z}', 'cmd', 'bare_metal');
-         INSERT INTO nodes (id, pool_id, hostname)
-              SELECT 'node_' || lpad(to_hex(g), 32, '0'), 'pool_{z}', 'cmd-' || g FROM generate_series(1, {n}) g;"
-    ))
-    .execute(app.db.db.pool())
-    .await
-    .expect("seed the nodes");
-    (1..=n).map(|g| format!("node_{g:032x}")).collect()
+    compute_tests::bench::seed_nodes(&app.db.db, n as i64).await
 }
 
 /// A real `compute-worker --role dispatch` process (this package's `test-worker` build).

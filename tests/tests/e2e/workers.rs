@@ -1270,3 +1270,45 @@ async fn sink_secrets_are_sealed_at_rest_and_survive_a_key_rotation() {
         "every signature verified"
     );
 }
+
+/// The worker's flags are typed where they enter, as the API's: a bad value is refused at start
+/// (exit 2, naming the flag and what it takes), before any connection.
+#[test]
+fn the_worker_refuses_bad_flags_at_start() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_test-worker"))
+            .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .output()
+            .expect("run the worker");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for (args, says) in [
+        (
+            &["--queue-kinds", "reservation,bogus"][..],
+            "unknown work kind `bogus` (known: ",
+        ),
+        (&["--resync-seconds", "0"][..], "1 to 86400 seconds"),
+        (
+            &["--usage-every-seconds", "soon"][..],
+            "`soon` is not a number of seconds",
+        ),
+        (&["--usage-window-seconds", "59"][..], "60..=86400"),
+        (
+            &["--log-format", "xml"][..],
+            "unknown log format `xml`: use pretty or json",
+        ),
+    ] {
+        let (code, stderr) = run(args);
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    // A good value goes on to connect (and fails there, not at the flags).
+    let (code, stderr) = run(&["--queue-kinds", "reservation, noop", "--log-format", "json"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("cannot connect"), "{stderr}");
+}
