@@ -2,7 +2,7 @@
 //! `/agent` (`transport::agent` speaks the protocol, `docs/agent-protocol.md`), its lease
 //! `gateway:<id>`, and the flush that reports their ages.
 //!
-//! Everything here is a cache of `node_sessions` (`compute_domain::sessions`): a gateway that
+//! Everything here is a cache of `node_sessions` (`compute_domain::node_sessions`): a gateway that
 //! dies loses nothing the daemons cannot rebuild by reconnecting. Every write it makes runs in a
 //! transaction fenced by its lease and carries the session's epoch, so after it loses the lease
 //! or a session it changes nothing.
@@ -16,7 +16,7 @@ use compute_domain::ids::{CommandId, GatewayId, NodeId};
 use compute_domain::leases::Fence;
 use compute_domain::leases::HeldLease;
 use compute_domain::node_commands::{self, Command};
-use compute_domain::sessions::{self, CloseReason, GATEWAY_TTL, Seen};
+use compute_domain::node_sessions::{self, CloseReason, GATEWAY_TTL, Seen};
 use compute_protocol::{CommandKind, ToDaemon};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
@@ -168,7 +168,7 @@ impl Gateway {
             return Ok(Some(held.fence().clone()));
         }
         let before = lease.as_ref().map(|h| h.fence().epoch);
-        let name = sessions::gateway_lease(self.id());
+        let name = node_sessions::gateway_lease(self.id());
         let acquired = HeldLease::acquire_with(
             &self.0.db,
             &name,
@@ -342,13 +342,13 @@ impl Gateway {
             return Ok(0);
         }
         let db = self.0.db.fenced(&fence);
-        let current = sessions::flush(&db, self.id(), &seen).await?;
+        let current = node_sessions::flush(&db, self.id(), &seen).await?;
         let written = current.len();
         if written < seen.len() {
             let current: std::collections::HashSet<NodeId> = current.into_iter().collect();
             let stale: Vec<&Seen> = seen.iter().filter(|s| !current.contains(&s.node)).collect();
             let ids: Vec<NodeId> = stale.iter().map(|s| s.node.clone()).collect();
-            let now = sessions::sessions_of(&self.0.db, &ids).await?;
+            let now = node_sessions::sessions_of(&self.0.db, &ids).await?;
             for s in stale {
                 let newer = now
                     .iter()
@@ -433,7 +433,7 @@ impl Gateway {
             let db = self.0.db.fenced(&fence);
             for (node, live) in &held {
                 if let Err(e) =
-                    sessions::close(&db, node, live.epoch, CloseReason::GatewayStopped).await
+                    node_sessions::close(&db, node, live.epoch, CloseReason::GatewayStopped).await
                 {
                     warn!(node = %node, error = %e, "closing a session at shutdown failed");
                 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 /// What one request, one caller and one connection may ask of the server.
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// The largest cost of one request by an authenticated caller (see `graph::door`).
+    /// The largest cost of one request by an authenticated caller (see `graph::admission`).
     pub max_cost: u64,
     /// The largest cost of one request without a token: enough for introspection, not for data.
     pub anonymous_max_cost: u64,

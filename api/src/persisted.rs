@@ -61,7 +61,7 @@ pub struct Persisted {
     manifest: HashMap<String, Arc<str>>,
     /// Only the manifest's documents run.
     only: bool,
-    /// Documents registered by APQ.
+    /// ParseCache registered by APQ.
     cache: Mutex<Cache>,
 }
 

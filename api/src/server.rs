@@ -18,7 +18,7 @@ use tokio::sync::Semaphore;
 use tower::ServiceExt;
 use tracing::{debug, info, warn};
 
-use crate::graph::door::Peer;
+use crate::graph::admission::Peer;
 
 use crate::auth::Verifier;
 use crate::graph;
@@ -254,11 +254,11 @@ impl Server {
         let schema = graph::build(Some((db.clone(), tailer.clone())));
         let costs = graph::cost::CostModel::from_sdl(&schema.sdl())
             .map_err(|e| compute_domain::Error::internal(e.to_string()))?;
-        let door = graph::door::Door::new(limits.clone(), costs, {
+        let admission = graph::admission::AdmissionControl::new(limits.clone(), costs, {
             let metrics = metrics.clone();
             std::sync::Arc::new(move |reason| metrics.record_refusal(reason))
         });
-        let documents = door.clone();
+        let documents = admission.clone();
         registry.sample(
             "compute_graphql_documents",
             "GraphQL documents by how the door got their parse: reused (a document seen lately, \
@@ -276,7 +276,7 @@ impl Server {
             gateway,
             gateway_only: false,
             schema,
-            door,
+            admission,
             limits,
             streams: crate::limits::Streams::default(),
             tailer,

@@ -22,8 +22,8 @@ pub struct Inner {
     pub db: Db,
     pub clock: Clock,
     pub schema: ApiSchema,
-    /// What every GraphQL request passes before and after execution (`graph::door`).
-    pub door: crate::graph::door::Door,
+    /// What every GraphQL request passes before and after execution (`graph::admission`).
+    pub admission: crate::graph::admission::AdmissionControl,
     /// The published limits the transports and the schema's door enforce.
     pub limits: crate::limits::Limits,
     /// The streams each identity holds open.

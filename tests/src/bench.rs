@@ -165,11 +165,11 @@ pub async fn gpu_fleet(
     nodes_per_pool: usize,
     gpus_per_node: usize,
 ) -> Vec<compute_domain::ids::PoolId> {
-    use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
+    use compute_domain::fleet::changes::{self, NewDevice, NewNode, NewPool, NewSite};
     use compute_domain::fleet::model::{GpuUuid, Labels, Layout, PoolKind};
     use futures_util::StreamExt;
     let operator = compute_domain::idempotency::Actor::operator("bench");
-    let site = commands::create_site(
+    let site = changes::create_site(
         db,
         &operator,
         NewSite {
@@ -183,7 +183,7 @@ pub async fn gpu_fleet(
     .value;
     let mut ids = Vec::new();
     for p in 0..pools {
-        let pool = commands::create_pool(
+        let pool = changes::create_pool(
             db,
             &operator,
             NewPool {
@@ -204,7 +204,7 @@ pub async fn gpu_fleet(
             .map(|n| {
                 let (db, pool_id) = (db.clone(), pool.id.clone());
                 async move {
-                    commands::register_node(
+                    changes::register_node(
                         &db,
                         NewNode {
                             pool_id,

@@ -598,14 +598,14 @@ fn every_public_domain_function_that_opens_a_transaction_has_a_span() {
 
 /// Where the domain assembles SQL text with `format!`, and how many statements each file builds
 /// so: only statements whose shape varies at run time (the listings' filters, built on the
-/// `*_COLS` constants, and the guarded updates of `fleet/commands/` whose `SET` varies). Static
+/// `*_COLS` constants, and the guarded updates of `fleet/changes/` whose `SET` varies). Static
 /// statements are `sqlx::query!` macros, checked against the migrations. This list may only
 /// shrink: a new `format!` statement, or a file not listed, fails; converting one fails until its
 /// count here is lowered.
 const FORMAT_SQL: &[(&str, usize)] = &[
-    ("fleet/commands/devices.rs", 1),
-    ("fleet/commands/mod.rs", 1),
-    ("fleet/commands/nodes.rs", 1),
+    ("fleet/changes/devices.rs", 1),
+    ("fleet/changes/mod.rs", 1),
+    ("fleet/changes/nodes.rs", 1),
     ("fleet/enrollment/mod.rs", 1),
     ("fleet/mod.rs", 8),
     ("instances/mod.rs", 1),

@@ -93,7 +93,7 @@ pub struct Pass {
     pub expired: u64,
     pub failed: u64,
     /// The liveness reconciler's part of the pass (nodes disconnected, unreachable, lost).
-    pub liveness: compute_domain::sessions::LivenessPass,
+    pub liveness: compute_domain::node_sessions::LivenessPass,
 }
 
 /// The reservation reconciler of one process.
@@ -135,7 +135,7 @@ impl Reconciler {
             tracing::debug!(pools, "every pool enqueued for its rollup check");
         }
         // Liveness first: a node that becomes lost fails its reservations in the same pass.
-        let liveness = compute_domain::sessions::liveness_pass(&db).await?;
+        let liveness = compute_domain::node_sessions::liveness_pass(&db).await?;
         if let Some(gap) = liveness.outage_seconds {
             warn!(
                 gap_seconds = gap,

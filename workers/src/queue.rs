@@ -92,7 +92,7 @@ pub async fn run_item(
         }
         WorkKind::PoolCapacity => {
             let id = PoolId::from_trusted(key).ok_or_else(bad_key)?;
-            let fixed = compute_domain::fleet::commands::recompute_rollup(db, &id).await?;
+            let fixed = compute_domain::fleet::changes::recompute_rollup(db, &id).await?;
             if fixed > 0 {
                 warn!(
                     pool = key,

@@ -275,8 +275,8 @@ children!(
 );
 children!(
     SessionOfNode(NodeId),
-    compute_domain::sessions::Session,
-    compute_domain::sessions::sessions_of,
+    compute_domain::node_sessions::Session,
+    compute_domain::node_sessions::sessions_of,
     node_id
 );
 children!(

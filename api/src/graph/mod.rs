@@ -13,17 +13,17 @@ use compute_domain::db::Db;
 
 use crate::auth::Role;
 
+pub mod admission;
 pub mod commands;
 pub mod common;
 pub mod context;
 pub mod cost;
-pub mod documents;
-pub mod door;
 pub mod events;
 pub mod fleet;
 pub mod instances;
 pub mod loaders;
 pub mod node;
+pub mod parse_cache;
 pub mod payloads;
 pub mod reservations;
 pub mod sinks;

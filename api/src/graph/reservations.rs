@@ -8,7 +8,7 @@ use compute_domain::fleet::model::Window;
 use compute_domain::ids::{PoolId, ReservationId};
 use compute_domain::page::PageRequest;
 use compute_domain::reservations::model::{AllocationInput, parse_request};
-use compute_domain::reservations::{self as rsv, ReservationFilter, commands};
+use compute_domain::reservations::{self as rsv, ReservationFilter, lifecycle};
 
 use crate::auth::Role;
 use crate::graph::common::{
@@ -450,7 +450,8 @@ impl ReservationMutation {
             &allocations,
         )?;
         let (outcome, stats) =
-            commands::create_reservation(db(ctx)?, &actor, request, &input.idempotency_key).await?;
+            lifecycle::create_reservation(db(ctx)?, &actor, request, &input.idempotency_key)
+                .await?;
         Ok(payload(ctx, outcome, stats.replans))
     }
 
@@ -463,7 +464,7 @@ impl ReservationMutation {
     ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
         let id = ReservationId::parse("id", input.id.as_str())?;
-        let outcome = commands::extend_reservation(
+        let outcome = lifecycle::extend_reservation(
             db(ctx)?,
             &actor,
             &id,
@@ -482,7 +483,7 @@ impl ReservationMutation {
     ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
         let id = ReservationId::parse("id", input.id.as_str())?;
-        let r = commands::release_reservation(db(ctx)?, &actor, &id, input.version).await?;
+        let r = lifecycle::release_reservation(db(ctx)?, &actor, &id, input.version).await?;
         Ok(ReservationPayload {
             reservation: ReservationObj(r),
             idempotent_replay: false,
@@ -499,7 +500,7 @@ impl ReservationMutation {
     ) -> GqlResult<ReservationPayload> {
         let actor = actor(ctx)?;
         let id = ReservationId::parse("id", input.id.as_str())?;
-        let r = commands::cancel_reservation(db(ctx)?, &actor, &id, input.version).await?;
+        let r = lifecycle::cancel_reservation(db(ctx)?, &actor, &id, input.version).await?;
         Ok(ReservationPayload {
             reservation: ReservationObj(r),
             idempotent_replay: false,

@@ -15,12 +15,12 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use compute_domain::Error;
-use compute_domain::fleet::commands as cmd;
+use compute_domain::fleet::changes as cmd;
 use compute_domain::fleet::enrollment;
 use compute_domain::ids::{CommandId, InstanceId, NodeId, PoolId};
 use compute_domain::instances::{self, ReportedExit};
 use compute_domain::node_commands::{self, AckAnswer, Report};
-use compute_domain::sessions::{self, CloseReason, Hello};
+use compute_domain::node_sessions::{self, CloseReason, Hello};
 use futures_util::SinkExt;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -326,7 +326,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                 return close(&mut socket, end.code, &end.reason).await;
             }
         };
-        match sessions::open(&db, &node, gateway.id(), fence.epoch, &hello).await {
+        match node_sessions::open(&db, &node, gateway.id(), fence.epoch, &hello).await {
             Ok(epoch) => break (db, epoch),
             Err(Error::LeaseLost(_)) if attempt == 1 => {
                 let _ = gateway.refresh_lease().await;
@@ -347,7 +347,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
     };
     if !send(&mut socket, &welcome).await {
         if gateway.unregister(&node, epoch) {
-            let _ = sessions::close(&db, &node, epoch, CloseReason::DaemonClosed).await;
+            let _ = node_sessions::close(&db, &node, epoch, CloseReason::DaemonClosed).await;
         }
         return;
     }
@@ -394,7 +394,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                 match FromDaemon::parse(text.as_str()) {
                     Ok(FromDaemon::Heartbeat {}) => {}
                     Ok(FromDaemon::Status { observed_generation }) => {
-                        match sessions::observe_generation(&db, &node, epoch, observed_generation).await {
+                        match node_sessions::observe_generation(&db, &node, epoch, observed_generation).await {
                             Ok(true) => {}
                             Ok(false) => break End::new(4410, "this session is no longer current", CloseReason::Superseded),
                             Err(Error::BadUserInput { message, .. }) => {
@@ -547,7 +547,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
     };
     // 5. the end: close the session if it is still this gateway's.
     if gateway.unregister(&node, epoch) {
-        match sessions::close(&db, &node, epoch, end.session).await {
+        match node_sessions::close(&db, &node, epoch, end.session).await {
             Ok(_) => {}
             Err(e) => {
                 warn!(node = %node, epoch, error = %e, "closing a node session failed; the reconciler ends it with the gateway's lease")

@@ -241,7 +241,7 @@ async fn execute(
     app: &AppState,
     media: MediaType,
     viewer: Option<Viewer>,
-    peer: Option<crate::graph::door::Peer>,
+    peer: Option<crate::graph::admission::Peer>,
     mut request: async_graphql::Request,
     is_get: bool,
 ) -> Response {
@@ -293,7 +293,7 @@ async fn execute(
         }
         Ok(_) => {}
     }
-    let admission = match app.door.admit(&mut request, viewer.as_ref(), peer) {
+    let admission = match app.admission.admit(&mut request, viewer.as_ref(), peer) {
         Ok(a) => a,
         Err(e) => return render(app, media, async_graphql::Response::from_errors(vec![e])),
     };
@@ -304,11 +304,11 @@ async fn execute(
     let replay = crate::graph::ReplayFlag::default();
     request = crate::graph::with_loaders(request.data(replay.clone()), &app.db);
     let mut response = app
-        .door
+        .admission
         .within_deadline(app.schema.execute(request))
         .instrument(span)
         .await;
-    app.door.finish(&admission, &mut response);
+    app.admission.finish(&admission, &mut response);
     if replay.is_set() {
         response.extensions.insert(
             "idempotentReplay".into(),

@@ -83,8 +83,8 @@ pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, Stri
 }
 
 /// The peer address the server put in the request, if it did.
-pub fn peer_of(extensions: &axum::http::Extensions) -> Option<crate::graph::door::Peer> {
-    extensions.get::<crate::graph::door::Peer>().copied()
+pub fn peer_of(extensions: &axum::http::Extensions) -> Option<crate::graph::admission::Peer> {
+    extensions.get::<crate::graph::admission::Peer>().copied()
 }
 
 /// The JSON body of a POST request.
@@ -219,13 +219,13 @@ pub fn build_request(
 }
 
 /// The type of the operation the request selects, when the document parses and names one,
-/// the document parsed into the request ([`crate::graph::door::Door::parse`]: one longer than the
+/// the document parsed into the request ([`crate::graph::admission::AdmissionControl::parse`]: one longer than the
 /// published limit is refused before anything parses it).
 pub fn operation_type(
     app: &AppState,
     request: &mut async_graphql::Request,
 ) -> Result<Option<OperationType>, ServerError> {
-    app.door.parse(request)?;
+    app.admission.parse(request)?;
     selected_type(request)
 }
 
@@ -247,14 +247,14 @@ fn selected_type(
 }
 
 /// The responses of a request on a streaming transport (WebSocket, SSE), given what the door
-/// said of it ([`crate::graph::door::Door::admit`], called before the request's viewer moved
+/// said of it ([`crate::graph::admission::AdmissionControl::admit`], called before the request's viewer moved
 /// into its stream): its refusal as the one response; a query or mutation's one response within
 /// the request deadline; a subscription's responses as long as it runs. A request async-graphql
-/// refuses is refunded ([`crate::graph::door::Door::settle`]).
+/// refuses is refunded ([`crate::graph::admission::AdmissionControl::settle`]).
 pub fn execute_streaming(
     app: &AppState,
     mut request: async_graphql::Request,
-    admitted: async_graphql::ServerResult<crate::graph::door::Admission>,
+    admitted: async_graphql::ServerResult<crate::graph::admission::Admission>,
 ) -> futures_util::stream::BoxStream<'static, async_graphql::Response> {
     use futures_util::StreamExt;
     let admission = match admitted {
@@ -270,7 +270,7 @@ pub fn execute_streaming(
         selected_type(&mut request),
         Ok(Some(OperationType::Subscription))
     );
-    let door = app.door.clone();
+    let door = app.admission.clone();
     let mut responses = app.schema.execute_stream(request);
     if subscription {
         let mut first = true;
@@ -374,7 +374,7 @@ pub fn code_of(e: &ServerError) -> Option<String> {
 /// counts them, and says whether it is a request error: no `data`, because the document did not
 /// parse or validate or the operation could not start.
 pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
-    let request_error = crate::graph::door::is_request_error(response);
+    let request_error = crate::graph::admission::is_request_error(response);
     for e in &mut response.errors {
         if !has_code(e) {
             if request_error {

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use crate::auth::Viewer;
-use crate::graph::door::{Peer, identity_key};
+use crate::graph::admission::{Peer, identity_key};
 use crate::graph::events::{ResumeAfter, Streaming};
 use crate::limits::StreamGuard;
 use crate::state::AppState;
@@ -197,7 +197,7 @@ async fn stream_events(
         Viewer::valid_for,
     );
     let mut request = crate::graph::with_loaders(request, &app.db);
-    let admitted = app.door.admit(&mut request, viewer.as_ref(), peer);
+    let admitted = app.admission.admit(&mut request, viewer.as_ref(), peer);
     let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = crate::transport::execute_streaming(&app, request, admitted);
     let expiry = tokio::time::sleep(expires);

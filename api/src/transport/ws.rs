@@ -357,7 +357,7 @@ impl Conn {
                 Err(e) => return Err(self.forbid(&e.to_string()).await),
             }
         }
-        let key = crate::graph::door::identity_key(self.viewer.as_ref(), None);
+        let key = crate::graph::admission::identity_key(self.viewer.as_ref(), None);
         let max = self.app.limits.max_streams_per_identity;
         match self.app.streams.open(key, max) {
             Some(guard) => self.stream = Some(guard),
@@ -494,9 +494,9 @@ async fn operation(
     // without a token, and nothing runs before its acknowledgement), so its budget is the
     // subject's.
     let admitted = app
-        .door
+        .admission
         .parse(&mut request)
-        .and_then(|()| app.door.admit(&mut request, viewer.as_ref(), None));
+        .and_then(|()| app.admission.admit(&mut request, viewer.as_ref(), None));
     let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = super::execute_streaming(&app, request, admitted);
     let mut first = true;

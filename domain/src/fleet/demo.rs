@@ -4,7 +4,7 @@
 use crate::ids::{PoolId, ScopeId, SiteId, TenantId};
 use tracing::info;
 
-use super::commands::{self, NewDevice, NewNode, NewPool, NewSite};
+use super::changes::{self, NewDevice, NewNode, NewPool, NewSite};
 use super::model::{DeviceMode, Labels, Layout, PoolKind, Taint, TaintEffect};
 use crate::db::Db;
 use crate::error::Result;
@@ -41,7 +41,7 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
         name: name.into(),
         region: Some(region.into()),
     };
-    let ams = commands::create_site(
+    let ams = changes::create_site(
         db,
         &actor,
         site("ams1", "eu-west"),
@@ -49,7 +49,7 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
     )
     .await?
     .value;
-    let iad = commands::create_site(
+    let iad = changes::create_site(
         db,
         &actor,
         site("iad1", "us-east"),
@@ -69,7 +69,7 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
                 disk_ratio: 1.0,
             }
         };
-    let h100 = commands::create_pool(
+    let h100 = changes::create_pool(
         db,
         &actor,
         pool(&ams.id, "h100", PoolKind::BareMetal, None, 2.0),
@@ -77,7 +77,7 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
     )
     .await?
     .value;
-    let a100 = commands::create_pool(
+    let a100 = changes::create_pool(
         db,
         &actor,
         pool(&ams.id, "a100-shared", PoolKind::BareMetal, None, 1.5),
@@ -85,7 +85,7 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
     )
     .await?
     .value;
-    let l4 = commands::create_pool(
+    let l4 = changes::create_pool(
         db,
         &actor,
         pool(&iad.id, "l4-cloud", PoolKind::Provider, Some(3600), 1.0),
@@ -161,7 +161,7 @@ pub async fn seed_if_empty(db: &Db) -> Result<bool> {
         ),
     ];
     for n in nodes {
-        commands::register_node(db, n).await?;
+        changes::register_node(db, n).await?;
     }
     quota::set_quota(
         db,

@@ -2,10 +2,10 @@
 //!
 //! Durable state only; nothing is cached in memory. Reads here are single statements on the pool
 //! (autocommit, bounded by the connection's `statement_timeout`); every change goes through
-//! `Db::tx` in [`commands`]. Batch readers (`*_by_*`, `get_*`) take many parent ids at once, so the
+//! `Db::tx` in [`changes`]. Batch readers (`*_by_*`, `get_*`) take many parent ids at once, so the
 //! API's data loaders issue one statement per level of a tree, whatever its size.
 
-pub mod commands;
+pub mod changes;
 pub mod demo;
 pub mod enrollment;
 pub mod model;

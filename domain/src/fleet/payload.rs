@@ -2,7 +2,7 @@
 //! contract), built field by field: the contract stays in one file, its conversions live
 //! beside the rows they read.
 
-use super::commands::Holder;
+use super::changes::Holder;
 use super::{Device, Node, Pool, Site};
 use crate::events::{
     ConditionView, DeviceView, HolderView, NodePayload, NodeView, Overcommit, PoolView, SiteView,

@@ -3,7 +3,7 @@
 //! Durable state only. Reads are single statements on the pool, batched by id for the loaders;
 //! every change is one `Db::tx` in [`commands`].
 
-pub mod commands;
+pub mod lifecycle;
 pub mod model;
 mod payload;
 pub mod placement;
@@ -25,7 +25,7 @@ use model::Toleration;
 use state::State;
 
 /// A reservation, read from rows (`query_reservations!`; the create's one round trip reads it
-/// as JSON through its own decoded type, `commands::ReservationJson`).
+/// as JSON through its own decoded type, `lifecycle::ReservationJson`).
 #[derive(Debug, Clone, FromRow)]
 pub struct Reservation {
     pub id: ReservationId,

@@ -4,7 +4,7 @@
 //! Each step handles what is due now and returns how many it moved; running it again with
 //! nothing due does nothing, so a repeated or concurrent run is harmless.
 
-use super::commands;
+use super::lifecycle;
 use super::model::AllocationRequest;
 use super::state::State;
 use super::{Allocation, query_allocations, query_reservations};
@@ -125,14 +125,14 @@ pub async fn reconcile_one(
     let live = !rsv.state.is_terminal();
     let mut step = Step::Nothing;
     if live && rsv.ends_at <= now {
-        match commands::expire(db, id).await {
+        match lifecycle::expire(db, id).await {
             Ok(()) => step = Step::Expired,
             Err(e) if e.code() == crate::ErrorCode::Conflict => step = Step::Expired,
             Err(e) => return Err(e),
         }
     } else if rsv.state == State::Pending && rsv.next_attempt_at.is_none_or(|t| t <= now) {
         let requests = requests_of(db, id).await?;
-        step = match commands::place_pending(db, id, requests).await {
+        step = match lifecycle::place_pending(db, id, requests).await {
             Ok(true) => Step::Placed,
             Ok(false) => Step::StillPending,
             Err(e) if e.code() == crate::ErrorCode::Conflict => Step::StillPending,
@@ -171,7 +171,7 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
     .await?;
     let mut moved = 0;
     for id in due {
-        match commands::expire(db, &id).await {
+        match lifecycle::expire(db, &id).await {
             Ok(()) => moved += 1,
             // Someone else moved it first (released, or another worker): nothing to do.
             Err(e) if moved_by_someone_else(&e) => {}
@@ -194,7 +194,7 @@ pub async fn fail_lost(db: &Db) -> Result<u64> {
     .await?;
     let mut moved = 0;
     for id in due {
-        match commands::fail_lost(db, &id).await {
+        match lifecycle::fail_lost(db, &id).await {
             Ok(()) => moved += 1,
             Err(e) if moved_by_someone_else(&e) => {}
             Err(e) => return Err(e),
@@ -249,7 +249,7 @@ pub async fn retry_pending(db: &Db) -> Result<u64> {
     let mut placed = 0;
     for rsv in due {
         let requests = requests_of(db, &rsv.id).await?;
-        match commands::place_pending(db, &rsv.id, requests).await {
+        match lifecycle::place_pending(db, &rsv.id, requests).await {
             Ok(true) => placed += 1,
             Ok(_) => {}
             Err(e) if moved_by_someone_else(&e) => {}

@@ -349,7 +349,7 @@ async fn one_gpu(db: &Db, member: &Actor, pool: &PoolId, k: usize) -> Allocation
         },
     )
     .expect("an allocation");
-    let (created, _) = reservations::commands::create_reservation(
+    let (created, _) = reservations::lifecycle::create_reservation(
         db,
         member,
         ReservationRequest {

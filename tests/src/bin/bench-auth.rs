@@ -14,7 +14,7 @@
 //!    the median round's ratio, the best round of each, and this process's CPU per request of
 //!    each path (the clients included).
 //! 3. With `distinct` (the fifth argument), every request's document is new (the query and a
-//!    comment with the request's number), so the API's kept parses (`graph::documents`) never
+//!    comment with the request's number), so the API's kept parses (`graph::parse_cache`) never
 //!    answer: what a request costs when its client sends a document the server has not seen.
 //!    The default, `same`, sends one document again and again, as a client sends its usual
 //!    operations.

@@ -116,20 +116,20 @@ async fn a_session_connects_the_node_and_a_newer_one_supersedes_it() {
     let db = &app.db.db;
     let node_id = compute_domain::ids::NodeId::parse("node", node).expect("id");
     assert!(
-        !compute_domain::sessions::close(
+        !compute_domain::node_sessions::close(
             db,
             &node_id,
             1,
-            compute_domain::sessions::CloseReason::DaemonClosed
+            compute_domain::node_sessions::CloseReason::DaemonClosed
         )
         .await
         .expect("close"),
         "a close at epoch 1 finds nothing"
     );
-    let flushed = compute_domain::sessions::flush(
+    let flushed = compute_domain::node_sessions::flush(
         db,
         app.gateway.id(),
-        &[compute_domain::sessions::Seen {
+        &[compute_domain::node_sessions::Seen {
             node: node_id.clone(),
             epoch: 1,
             age_seconds: 0.0,
@@ -268,10 +268,10 @@ async fn a_lost_gateway_gives_120_s_of_grace_and_a_zombie_writes_nothing() {
     // The zombie's writes fail their fence.
     let zombie = app.db.db.fenced(&fence);
     let node_id = compute_domain::ids::NodeId::parse("node", a).expect("id");
-    let err = compute_domain::sessions::flush(
+    let err = compute_domain::node_sessions::flush(
         &zombie,
         app.gateway.id(),
-        &[compute_domain::sessions::Seen {
+        &[compute_domain::node_sessions::Seen {
             node: node_id.clone(),
             epoch: 1,
             age_seconds: 0.0,
@@ -283,11 +283,11 @@ async fn a_lost_gateway_gives_120_s_of_grace_and_a_zombie_writes_nothing() {
         matches!(err, compute_domain::Error::LeaseLost(_)),
         "{err:?}"
     );
-    let err = compute_domain::sessions::close(
+    let err = compute_domain::node_sessions::close(
         &zombie,
         &node_id,
         1,
-        compute_domain::sessions::CloseReason::DaemonClosed,
+        compute_domain::node_sessions::CloseReason::DaemonClosed,
     )
     .await
     .expect_err("fenced");
@@ -444,10 +444,10 @@ async fn a_gateway_cannot_move_last_seen_into_the_future() {
     let node_id = compute_domain::ids::NodeId::parse("node", a).expect("id");
     let (db, _) = app.gateway.fenced_db().await.expect("db").expect("held");
     for age in [-3600.0, f64::NEG_INFINITY, f64::NAN, 2.5] {
-        let written = compute_domain::sessions::flush(
+        let written = compute_domain::node_sessions::flush(
             &db,
             app.gateway.id(),
-            &[compute_domain::sessions::Seen {
+            &[compute_domain::node_sessions::Seen {
                 node: node_id.clone(),
                 epoch: s.welcome.session_epoch,
                 age_seconds: age,

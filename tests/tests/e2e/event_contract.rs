@@ -12,7 +12,7 @@ use compute_domain::events::{
     CommandPayload, DevicePayload, EventSinkPayload, EventType, Family, InstancePayload,
     NodePayload, PoolPayload, QuotaPayload, ReservationPayload, SitePayload, UsagePayload,
 };
-use compute_domain::fleet::commands::{
+use compute_domain::fleet::changes::{
     self as fleet, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
 };
 use compute_domain::fleet::model::{
@@ -20,7 +20,7 @@ use compute_domain::fleet::model::{
 };
 use compute_domain::ids::ScopeId;
 use compute_domain::quota::{self, QuotaLimits};
-use compute_domain::reservations::commands as rsv;
+use compute_domain::reservations::lifecycle as rsv;
 use compute_domain::reservations::model::{AllocationInput, parse_request};
 use compute_domain::reservations::reconcile;
 use compute_domain::sinks::{self, Scope, SinkChange};
@@ -350,12 +350,12 @@ async fn every_event_payload_keeps_its_documented_shape() {
                 .await
                 .expect("its allocation");
         let node = compute_domain::ids::NodeId::parse("node", &node).expect("node");
-        let hello = compute_domain::sessions::Hello {
+        let hello = compute_domain::node_sessions::Hello {
             daemon_version: "sim/1".into(),
             journal_id: "j-inst".into(),
             observed_generation: 0,
         };
-        let epoch = compute_domain::sessions::open(db, &node, &gw_contract(), 1, &hello)
+        let epoch = compute_domain::node_sessions::open(db, &node, &gw_contract(), 1, &hello)
             .await
             .expect("a session");
         // Runs the step's command as the daemon would: acknowledged, then this outcome.
@@ -423,11 +423,11 @@ async fn every_event_payload_keeps_its_documented_shape() {
             .expect("record the exit")
             .expect("recorded");
         assert_eq!(exited.state, ins::State::Exited);
-        compute_domain::sessions::close(
+        compute_domain::node_sessions::close(
             db,
             &node,
             epoch,
-            compute_domain::sessions::CloseReason::DaemonClosed,
+            compute_domain::node_sessions::CloseReason::DaemonClosed,
         )
         .await
         .expect("close");
@@ -513,13 +513,13 @@ async fn every_event_payload_keeps_its_documented_shape() {
 
     // A daemon's session on h1 opens and closes; the liveness pass makes the nodes unreachable,
     // then (a provider pool, lostAfter 1 h) lost.
-    let hello = compute_domain::sessions::Hello {
+    let hello = compute_domain::node_sessions::Hello {
         daemon_version: "sim/1".into(),
         journal_id: "j1".into(),
         observed_generation: 0,
     };
     let h1 = registered.node.id.clone();
-    let epoch = compute_domain::sessions::open(db, &h1, &gw_contract(), 1, &hello)
+    let epoch = compute_domain::node_sessions::open(db, &h1, &gw_contract(), 1, &hello)
         .await
         .expect("open a session");
     // Its daemon reports an inventory without GPU-4, then the whole machine again.
@@ -655,23 +655,23 @@ async fn every_event_payload_keeps_its_documented_shape() {
         .expect("cancel");
     run(Kind::Noop, "c-requeue").await;
     cmds::dispatch_node(db, &h1).await.expect("dispatch");
-    let epoch = compute_domain::sessions::open(db, &h1, &gw_contract(), 1, &hello)
+    let epoch = compute_domain::node_sessions::open(db, &h1, &gw_contract(), 1, &hello)
         .await
         .expect("a newer session takes the command back");
-    compute_domain::sessions::close(
+    compute_domain::node_sessions::close(
         db,
         &h1,
         epoch,
-        compute_domain::sessions::CloseReason::DaemonClosed,
+        compute_domain::node_sessions::CloseReason::DaemonClosed,
     )
     .await
     .expect("close it");
     t.advance_clock(41).await;
-    compute_domain::sessions::liveness_pass(db)
+    compute_domain::node_sessions::liveness_pass(db)
         .await
         .expect("unreachable");
     t.advance_clock(3601).await;
-    compute_domain::sessions::liveness_pass(db)
+    compute_domain::node_sessions::liveness_pass(db)
         .await
         .expect("lost");
 

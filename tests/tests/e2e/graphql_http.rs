@@ -386,7 +386,7 @@ async fn a_document_of_several_operations_runs_the_named_one_without_the_others_
 
 #[tokio::test]
 async fn a_document_sent_again_is_answered_as_the_first_time() {
-    // The door keeps the parse of the documents it saw lately (`graph::documents`) and clones
+    // The door keeps the parse of the documents it saw lately (`graph::parse_cache`) and clones
     // it for the next request of the same text. The door then reduces the clone to the
     // operation the request names, so the kept parse must not remember the last request's
     // choice: each request of one text, alternating names, gets its own operation's answer.

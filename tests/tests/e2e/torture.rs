@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use compute_domain::fleet::commands::{self, NewDevice, NewNode, NewPool, NewSite};
+use compute_domain::fleet::changes::{self, NewDevice, NewNode, NewPool, NewSite};
 use compute_domain::fleet::model::{DeviceMode, Labels, Layout, PoolKind};
 use compute_domain::idempotency::Actor;
 use compute_tests::{TestApp, test_db_with};
@@ -52,7 +52,7 @@ impl Rng {
 async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
     let db = &app.db.db;
     let actor = Actor::operator("torture");
-    let site = commands::create_site(
+    let site = changes::create_site(
         db,
         &actor,
         NewSite {
@@ -64,7 +64,7 @@ async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
     .await
     .expect("site")
     .value;
-    let pool = commands::create_pool(
+    let pool = changes::create_pool(
         db,
         &actor,
         NewPool {
@@ -117,7 +117,7 @@ async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
                 }
             })
             .collect();
-        let registered = commands::register_node(
+        let registered = changes::register_node(
             db,
             NewNode {
                 pool_id: pool.id.clone(),
@@ -527,7 +527,7 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                 ("retry pending", reconcile::retry_pending(db).await),
                 (
                     "rollup recompute",
-                    commands::recompute_rollup(
+                    changes::recompute_rollup(
                         db,
                         &compute_domain::ids::PoolId::parse("pool", &pool).expect("a pool id"),
                     )

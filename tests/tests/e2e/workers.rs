@@ -260,7 +260,7 @@ async fn the_rollup_reconciler_corrects_a_drifted_rollup() {
         .await
         .expect("drift");
     assert_eq!(
-        compute_domain::fleet::commands::recompute_rollup(db, &pool_id(&p.pool))
+        compute_domain::fleet::changes::recompute_rollup(db, &pool_id(&p.pool))
             .await
             .expect("recompute"),
         truth.len() as u64,
@@ -332,7 +332,7 @@ async fn a_recompute_racing_a_registration_keeps_the_rollup_exact() {
     let recompute = {
         let (db, pool) = (db.clone(), pool_id(&p.pool));
         tokio::spawn(
-            async move { compute_domain::fleet::commands::recompute_rollup(&db, &pool).await },
+            async move { compute_domain::fleet::changes::recompute_rollup(&db, &pool).await },
         )
     };
     app.until_lock_waiters(2).await;

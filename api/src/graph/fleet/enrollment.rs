@@ -5,7 +5,7 @@
 use async_graphql::connection::Connection;
 use async_graphql::{Context, Enum, ID, InputObject, Object, SimpleObject};
 use chrono::{DateTime, Utc};
-use compute_domain::fleet::commands as cmd;
+use compute_domain::fleet::changes as cmd;
 use compute_domain::fleet::enrollment::{self, JoinToken, JoinTokenFilter, NewJoinToken};
 use compute_domain::ids::{JoinTokenId, NodeId, PoolId};
 

@@ -3,7 +3,7 @@
 
 use async_graphql::{Context, ID, InputObject, Object, SimpleObject};
 use chrono::{DateTime, Utc};
-use compute_domain::fleet::commands::{
+use compute_domain::fleet::changes::{
     self as cmd, LayoutRequest, NewDevice, NewNode, NewPool, NewSite, PoolChanges,
 };
 use compute_domain::fleet::model::{self as m, Layout};

@@ -435,7 +435,7 @@ pub enum NoScheduleReason {
 }
 
 /// A node daemon's session with a gateway (`docs/agent-protocol.md`).
-pub struct NodeSession(compute_domain::sessions::Session);
+pub struct NodeSession(compute_domain::node_sessions::Session);
 
 /// A node daemon's session with a gateway: open, or the last one closed
 /// (`docs/agent-protocol.md`).

@@ -19,7 +19,7 @@ use sqlx::types::Json;
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{self, EventType, JoinTokenPayload};
-use crate::fleet::commands::{NewDevice, NewNode, Registered, register_in};
+use crate::fleet::changes::{NewDevice, NewNode, Registered, register_in};
 use crate::fleet::model::{self as m, DeviceMode, GpuUuid, Labels, Layout};
 use crate::idempotency::{self, Actor, Claim, Outcome};
 use crate::ids::{JoinTokenId, NodeId, PoolId};

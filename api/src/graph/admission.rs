@@ -3,8 +3,8 @@
 //! async-graphql extension: with any extension installed, async-graphql sends every field of
 //! every response through its slow path (a registry lookup and a boxed future per field, two
 //! formatted type names per list item), which cost a fleet page of 2,000 objects a tenth of its
-//! time. The transports call it: [`Door::admit`] before execution, [`Door::within_deadline`]
-//! around it, [`Door::finish`] (or [`Door::settle`] for a stream) after it.
+//! time. The transports call it: [`AdmissionControl::admit`] before execution, [`AdmissionControl::within_deadline`]
+//! around it, [`AdmissionControl::finish`] (or [`AdmissionControl::settle`] for a stream) after it.
 //!
 //! - **Document bounds**, checked on the parsed document before validation walks it: root
 //!   fields, aliases, directives and field selections, counted with fragments expanded (each
@@ -39,7 +39,7 @@ use async_graphql::{Name, Positioned, Response, ServerError, ServerResult};
 use crate::auth::Viewer;
 use crate::codes::{Limit, TransportCode};
 use crate::graph::cost::CostModel;
-use crate::graph::documents::Documents;
+use crate::graph::parse_cache::ParseCache;
 use crate::limits::Limits;
 
 /// `extensions.code` of a request over a published limit (document bounds, cost).
@@ -76,31 +76,31 @@ pub type OnRefusal = Arc<dyn Fn(&'static str) + Send + Sync>;
 
 /// The door: one per server, shared by every request.
 #[derive(Clone)]
-pub struct Door {
+pub struct AdmissionControl {
     limits: Arc<Limits>,
     budgets: Arc<Budgets>,
     costs: Arc<CostModel>,
-    documents: Arc<Documents>,
+    documents: Arc<ParseCache>,
     on_refusal: OnRefusal,
 }
 
-impl Door {
+impl AdmissionControl {
     /// A door enforcing `limits` with the cost model of the schema (`CostModel::from_sdl` of
     /// its SDL), reporting each refusal's reason to `on_refusal`.
-    pub fn new(limits: Limits, costs: CostModel, on_refusal: OnRefusal) -> Door {
-        Door {
+    pub fn new(limits: Limits, costs: CostModel, on_refusal: OnRefusal) -> AdmissionControl {
+        AdmissionControl {
             limits: Arc::new(limits),
             budgets: Arc::new(Budgets::default()),
             costs: Arc::new(costs),
-            documents: Arc::new(Documents::default()),
+            documents: Arc::new(ParseCache::default()),
             on_refusal,
         }
     }
 
     /// Parses `request`'s document into it, once, before anything reads it: one within
     /// [`Limits::max_document_bytes`] (a longer one is refused before any parsing), from the
-    /// parsed documents seen lately ([`Documents`]) when it was among them. Every transport
-    /// calls it first; [`Door::admit`] then finds the document parsed.
+    /// parsed documents seen lately ([`ParseCache`]) when it was among them. Every transport
+    /// calls it first; [`AdmissionControl::admit`] then finds the document parsed.
     pub fn parse(&self, request: &mut async_graphql::Request) -> ServerResult<()> {
         if let Some(e) = oversized(&self.limits, &request.query) {
             (self.on_refusal)("document_bytes");
@@ -112,7 +112,7 @@ impl Door {
     }
 
     /// The parsed documents it keeps.
-    pub fn documents(&self) -> &Documents {
+    pub fn documents(&self) -> &ParseCache {
         &self.documents
     }
 
@@ -127,7 +127,7 @@ impl Door {
     }
 
     /// Lets `request` in, or says why not (a coded request error, nothing charged): no NUL in
-    /// its variables, its document within the bounds (parsed once, by [`Door::parse`], which
+    /// its variables, its document within the bounds (parsed once, by [`AdmissionControl::parse`], which
     /// the transports call first, or here when none did, and handed on to async-graphql
     /// parsed), reduced to the operation it names, and its cost within the caller's limit and
     /// budget, which it is charged.
@@ -237,7 +237,7 @@ impl Door {
 
     /// The response of an admitted request on its way out: its errors capped at
     /// [`Limits::max_errors`], and its `extensions.cost`; or, when async-graphql refused the
-    /// request, the charge refunded ([`Door::settle`]) and no cost reported.
+    /// request, the charge refunded ([`AdmissionControl::settle`]) and no cost reported.
     pub fn finish(&self, admission: &Admission, response: &mut Response) {
         let max = self.limits.max_errors;
         if response.errors.len() > max {
@@ -385,7 +385,7 @@ fn selected_operation(doc: &ExecutableDocument, name: Option<&str>) -> Option<Ex
     })
 }
 
-impl Door {
+impl AdmissionControl {
     fn check_document(&self, doc: &ExecutableDocument) -> ServerResult<()> {
         let limits = &self.limits;
         let mut sizes = Sizes::new(doc);
@@ -739,7 +739,7 @@ mod tests {
     }
 
     fn door_size(query: &str) -> Result<(), String> {
-        let door = Door::new(Limits::default(), CostModel::default(), Arc::new(|_| {}));
+        let door = AdmissionControl::new(Limits::default(), CostModel::default(), Arc::new(|_| {}));
         let doc = async_graphql::parser::parse_query(query).expect("parses");
         door.check_document(&doc)
             .map_err(|e| format!("{:?}", e.extensions.and_then(|x| x.get("limit").cloned())))

@@ -33,9 +33,9 @@ pub const GENERATION_BYTES: usize = 256 * 1024;
 
 /// The parsed documents of one server.
 #[derive(Default)]
-pub struct Documents {
+pub struct ParseCache {
     generations: Mutex<Generations>,
-    /// Documents answered with a kept parse, and documents parsed (the metrics read both).
+    /// ParseCache answered with a kept parse, and documents parsed (the metrics read both).
     reused: AtomicU64,
     parsed: AtomicU64,
 }
@@ -76,15 +76,15 @@ impl Generations {
     }
 }
 
-impl std::fmt::Debug for Documents {
+impl std::fmt::Debug for ParseCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Documents")
+        f.debug_struct("ParseCache")
             .field("kept", &self.len())
             .finish()
     }
 }
 
-impl Documents {
+impl ParseCache {
     /// `text` parsed: a clone of its earlier parse when it was seen lately, else parsed now
     /// (and kept when it parsed and is short enough).
     pub fn parse(&self, text: &str) -> Result<ExecutableDocument, async_graphql::parser::Error> {
@@ -103,7 +103,7 @@ impl Documents {
         Ok(document)
     }
 
-    /// Documents answered with a kept parse so far, and documents parsed.
+    /// ParseCache answered with a kept parse so far, and documents parsed.
     pub fn counts(&self) -> (u64, u64) {
         (
             self.reused.load(Ordering::Relaxed),
@@ -167,7 +167,7 @@ mod tests {
 
     #[test]
     fn a_kept_document_is_its_own_parse() {
-        let docs = Documents::default();
+        let docs = ParseCache::default();
         let texts = [
             "{ __typename }",
             "query A { a: __typename } query B { b: __typename }",
@@ -200,7 +200,7 @@ mod tests {
 
     #[test]
     fn errors_and_long_documents_are_not_kept() {
-        let docs = Documents::default();
+        let docs = ParseCache::default();
         let bad = "{ __typename";
         let first = docs.parse(bad).expect_err("does not parse").to_string();
         let again = docs.parse(bad).expect_err("does not parse").to_string();
@@ -212,7 +212,7 @@ mod tests {
 
     #[test]
     fn the_generations_bound_what_is_kept_and_keep_what_is_used() {
-        let docs = Documents::default();
+        let docs = ParseCache::default();
         let text = |i: usize| format!("{{ a{i}: __typename }}");
         docs.parse(&text(0)).expect("parses");
         for i in 1..5 * GENERATION_ENTRIES {
@@ -240,8 +240,8 @@ mod tests {
 
     #[test]
     fn the_byte_bound_turns_the_generations() {
-        let docs = Documents::default();
-        // Documents of 8 KiB: a generation holds 32 of them, not 1,000.
+        let docs = ParseCache::default();
+        // ParseCache of 8 KiB: a generation holds 32 of them, not 1,000.
         let text = |i: usize| format!("{{ a{i}: __typename {} }}", " ".repeat(8 * 1024));
         for i in 0..100 {
             docs.parse(&text(i)).expect("parses");
