@@ -1020,3 +1020,77 @@ fn each_sql_function_is_its_last_migration() {
     );
     assert!(broken.is_empty(), "{}", broken.join("\n"));
 }
+
+/// The names in a manifest's `[dependencies]` (not dev- or build-dependencies).
+fn normal_dependencies(manifest: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(root().join(manifest)).expect("manifest");
+    let mut in_deps = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_deps = line == "[dependencies]";
+            continue;
+        }
+        if in_deps && line.chars().next().is_some_and(|c| c.is_ascii_alphabetic()) {
+            let name: String = line
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+                .collect();
+            out.push(name);
+        }
+    }
+    out
+}
+
+/// The crate boundaries of `ARCHITECTURE.md`, kept by the manifests: only `domain` may run SQL
+/// (`sqlx`), and it knows no HTTP, WebSocket or GraphQL; the workers know no GraphQL; the
+/// protocol, the agent and the simulator know neither SQL nor the domain.
+#[test]
+fn each_crate_depends_only_on_what_its_place_may_know() {
+    let forbidden: &[(&str, &[&str])] = &[
+        (
+            "domain/Cargo.toml",
+            &[
+                "axum",
+                "async-graphql",
+                "async-graphql-value",
+                "hyper",
+                "tokio-tungstenite",
+                "reqwest",
+            ],
+        ),
+        ("api/Cargo.toml", &["sqlx"]),
+        (
+            "workers/Cargo.toml",
+            &["sqlx", "async-graphql", "async-graphql-value"],
+        ),
+        (
+            "protocol/Cargo.toml",
+            &["sqlx", "async-graphql", "compute-domain"],
+        ),
+        (
+            "agent/Cargo.toml",
+            &["sqlx", "async-graphql", "compute-domain"],
+        ),
+        (
+            "sim/Cargo.toml",
+            &["sqlx", "async-graphql", "compute-domain"],
+        ),
+    ];
+    let mut broken = Vec::new();
+    for (manifest, names) in forbidden {
+        let deps = normal_dependencies(manifest);
+        assert!(!deps.is_empty(), "{manifest}: no [dependencies] read");
+        for name in *names {
+            if deps.iter().any(|d| d == name) {
+                broken.push(format!("{manifest} depends on {name}"));
+            }
+        }
+    }
+    assert!(
+        normal_dependencies("domain/Cargo.toml").contains(&"sqlx".to_owned()),
+        "the scanner reads the domain's sqlx"
+    );
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}

@@ -178,3 +178,33 @@ pub fn listing_tenant(
 pub fn may_see(ctx: &Context<'_>, tenant: &compute_domain::ids::TenantId) -> GqlResult<bool> {
     Ok(viewer(ctx)?.actor().is_some_and(|a| a.may_access(tenant)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_internal_error_shows_its_id_never_its_text() {
+        let GqlError(e) = gql_error(Error::internal("password=hunter2 in pg_hba.conf"));
+        assert!(!e.message.contains("hunter2"), "{}", e.message);
+        assert!(
+            e.message.starts_with("internal error (id err_"),
+            "{}",
+            e.message
+        );
+        let ext = e.extensions.expect("extensions");
+        assert_eq!(
+            ext.get("code"),
+            Some(&async_graphql::Value::from("INTERNAL"))
+        );
+        assert!(ext.get("errorId").is_some());
+        // An uncoded async-graphql error (a bug of ours) becomes the same, text hidden.
+        let GqlError(e) = GqlError::from(async_graphql::Error::new("raw detail"));
+        assert!(!e.message.contains("raw detail"), "{}", e.message);
+        // A coded one keeps its code and message.
+        let GqlError(e) = gql_error(Error::bad_input("name", "too long"));
+        assert!(e.message.contains("too long"));
+        let ext = e.extensions.expect("extensions");
+        assert_eq!(ext.get("field"), Some(&async_graphql::Value::from("name")));
+    }
+}
