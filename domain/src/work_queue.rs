@@ -94,6 +94,11 @@ pub async fn claim(
     .await?)
 }
 
+/// How often the reconciler resyncs the kinds of work that are woken by changes (pool rollups,
+/// command dispatch, instance workflows): a queue row lost or never written costs at most this
+/// long. Reservations have their own, faster resync (their times come due by themselves).
+pub const RESYNC_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Enqueues every pool for the capacity-rollup reconciler (the resync: a lost queue row only
 /// costs time). Returns how many pools.
 #[tracing::instrument(level = "debug", skip_all)]

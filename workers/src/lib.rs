@@ -9,8 +9,9 @@
 //!   checks reservation changes against them (`docs/usage.md`).
 //! - [`Reconciler`]: under `singleton:reservations`, the resync: every pass looks for any
 //!   reservation whose time has come however it was missed (a lost queue row only costs time),
-//!   every 5 minutes it enqueues every pool for its rollup check, and hourly it prunes
-//!   idempotency keys and the outbox.
+//!   every 5 minutes it enqueues every pool for its rollup check, every node with a waiting
+//!   command for dispatch and every instance with a step to take for its workflow, and hourly
+//!   it prunes idempotency keys and the outbox.
 //! - Command dispatch (`--role dispatch`): a second [`queue::QueueWorker`] over the
 //!   `node_commands` shards, sharing them among the dispatch processes
 //!   (`compute_domain::node_commands::dispatch_node`, `docs/commands.md`).
@@ -71,8 +72,9 @@ impl Role {
 /// then marked `behind`).
 pub const HARD_MAX_AGE: Duration = Duration::from_secs(30 * 24 * 3600);
 
-/// How often every pool's capacity rollup is checked against its atoms, whatever was enqueued.
-pub const ROLLUP_RESYNC_EVERY: Duration = Duration::from_secs(300);
+/// How often the resync enqueues every pool for its rollup check, every node with a waiting
+/// command for dispatch and every unsettled instance for its workflow, whatever was enqueued.
+pub const ROLLUP_RESYNC_EVERY: Duration = compute_domain::work_queue::RESYNC_EVERY;
 
 /// How often the reservation resync runs by default.
 pub const RESYNC_EVERY: Duration = Duration::from_secs(60);
@@ -131,8 +133,16 @@ impl Reconciler {
             .is_none_or(|t| t.elapsed() >= ROLLUP_RESYNC_EVERY)
         {
             let pools = compute_domain::work_queue::enqueue_all_pools(&db).await?;
+            let nodes = compute_domain::node_commands::enqueue_waiting(&db).await?;
+            let instances = compute_domain::instances::enqueue_unsettled(&db).await?;
             self.last_rollup_resync = Some(tokio::time::Instant::now());
-            tracing::debug!(pools, "every pool enqueued for its rollup check");
+            tracing::debug!(
+                pools,
+                nodes,
+                instances,
+                "resync: every pool enqueued for its rollup check, every node with a waiting \
+                 command for dispatch, every instance with a step to take for its workflow"
+            );
         }
         // Liveness first: a node that becomes lost fails its reservations in the same pass.
         let liveness = compute_domain::node_sessions::liveness_pass(&db).await?;

@@ -168,6 +168,39 @@ async fn emit(conn: &mut PgConnection, instance: &Instance) -> Result<()> {
     Ok(())
 }
 
+/// The resync of instance workflows, level-triggered: enqueues every instance with a step to
+/// take (provisioning; stopping; running while asked to stop or after its reservation stopped
+/// being active), so a lost or never-written `instance` queue row only costs time (the
+/// reconciler runs it every [`crate::work_queue::RESYNC_EVERY`]). Instances that run as they
+/// should are left alone: at 10,000 nodes the statement reads the instances table once (a
+/// sequential scan of tens of thousands of rows, milliseconds) and enqueues only those.
+/// Returns how many instances.
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn enqueue_unsettled(db: &Db) -> Result<u64> {
+    let moving = [State::Provisioning.as_str(), State::Stopping.as_str()];
+    let n = db
+        .tx("enqueue_unsettled_instances", TxKind::Maintenance, |conn| {
+            Box::pin(async move {
+                Ok(sqlx::query_scalar!(
+                    r#"SELECT compute_enqueue($1, array_agg(i.id), $2) AS "n!"
+                         FROM instances i JOIN reservations r ON r.id = i.reservation_id
+                        WHERE i.state = ANY($3)
+                           OR (i.state = $4 AND (i.stop_requested
+                               OR compute_reservation_state(r.state, r.starts_at, r.ends_at) <> $5))"#,
+                    WorkKind::Instance as _,
+                    work_queue::SHARDS,
+                    &moving[..] as &[&str],
+                    State::Running.as_str(),
+                    crate::reservations::state::State::Active.as_str(),
+                )
+                .fetch_one(&mut *conn)
+                .await?)
+            })
+        })
+        .await?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
 async fn wake(conn: &mut PgConnection, id: &InstanceId) -> Result<()> {
     work_queue::enqueue(
         conn,

@@ -866,6 +866,31 @@ pub async fn on_session_open(
     Ok(out)
 }
 
+/// The resync of dispatch, level-triggered: enqueues every node that has a command waiting to
+/// be dispatched, so a lost or never-written `node_commands` queue row only costs time (the
+/// reconciler runs it every [`crate::work_queue::RESYNC_EVERY`]). One statement over the
+/// `commands_pending` partial index, which holds only waiting commands: its cost follows them,
+/// not the fleet. Returns how many nodes.
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn enqueue_waiting(db: &Db) -> Result<u64> {
+    let n = db
+        .tx("enqueue_waiting_commands", TxKind::Maintenance, |conn| {
+            Box::pin(async move {
+                Ok(sqlx::query_scalar!(
+                    r#"SELECT compute_enqueue($1, array_agg(DISTINCT c.node_id), $2) AS "n!"
+                         FROM commands c WHERE c.state = ANY($3)"#,
+                    WorkKind::NodeCommands as _,
+                    work_queue::SHARDS,
+                    &stored_from(Action::Dispatch)[..] as &[&str],
+                )
+                .fetch_one(&mut *conn)
+                .await?)
+            })
+        })
+        .await?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
 /// Wakes the dispatcher of `node` after its daemon reported a new generation (commands that
 /// waited for it may go).
 pub async fn generation_observed(conn: &mut PgConnection, node: &NodeId) -> Result<()> {

@@ -15,7 +15,7 @@ use crate::reservations::pool;
 
 const WAIT: Duration = Duration::from_secs(10);
 
-const RUN: &str = "mutation($i: RunCommandInput!) { runCommand(input: $i) { idempotentReplay command { id state kind attempts retrySafe } } }";
+pub const RUN: &str = "mutation($i: RunCommandInput!) { runCommand(input: $i) { idempotentReplay command { id state kind attempts retrySafe } } }";
 const GET: &str = "query($id: ID!) { command(id: $id) { state attempts errorCode sessionEpoch journalId result startedAt finishedAt } }";
 
 pub fn daemon_config(app: &TestApp, node: &str, journal: &str, observed: i64) -> DaemonConfig {

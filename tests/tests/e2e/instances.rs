@@ -303,3 +303,143 @@ async fn a_daemon_refuses_an_overlapping_device_assignment() {
     );
     session.bye().await;
 }
+
+/// Level-triggered for every kind of work: with every work-queue row lost (deleted by hand), an
+/// instance's workflow and a command's dispatch stall, whatever the workers do; the
+/// reconciler's resync finds both again, and both finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_resync_finds_a_command_and_an_instance_whose_queue_rows_were_lost() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let p = pool(&app).await;
+    let acme = app.member("acme");
+    let r = app
+        .ok(
+            &acme,
+            CREATE,
+            input(
+                &p.pool,
+                "r-resync",
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+            ),
+        )
+        .await["createReservation"]["reservation"]
+        .clone();
+    let allocation = r["allocations"][0]["id"]
+        .as_str()
+        .expect("allocation")
+        .to_owned();
+    let node = r["allocations"][0]["computeNodeId"]
+        .as_str()
+        .expect("node")
+        .to_owned();
+    let (_stop, stopped) = tokio::sync::watch::channel(false);
+    let _daemon = tokio::spawn(compute_sim::run_daemon(
+        crate::commands::daemon_config(&app, &node, "j1", 1),
+        compute_sim::Behaviour {
+            journal: Some(compute_sim::journal("j1")),
+            ..compute_sim::Behaviour::default()
+        },
+        stopped,
+        |_, _| {},
+    ));
+    let mut workers = Workers::new(&app);
+    let made = app
+        .ok(
+            &acme,
+            CREATE_INSTANCE,
+            json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1",
+                           "command": ["true"], "idempotencyKey": "i-resync" } }),
+        )
+        .await["createInstance"]["instance"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let command = app
+        .ok(
+            &app.operator(),
+            crate::commands::RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "NOOP", "idempotencyKey": "c-resync" } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("command")
+        .to_owned();
+    let lost = sqlx::query("DELETE FROM work_queue")
+        .execute(app.db.db.pool())
+        .await
+        .expect("lose the queue rows")
+        .rows_affected();
+    assert!(
+        lost >= 2,
+        "the instance's and the node's rows were there: {lost}"
+    );
+    let command_state = || async {
+        app.ok(
+            &app.operator(),
+            "query($id: ID!) { command(id: $id) { state } }",
+            json!({ "id": command }),
+        )
+        .await["command"]["state"]
+            .as_str()
+            .expect("state")
+            .to_owned()
+    };
+    for _ in 0..5 {
+        workers.step().await;
+    }
+    assert_eq!(
+        state(&app, &acme, &made).await["state"],
+        "PROVISIONING",
+        "stalled"
+    );
+    assert_eq!(command_state().await, "PENDING", "stalled");
+    assert!(
+        workflow_commands(&app, &made).await.is_empty(),
+        "no step of the workflow ran"
+    );
+
+    let mut reconciler = compute_workers::Reconciler::new(app.db.db.clone(), "reconciler-resync");
+    let pass = reconciler.pass().await.expect("a pass");
+    assert!(pass.held);
+    let queued: Vec<(String, String)> =
+        sqlx::query_as("SELECT kind, key FROM work_queue WHERE kind IN ('node_commands', 'instance') ORDER BY kind")
+            .fetch_all(app.db.db.pool())
+            .await
+            .expect("queue");
+    assert_eq!(
+        queued,
+        vec![
+            ("instance".to_owned(), made.clone()),
+            ("node_commands".to_owned(), node.clone())
+        ],
+        "the resync enqueued exactly the unsettled instance and the node with a waiting command"
+    );
+    step_until(&app, &mut workers, &made, "RUNNING").await;
+    let started = tokio::time::Instant::now();
+    while command_state().await != "SUCCEEDED" {
+        assert!(
+            started.elapsed() < WAIT,
+            "the command stays {}",
+            command_state().await
+        );
+        workers.step().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A running instance whose reservation is still active has nothing to do: the next resync
+    // leaves it alone.
+    let mut again = compute_workers::Reconciler::new(app.db.db.clone(), "reconciler-again");
+    sqlx::query("DELETE FROM work_queue")
+        .execute(app.db.db.pool())
+        .await
+        .expect("clear");
+    again.pass().await.expect("a pass");
+    let queued: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM work_queue WHERE kind IN ('node_commands', 'instance')",
+    )
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("queue");
+    assert_eq!(queued, 0, "nothing unsettled to enqueue");
+}
