@@ -40,6 +40,12 @@ pub const OUTAGE_GRACE: Duration = Duration::from_secs(300);
 /// A liveness pass that finds the previous one older than this knows there was an outage
 /// (passes run every few seconds under a 15 s lease).
 pub const OUTAGE_THRESHOLD: Duration = Duration::from_secs(30);
+/// A session whose `last_seen_at` (the gateways' ages) is older than this is ended by the
+/// liveness pass (`silent`): its gateway keeps its lease but stopped hearing from the daemon, or
+/// stopped flushing for it, without closing it (a gateway closes a daemon silent for 15 s
+/// itself, and flushes every 2 s). Not in the pass that notices an outage, nor until this long
+/// after one (no gateway could flush meanwhile).
+pub const STALE_AFTER: Duration = Duration::from_secs(60);
 /// A gateway's lease lives this long without renewal (other leases live 15 s).
 pub const GATEWAY_TTL: Duration = Duration::from_secs(20);
 
@@ -384,7 +390,8 @@ pub struct LivenessPass {
 }
 
 /// One pass of the liveness reconciler (`db` fenced by its lease): notes an outage, ends the
-/// sessions of lost gateways and retired nodes, and moves nodes to `UNREACHABLE` and `LOST` when
+/// sessions of lost gateways, of retired nodes and those not seen for [`STALE_AFTER`] (the ages
+/// the gateways report are what decides), and moves nodes to `UNREACHABLE` and `LOST` when
 /// due. One transaction per node for the transitions; at most 500 of each per pass.
 pub async fn liveness_pass(db: &Db) -> Result<LivenessPass> {
     let outage_seconds = note_pass(db).await?;
@@ -392,22 +399,33 @@ pub async fn liveness_pass(db: &Db) -> Result<LivenessPass> {
         outage_seconds,
         ..LivenessPass::default()
     };
+    // Stale sessions only when no outage is recent: after one, no gateway could flush.
+    let stale_from = outage_seconds
+        .is_none()
+        .then_some(STALE_AFTER.as_secs_f64());
     let ended = sqlx::query!(
         r#"SELECT s.node_id AS "node_id: NodeId", s.session_epoch,
-                  (n.retired_at IS NOT NULL) AS "retired!"
+                  (n.retired_at IS NOT NULL) AS "retired!",
+                  (l.name IS NULL OR l.expires_at <= compute_now() OR l.epoch <> s.gateway_epoch) AS "gateway_lost!"
              FROM node_sessions s JOIN nodes n ON n.id = s.node_id
              LEFT JOIN leases l ON l.name = 'gateway:' || s.gateway
+             LEFT JOIN liveness_passes p ON p.id = 1
             WHERE s.closed_at IS NULL
-              AND (n.retired_at IS NOT NULL OR l.name IS NULL OR l.expires_at <= compute_now() OR l.epoch <> s.gateway_epoch)
+              AND (n.retired_at IS NOT NULL OR l.name IS NULL OR l.expires_at <= compute_now() OR l.epoch <> s.gateway_epoch
+                   OR (s.last_seen_at < compute_now() - make_interval(secs => $1::float8)
+                       AND coalesce(p.last_outage_at < compute_now() - make_interval(secs => $1::float8), true)))
             ORDER BY s.node_id LIMIT 500"#,
+        stale_from,
     )
     .fetch_all(db.pool())
     .await?;
     for s in ended {
         let reason = if s.retired {
             CloseReason::NodeRetired
-        } else {
+        } else if s.gateway_lost {
             CloseReason::GatewayLost
+        } else {
+            CloseReason::Silent
         };
         if close(db, &s.node_id, s.session_epoch, reason).await? {
             pass.disconnected += 1;

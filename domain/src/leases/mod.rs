@@ -1,8 +1,10 @@
 //! Leases with fencing: rows in `leases`, acquired and renewed with one guarded upsert, and a
 //! fence that is the first statement of every transaction done under a lease.
 //!
-//! Names: `shard:<kind>:<n>`, `pool:<id>`, `site:<id>`, `singleton:<name>`, `gateway:<id>`.
-//! Shard, pool, site and singleton leases live [`TTL`] and are renewed every [`RENEW_EVERY`].
+//! Names: `shard:<kind>:<n>`, `singleton:<name>`, `gateway:<id>`, built in [`name`] only (the
+//! table's `CHECK` refuses any other; `pool:` and `site:` were taken out by migration 0023:
+//! per-pool work runs on the shards). Shard and singleton leases live [`TTL`] and are renewed
+//! every [`RENEW_EVERY`].
 
 mod held;
 

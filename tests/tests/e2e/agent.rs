@@ -729,3 +729,103 @@ async fn a_partitioned_daemon_drops_off_and_comes_back_by_itself() {
     })
     .await;
 }
+
+/// The ages the gateways report decide: a session whose gateway keeps its lease but has not
+/// reported the daemon seen for `STALE_AFTER` (60 s) is ended `silent` by the liveness pass, and
+/// the node is disconnected; a session reported seen is kept; and no session is ended as stale
+/// right after an outage, when no gateway could flush.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_not_seen_for_a_minute_is_ended_by_the_liveness_pass() {
+    use compute_domain::leases;
+    use compute_domain::node_sessions::{self as ns, Hello, Seen};
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = &app.db.db;
+    let fleet = crate::fleet::small_fleet(&app, "stale").await;
+    let node = compute_domain::ids::NodeId::parse("node", &fleet.node).expect("node");
+    let gw = compute_domain::ids::GatewayId::parse("gateway", "gw-stuck").expect("gateway id");
+    let ttl = ns::GATEWAY_TTL;
+    let fence = leases::acquire(db, &ns::gateway_lease(&gw), "test", ttl)
+        .await
+        .expect("acquire")
+        .expect("the gateway's lease");
+    let gdb = db.fenced(&fence);
+    let hello = Hello {
+        daemon_version: "sim/1".into(),
+        journal_id: "j-stale".into(),
+        observed_generation: 0,
+    };
+    let epoch = ns::open(&gdb, &node, &gw, fence.epoch, &hello)
+        .await
+        .expect("open");
+    let seen = |age: f64| Seen {
+        node: node.clone(),
+        epoch,
+        age_seconds: age,
+    };
+    let session = || async {
+        sqlx::query_as::<_, (Option<String>,)>(
+            "SELECT close_reason FROM node_sessions WHERE node_id = $1",
+        )
+        .bind(node.as_str())
+        .fetch_one(db.pool())
+        .await
+        .expect("session")
+        .0
+    };
+    ns::liveness_pass(db).await.expect("first pass");
+    // 50 s without a flush (passes every 10 s, the lease renewed): kept.
+    for _ in 0..5 {
+        app.db.advance_clock(10).await;
+        assert!(leases::renew(db, &fence, ttl).await.expect("renew"));
+        ns::liveness_pass(db).await.expect("pass");
+    }
+    assert_eq!(session().await, None, "50 s: still open");
+    // A flush reporting the daemon seen 5 s ago keeps it for another minute.
+    ns::flush(&gdb, &gw, &[seen(5.0)]).await.expect("flush");
+    for _ in 0..5 {
+        app.db.advance_clock(10).await;
+        assert!(leases::renew(db, &fence, ttl).await.expect("renew"));
+        let pass = ns::liveness_pass(db).await.expect("pass");
+        assert_eq!(pass.disconnected, 0);
+    }
+    assert_eq!(session().await, None, "seen 55 s ago: open");
+    app.db.advance_clock(6).await;
+    assert!(leases::renew(db, &fence, ttl).await.expect("renew"));
+    let pass = ns::liveness_pass(db).await.expect("pass");
+    assert_eq!(pass.disconnected, 1, "seen 61 s ago: ended");
+    assert_eq!(session().await.as_deref(), Some("silent"));
+    let reachability: String = sqlx::query_scalar("SELECT reachability FROM nodes WHERE id = $1")
+        .bind(node.as_str())
+        .fetch_one(db.pool())
+        .await
+        .expect("node");
+    assert_eq!(reachability, "disconnected");
+
+    // After an outage (no pass for two minutes), a session not seen since is kept until a
+    // minute has passed with passes running again.
+    let epoch = ns::open(&gdb, &node, &gw, fence.epoch, &hello)
+        .await
+        .expect("reopen");
+    let _ = epoch;
+    for _ in 0..12 {
+        app.db.advance_clock(10).await;
+        assert!(leases::renew(db, &fence, ttl).await.expect("renew"));
+    }
+    let pass = ns::liveness_pass(db).await.expect("pass after the outage");
+    assert!(pass.outage_seconds.is_some(), "the outage is noticed");
+    assert_eq!(
+        pass.disconnected, 0,
+        "not ended as stale in the outage's pass"
+    );
+    for _ in 0..5 {
+        app.db.advance_clock(10).await;
+        assert!(leases::renew(db, &fence, ttl).await.expect("renew"));
+        assert_eq!(ns::liveness_pass(db).await.expect("pass").disconnected, 0);
+    }
+    assert_eq!(session().await, None, "50 s after the outage: open");
+    app.db.advance_clock(11).await;
+    assert!(leases::renew(db, &fence, ttl).await.expect("renew"));
+    assert_eq!(ns::liveness_pass(db).await.expect("pass").disconnected, 1);
+    assert_eq!(session().await.as_deref(), Some("silent"));
+}

@@ -292,3 +292,40 @@ async fn the_work_queue_never_loses_a_wake_up() {
         "disjoint"
     );
 }
+
+/// Only the lease families the code takes exist (migration 0023): a `pool:` or `site:` lease,
+/// which no process takes, or a name of no family, is refused by the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_lease_families_in_use_can_be_taken() {
+    let db = compute_tests::test_db().await;
+    let ttl = std::time::Duration::from_secs(15);
+    for refused in [
+        format!("pool:pool_{}", "0".repeat(32)),
+        format!("site:site_{}", "0".repeat(32)),
+        "anything".to_owned(),
+    ] {
+        assert!(
+            compute_domain::leases::acquire(&db.db, &refused, "test", ttl)
+                .await
+                .is_err(),
+            "{refused} was taken"
+        );
+    }
+    for taken in [
+        "shard:reservation:3".to_owned(),
+        compute_domain::leases::name::RESERVATIONS.to_owned(),
+        compute_domain::leases::name::presence("worker", "w1"),
+        compute_domain::leases::name::outbox_dispatch(&format!("snk_{}", "0".repeat(32))),
+        compute_domain::leases::name::gateway(
+            &compute_domain::ids::GatewayId::parse("gateway", "g-1.a").expect("id"),
+        ),
+    ] {
+        assert!(
+            compute_domain::leases::acquire(&db.db, &taken, "test", ttl)
+                .await
+                .expect("acquire")
+                .is_some(),
+            "{taken}"
+        );
+    }
+}
