@@ -125,6 +125,9 @@ pub struct Db {
     poker: Option<poke::Poker>,
     /// Where `LISTEN` connects, when not through the pool ([`PoolSettings::listen_url`]).
     listen_url: Option<std::sync::Arc<str>>,
+    /// Whether deadlocks and serialization failures run the transaction again (always, but in
+    /// the tests that prove the lock order: [`Db::without_contention_retry`]).
+    retry_contention: bool,
 }
 
 /// How long a pooled connection may sit idle and still be handed out without a ping.
@@ -188,7 +191,16 @@ impl Db {
             keyring: None,
             poker,
             listen_url: None,
+            retry_contention: true,
         }
+    }
+
+    /// This handle with deadlocks (40P01) and serialization failures (40001) returned at once as
+    /// [`Error::Contention`] instead of retried: a test mode, in which an inversion of the
+    /// documented lock order fails a test instead of being retried away.
+    pub fn without_contention_retry(mut self) -> Db {
+        self.retry_contention = false;
+        self
     }
 
     /// This handle with `keyring` sealing and opening sink secrets.
@@ -369,7 +381,9 @@ impl Db {
         let mut attempt = 1;
         loop {
             match self.try_tx(kind, fence, &mut body).await {
-                Err(Error::Contention { sqlstate, .. }) if attempt < MAX_ATTEMPTS => {
+                Err(Error::Contention { sqlstate, .. })
+                    if attempt < MAX_ATTEMPTS && self.retry_contention =>
+                {
                     debug!(
                         tx.name = name,
                         tx.attempt = attempt,

@@ -27,12 +27,17 @@ async fn activate(db: &Db, id: Option<&ReservationId>) -> Result<u64> {
     db.tx("activate_reservations", TxKind::Maintenance, |conn| {
         let id = id.cloned();
         Box::pin(async move {
-            // The reconciler of each moved reservation is woken in the same statement (its next
-            // wake-up is its end).
+            // The due rows are locked first, in id order: several reservations' rows are
+            // always locked in key order (`docs/database-locks.md`); an update of many rows
+            // locks them in scan order, and deadlocked against a health change's update of the
+            // reservations on a GPU. The reconciler of each moved reservation is woken in the
+            // same statement (its next wake-up is its end).
             let moved = query_reservations!(
-                "WITH moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now()
+                "WITH due AS (SELECT r.id FROM reservations r
                    WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() AND ($1::text IS NULL OR r.id = $1)
-                   RETURNING r.*),
+                   ORDER BY r.id FOR UPDATE),
+                      moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now()
+                   FROM due WHERE r.id = due.id RETURNING r.*),
                       woken AS (SELECT compute_enqueue($2, array_agg(m.id), $3) AS n FROM moved m)
                  SELECT",
                 "FROM moved r CROSS JOIN (SELECT count(n) FROM woken) w ORDER BY r.id",

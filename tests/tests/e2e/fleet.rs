@@ -1382,3 +1382,104 @@ async fn capacity_over_a_window_sees_advance_bookings() {
         ("BAD_USER_INPUT", &json!("window"))
     );
 }
+
+/// The lock order of a pool's rollup rows and its work-queue row, proven with deadlocks not
+/// retried (`Db::without_contention_retry`): GPUs of one pool change mode at once in opposite
+/// directions (whole GPUs to slots, slots to whole GPUs), round after round. Every change
+/// commits on its first attempt, and PostgreSQL counts no deadlock. (Before the fix, a change
+/// enqueued the pool's rollup check between removing its old atoms and adding its new ones, and
+/// two opposite changes deadlocked on the queue row and a rollup row.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opposite_mode_changes_in_one_pool_never_deadlock() {
+    use compute_domain::fleet::changes::{LayoutRequest, change_device_mode};
+    use compute_domain::fleet::model::DeviceMode;
+    use compute_domain::ids::DeviceId;
+    let t = compute_tests::test_db_with(24).await;
+    compute_tests::bench::gpu_fleet(&t.db, 1, 4, 4).await;
+    let db = t.db.clone().without_contention_retry();
+    let deadlocks = || async {
+        let _ = sqlx::query("SELECT pg_stat_force_next_flush()")
+            .execute(t.db.pool())
+            .await;
+        sqlx::query_scalar::<_, i64>(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .fetch_one(t.db.pool())
+        .await
+        .expect("deadlocks")
+    };
+    let before = deadlocks().await;
+    let layout = |slots: bool| LayoutRequest {
+        mode: if slots {
+            DeviceMode::TimeSlice
+        } else {
+            DeviceMode::Exclusive
+        },
+        mig_profiles: None,
+        slots: slots.then_some(4),
+    };
+    let devices: Vec<(String,)> = sqlx::query_as("SELECT id FROM devices ORDER BY id")
+        .fetch_all(t.db.pool())
+        .await
+        .expect("devices");
+    let ids: Vec<DeviceId> = devices
+        .iter()
+        .map(|(d,)| DeviceId::parse("id", d).expect("id"))
+        .collect();
+    // Half the GPUs start as slots, so every round has changes both ways.
+    for id in ids.iter().step_by(2) {
+        let v: i64 = sqlx::query_scalar("SELECT version FROM devices WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_one(t.db.pool())
+            .await
+            .expect("version");
+        change_device_mode(&db, id, v, layout(true), 0)
+            .await
+            .expect("to slots");
+    }
+    let mut changes = 0;
+    for round in 0..6 {
+        let results = futures_util::future::join_all(ids.iter().enumerate().map(|(i, id)| {
+            let db = db.clone();
+            let pool = t.db.pool().clone();
+            async move {
+                let (v, mode): (i64, String) =
+                    sqlx::query_as("SELECT version, mode FROM devices WHERE id = $1")
+                        .bind(id.as_str())
+                        .fetch_one(&pool)
+                        .await
+                        .expect("device");
+                let to_slots = mode == "exclusive";
+                change_device_mode(&db, id, v, layout(to_slots), 0)
+                    .await
+                    .map_err(|e| format!("round {round}, GPU {i}: {e:?}"))
+            }
+        }))
+        .await;
+        for r in results {
+            r.expect("every change commits at its first attempt");
+            changes += 1;
+        }
+    }
+    assert_eq!(changes, 6 * ids.len());
+    assert_eq!(
+        deadlocks().await - before,
+        0,
+        "PostgreSQL detected deadlocks"
+    );
+    // The rollup is exact after it all.
+    let pools: Vec<(String,)> = sqlx::query_as("SELECT id FROM pools")
+        .fetch_all(t.db.pool())
+        .await
+        .expect("pools");
+    for (p,) in pools {
+        let pool = compute_domain::ids::PoolId::parse("id", &p).expect("pool");
+        assert_eq!(
+            compute_domain::fleet::changes::recompute_rollup(&t.db, &pool)
+                .await
+                .expect("recompute"),
+            0,
+            "the rollup drifted"
+        );
+    }
+}

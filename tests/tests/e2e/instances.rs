@@ -443,3 +443,150 @@ async fn the_resync_finds_a_command_and_an_instance_whose_queue_rows_were_lost()
     .expect("queue");
     assert_eq!(queued, 0, "nothing unsettled to enqueue");
 }
+
+/// An instance across a disconnect: its node's daemon goes away, the node becomes
+/// `DISCONNECTED` then `UNREACHABLE`, and the daemon comes back with its journal. The instance
+/// stays `RUNNING` throughout, no command stops or starts it again (its workflow has only its
+/// run command), and its allocation is billed for every second of the windows the outage spans.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_instance_survives_its_node_going_unreachable_and_back() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let db = &app.db.db;
+    compute_domain::usage::set_window(db, 60)
+        .await
+        .expect("one-minute windows");
+    let p = pool(&app).await;
+    let acme = app.member("acme");
+    let r = app
+        .ok(
+            &acme,
+            CREATE,
+            input(
+                &p.pool,
+                "r-outage",
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+            ),
+        )
+        .await["createReservation"]["reservation"]
+        .clone();
+    let allocation = r["allocations"][0]["id"]
+        .as_str()
+        .expect("allocation")
+        .to_owned();
+    let node = r["allocations"][0]["computeNodeId"]
+        .as_str()
+        .expect("node")
+        .to_owned();
+    let journal = compute_sim::journal("j-outage");
+    let start_daemon = || {
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let handle = tokio::spawn(compute_sim::run_daemon(
+            crate::commands::daemon_config(&app, &node, "j-outage", 1),
+            compute_sim::Behaviour {
+                journal: Some(journal.clone()),
+                ..compute_sim::Behaviour::default()
+            },
+            stopped,
+            |_, _| {},
+        ));
+        (stop, handle)
+    };
+    let (stop, daemon) = start_daemon();
+    let mut workers = Workers::new(&app);
+    let id = app
+        .ok(
+            &acme,
+            CREATE_INSTANCE,
+            json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1",
+                           "command": ["train"], "idempotencyKey": "i-outage" } }),
+        )
+        .await["createInstance"]["instance"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    step_until(&app, &mut workers, &id, "RUNNING").await;
+    let started = state(&app, &acme, &id).await["startedAt"].clone();
+    let reachability = || async {
+        sqlx::query_scalar::<_, String>("SELECT reachability FROM nodes WHERE id = $1")
+            .bind(&node)
+            .fetch_one(db.pool())
+            .await
+            .expect("node")
+    };
+
+    // The daemon goes away; the liveness reconciler runs as time passes.
+    stop.send(true).expect("stop the daemon");
+    let _ = daemon.await;
+    compute_tests::eventually("the session closes", Duration::from_secs(10), || async {
+        (reachability().await == "disconnected").then_some(())
+    })
+    .await;
+    let mut reconciler = compute_workers::Reconciler::new(db.clone(), "reconciler-outage");
+    let mut meter = compute_workers::usage::UsageMeter::new(db.clone(), "meter-outage");
+    for _ in 0..6 {
+        crate::commands::pass_time(&app, 10).await;
+        reconciler.pass().await.expect("pass");
+        meter.pass().await.expect("meter pass");
+        workers.step().await;
+    }
+    assert_eq!(reachability().await, "unreachable");
+    assert_eq!(
+        state(&app, &acme, &id).await["state"],
+        "RUNNING",
+        "unreachable: still running"
+    );
+
+    // It comes back with its journal.
+    let (_stop, _daemon) = start_daemon();
+    compute_tests::eventually("the node reconnects", Duration::from_secs(10), || async {
+        (reachability().await == "connected").then_some(())
+    })
+    .await;
+    for _ in 0..8 {
+        crate::commands::pass_time(&app, 10).await;
+        reconciler.pass().await.expect("pass");
+        meter.pass().await.expect("meter pass");
+        workers.step().await;
+    }
+    let s = state(&app, &acme, &id).await;
+    assert_eq!(s["state"], "RUNNING");
+    assert_eq!(s["startedAt"], started, "not started again");
+    let steps: Vec<String> = workflow_commands(&app, &id)
+        .await
+        .into_iter()
+        .map(|(key, state, _)| format!("{key} {state}"))
+        .collect();
+    assert_eq!(
+        steps,
+        vec![format!("wf:{id}:run succeeded")],
+        "nothing stopped or ran it again"
+    );
+
+    // Billing went on through the outage: every closed one-minute window of the allocation
+    // (the reservation started at a window's start) is billed in full.
+    for _ in 0..3 {
+        crate::commands::pass_time(&app, 60).await;
+        meter.pass().await.expect("meter pass");
+    }
+    let rest = compute_domain::usage::settle(db, Duration::from_millis(20), WAIT)
+        .await
+        .expect("settle the meter");
+    assert!(!rest.more, "the meter settled");
+    let windows: Vec<(f64,)> = sqlx::query_as(
+        "SELECT booked_seconds::float8 FROM usage_records \
+          WHERE allocation_id = $1 AND kind = 'window' ORDER BY window_start",
+    )
+    .bind(&allocation)
+    .fetch_all(db.pool())
+    .await
+    .expect("usage");
+    assert!(
+        windows.len() >= 3,
+        "windows closed across the outage: {windows:?}"
+    );
+    for (seconds,) in &windows {
+        assert_eq!(*seconds, 60.0, "{windows:?}");
+    }
+}

@@ -165,10 +165,10 @@ pub async fn retire_device(db: &Db, id: &DeviceId, version: Option<i64>) -> Resu
     db.tx("retire_device", TxKind::Write, |conn| {
         let id = id.clone();
         Box::pin(async move {
-            // Lock order: the pool FOR SHARE (the rollup), the node (its check), the device
+            // Lock order: the pool FOR NO KEY UPDATE (the rollup), the node (its check), the device
             // FOR UPDATE in a statement of its own, so the bookings read next include those
             // of every placement that held it FOR SHARE.
-            share_pool_of_device(conn, &id).await?;
+            lock_pool_of_device(conn, &id).await?;
             let row: Option<(NodeId, i64, bool)> = sqlx::query_as(
                 "SELECT n.id, d.version, d.retired_at IS NOT NULL FROM devices d JOIN nodes n ON n.id = d.node_id \
                   WHERE d.id = $1 FOR UPDATE OF n, d",
@@ -205,6 +205,7 @@ pub async fn retire_device(db: &Db, id: &DeviceId, version: Option<i64>) -> Resu
                 ));
             }
             adjust_rollup(conn, std::slice::from_ref(&id), Change::Remove).await?;
+            wake_rollup_check(conn, std::slice::from_ref(&id)).await?;
             sqlx::query("DELETE FROM device_atoms WHERE device_id = $1")
                 .bind(id.as_str())
                 .execute(&mut *conn)
@@ -266,8 +267,8 @@ pub async fn change_device_mode(
     db.tx("change_device_mode", TxKind::Write, |conn| {
         let (id, layout) = (id.clone(), layout.clone());
         Box::pin(async move {
-            // 0. The pool's row FOR SHARE: the GPU's atoms change in its rollup.
-            share_pool_of_device(conn, &id).await?;
+            // 0. The pool's row FOR NO KEY UPDATE: the GPU's atoms change in its rollup.
+            lock_pool_of_device(conn, &id).await?;
             // 1. The node row (lock order: nodes before devices): a spec change moves its
             //    generation; a retired node refuses.
             let from: Vec<&str> = allowed_from(NodeAction::ChangeDevice).into_iter().map(NodeLifecycle::as_str).collect();
@@ -391,6 +392,8 @@ pub async fn change_device_mode(
                 .await?;
             }
             adjust_rollup(conn, std::slice::from_ref(&id), Change::Add).await?;
+            // Once, after both changes of the rollup (the work-queue row comes last).
+            wake_rollup_check(conn, std::slice::from_ref(&id)).await?;
             emit(conn, EventType::DeviceModeChanged, &device.id, &DevicePayload { device: (&device).into() }).await?;
             Ok(device)
         })

@@ -293,9 +293,9 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
     db.tx("accept_node_inventory", TxKind::Write, |conn| {
         let id = id.clone();
         Box::pin(async move {
-            // Lock order: the pool FOR SHARE (new GPUs join its rollup), the node, its devices,
+            // Lock order: the pool FOR NO KEY UPDATE (new GPUs join its rollup), the node, its devices,
             // its resources, the rollup.
-            share_pool_of_node(conn, &id).await?;
+            lock_pool_of_node(conn, &id).await?;
             let row: Option<(i64, Option<Json<Inventory>>, Option<String>)> = sqlx::query_as(
                 "SELECT version, inventory, retired_at::text FROM nodes WHERE id = $1 FOR UPDATE",
             )
@@ -364,6 +364,7 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
                 let added = insert_devices(conn, &id, &fresh.devices).await?;
                 let ids: Vec<DeviceId> = added.iter().map(|d| d.id.clone()).collect();
                 adjust_rollup(conn, &ids, Change::Add).await?;
+                wake_rollup_check(conn, &ids).await?;
             }
             // The scalars: the CHECK refuses less than is allocated.
             sqlx::query(
@@ -477,7 +478,7 @@ pub const DEVICE_UNHEALTHY: &str = "DeviceUnhealthy";
 /// hold, or lose it when none is. They keep their bookings: the tenant sees, the operator acts.
 pub(super) async fn tell_holders(conn: &mut PgConnection, device: &DeviceId) -> Result<()> {
     sqlx::query(
-        "WITH affected AS (              SELECT DISTINCT a.reservation_id AS id FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id               WHERE b.device_id = $1 AND upper(b.during) > compute_now()),          sick AS (              SELECT af.id, string_agg(DISTINCT d.uuid || ': ' || coalesce(d.health_reason, 'unhealthy'), '; ') AS message                FROM affected af JOIN allocations a ON a.reservation_id = af.id                JOIN device_bookings b ON b.allocation_id = a.id AND upper(b.during) > compute_now()                JOIN devices d ON d.id = b.device_id AND d.health = 'unhealthy'               GROUP BY af.id)          UPDATE reservations r SET conditions = compute_conditions_without(r.conditions, $2) ||                 CASE WHEN s.message IS NULL THEN '[]'::jsonb ELSE jsonb_build_array(jsonb_build_object(                     'type', $2, 'status', 'True', 'reason', 'GpuUnhealthy',                     'message', 'a GPU this reservation holds is unhealthy (it keeps it; the operator is told): ' || s.message,                     'since', compute_now())) END            FROM affected af LEFT JOIN sick s ON s.id = af.id           WHERE r.id = af.id AND r.state IN ('active', 'scheduled')",
+        "WITH affected AS (              SELECT r.id FROM reservations r WHERE r.state IN ('active', 'scheduled') AND r.id IN (                SELECT a.reservation_id FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id                 WHERE b.device_id = $1 AND upper(b.during) > compute_now())               ORDER BY r.id FOR UPDATE),          sick AS (              SELECT af.id, string_agg(DISTINCT d.uuid || ': ' || coalesce(d.health_reason, 'unhealthy'), '; ') AS message                FROM affected af JOIN allocations a ON a.reservation_id = af.id                JOIN device_bookings b ON b.allocation_id = a.id AND upper(b.during) > compute_now()                JOIN devices d ON d.id = b.device_id AND d.health = 'unhealthy'               GROUP BY af.id)          UPDATE reservations r SET conditions = compute_conditions_without(r.conditions, $2) ||                 CASE WHEN s.message IS NULL THEN '[]'::jsonb ELSE jsonb_build_array(jsonb_build_object(                     'type', $2, 'status', 'True', 'reason', 'GpuUnhealthy',                     'message', 'a GPU this reservation holds is unhealthy (it keeps it; the operator is told): ' || s.message,                     'since', compute_now())) END            FROM affected af LEFT JOIN sick s ON s.id = af.id           WHERE r.id = af.id AND r.state IN ('active', 'scheduled')",
     )
     .bind(device.as_str())
     .bind(DEVICE_UNHEALTHY)

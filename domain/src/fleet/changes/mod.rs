@@ -141,4 +141,4 @@ pub use pools::*;
 pub use rollup::recompute_rollup;
 pub use sites::*;
 
-use rollup::{Change, adjust_rollup, share_pool_of_device, share_pool_of_node};
+use rollup::{Change, adjust_rollup, lock_pool_of_device, lock_pool_of_node, wake_rollup_check};

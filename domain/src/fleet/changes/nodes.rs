@@ -73,19 +73,20 @@ impl NewNode {
 }
 
 /// Registers `input` as node `node_id` in `conn` (checked by [`NewNode::check`]): the pool
-/// `FOR SHARE`, the node, its GPUs and atoms, its resources, the rollup, `node.registered`.
+/// `FOR NO KEY UPDATE`, the node, its GPUs and atoms, its resources, the rollup,
+/// `node.registered`.
 pub(crate) async fn register_in(
     conn: &mut PgConnection,
     input: &NewNode,
     node_id: &NodeId,
 ) -> Result<Registered> {
-    // The pool's row FOR SHARE: its ratios are copied into the node's resources, so a
-    // concurrent ratio change waits for this registration (or this one for it); and
-    // the node's atoms join the pool's rollup, which a recompute must not overwrite
-    // meanwhile (`recompute_rollup` takes the row FOR NO KEY UPDATE).
+    // The pool's row FOR NO KEY UPDATE: its ratios are copied into the node's resources, so a
+    // concurrent ratio change waits for this registration (or this one for it); and the
+    // node's atoms join the pool's rollup, which no other change of the pool's atoms, nor a
+    // recompute, changes meanwhile (`rollup::lock_pool_of_node`).
     let ratios = sqlx::query!(
                 r#"SELECT vcpu_ratio::float8 AS "vcpu!", memory_ratio::float8 AS "memory!", disk_ratio::float8 AS "disk!"
-                     FROM pools WHERE id = $1 FOR SHARE"#,
+                     FROM pools WHERE id = $1 FOR NO KEY UPDATE"#,
                 input.pool_id.as_str(),
             )
             .fetch_optional(&mut *conn)
@@ -127,6 +128,7 @@ pub(crate) async fn register_in(
             .await?;
     if !devices.is_empty() {
         adjust_rollup(conn, &device_ids, Change::Add).await?;
+        wake_rollup_check(conn, &device_ids).await?;
     }
     emit(
         conn,
@@ -404,7 +406,7 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
             // The pool first (lock order; its atoms leave the rollup), then the node's row, in a
             // statement of its own, so the check below reads every booking committed by
             // placements that held the row FOR SHARE.
-            share_pool_of_node(conn, &id).await?;
+            lock_pool_of_node(conn, &id).await?;
             let locked = sqlx::query_scalar!("SELECT version FROM nodes WHERE id = $1 FOR UPDATE", id.as_str())
                 .fetch_optional(&mut *conn)
                 .await?;
@@ -444,6 +446,7 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
             .await?;
             if !device_ids.is_empty() {
                 adjust_rollup(conn, &device_ids, Change::Remove).await?;
+                wake_rollup_check(conn, &device_ids).await?;
             }
             emit(conn, EventType::NodeRetired, &node.id, &NodePayload::of(&node)).await?;
             // A node that joined by itself: its credential opens no session from now on.

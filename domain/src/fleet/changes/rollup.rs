@@ -3,14 +3,18 @@
 
 use super::*;
 
-/// Takes the row of the pool of node `node_id` `FOR SHARE`, as the first lock of a transaction
-/// that changes that pool's atoms (lock order: pools before nodes and devices). The deltas of
-/// [`adjust_rollup`] commute, so such transactions share it; [`recompute_rollup`] takes it
-/// `FOR NO KEY UPDATE`, so it counts the atoms only once no transaction that changes them is in
-/// flight, and none starts until it commits.
-pub(super) async fn share_pool_of_node(conn: &mut PgConnection, node_id: &NodeId) -> Result<()> {
+/// Takes the row of the pool of node `node_id` `FOR NO KEY UPDATE`, as the first lock of a
+/// transaction that changes that pool's atoms (lock order: pools before nodes and devices): the
+/// changes of one pool's atoms, and so of its rollup rows, run one at a time, and so does
+/// [`recompute_rollup`], which takes it the same way and so counts the atoms only once no change
+/// is in flight. (They shared it `FOR SHARE` before, the rollup deltas commuting; but two mode
+/// changes in opposite directions then locked rollup rows in opposite orders, and a change
+/// whose second delta met a row inserted meanwhile could wait on a third: deadlocks, which the
+/// torture test counted.) Reservations take the pool only `FOR KEY SHARE` (the foreign key),
+/// which this does not block.
+pub(super) async fn lock_pool_of_node(conn: &mut PgConnection, node_id: &NodeId) -> Result<()> {
     sqlx::query!(
-        "SELECT 1 AS locked FROM pools p WHERE p.id = (SELECT n.pool_id FROM nodes n WHERE n.id = $1) FOR SHARE",
+        "SELECT 1 AS locked FROM pools p WHERE p.id = (SELECT n.pool_id FROM nodes n WHERE n.id = $1) FOR NO KEY UPDATE",
         node_id.as_str(),
     )
     .fetch_optional(&mut *conn)
@@ -18,14 +22,14 @@ pub(super) async fn share_pool_of_node(conn: &mut PgConnection, node_id: &NodeId
     Ok(())
 }
 
-/// [`share_pool_of_node`] for the node of device `device_id`.
-pub(super) async fn share_pool_of_device(
+/// [`lock_pool_of_node`] for the node of device `device_id`.
+pub(super) async fn lock_pool_of_device(
     conn: &mut PgConnection,
     device_id: &DeviceId,
 ) -> Result<()> {
     sqlx::query!(
         "SELECT 1 AS locked FROM pools p WHERE p.id = \
-           (SELECT n.pool_id FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = $1) FOR SHARE",
+           (SELECT n.pool_id FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = $1) FOR NO KEY UPDATE",
         device_id.as_str(),
     )
     .fetch_optional(&mut *conn)
@@ -41,6 +45,10 @@ pub(super) enum Change {
     Remove,
 }
 
+/// Applies the change to the rollup rows of the devices' pools, in a transaction that holds
+/// their pool's row ([`lock_pool_of_node`], [`lock_pool_of_device`], or registration's own), so
+/// no other change of the pool's rollup is in flight. The work-queue row comes after all of it:
+/// the caller calls [`wake_rollup_check`] once, last.
 pub(super) async fn adjust_rollup(
     conn: &mut PgConnection,
     device_ids: &[DeviceId],
@@ -82,8 +90,19 @@ pub(super) async fn adjust_rollup(
             .await?
         }
     };
-    // The rollup reconciler checks the pools against the atoms, in this transaction (the
-    // work-queue rows come last in the lock order).
+    Ok(())
+}
+
+/// Enqueues the pools of the devices for the rollup reconciler's check, in the transaction that
+/// changed their rollup, after every [`adjust_rollup`] of it: the work-queue rows come last in
+/// the lock order (a mode change that enqueued between its removal and its addition held the
+/// queue row while waiting for a rollup row another mode change held while waiting for that
+/// queue row: a deadlock).
+pub(super) async fn wake_rollup_check(
+    conn: &mut PgConnection,
+    device_ids: &[DeviceId],
+) -> Result<()> {
+    let ids: Vec<&str> = device_ids.iter().map(DeviceId::as_str).collect();
     sqlx::query!(
         "SELECT compute_enqueue($2, array_agg(n.pool_id), $3) \
            FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = ANY($1)",
@@ -101,7 +120,7 @@ pub(super) async fn adjust_rollup(
 /// how many rows it had to correct (0 when the rollup was true).
 ///
 /// The pool's row `FOR NO KEY UPDATE` comes first, in a statement of its own: it waits for every
-/// transaction that changes the pool's atoms (they hold it `FOR SHARE`, [`share_pool_of_node`]) and
+/// transaction that changes the pool's atoms (they hold it too, [`lock_pool_of_node`]) and
 /// keeps new ones out, so the count, read by the next statement's snapshot, and the rollup rows
 /// it overwrites are of the same moment. (Without it, a count read before a concurrent
 /// registration committed would overwrite that registration's increment: a lost update.)

@@ -8,7 +8,7 @@
 //!
 //! Lock order (`docs/database-locks.md`): the token row first (the guarded `UPDATE` that uses
 //! it: a second machine racing for the same token waits for the first's transaction and then
-//! finds it used), then registration's order (pool `FOR SHARE`, the node, its devices, its
+//! finds it used), then registration's order (pool `FOR NO KEY UPDATE`, the node, its devices, its
 //! resources, the rollup), the credential row last.
 
 mod payload;
