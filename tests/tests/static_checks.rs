@@ -1094,3 +1094,269 @@ fn each_crate_depends_only_on_what_its_place_may_know() {
     );
     assert!(broken.is_empty(), "{}", broken.join("\n"));
 }
+
+/// The SQL texts of the domain: its Rust string literals, its functions (`domain/sql/`) and the
+/// migrations, each with where it comes from.
+fn domain_sql_texts() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut files = Vec::new();
+    rust_files(&root().join("domain/src"), &mut files);
+    for file in &files {
+        let text = std::fs::read_to_string(file).expect("read");
+        let rel = file
+            .strip_prefix(root())
+            .expect("under the root")
+            .display()
+            .to_string();
+        // One text per file: its literals' lines (a statement may span several literals).
+        let lines: Vec<String> = compute_tests::sqlscan::rust_string_literals(&text)
+            .into_iter()
+            .map(|(_, lit)| lit)
+            .collect();
+        out.push((rel, lines.join("\n")));
+    }
+    for dir in ["domain/sql", "migrations"] {
+        let mut paths: Vec<_> = std::fs::read_dir(root().join(dir))
+            .expect("dir")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        paths.sort();
+        for p in paths {
+            let rel = p
+                .strip_prefix(root())
+                .expect("under the root")
+                .display()
+                .to_string();
+            out.push((rel, std::fs::read_to_string(&p).expect("read")));
+        }
+    }
+    out
+}
+
+/// The states and the transitions (from, to) of one state table, as stored.
+struct StateTable {
+    table: &'static str,
+    states: Vec<&'static str>,
+    transitions: Vec<(&'static str, &'static str)>,
+}
+
+fn state_tables() -> Vec<StateTable> {
+    use compute_domain::{instances, node_commands, reservations};
+    vec![
+        StateTable {
+            table: "reservations",
+            states: reservations::state::State::ALL
+                .iter()
+                .map(|s| s.as_str())
+                .collect(),
+            transitions: reservations::state::TRANSITIONS
+                .iter()
+                .map(|(_, f, t)| (f.as_str(), t.as_str()))
+                .collect(),
+        },
+        StateTable {
+            table: "commands",
+            states: node_commands::state::State::ALL
+                .iter()
+                .map(|s| s.as_str())
+                .collect(),
+            transitions: node_commands::state::TRANSITIONS
+                .iter()
+                .map(|(_, f, t)| (f.as_str(), t.as_str()))
+                .collect(),
+        },
+        StateTable {
+            table: "instances",
+            states: instances::state::State::ALL
+                .iter()
+                .map(|s| s.as_str())
+                .collect(),
+            transitions: instances::state::TRANSITIONS
+                .iter()
+                .map(|(_, f, t)| (f.as_str(), t.as_str()))
+                .collect(),
+        },
+    ]
+}
+
+/// The quoted words of `list` (`'a', 'b'`).
+fn quoted(list: &str) -> Vec<String> {
+    regex::Regex::new(r"'([a-z_]+)'")
+        .expect("regex")
+        .captures_iter(list)
+        .map(|c| c[1].to_owned())
+        .collect()
+}
+
+/// What `text` (from `src`) says of the state tables' states that they do not allow, and how
+/// many guarded updates between literal states it holds.
+fn state_literal_findings(src: &str, text: &str, tables: &[StateTable]) -> (Vec<String>, usize) {
+    let update = regex::Regex::new(
+        r"(?is)UPDATE\s+(\w+)(?:\s+AS)?\s+(\w+)?\s*SET\s+(.*?)\bWHERE\b(.*?)(?:RETURNING|\z|;|\bUPDATE\b|\bINSERT\b|\bDELETE\b)",
+    )
+    .expect("regex");
+    let set_state = regex::Regex::new(r"(?i)(?:^|[\s,])state\s*=\s*'([a-z_]+)'").expect("regex");
+    let compared = regex::Regex::new(
+        r"(?i)(?:(\w+)\.)?state\s*(?:=|<>|!=)\s*'([a-z_]+)'|(?:(\w+)\.)?state\s+(?:NOT\s+)?IN\s*\(([^)]*)\)",
+    )
+    .expect("regex");
+    let alias =
+        regex::Regex::new(r"(?i)\b(reservations|commands|instances)\s+(?:AS\s+)?([a-z]\w*)\b")
+            .expect("regex");
+    let table = |name: &str| tables.iter().find(|t| t.table == name);
+    let mut broken = Vec::new();
+    let mut updates_checked = 0;
+    {
+        // Which state table each alias (and the bare name) of this text means.
+        let mut aliases: std::collections::BTreeMap<String, &str> = Default::default();
+        let mut named = std::collections::BTreeSet::new();
+        for c in alias.captures_iter(text) {
+            let name = c[1].to_ascii_lowercase();
+            let Some(t) = table(&name) else { continue };
+            named.insert(t.table);
+            let a = c[2].to_ascii_lowercase();
+            if ![
+                "where",
+                "set",
+                "on",
+                "using",
+                "join",
+                "order",
+                "group",
+                "returning",
+            ]
+            .contains(&a.as_str())
+            {
+                aliases.insert(a, t.table);
+            }
+            aliases.insert(name, t.table);
+        }
+        if named.is_empty() {
+            return (broken, updates_checked);
+        }
+        // 2. Every state compared with a row of a state table is one of its states.
+        for c in compared.captures_iter(text) {
+            let (qualifier, words) = match (c.get(2), c.get(4)) {
+                (Some(w), _) => (c.get(1), vec![w.as_str().to_owned()]),
+                (None, Some(list)) => (c.get(3), quoted(list.as_str())),
+                _ => continue,
+            };
+            let t = match qualifier {
+                Some(q) => aliases.get(&q.as_str().to_ascii_lowercase()).copied(),
+                None if named.len() == 1 => named.iter().next().copied(),
+                None => None,
+            };
+            let Some(t) = t.and_then(table) else { continue };
+            for w in words {
+                if !t.states.contains(&w.as_str()) {
+                    broken.push(format!(
+                        "{src}: `{w}` is not a state of {} ({:?})",
+                        t.table, t.states
+                    ));
+                }
+            }
+        }
+        // 3. Guarded updates between literal states are transitions of the table.
+        for c in update.captures_iter(text) {
+            let Some(t) = table(&c[1].to_ascii_lowercase()) else {
+                continue;
+            };
+            let Some(to) = set_state.captures(&c[3]).map(|s| s[1].to_owned()) else {
+                continue;
+            };
+            let from: Vec<String> = compared
+                .captures_iter(&c[4])
+                .flat_map(|f| match (f.get(2), f.get(4)) {
+                    (Some(w), _) => vec![w.as_str().to_owned()],
+                    (None, Some(list)) if !f[0].to_ascii_uppercase().contains("NOT IN") => {
+                        quoted(list.as_str())
+                    }
+                    _ => vec![],
+                })
+                .collect();
+            for f in &from {
+                updates_checked += 1;
+                if !t.transitions.contains(&(f.as_str(), to.as_str())) {
+                    broken.push(format!(
+                        "{src}: an UPDATE of {} moves `{f}` to `{to}`, which no transition of its table allows",
+                        t.table
+                    ));
+                }
+            }
+        }
+    }
+    (broken, updates_checked)
+}
+
+/// State rules in one place: what the SQL says of a state table's states agrees with the Rust
+/// state table. Its `CHECK` (the last migration's) lists exactly the table's states; every state
+/// a statement compares a row of the table with is one of them; and every guarded update that
+/// moves a row from literal states to a literal state (`UPDATE … SET state = 'to' … WHERE …
+/// state = 'from'`) is a transition of the table. A state added to one and not the other, or a
+/// transition written in SQL that the table does not allow, fails here.
+#[test]
+fn sql_state_literals_agree_with_the_state_tables() {
+    let texts = domain_sql_texts();
+    let mut broken = Vec::new();
+    let check = regex::Regex::new(r"(?s)CONSTRAINT (\w+)_state\s+CHECK\s*\(state IN\s*\(([^)]*)\)")
+        .expect("regex");
+    for t in state_tables() {
+        // 1. The CHECK of the last migration that defines it.
+        let last = texts
+            .iter()
+            .filter(|(src, _)| src.starts_with("migrations/"))
+            .flat_map(|(src, text)| {
+                check
+                    .captures_iter(text)
+                    .filter(|c| &c[1] == t.table)
+                    .map(|c| (src.clone(), quoted(&c[2])))
+                    .collect::<Vec<_>>()
+            })
+            .last();
+        match last {
+            Some((src, mut listed)) => {
+                listed.sort();
+                let mut states: Vec<String> = t.states.iter().map(|s| (*s).to_owned()).collect();
+                states.sort();
+                if listed != states {
+                    broken.push(format!(
+                        "{src}: {}_state lists {listed:?}; the state table has {states:?}",
+                        t.table
+                    ));
+                }
+            }
+            None => broken.push(format!("no CHECK lists the states of {}", t.table)),
+        }
+    }
+    let tables = state_tables();
+    for (src, text) in &texts {
+        // The migrations are read for their CHECKs above; the current statements are the Rust
+        // literals and the functions' current text.
+        if src.starts_with("migrations/") {
+            continue;
+        }
+        let (found, _) = state_literal_findings(src, text, &tables);
+        broken.extend(found);
+    }
+    // The scan can fail: an illegal move, and a state no table has, are both seen; a legal move
+    // is not.
+    let (found, n) = state_literal_findings(
+        "example",
+        "UPDATE reservations r SET state = 'active' WHERE r.id = $1 AND r.state = 'released'",
+        &tables,
+    );
+    assert_eq!((found.len(), n), (1, 1), "{found:?}");
+    let (found, n) = state_literal_findings(
+        "example",
+        "UPDATE reservations AS r SET state = 'active' WHERE r.state IN ('scheduled') RETURNING",
+        &tables,
+    );
+    assert_eq!((found.len(), n), (0, 1), "{found:?}");
+    let (found, _) = state_literal_findings(
+        "example",
+        "SELECT 1 FROM commands c WHERE c.state = 'parked'",
+        &tables,
+    );
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}

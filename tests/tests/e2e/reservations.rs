@@ -1409,3 +1409,125 @@ async fn a_create_answers_with_the_reservation_as_its_row_reads() {
         );
     }
 }
+
+/// Replanning, deterministically: a second transaction holds the vCPU counters
+/// (`node_resources`, the last rows an attempt locks) of the tightest nodes, so each attempt on
+/// one of them waits out its lock timeout and is rolled back to its savepoint, and the search
+/// runs again without that node. The contested nodes have 1 GPU free and the others 2, and the
+/// search looks at 2 fitting nodes and takes the tightest, so while a contested node remains,
+/// the search picks one. "At most three attempts per allocation": with two contested nodes the
+/// third attempt places it (`placementRetries` 2); with three, the reservation is `PENDING` with
+/// `Unschedulable` / `LostRace` after the third, though a fourth node is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contested_placement_replans_elsewhere_and_gives_up_after_three_attempts() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let site = app
+        .ok(&op, CREATE_SITE, json!({ "i": { "name": "replan" } }))
+        .await["createSite"]["site"]["id"]
+        .as_str()
+        .expect("site")
+        .to_owned();
+    let mut nodes = std::collections::BTreeMap::new();
+    let mut pools = std::collections::BTreeMap::new();
+    for (pool_name, hosts) in [
+        ("two-contested", &[("a1", 1), ("a2", 1), ("a3", 2)][..]),
+        (
+            "three-contested",
+            &[("b1", 1), ("b2", 1), ("b3", 1), ("b4", 2)][..],
+        ),
+    ] {
+        let pool = app
+            .ok(
+                &op,
+                CREATE_POOL,
+                json!({ "i": { "siteId": site, "name": pool_name, "kind": "BARE_METAL" } }),
+            )
+            .await["createPool"]["pool"]["id"]
+            .as_str()
+            .expect("pool")
+            .to_owned();
+        for (host, gpus) in hosts {
+            let devices: Vec<Value> = (0..*gpus)
+                .map(|g| json!({ "uuid": format!("GPU-{host}-{g}"), "model": "H100", "memoryMib": 81559 }))
+                .collect();
+            let id = app
+                .ok(&op, REGISTER, json!({ "i": { "poolId": pool, "hostname": host,
+                    "resources": { "vcpu": 32, "memoryMib": 262144, "diskGib": 1000 }, "devices": devices } }))
+                .await["registerNode"]["computeNode"]["id"]
+                .as_str()
+                .expect("node")
+                .to_owned();
+            nodes.insert(*host, id);
+        }
+        pools.insert(pool_name, pool);
+    }
+    let hold = |hosts: &[&str]| {
+        let ids: Vec<String> = hosts.iter().map(|h| nodes[h].clone()).collect();
+        let pool = app.db.db.pool().clone();
+        async move {
+            let mut side = pool.begin().await.expect("a second transaction");
+            let held: Vec<(String,)> = sqlx::query_as(
+                "SELECT node_id FROM node_resources WHERE node_id = ANY($1) ORDER BY node_id, resource FOR UPDATE",
+            )
+            .bind(&ids)
+            .fetch_all(&mut *side)
+            .await
+            .expect("hold the counters");
+            assert!(!held.is_empty());
+            side
+        }
+    };
+    let acme = app.member("acme");
+    let one_gpu = json!([{ "gpuCount": 1, "vcpu": 1 }]);
+
+    // Two contested: attempts on a1 and a2 (in either order) time out, the third places on a3.
+    let side = hold(&["a1", "a2"]).await;
+    let placed = app
+        .ok(
+            &acme,
+            CREATE,
+            input(&pools["two-contested"], "replan-1", one_gpu.clone()),
+        )
+        .await["createReservation"]
+        .clone();
+    side.rollback().await.expect("let go");
+    assert_eq!(placed["placementRetries"], 2, "{placed}");
+    assert_eq!(placed["reservation"]["state"], "ACTIVE");
+    assert_eq!(
+        placed["reservation"]["allocations"][0]["computeNodeId"].as_str(),
+        Some(nodes["a3"].as_str()),
+        "placed on the node not contested"
+    );
+
+    // Three contested: three attempts, then it gives up, though b4 is free.
+    let side = hold(&["b1", "b2", "b3"]).await;
+    let pending = app
+        .ok(
+            &acme,
+            CREATE,
+            input(&pools["three-contested"], "replan-2", one_gpu),
+        )
+        .await["createReservation"]
+        .clone();
+    side.rollback().await.expect("let go");
+    let r = &pending["reservation"];
+    assert_eq!(r["state"], "PENDING", "{pending}");
+    assert_eq!(pending["placementRetries"], 3);
+    assert!(r["allocations"][0]["computeNodeId"].is_null());
+    assert_eq!(r["conditions"][0]["type"], "Unschedulable");
+    assert_eq!(r["conditions"][0]["reason"], "LostRace");
+    assert_eq!(
+        r["conditions"][0]["counts"],
+        json!([{ "reason": "LostRace", "count": 3 }])
+    );
+    let booked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id \
+          WHERE a.reservation_id = $1",
+    )
+    .bind(r["id"].as_str().expect("id"))
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("bookings");
+    assert_eq!(booked, 0, "every attempt rolled back to its savepoint");
+}
