@@ -181,6 +181,16 @@ pub async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let clock = match compute_domain::clock::Clock::anchored(&db).await {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "compute-worker: cannot read compute_now(): {e}"
+            );
+            return ExitCode::FAILURE;
+        }
+    };
     let registry = compute_domain::metrics::Registry::default();
     db.register_metrics(&registry);
     let options = Options {
@@ -193,9 +203,10 @@ pub async fn main() -> ExitCode {
         webhooks_allow_private: args.webhooks_allow_private,
         usage_every: args.usage_every_seconds,
         usage_window_seconds: args.usage_window_seconds,
+        clock: Some(clock.clone()),
     };
     tracing::info!(listen = %args.listen, "worker /healthz and /metrics");
-    let server = axum::serve(listener, crate::http::router(registry));
+    let server = axum::serve(listener, crate::http::router(registry, clock));
     tokio::spawn(async move {
         let _ = server.await;
     });

@@ -247,6 +247,10 @@ pub struct Options {
     pub usage_every: Duration,
     /// The usage window length to set at start-up (the meter keeps its own otherwise).
     pub usage_window_seconds: Option<i32>,
+    /// Business time, anchored to `compute_now()`: sampled again at every lease renewal
+    /// ([`RENEW_EVERY`]), which logs `ClockSkew` past a second; `/healthz` reports its last
+    /// reading (`clock.skew`).
+    pub clock: Option<compute_domain::clock::Clock>,
 }
 
 /// The counters of one worker process, for its `/metrics`.
@@ -389,6 +393,26 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
         tasks.push(tokio::spawn(
             commands.run(options.queue_idle, stopped(stop_rx.clone())),
         ));
+    }
+    if let Some(clock) = options.clock.clone() {
+        let db = db.clone();
+        let stop = stopped(stop_rx.clone());
+        tasks.push(tokio::spawn(async move {
+            tokio::pin!(stop);
+            let mut ticker = tokio::time::interval(RENEW_EVERY);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = &mut stop => return,
+                    _ = ticker.tick() => {
+                        // `sample` logs `ClockSkew` itself past a second.
+                        if let Err(e) = clock.sample(&db).await {
+                            warn!(error = %e, "sampling compute_now() failed");
+                        }
+                    }
+                }
+            }
+        }));
     }
     info!(role = ?options.role, owner = %options.owner, "worker running");
     stop.await;

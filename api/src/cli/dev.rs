@@ -149,6 +149,8 @@ pub async fn dev(args: DevArgs) -> Result<()> {
             webhooks_allow_private: true,
             usage_every: std::time::Duration::from_secs(5),
             usage_window_seconds: None,
+            // The API's clock samples compute_now() for the whole process.
+            clock: None,
         },
         async move {
             let _ = workers_stopped.await;

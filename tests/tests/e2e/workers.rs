@@ -1033,16 +1033,39 @@ async fn a_worker_serves_its_metrics_and_health() {
     let addr = listener.local_addr().expect("addr");
     let registry = compute_domain::metrics::Registry::default();
     stats.register(&registry);
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, compute_workers::http::router(registry)).await;
-    });
-    let health = app
-        .http
-        .get(format!("http://{addr}/healthz"))
-        .send()
+    let clock = compute_domain::clock::Clock::anchored(&app.db.db)
         .await
-        .expect("healthz");
-    assert_eq!(health.status().as_u16(), 200);
+        .expect("a clock");
+    let served = clock.clone();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, compute_workers::http::router(registry, served)).await;
+    });
+    let health = || async {
+        let res = app
+            .http
+            .get(format!("http://{addr}/healthz"))
+            .send()
+            .await
+            .expect("healthz");
+        assert_eq!(res.status().as_u16(), 200);
+        res.json::<serde_json::Value>().await.expect("json")
+    };
+    let h = health().await;
+    assert_eq!(h["status"], "pass");
+    assert_eq!(h["checks"]["clock.skew"]["status"], "pass", "{h}");
+    assert_eq!(h["checks"]["clock.skew"]["limit_ms"], 1000);
+    // compute_now() moves years ahead (a simulated clock): the next sample (taken at every lease
+    // renewal by `run`) sees the skew, and /healthz reports it.
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let reading = clock.sample(&app.db.db).await.expect("sample");
+    assert!(!reading.ok());
+    let h = health().await;
+    assert_eq!(h["checks"]["clock.skew"]["status"], "warn", "{h}");
+    let skew = h["checks"]["clock.skew"]["skew_ms"].as_i64().expect("skew");
+    assert!(
+        skew > 86_400_000,
+        "compute_now() is ahead by more than a day: {skew}"
+    );
     let text = app
         .http
         .get(format!("http://{addr}/metrics"))
