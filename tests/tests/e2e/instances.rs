@@ -304,6 +304,54 @@ async fn a_daemon_refuses_an_overlapping_device_assignment() {
     session.bye().await;
 }
 
+/// A reservation of one GPU of h100-a for `acme` (key `key`), active at once: its allocation and
+/// node.
+async fn reserve_on_h100_a(app: &TestApp, pool: &str, key: &str) -> (String, String) {
+    let r = app
+        .ok(
+            &app.member("acme"),
+            CREATE,
+            input(
+                pool,
+                key,
+                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+            ),
+        )
+        .await["createReservation"]["reservation"]
+        .clone();
+    let id = |field: &str| {
+        r["allocations"][0][field]
+            .as_str()
+            .expect("the allocation")
+            .to_owned()
+    };
+    (id("id"), id("computeNodeId"))
+}
+
+/// A simulated daemon of `node` answering from `journal` (`journal_id`), until the returned
+/// sender says stop.
+fn spawn_daemon(
+    app: &TestApp,
+    node: &str,
+    journal_id: &str,
+    journal: &compute_sim::SharedJournal,
+) -> (
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let handle = tokio::spawn(compute_sim::run_daemon(
+        crate::commands::daemon_config(app, node, journal_id, 1),
+        compute_sim::Behaviour {
+            journal: Some(journal.clone()),
+            ..compute_sim::Behaviour::default()
+        },
+        stopped,
+        |_, _| {},
+    ));
+    (stop, handle)
+}
+
 /// Level-triggered for every kind of work: with every work-queue row lost (deleted by hand), an
 /// instance's workflow and a command's dispatch stall, whatever the workers do; the
 /// reconciler's resync finds both again, and both finish.
@@ -314,36 +362,8 @@ async fn the_resync_finds_a_command_and_an_instance_whose_queue_rows_were_lost()
     app.gateway.refresh_lease().await.expect("gateway lease");
     let p = pool(&app).await;
     let acme = app.member("acme");
-    let r = app
-        .ok(
-            &acme,
-            CREATE,
-            input(
-                &p.pool,
-                "r-resync",
-                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
-            ),
-        )
-        .await["createReservation"]["reservation"]
-        .clone();
-    let allocation = r["allocations"][0]["id"]
-        .as_str()
-        .expect("allocation")
-        .to_owned();
-    let node = r["allocations"][0]["computeNodeId"]
-        .as_str()
-        .expect("node")
-        .to_owned();
-    let (_stop, stopped) = tokio::sync::watch::channel(false);
-    let _daemon = tokio::spawn(compute_sim::run_daemon(
-        crate::commands::daemon_config(&app, &node, "j1", 1),
-        compute_sim::Behaviour {
-            journal: Some(compute_sim::journal("j1")),
-            ..compute_sim::Behaviour::default()
-        },
-        stopped,
-        |_, _| {},
-    ));
+    let (allocation, node) = reserve_on_h100_a(&app, &p.pool, "r-resync").await;
+    let (_stop, _daemon) = spawn_daemon(&app, &node, "j1", &compute_sim::journal("j1"));
     let mut workers = Workers::new(&app);
     let made = app
         .ok(
@@ -459,40 +479,9 @@ async fn a_running_instance_survives_its_node_going_unreachable_and_back() {
         .expect("one-minute windows");
     let p = pool(&app).await;
     let acme = app.member("acme");
-    let r = app
-        .ok(
-            &acme,
-            CREATE,
-            input(
-                &p.pool,
-                "r-outage",
-                json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
-            ),
-        )
-        .await["createReservation"]["reservation"]
-        .clone();
-    let allocation = r["allocations"][0]["id"]
-        .as_str()
-        .expect("allocation")
-        .to_owned();
-    let node = r["allocations"][0]["computeNodeId"]
-        .as_str()
-        .expect("node")
-        .to_owned();
+    let (allocation, node) = reserve_on_h100_a(&app, &p.pool, "r-outage").await;
     let journal = compute_sim::journal("j-outage");
-    let start_daemon = || {
-        let (stop, stopped) = tokio::sync::watch::channel(false);
-        let handle = tokio::spawn(compute_sim::run_daemon(
-            crate::commands::daemon_config(&app, &node, "j-outage", 1),
-            compute_sim::Behaviour {
-                journal: Some(journal.clone()),
-                ..compute_sim::Behaviour::default()
-            },
-            stopped,
-            |_, _| {},
-        ));
-        (stop, handle)
-    };
+    let start_daemon = || spawn_daemon(&app, &node, "j-outage", &journal);
     let (stop, daemon) = start_daemon();
     let mut workers = Workers::new(&app);
     let id = app
