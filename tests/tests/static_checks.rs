@@ -33,8 +33,14 @@ fn no_sql_reads_the_wall_clock() {
             "tests/src",
             "tests/tests",
             "migrations",
+            "domain/sql",
         ],
-        &["migrations/0001_clock.sql", "tests/src/sqlscan.rs"],
+        // The definition of compute_now() itself, in its migration and in its current text.
+        &[
+            "migrations/0001_clock.sql",
+            "domain/sql/compute_now.sql",
+            "tests/src/sqlscan.rs",
+        ],
     );
     let list: Vec<String> = findings.iter().map(ToString::to_string).collect();
     assert!(
