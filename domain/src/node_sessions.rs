@@ -86,20 +86,37 @@ pub struct Session {
 /// What a daemon says when it opens its session.
 #[derive(Debug, Clone)]
 pub struct Hello {
-    pub daemon_version: String,
-    pub journal_id: String,
+    pub daemon_version: Label,
+    pub journal_id: Label,
     pub observed_generation: i64,
 }
 
-/// Checks a daemon-supplied label (version, journal id): 1 to 100 printable characters.
-pub fn check_label(field: &str, value: &str) -> Result<()> {
-    if value.is_empty() || value.chars().count() > 100 || value.chars().any(char::is_control) {
-        return Err(Error::bad_input(
-            field,
-            format!("`{field}` must be 1 to 100 printable characters"),
-        ));
+/// A daemon-supplied label (its version, its journal's id): 1 to 100 printable characters.
+/// Only [`Label::parse`] makes one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Label(String);
+
+impl Label {
+    /// Parses a label; `field` names it in the error.
+    pub fn parse(field: &str, value: &str) -> Result<Label> {
+        if value.is_empty() || value.chars().count() > 100 || value.chars().any(char::is_control) {
+            return Err(Error::bad_input(
+                field,
+                format!("`{field}` must be 1 to 100 printable characters"),
+            ));
+        }
+        Ok(Label(value.to_owned()))
     }
-    Ok(())
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for Label {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 /// A daemon's `observedGeneration` lies between 0 and the node's `generation`.
@@ -142,8 +159,6 @@ pub async fn open(
     gateway_epoch: i64,
     hello: &Hello,
 ) -> Result<i64> {
-    check_label("daemonVersion", &hello.daemon_version)?;
-    check_label("journalId", &hello.journal_id)?;
     db.tx("open_node_session", TxKind::Write, |conn| {
         let (node, gateway, hello) = (node.clone(), gateway.clone(), hello.clone());
         Box::pin(async move {
@@ -185,8 +200,8 @@ pub async fn open(
                 node.as_str(),
                 gateway.as_str(),
                 gateway_epoch,
-                hello.daemon_version,
-                hello.journal_id,
+                hello.daemon_version.as_str(),
+                hello.journal_id.as_str(),
             )
             .fetch_one(&mut *conn)
             .await?;
@@ -210,7 +225,7 @@ pub async fn open(
                 &node,
                 epoch,
                 previous.as_deref(),
-                &hello.journal_id,
+                hello.journal_id.as_str(),
             )
             .await?;
             if reopened != crate::node_commands::Reopened::default() {

@@ -1366,3 +1366,28 @@ fn sql_state_literals_agree_with_the_state_tables() {
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(broken.is_empty(), "{}", broken.join("\n"));
 }
+
+/// Parse, don't validate: no domain type has a public `check(&self)` that a caller may forget
+/// to call. Input types are made by a `parse` constructor that checks them (`CommandRequest`,
+/// `InstanceRequest`, `Report`, `ReportedExit`, `node_sessions::Label`), or hold checked types
+/// and leave only cross-field rules to the one domain entry that takes them (`NewNode`, whose
+/// GPU count and distinct UUIDs `register_node` and `join` check).
+#[test]
+fn domain_input_is_parsed_not_checked_after_the_fact() {
+    let mut files = Vec::new();
+    rust_files(&root().join("domain/src"), &mut files);
+    let mut found = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).expect("read");
+        for (n, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("pub fn check(&self") {
+                found.push(format!("{}:{}", file.display(), n + 1));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "public validators that validate and forget; make the type's constructor parse instead:\n{}",
+        found.join("\n")
+    );
+}

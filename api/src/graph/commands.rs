@@ -298,16 +298,16 @@ impl CommandMutation {
         #[graphql(desc = "The arguments of `runCommand`.")] input: RunCommandInput,
     ) -> GqlResult<CommandPayload> {
         let actor = actor(ctx)?;
-        let request = CommandRequest {
-            node_id: NodeId::parse("computeNodeId", input.compute_node_id.as_str())?,
-            kind: input.kind.into(),
-            args: input
+        let request = CommandRequest::parse(
+            NodeId::parse("computeNodeId", input.compute_node_id.as_str())?,
+            input.kind.into(),
+            input
                 .args
                 .map(|j| j.0)
                 .unwrap_or_else(|| serde_json::json!({})),
-            min_generation: input.min_generation,
-            retry_safe: input.retry_safe,
-        };
+            input.min_generation,
+            input.retry_safe,
+        )?;
         let outcome = cmds::run_command(db(ctx)?, &actor, request, &input.idempotency_key).await?;
         if outcome.replayed {
             ReplayFlag::mark(ctx);

@@ -275,12 +275,12 @@ impl InstanceMutation {
                 )));
             }
         }
-        let request = InstanceRequest {
-            allocation_id: AllocationId::parse("allocationId", input.allocation_id.as_str())?,
-            image: input.image,
-            command: input.command,
+        let request = InstanceRequest::parse(
+            AllocationId::parse("allocationId", input.allocation_id.as_str())?,
+            input.image,
+            input.command,
             env,
-        };
+        )?;
         let outcome =
             ins::create_instance(db(ctx)?, &actor, request, &input.idempotency_key).await?;
         if outcome.replayed {

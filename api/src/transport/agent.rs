@@ -20,7 +20,7 @@ use compute_domain::fleet::enrollment;
 use compute_domain::ids::{CommandId, InstanceId, NodeId, PoolId};
 use compute_domain::instances::{self, ReportedExit};
 use compute_domain::node_commands::{self, AckAnswer, Report};
-use compute_domain::node_sessions::{self, CloseReason, Hello};
+use compute_domain::node_sessions::{self, CloseReason, Hello, Label};
 use futures_util::SinkExt;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -239,11 +239,14 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
         }) => (
             token,
             node_id,
-            Hello {
-                daemon_version,
-                journal_id,
-                observed_generation,
-            },
+            // Parsed here, refused (as before) only after the token is checked.
+            Label::parse("daemonVersion", &daemon_version).and_then(|daemon_version| {
+                Ok(Hello {
+                    daemon_version,
+                    journal_id: Label::parse("journalId", &journal_id)?,
+                    observed_generation,
+                })
+            }),
         ),
         Ok(FromDaemon::Join {
             token,
@@ -310,6 +313,13 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
             .await;
         }
         viewer.valid_for()
+    };
+    let hello = match hello {
+        Ok(h) => h,
+        Err(e) => {
+            let end = end_of(&e);
+            return close(&mut socket, end.code, &end.reason).await;
+        }
     };
     // 3. the session, fenced by the gateway's lease. A fence that fails because the lease
     // lapsed unnoticed (a renewal late, a clock step) is renewed once and tried again.
@@ -439,13 +449,11 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                         let Ok(id) = CommandId::parse("commandId", &command_id) else {
                             break End::new(4400, "commandId is not a command id", CloseReason::ProtocolError);
                         };
-                        let report = Report {
-                            succeeded: outcome == Outcome::Succeeded,
-                            output,
-                            error_code,
-                            error_message,
+                        let finished = match Report::parse(outcome == Outcome::Succeeded, output, error_code, error_message) {
+                            Ok(report) => node_commands::finish(&db, &node, epoch, &id, &report).await,
+                            Err(e) => Err(e),
                         };
-                        let reply = match node_commands::finish(&db, &node, epoch, &id, &report).await {
+                        let reply = match finished {
                             Ok(done) => {
                                 if let Some(c) = &done {
                                     info!(node = %node, command = %id, kind = %c.kind, state = %c.state, "command finished");
@@ -471,8 +479,11 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                             }
                             continue;
                         };
-                        let exit = ReportedExit { code: exit_code, signal, seconds_ago: exited_seconds_ago };
-                        let reply = match instances::record_exit(&db, &node, epoch, &instance, exit).await {
+                        let recorded = match ReportedExit::parse(exit_code, signal, exited_seconds_ago) {
+                            Ok(exit) => instances::record_exit(&db, &node, epoch, &instance, exit).await,
+                            Err(e) => Err(e),
+                        };
+                        let reply = match recorded {
                             Ok(held) => {
                                 if let Some(i) = &held {
                                     info!(node = %node, instance = %instance, code = ?exit_code, signal = ?signal, state = %i.state, "workload exit recorded");

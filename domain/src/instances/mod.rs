@@ -84,14 +84,15 @@ macro_rules! query_instances {
     };
 }
 
-/// What a tenant asks for with `createInstance`.
+/// What a tenant asks for with `createInstance`, checked: only [`InstanceRequest::parse`] makes
+/// one, so a value that exists is valid.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct InstanceRequest {
-    pub allocation_id: AllocationId,
-    pub image: String,
-    pub command: Vec<String>,
-    pub env: BTreeMap<String, String>,
+    allocation_id: AllocationId,
+    image: String,
+    command: Vec<String>,
+    env: BTreeMap<String, String>,
 }
 
 /// The step keys of an instance's workflow.
@@ -104,8 +105,24 @@ fn printable(s: &str) -> bool {
 }
 
 impl InstanceRequest {
-    /// Checks what can be checked without the database.
-    pub fn check(&self) -> Result<()> {
+    /// Parses a request: what can be checked without the database.
+    pub fn parse(
+        allocation_id: AllocationId,
+        image: String,
+        command: Vec<String>,
+        env: BTreeMap<String, String>,
+    ) -> Result<InstanceRequest> {
+        let request = InstanceRequest {
+            allocation_id,
+            image,
+            command,
+            env,
+        };
+        request.check()?;
+        Ok(request)
+    }
+
+    fn check(&self) -> Result<()> {
         if self.image.is_empty() || self.image.chars().count() > 500 || !printable(&self.image) {
             return Err(Error::bad_input(
                 "image",
@@ -231,7 +248,6 @@ pub async fn create_instance(
     req: InstanceRequest,
     key: &str,
 ) -> Result<Outcome<Instance>> {
-    req.check()?;
     let key = idempotency::parse_key("idempotencyKey", key)?;
     let fingerprint = json!(req);
     db.tx("create_instance", TxKind::Write, |conn| {
@@ -485,15 +501,26 @@ async fn exit(conn: &mut PgConnection, instance: &Instance) -> Result<Instance> 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReportedExit {
     /// 0 to 255.
-    pub code: Option<i32>,
+    code: Option<i32>,
     /// 1 to 64.
-    pub signal: Option<i32>,
+    signal: Option<i32>,
     /// How long ago it ended, 0 to 30 days: the database computes the time.
-    pub seconds_ago: f64,
+    seconds_ago: f64,
 }
 
 impl ReportedExit {
-    pub fn check(&self) -> Result<()> {
+    /// Parses a daemon's report of an exit: only this makes one.
+    pub fn parse(code: Option<i32>, signal: Option<i32>, seconds_ago: f64) -> Result<ReportedExit> {
+        let exit = ReportedExit {
+            code,
+            signal,
+            seconds_ago,
+        };
+        exit.check()?;
+        Ok(exit)
+    }
+
+    fn check(&self) -> Result<()> {
         if self.code.is_some_and(|c| !(0..=255).contains(&c)) {
             return Err(Error::bad_input("exitCode", "exitCode is 0 to 255"));
         }
@@ -523,7 +550,6 @@ pub async fn record_exit(
     instance: &InstanceId,
     exit: ReportedExit,
 ) -> Result<Option<Instance>> {
-    exit.check()?;
     db.tx("record_instance_exit", TxKind::Write, |conn| {
         let (node, instance) = (node.clone(), instance.clone());
         Box::pin(async move {

@@ -117,15 +117,16 @@ macro_rules! query_commands {
     };
 }
 
-/// What an operator asks for with `runCommand`.
+/// What an operator asks for with `runCommand`, checked: only [`CommandRequest::parse`] makes
+/// one, so a value that exists is valid.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CommandRequest {
-    pub node_id: NodeId,
-    pub kind: Kind,
-    pub args: Value,
-    pub min_generation: i64,
-    pub retry_safe: Option<bool>,
+    node_id: NodeId,
+    kind: Kind,
+    args: Value,
+    min_generation: i64,
+    retry_safe: Option<bool>,
 }
 
 /// Checks a JSON object a caller or a daemon sends (`field` names it): an object of at most
@@ -147,8 +148,26 @@ pub fn check_object(field: &str, value: &Value) -> Result<()> {
 }
 
 impl CommandRequest {
-    /// Checks what can be checked without the database.
-    pub fn check(&self) -> Result<()> {
+    /// Parses a request: what can be checked without the database.
+    pub fn parse(
+        node_id: NodeId,
+        kind: Kind,
+        args: Value,
+        min_generation: i64,
+        retry_safe: Option<bool>,
+    ) -> Result<CommandRequest> {
+        let request = CommandRequest {
+            node_id,
+            kind,
+            args,
+            min_generation,
+            retry_safe,
+        };
+        request.check()?;
+        Ok(request)
+    }
+
+    fn check(&self) -> Result<()> {
         if self.kind == Kind::ApplySpec {
             return Err(Error::bad_input(
                 "kind",
@@ -281,7 +300,6 @@ pub async fn run_command(
             "only operators run commands on nodes".into(),
         ));
     }
-    req.check()?;
     let key = idempotency::parse_key("idempotencyKey", key)?;
     let fingerprint = json!(req);
     db.tx("run_command", TxKind::Write, |conn| {
@@ -709,21 +727,37 @@ pub async fn progress(
     .await
 }
 
-/// A daemon's outcome of a command.
+/// A daemon's outcome of a command, checked: only [`Report::parse`] makes one.
 #[derive(Debug, Clone)]
 pub struct Report {
-    pub succeeded: bool,
+    succeeded: bool,
     /// What it produced (an object).
-    pub output: Value,
+    output: Value,
     /// For a failure: an upper-case code of the daemon's (`[A-Z][A-Z_]*`, at most 64) and a
     /// message.
-    pub error_code: Option<String>,
-    pub error_message: Option<String>,
+    error_code: Option<String>,
+    error_message: Option<String>,
 }
 
 impl Report {
-    /// Checks a daemon's report.
-    pub fn check(&self) -> Result<()> {
+    /// Parses a daemon's report.
+    pub fn parse(
+        succeeded: bool,
+        output: Value,
+        error_code: Option<String>,
+        error_message: Option<String>,
+    ) -> Result<Report> {
+        let report = Report {
+            succeeded,
+            output,
+            error_code,
+            error_message,
+        };
+        report.check()?;
+        Ok(report)
+    }
+
+    fn check(&self) -> Result<()> {
         check_object("output", &self.output)?;
         match (&self.error_code, self.succeeded) {
             (Some(_), true) => Err(Error::bad_input(
@@ -763,7 +797,6 @@ pub async fn finish(
     id: &CommandId,
     report: &Report,
 ) -> Result<Option<Command>> {
-    report.check()?;
     let message = report
         .error_message
         .as_deref()

@@ -40,13 +40,14 @@ async fn run(db: &Db, node: &str, kind: Kind, args: serde_json::Value, key: &str
     cmds::run_command(
         db,
         &Actor::operator("bench"),
-        CommandRequest {
-            node_id: NodeId::parse("node", node).expect("node id"),
+        CommandRequest::parse(
+            NodeId::parse("node", node).expect("node id"),
             kind,
             args,
-            min_generation: 0,
-            retry_safe: None,
-        },
+            0,
+            None,
+        )
+        .expect("valid CommandRequest"),
         key,
     )
     .await
@@ -284,12 +285,13 @@ async fn main() {
         let instance = instances::create_instance(
             &db,
             &member,
-            InstanceRequest {
-                allocation_id: allocation,
-                image: "host".into(),
-                command: vec!["sleep".into(), "600".into()],
-                env: Default::default(),
-            },
+            InstanceRequest::parse(
+                allocation,
+                "host".into(),
+                vec!["sleep".into(), "600".into()],
+                Default::default(),
+            )
+            .expect("valid InstanceRequest"),
             &format!("instance-{k}"),
         )
         .await

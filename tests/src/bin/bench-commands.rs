@@ -50,13 +50,14 @@ async fn run_one(db: &Db, node: &str, key: String) {
     cmds::run_command(
         db,
         &Actor::operator("bench"),
-        CommandRequest {
-            node_id: NodeId::parse("node", node).expect("node id"),
-            kind: Kind::Noop,
-            args: serde_json::json!({}),
-            min_generation: 0,
-            retry_safe: None,
-        },
+        CommandRequest::parse(
+            NodeId::parse("node", node).expect("node id"),
+            Kind::Noop,
+            serde_json::json!({}),
+            0,
+            None,
+        )
+        .expect("valid CommandRequest"),
         &key,
     )
     .await

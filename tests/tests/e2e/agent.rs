@@ -751,8 +751,10 @@ async fn a_session_not_seen_for_a_minute_is_ended_by_the_liveness_pass() {
         .expect("the gateway's lease");
     let gdb = db.fenced(&fence);
     let hello = Hello {
-        daemon_version: "sim/1".into(),
-        journal_id: "j-stale".into(),
+        daemon_version: compute_domain::node_sessions::Label::parse("daemonVersion", "sim/1")
+            .expect("label"),
+        journal_id: compute_domain::node_sessions::Label::parse("journalId", "j-stale")
+            .expect("label"),
         observed_generation: 0,
     };
     let epoch = ns::open(&gdb, &node, &gw, fence.epoch, &hello)

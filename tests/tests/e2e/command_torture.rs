@@ -115,13 +115,8 @@ async fn command_torture_no_command_runs_twice_or_is_lost() {
                 cmds::run_command(
                     &db,
                     &operator,
-                    cmds::CommandRequest {
-                        node_id: node,
-                        kind: kinds[i % kinds.len()],
-                        args: json!({}),
-                        min_generation: 0,
-                        retry_safe: None,
-                    },
+                    cmds::CommandRequest::parse(node, kinds[i % kinds.len()], json!({}), 0, None)
+                        .expect("valid CommandRequest"),
                     &format!("t{i}"),
                 )
                 .await

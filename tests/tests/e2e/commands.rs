@@ -452,12 +452,7 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
     let second = Session::open(&daemon_config(&app, node, "j1", 1))
         .await
         .expect("open again");
-    let report = Report {
-        succeeded: true,
-        output: json!({}),
-        error_code: None,
-        error_message: None,
-    };
+    let report = Report::parse(true, json!({}), None, None).expect("valid Report");
     assert!(
         cmds::finish(db, &node_id, 1, &cid, &report)
             .await
@@ -662,13 +657,8 @@ async fn a_sigkilled_dispatcher_loses_no_command_and_sends_none_twice() {
                 cmds::run_command(
                     &db,
                     &operator,
-                    cmds::CommandRequest {
-                        node_id: node,
-                        kind: cmds::Kind::Noop,
-                        args: json!({}),
-                        min_generation: 0,
-                        retry_safe: None,
-                    },
+                    cmds::CommandRequest::parse(node, cmds::Kind::Noop, json!({}), 0, None)
+                        .expect("valid CommandRequest"),
                     &format!("k{i}"),
                 )
                 .await

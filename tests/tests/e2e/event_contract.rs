@@ -351,8 +351,10 @@ async fn every_event_payload_keeps_its_documented_shape() {
                 .expect("its allocation");
         let node = compute_domain::ids::NodeId::parse("node", &node).expect("node");
         let hello = compute_domain::node_sessions::Hello {
-            daemon_version: "sim/1".into(),
-            journal_id: "j-inst".into(),
+            daemon_version: compute_domain::node_sessions::Label::parse("daemonVersion", "sim/1")
+                .expect("label"),
+            journal_id: compute_domain::node_sessions::Label::parse("journalId", "j-inst")
+                .expect("label"),
             observed_generation: 0,
         };
         let epoch = compute_domain::node_sessions::open(db, &node, &gw_contract(), 1, &hello)
@@ -371,12 +373,13 @@ async fn every_event_payload_keeps_its_documented_shape() {
                         .expect("the step's command");
                 let id = compute_domain::ids::CommandId::parse("id", &id).expect("id");
                 cmds::ack(db, &node, epoch, &id).await.expect("ack");
-                let report = cmds::Report {
-                    succeeded: ok,
-                    output: json!({}),
-                    error_code: (!ok).then(|| "DEVICE_OVERLAP".to_owned()),
-                    error_message: None,
-                };
+                let report = cmds::Report::parse(
+                    ok,
+                    json!({}),
+                    (!ok).then(|| "DEVICE_OVERLAP".to_owned()),
+                    None,
+                )
+                .expect("valid Report");
                 cmds::finish(db, &node, epoch, &id, &report)
                     .await
                     .expect("finish");
@@ -386,13 +389,13 @@ async fn every_event_payload_keeps_its_documented_shape() {
         let new_instance = |key: &'static str| {
             let (allocation, acme) = (allocation.clone(), acme.clone());
             async move {
-                let req = InstanceRequest {
-                    allocation_id: compute_domain::ids::AllocationId::parse("a", &allocation)
-                        .expect("allocation"),
-                    image: "img".into(),
-                    command: vec!["run".into()],
-                    env: [("A".to_owned(), "1".to_owned())].into(),
-                };
+                let req = InstanceRequest::parse(
+                    compute_domain::ids::AllocationId::parse("a", &allocation).expect("allocation"),
+                    "img".into(),
+                    vec!["run".into()],
+                    [("A".to_owned(), "1".to_owned())].into(),
+                )
+                .expect("valid InstanceRequest");
                 let i = ins::create_instance(db, &acme, req, key)
                     .await
                     .expect("an instance")
@@ -413,11 +416,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
         // A third runs, and its workload exits on its own.
         let third = new_instance("k-i3").await;
         answer(third.clone(), "run", true).await;
-        let exit = ins::ReportedExit {
-            code: Some(3),
-            signal: None,
-            seconds_ago: 1.0,
-        };
+        let exit = ins::ReportedExit::parse(Some(3), None, 1.0).expect("valid ReportedExit");
         let exited = ins::record_exit(db, &node, epoch, &third, exit)
             .await
             .expect("record the exit")
@@ -514,8 +513,9 @@ async fn every_event_payload_keeps_its_documented_shape() {
     // A daemon's session on h1 opens and closes; the liveness pass makes the nodes unreachable,
     // then (a provider pool, lostAfter 1 h) lost.
     let hello = compute_domain::node_sessions::Hello {
-        daemon_version: "sim/1".into(),
-        journal_id: "j1".into(),
+        daemon_version: compute_domain::node_sessions::Label::parse("daemonVersion", "sim/1")
+            .expect("label"),
+        journal_id: compute_domain::node_sessions::Label::parse("journalId", "j1").expect("label"),
         observed_generation: 0,
     };
     let h1 = registered.node.id.clone();
@@ -609,13 +609,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
             cmds::run_command(
                 db,
                 &operator,
-                CommandRequest {
-                    node_id: h1,
-                    kind,
-                    args: json!({}),
-                    min_generation: 0,
-                    retry_safe: None,
-                },
+                CommandRequest::parse(h1, kind, json!({}), 0, None).expect("valid CommandRequest"),
                 key,
             )
             .await
@@ -635,11 +629,14 @@ async fn every_event_payload_keeps_its_documented_shape() {
             .await
             .expect("progress")
     );
-    let report = |succeeded: bool| Report {
-        succeeded,
-        output: json!({}),
-        error_code: (!succeeded).then(|| "GPU_BUSY".to_owned()),
-        error_message: (!succeeded).then(|| "the GPU is busy".to_owned()),
+    let report = |succeeded: bool| {
+        Report::parse(
+            succeeded,
+            json!({}),
+            (!succeeded).then(|| "GPU_BUSY".to_owned()),
+            (!succeeded).then(|| "the GPU is busy".to_owned()),
+        )
+        .expect("valid Report")
     };
     for (c, succeeded) in [(&ok, true), (&bad, false)] {
         assert!(

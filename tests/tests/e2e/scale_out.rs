@@ -169,10 +169,27 @@ async fn two_apis_and_two_workers_share_one_database_through_pgbouncer() {
     .await
     .expect("B's subscriber receives every creation within 30 s");
     assert_eq!(seen, ids, "exactly the reservations created");
-    assert!(
-        metric(&http, &base_b, "compute_outbox_tailer_pokes_total").await > 0.0,
-        "B's tailer was woken by pokes on its direct LISTEN connection, not only by its polls"
-    );
+    // B's tailer hears writers' pokes on its direct LISTEN connection, not only its polls. Its
+    // LISTEN may come up after the burst above (all of it read by polls then): a write after it
+    // is heard. Each try writes once more (a quota set through the test's own process).
+    compute_tests::eventually(
+        "B's tailer hears a writer's poke on its direct LISTEN connection",
+        Duration::from_secs(20),
+        || async {
+            if metric(&http, &base_b, "compute_outbox_tailer_pokes_total").await > 0.0 {
+                return Some(());
+            }
+            app.ok(
+                &app.operator(),
+                "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+                json!({ "i": { "tenantId": "acme", "scopeId": p.pool, "gpus": 100, "vcpu": 1000 } }),
+            )
+            .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            None
+        },
+    )
+    .await;
 
     // The two placed ones are released (through A); the workers place two that waited.
     let states = |id: String| {

@@ -48,7 +48,7 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
 
 impl NewNode {
     /// What a registration checks before it writes: the GPU count, and no UUID twice.
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let input = self;
         if input.devices.len() > crate::fleet::model::MAX_GPUS_PER_NODE {
             return Err(Error::bad_input(
