@@ -11,7 +11,6 @@ use compute_tests::TestApp;
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
-use crate::fleet::CREATE_POOL;
 use crate::reservations::pool;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -285,16 +284,12 @@ async fn a_machine_joins_with_a_fresh_token_and_no_other_token_makes_a_node() {
     // Refused: the same token again, an expired one, a revoked one, another pool's, a
     // malformed one. Each exits 3 with its code, and leaves no node and no credential.
     let nodes_before = app.count("nodes").await;
-    let other_pool = app
-        .ok(
-            &app.operator(),
-            CREATE_POOL,
-            json!({ "i": { "siteId": p.site, "name": "other", "kind": "BARE_METAL" } }),
-        )
-        .await["createPool"]["pool"]["id"]
-        .as_str()
-        .expect("pool")
-        .to_owned();
+    let other_pool = crate::fleet::add_pool(
+        &app,
+        &p.site,
+        json!({ "name": "other", "kind": "BARE_METAL" }),
+    )
+    .await;
     let (_, expired) = token(&app, &p.pool, 60).await;
     let (revoked_id, revoked) = token(&app, &p.pool, 600).await;
     let (_, others) = token(&app, &other_pool, 600).await;

@@ -19,26 +19,38 @@ pub struct Fleet {
     pub gpus: Vec<(String, String)>,
 }
 
-pub async fn small_fleet(app: &TestApp, tag: &str) -> Fleet {
+/// The tests' one fleet fixture: a site named `site` (through `createSite`) with a pool in it
+/// (through `createPool`; `pool` is the pool's input without `siteId`). Their ids.
+pub async fn site_with_pool(app: &TestApp, site: &str, pool: Value) -> (String, String) {
     let op = app.operator();
     let site = app
-        .ok(
-            &op,
-            CREATE_SITE,
-            json!({ "i": { "name": format!("site-{tag}") } }),
-        )
-        .await;
-    let site = site["createSite"]["site"]["id"]
+        .ok(&op, CREATE_SITE, json!({ "i": { "name": site } }))
+        .await["createSite"]["site"]["id"]
         .as_str()
         .expect("site id")
         .to_owned();
-    let pool = app
-        .ok(&op, CREATE_POOL, json!({ "i": { "siteId": site, "name": "gpu", "kind": "BARE_METAL", "overcommit": { "vcpu": 2 } } }))
-        .await;
-    let pool = pool["createPool"]["pool"]["id"]
+    let pool = add_pool(app, &site, pool).await;
+    (site, pool)
+}
+
+/// A pool in `site` (`pool` is its input without `siteId`); its id.
+pub async fn add_pool(app: &TestApp, site: &str, mut pool: Value) -> String {
+    pool["siteId"] = json!(site);
+    app.ok(&app.operator(), CREATE_POOL, json!({ "i": pool }))
+        .await["createPool"]["pool"]["id"]
         .as_str()
         .expect("pool id")
-        .to_owned();
+        .to_owned()
+}
+
+pub async fn small_fleet(app: &TestApp, tag: &str) -> Fleet {
+    let op = app.operator();
+    let (site, pool) = site_with_pool(
+        app,
+        &format!("site-{tag}"),
+        json!({ "name": "gpu", "kind": "BARE_METAL", "overcommit": { "vcpu": 2 } }),
+    )
+    .await;
     let node = app
         .ok(
             &op,

@@ -3,7 +3,7 @@
 use compute_tests::{TestApp, spawn_app};
 use serde_json::{Value, json};
 
-use crate::fleet::{CREATE_POOL, CREATE_SITE, REGISTER};
+use crate::fleet::{CREATE_SITE, REGISTER};
 
 pub const CREATE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { idempotentReplay placementRetries \
     reservation { id state startsAt endsAt gpuCharge version conditions { type reason message counts { reason count } } \
@@ -22,22 +22,12 @@ pub struct Pool {
 
 pub async fn pool(app: &TestApp) -> Pool {
     let op = app.operator();
-    let site = app
-        .ok(&op, CREATE_SITE, json!({ "i": { "name": "rsv-site" } }))
-        .await["createSite"]["site"]["id"]
-        .as_str()
-        .expect("site")
-        .to_owned();
-    let pool = app
-        .ok(
-            &op,
-            CREATE_POOL,
-            json!({ "i": { "siteId": site, "name": "gpu", "kind": "BARE_METAL" } }),
-        )
-        .await["createPool"]["pool"]["id"]
-        .as_str()
-        .expect("pool")
-        .to_owned();
+    let (site, pool) = crate::fleet::site_with_pool(
+        app,
+        "rsv-site",
+        json!({ "name": "gpu", "kind": "BARE_METAL" }),
+    )
+    .await;
     let mut nodes = Vec::new();
     for (host, taints, devices) in [
         (
@@ -1437,16 +1427,12 @@ async fn a_contested_placement_replans_elsewhere_and_gives_up_after_three_attemp
             &[("b1", 1), ("b2", 1), ("b3", 1), ("b4", 2)][..],
         ),
     ] {
-        let pool = app
-            .ok(
-                &op,
-                CREATE_POOL,
-                json!({ "i": { "siteId": site, "name": pool_name, "kind": "BARE_METAL" } }),
-            )
-            .await["createPool"]["pool"]["id"]
-            .as_str()
-            .expect("pool")
-            .to_owned();
+        let pool = crate::fleet::add_pool(
+            &app,
+            &site,
+            json!({ "name": pool_name, "kind": "BARE_METAL" }),
+        )
+        .await;
         for (host, gpus) in hosts {
             let devices: Vec<Value> = (0..*gpus)
                 .map(|g| json!({ "uuid": format!("GPU-{host}-{g}"), "model": "H100", "memoryMib": 81559 }))
