@@ -204,6 +204,7 @@ pub async fn main() -> ExitCode {
         usage_every: args.usage_every_seconds,
         usage_window_seconds: args.usage_window_seconds,
         clock: Some(clock.clone()),
+        listen_pokes: !args.db_pooled,
     };
     tracing::info!(listen = %args.listen, "worker /healthz and /metrics");
     let server = axum::serve(listener, crate::http::router(registry, clock));

@@ -42,6 +42,8 @@ pub struct DispatchStats {
     pub delivered: AtomicU64,
     pub failed: AtomicU64,
     pub batches: AtomicU64,
+    /// Times a caught-up sink began an idle wait.
+    pub idle_waits: AtomicU64,
 }
 
 /// The signature header's value for `body` sent at `timestamp` with `secret`.
@@ -85,8 +87,10 @@ pub struct Dispatcher {
     tasks: HashMap<SinkId, SinkTask>,
     presence: Option<HeldLease>,
     stats: Arc<DispatchStats>,
-    /// How long a caught-up sink waits before it looks for new events.
+    /// How long a caught-up sink waits before it looks for new events (less when poked).
     pub idle: Duration,
+    /// Pokes that end a caught-up sink's wait early ([`crate::wake`]).
+    waker: Option<crate::wake::Waker>,
 }
 
 /// The webhook client and the egress policy it was built with.
@@ -130,7 +134,14 @@ impl Dispatcher {
             presence: None,
             stats: Arc::default(),
             idle: Duration::from_millis(250),
+            waker: None,
         }
+    }
+
+    /// This dispatcher's sinks woken early by `waker`'s pokes (each sink task subscribes).
+    pub fn woken_by(mut self, waker: &crate::wake::Waker) -> Self {
+        self.waker = Some(waker.clone());
+        self
     }
 
     /// This dispatcher, allowed (or not) to post to private, loopback and link-local addresses
@@ -205,7 +216,10 @@ impl Dispatcher {
                     lease,
                     id.clone(),
                     self.stats.clone(),
-                    self.idle,
+                    Pace {
+                        idle: self.idle,
+                        woken: self.waker.as_ref().map(crate::wake::Waker::subscribe),
+                    },
                     stopped,
                 ));
                 self.tasks.insert(id, SinkTask { handle, stop });
@@ -252,6 +266,12 @@ enum Stop {
     Inactive,
 }
 
+/// How a caught-up sink waits: `idle`, or less when poked.
+struct Pace {
+    idle: Duration,
+    woken: Option<Arc<tokio::sync::Notify>>,
+}
+
 /// Delivers one sink while its lease holds.
 async fn deliver_sink(
     db: Db,
@@ -259,9 +279,10 @@ async fn deliver_sink(
     lease: HeldLease,
     id: SinkId,
     stats: Arc<DispatchStats>,
-    idle: Duration,
+    pace: Pace,
     mut stop: watch::Receiver<bool>,
 ) {
+    let Pace { idle, woken } = pace;
     loop {
         if *stop.borrow() {
             info!(sink = %id, "sink handed over");
@@ -276,7 +297,10 @@ async fn deliver_sink(
                 warn!(sink = %id, "sink lease lost; another worker resumes from the saved cursor");
                 return;
             }
-            Bound::Done(Ok(Ok(0))) => idle,
+            Bound::Done(Ok(Ok(0))) => {
+                stats.idle_waits.fetch_add(1, Ordering::Relaxed);
+                idle
+            }
             Bound::Done(Ok(Ok(_))) => Duration::ZERO,
             Bound::Done(Ok(Err(Stop::Deleted))) => {
                 info!(sink = %id, "sink deleted; delivery stops");
@@ -301,7 +325,7 @@ async fn deliver_sink(
             tokio::select! {
                 () = lease.lost() => return,
                 _ = stop.changed() => {}
-                () = tokio::time::sleep(wait) => {}
+                () = crate::wake::idle(wait, woken.as_deref()) => {}
             }
         }
     }

@@ -32,6 +32,7 @@ pub mod egress;
 pub mod http;
 pub mod queue;
 pub mod usage;
+pub mod wake;
 
 use std::future::Future;
 use std::time::Duration;
@@ -251,6 +252,9 @@ pub struct Options {
     /// ([`RENEW_EVERY`]), which logs `ClockSkew` past a second; `/healthz` reports its last
     /// reading (`clock.skew`).
     pub clock: Option<compute_domain::clock::Clock>,
+    /// Whether to hold a `LISTEN` connection for the writers' pokes ([`wake`]); off behind a
+    /// transaction pooler (`--db-pooled`), where `LISTEN` hears nothing: the loops then poll.
+    pub listen_pokes: bool,
 }
 
 /// The counters of one worker process, for its `/metrics`.
@@ -345,9 +349,13 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
     let reconcile = matches!(options.role, Role::Reconcile | Role::All);
     let outbox = matches!(options.role, Role::Outbox | Role::All);
     let commands = matches!(options.role, Role::Dispatch | Role::All);
-    let queue = queue::QueueWorker::new(db.clone(), options.owner.clone(), &options.kinds);
+    // One LISTEN connection for the writers' pokes, which end the loops' idle waits early.
+    let waker = wake::Waker::default();
+    let queue =
+        queue::QueueWorker::new(db.clone(), options.owner.clone(), &options.kinds).woken_by(&waker);
     let dispatcher = dispatch::Dispatcher::new(db.clone(), options.owner.clone())
-        .allowing_private_targets(options.webhooks_allow_private);
+        .allowing_private_targets(options.webhooks_allow_private)
+        .woken_by(&waker);
     let meter = usage::UsageMeter::new(db.clone(), options.owner.clone());
     if let Some(registry) = &options.metrics {
         Stats {
@@ -386,7 +394,8 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
     if commands {
         let mut commands =
             queue::QueueWorker::new(db.clone(), options.owner.clone(), &queue::DISPATCH_KINDS)
-                .in_family("dispatch");
+                .in_family("dispatch")
+                .woken_by(&waker);
         // A dispatch takes milliseconds: a run cut short (a lost lease) holds its nodes back
         // for 10 s, not the reconcilers' 60 s.
         commands.claim_for = DISPATCH_CLAIM;
@@ -413,6 +422,11 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
                 }
             }
         }));
+    }
+    if options.listen_pokes {
+        tasks.push(tokio::spawn(
+            waker.clone().listen(db.clone(), stopped(stop_rx.clone())),
+        ));
     }
     info!(role = ?options.role, owner = %options.owner, "worker running");
     stop.await;

@@ -29,6 +29,8 @@ pub struct QueueStats {
     pub failed: AtomicU64,
     pub rescheduled: AtomicU64,
     pub lease_losses: AtomicU64,
+    /// Times the loop found nothing due and began an idle wait.
+    pub idle_waits: AtomicU64,
 }
 
 /// The kinds a reconcile worker runs.
@@ -59,6 +61,8 @@ pub struct QueueWorker {
     /// How long a claim keeps other claimers off a row.
     pub claim_for: Duration,
     stats: Arc<QueueStats>,
+    /// Pokes that end an idle wait early ([`crate::wake`]); without, the loop only polls.
+    woken: Option<Arc<tokio::sync::Notify>>,
 }
 
 /// The presence lease of `owner` among the processes of `family` (`worker` for the queue,
@@ -140,6 +144,7 @@ impl QueueWorker {
             batch: 100,
             claim_for: Duration::from_secs(60),
             stats: Arc::default(),
+            woken: None,
         }
     }
 
@@ -147,6 +152,12 @@ impl QueueWorker {
     /// command dispatchers) instead of `worker`.
     pub fn in_family(mut self, family: &'static str) -> Self {
         self.family = family;
+        self
+    }
+
+    /// This worker's idle waits ended early by `waker`'s pokes.
+    pub fn woken_by(mut self, waker: &crate::wake::Waker) -> Self {
+        self.woken = Some(waker.subscribe());
         self
     }
 
@@ -292,7 +303,10 @@ impl QueueWorker {
                 r = self.step() => r,
             };
             let wait = match ran {
-                Ok(0) => idle,
+                Ok(0) => {
+                    self.stats.idle_waits.fetch_add(1, Ordering::Relaxed);
+                    idle
+                }
                 Ok(_) => Duration::ZERO,
                 Err(e) => {
                     warn!(error = %e, "work queue pass failed");
@@ -302,7 +316,7 @@ impl QueueWorker {
             if !wait.is_zero() {
                 tokio::select! {
                     () = &mut stop => break,
-                    () = tokio::time::sleep(wait) => {}
+                    () = crate::wake::idle(wait, self.woken.as_deref()) => {}
                 }
             }
         }

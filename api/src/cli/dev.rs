@@ -151,6 +151,7 @@ pub async fn dev(args: DevArgs) -> Result<()> {
             usage_window_seconds: None,
             // The API's clock samples compute_now() for the whole process.
             clock: None,
+            listen_pokes: true,
         },
         async move {
             let _ = workers_stopped.await;

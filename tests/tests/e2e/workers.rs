@@ -1335,3 +1335,208 @@ fn the_worker_refuses_bad_flags_at_start() {
     assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("cannot connect"), "{stderr}");
 }
+
+/// Enqueues a `noop` item `key` in a writing transaction (whose commit pokes the listeners).
+async fn enqueue_noop(db: &compute_domain::db::Db, key: &'static str) {
+    db.tx("enqueue_noop", compute_domain::db::TxKind::Write, |conn| {
+        Box::pin(async move {
+            compute_domain::work_queue::enqueue(
+                conn,
+                compute_domain::work_queue::WorkKind::Noop,
+                key,
+                SHARDS,
+                Duration::ZERO,
+            )
+            .await
+        })
+    })
+    .await
+    .expect("enqueue");
+}
+
+/// Workers are poked, and a lost poke only delays: a queue loop idling for a minute runs an
+/// item enqueued by a writing commit within seconds (the commit's poke ends its wait); a loop
+/// that hears no poke at all runs it by polling, within its interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poke_wakes_an_idle_queue_and_polling_alone_still_delivers() {
+    use compute_workers::wake::Waker;
+    let app = spawn_app().await;
+    let db = app.db.db.clone();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let until_stop = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let waker = Waker::default();
+    tokio::spawn(
+        waker
+            .clone()
+            .listen(db.clone(), until_stop(stopped.clone())),
+    );
+    // The LISTEN connection is up once a writing commit's poke is heard.
+    compute_tests::eventually("the waker hears pokes", Duration::from_secs(10), || async {
+        db.tx("poke", compute_domain::db::TxKind::Write, |_| {
+            Box::pin(async { Ok(()) })
+        })
+        .await
+        .expect("a write");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        (waker.pokes() > 0).then_some(())
+    })
+    .await;
+    let done = |key: &'static str| {
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM work_queue WHERE kind = 'noop' AND key = $1",
+            )
+            .bind(key)
+            .fetch_one(&pool)
+            .await
+            .expect("queue")
+                == 0
+        }
+    };
+    let shards_held = |owner: &'static str| {
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM leases WHERE name LIKE 'shard:noop:%' AND owner = $1 AND expires_at > compute_now()",
+            )
+            .bind(owner)
+            .fetch_one(&pool)
+            .await
+            .expect("leases")
+                == i64::from(SHARDS)
+        }
+    };
+
+    // 1. Woken: the loop idles for a minute after its first empty step.
+    let woken = QueueWorker::new(
+        db.clone(),
+        "w-woken",
+        &[compute_domain::work_queue::WorkKind::Noop],
+    )
+    .woken_by(&waker);
+    let stats = woken.stats();
+    tokio::spawn(woken.run(Duration::from_secs(60), until_stop(stopped.clone())));
+    compute_tests::eventually(
+        "the woken loop holds its shards and has begun its idle wait",
+        Duration::from_secs(10),
+        || async {
+            (shards_held("w-woken").await
+                && stats.idle_waits.load(std::sync::atomic::Ordering::Relaxed) > 0)
+                .then_some(())
+        },
+    )
+    .await;
+    enqueue_noop(&db, "poked").await;
+    compute_tests::eventually(
+        "the poked item runs long before the loop's one-minute poll",
+        Duration::from_secs(15),
+        || async { done("poked").await.then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        stats.succeeded.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    let _ = stop.send(true);
+
+    // 2. Every poke dropped (no waker): a loop polling every 300 ms still runs the item.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let polling = QueueWorker::new(
+        db.clone(),
+        "w-polling",
+        &[compute_domain::work_queue::WorkKind::Noop],
+    );
+    let stats = polling.stats();
+    tokio::spawn(polling.run(Duration::from_millis(300), until_stop(stopped.clone())));
+    compute_tests::eventually(
+        "the polling loop holds its shards and has begun its idle wait",
+        Duration::from_secs(20),
+        || async {
+            (shards_held("w-polling").await
+                && stats.idle_waits.load(std::sync::atomic::Ordering::Relaxed) > 0)
+                .then_some(())
+        },
+    )
+    .await;
+    enqueue_noop(&db, "polled").await;
+    compute_tests::eventually(
+        "the polled item runs within a few of the loop's intervals",
+        Duration::from_secs(5),
+        || async { done("polled").await.then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        stats.succeeded.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    let _ = stop.send(true);
+}
+
+/// The same for a webhook sink: caught up, it waits a minute between looks at the outbox; an
+/// event written by a commit reaches the receiver within seconds, woken by the commit's poke.
+/// (Without pokes the sinks poll: every other webhook test here runs so.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poke_wakes_a_caught_up_webhook_sink() {
+    use compute_workers::wake::Waker;
+    let app = spawn_app().await;
+    let db = app.db.db.clone();
+    let (receiver, url) = start_receiver(Duration::ZERO).await;
+    let acme = app.member("acme");
+    let d = app
+        .ok(&acme, CREATE_SINK, json!({ "i": { "url": url } }))
+        .await;
+    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    let (_stop, stopped) = tokio::sync::watch::channel(false);
+    let waker = Waker::default();
+    tokio::spawn(waker.clone().listen(db.clone(), async move {
+        let mut rx = stopped;
+        let _ = rx.wait_for(|s| *s).await;
+    }));
+    compute_tests::eventually("the waker hears pokes", Duration::from_secs(10), || async {
+        db.tx("poke", compute_domain::db::TxKind::Write, |_| {
+            Box::pin(async { Ok(()) })
+        })
+        .await
+        .expect("a write");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        (waker.pokes() > 0).then_some(())
+    })
+    .await;
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(db.clone(), "worker-poked")
+        .allowing_private_targets(true)
+        .woken_by(&waker);
+    dispatcher.idle = Duration::from_secs(60);
+    let stats = dispatcher.stats();
+    dispatcher.rebalance().await.expect("rebalance");
+    compute_tests::eventually(
+        "the sink caught up and idles",
+        Duration::from_secs(10),
+        || async {
+            (stats.idle_waits.load(std::sync::atomic::Ordering::Relaxed) > 0).then_some(())
+        },
+    )
+    .await;
+    let before = receiver.got.lock().expect("got").len();
+    db.tx("emit", compute_domain::db::TxKind::Write, |conn| {
+        Box::pin(async move {
+            sqlx::query("SELECT compute_emit('test.tick', 'acme', 'poked', '{}')")
+                .execute(&mut *conn)
+                .await?;
+            Ok(())
+        })
+    })
+    .await
+    .expect("an event");
+    compute_tests::eventually(
+        "the event reaches the receiver long before the sink's one-minute look",
+        Duration::from_secs(15),
+        || async { (receiver.got.lock().expect("got").len() > before).then_some(()) },
+    )
+    .await;
+}
