@@ -246,6 +246,68 @@ async fn call(
     }
 }
 
+/// The gateway the torture's daemons are connected through, its lease held for a day of
+/// simulated time (longer than the run).
+struct Gateway {
+    id: compute_domain::ids::GatewayId,
+    db: compute_domain::db::Db,
+    epoch: i64,
+}
+
+impl Gateway {
+    async fn start(db: &compute_domain::db::Db) -> Gateway {
+        use compute_domain::node_sessions as ns;
+        let id = compute_domain::ids::GatewayId::parse("gateway", "gw-torture").expect("id");
+        let fence = compute_domain::leases::acquire(
+            db,
+            &ns::gateway_lease(&id),
+            "torture",
+            std::time::Duration::from_secs(86_400),
+        )
+        .await
+        .expect("acquire")
+        .expect("the gateway's lease");
+        Gateway {
+            id,
+            db: db.fenced(&fence),
+            epoch: fence.epoch,
+        }
+    }
+
+    /// Opens `node`'s session (the node becomes `CONNECTED`).
+    async fn open(&self, node: &str) -> compute_domain::Result<i64> {
+        use compute_domain::node_sessions::{Hello, Label};
+        let hello = Hello {
+            daemon_version: Label::parse("daemonVersion", "torture").expect("label"),
+            journal_id: Label::parse("journalId", &format!("j-{node}")).expect("label"),
+            observed_generation: 0,
+        };
+        let node = compute_domain::ids::NodeId::parse("node", node)?;
+        compute_domain::node_sessions::open(&self.db, &node, &self.id, self.epoch, &hello).await
+    }
+
+    /// Reports every open session seen just now (so none is ended as stale).
+    async fn flush(&self) -> compute_domain::Result<()> {
+        let open: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT node_id, session_epoch FROM node_sessions WHERE gateway = $1 AND closed_at IS NULL",
+        )
+        .bind(self.id.as_str())
+        .fetch_all(self.db.pool())
+        .await
+        .map_err(compute_domain::Error::from)?;
+        let seen: Vec<compute_domain::node_sessions::Seen> = open
+            .into_iter()
+            .map(|(node, epoch)| compute_domain::node_sessions::Seen {
+                node: compute_domain::ids::NodeId::parse("node", &node).expect("node"),
+                epoch,
+                age_seconds: 0.0,
+            })
+            .collect();
+        compute_domain::node_sessions::flush(&self.db, &self.id, &seen).await?;
+        Ok(())
+    }
+}
+
 /// How many deadlocks PostgreSQL has detected in the test's database (its cumulative
 /// statistics, flushed first).
 async fn deadlocks(app: &TestApp) -> i64 {
@@ -269,6 +331,12 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
     let app = compute_tests::TestApp::builder().on(db).start().await;
     let deadlocks_before = deadlocks(&app).await;
     let (pool, nodes, devices) = build_fleet(&app).await;
+    // Every node's daemon is connected; the reachability flips below disconnect and reconnect
+    // them, and the liveness pass makes the disconnected ones unreachable as time passes.
+    let gateway = Gateway::start(&app.db.db).await;
+    for node in &nodes {
+        gateway.open(node).await.expect("a session");
+    }
     // The usage meter runs beside the clients with one-minute windows, so windows close while
     // reservations start, grow and end around them.
     compute_domain::usage::set_window(&app.db.db, 60)
@@ -287,6 +355,7 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
     let done = Arc::new(AtomicBool::new(false));
 
     let tasks = futures_util::stream::iter(0..OPERATIONS).map(|i| {
+        let gateway = &gateway;
         let (url, http, op_token, tokens, pool, nodes, devices, created, tally, clock, flipped_to_zero, app) = (
             url.clone(),
             app.http.clone(),
@@ -454,6 +523,18 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                     app.db.advance_clock(TICK_SECONDS).await;
                     clock.fetch_add(TICK_SECONDS, Ordering::SeqCst);
                     record("clock tick", "30 s", &Value::Null);
+                    // The liveness reconciler reacts to the time that passed (nodes long
+                    // disconnected become unreachable), racing the placements in flight.
+                    let pass = async {
+                        gateway.flush().await?;
+                        compute_domain::node_sessions::liveness_pass(&app.db.db).await
+                    };
+                    let outcome = match pass.await {
+                        Ok(p) if p.unreachable > 0 => "some unreachable".to_owned(),
+                        Ok(_) => "ok".to_owned(),
+                        Err(e) => e.code().as_str().to_owned(),
+                    };
+                    record("liveness pass", &outcome, &Value::Null);
                 }
                 78 | 79 => {
                     let zero = !flipped_to_zero.fetch_xor(true, Ordering::SeqCst);
@@ -492,7 +573,33 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                     let node = &nodes[rng.below(nodes.len() as u64) as usize];
                     let device = &devices[rng.below(devices.len() as u64) as usize];
                     let (op, query, vars) = match roll {
-                        82..=85 => ("cordon", "mutation($i: CordonNodeInput!) { cordonNode(input: $i) { computeNode { id } } }", json!({ "i": { "id": node } })),
+                        84 | 85 => {
+                            // A daemon leaves (its node DISCONNECTED, then UNREACHABLE as time
+                            // passes) or comes back (CONNECTED): liveness racing placement.
+                            let id = compute_domain::ids::NodeId::parse("node", node).expect("node");
+                            let epoch: Option<i64> = sqlx::query_scalar(
+                                "SELECT session_epoch FROM node_sessions WHERE node_id = $1 AND closed_at IS NULL",
+                            )
+                            .bind(node)
+                            .fetch_optional(app.db.db.pool())
+                            .await
+                            .expect("session");
+                            let outcome = match epoch {
+                                Some(e) => compute_domain::node_sessions::close(
+                                    &gateway.db,
+                                    &id,
+                                    e,
+                                    compute_domain::node_sessions::CloseReason::DaemonClosed,
+                                )
+                                .await
+                                .map(|_| "disconnected".to_owned()),
+                                None => gateway.open(node).await.map(|_| "connected".to_owned()),
+                            };
+                            let outcome = outcome.unwrap_or_else(|e| e.code().as_str().to_owned());
+                            record("reachability flip", &outcome, &Value::Null);
+                            return;
+                        }
+                        82 | 83 => ("cordon", "mutation($i: CordonNodeInput!) { cordonNode(input: $i) { computeNode { id } } }", json!({ "i": { "id": node } })),
                         86..=88 => ("uncordon", "mutation($i: NodeActionInput!) { uncordonNode(input: $i) { computeNode { id } } }", json!({ "i": { "id": node } })),
                         89 | 90 => ("taint", "mutation($i: TaintNodeInput!) { taintNode(input: $i) { computeNode { id } } }",
                             json!({ "i": { "id": node, "taint": { "key": "torture", "effect": "NO_SCHEDULE" } } })),
@@ -538,7 +645,13 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
         while !done.load(Ordering::SeqCst) && passes < 2_000 {
             passes += 1;
             use compute_domain::reservations::reconcile;
+            let liveness = async {
+                gateway.flush().await?;
+                let p = compute_domain::node_sessions::liveness_pass(db).await?;
+                Ok(p.disconnected + p.unreachable + p.lost)
+            };
             let steps = [
+                ("liveness", liveness.await),
                 ("activate", reconcile::activate_due(db).await),
                 ("expire", reconcile::expire_due(db).await),
                 ("retry pending", reconcile::retry_pending(db).await),
@@ -618,6 +731,18 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
     let (checks, broken) = check_usage(&app).await;
     for (what, n) in checks {
         tally.checked(&what, n);
+    }
+    // Liveness raced placement: nodes became unreachable during the run.
+    let unreachable: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE type = 'node.unreachable'")
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("events");
+    tally.checked("nodes made unreachable during the run", unreachable as u64);
+    if unreachable == 0 {
+        tally
+            .violations
+            .push("no node became unreachable: the liveness race was not exercised".into());
     }
     // The lock order holds: PostgreSQL detected no deadlock in the whole run (a deadlock that
     // `Db::tx` or placement retried away is still counted here).
@@ -835,8 +960,9 @@ pub async fn check_invariants(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>
                WHERE operation = 'createReservation' AND response ? 'id' GROUP BY 1 HAVING count(*) > 1) dup"
         )
         .await, "one key, two effects");
-    // Eligibility: no allocation was placed (its commit) after a cordon, taint, quarantine or
-    // health change that excluded its node or device committed. Needs commit timestamps.
+    // Eligibility: no allocation was placed (its commit) after a cordon, taint, quarantine,
+    // health change or loss of reachability that excluded its node or device committed. Needs
+    // commit timestamps.
     let (tracking,): (String,) = sqlx::query_as("SELECT current_setting('track_commit_timestamp')")
         .fetch_one(pool)
         .await
@@ -852,6 +978,7 @@ pub async fn check_invariants(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>
                    SELECT o.subject, pg_xact_commit_timestamp(o.xmin) AS at, o.data->'device' AS device FROM outbox o WHERE o.type LIKE 'device.%') \
                  SELECT count(*) FROM placed p \
                   WHERE (SELECT (e.node->>'cordoned')::boolean OR jsonb_array_length(e.node->'taints') > 0 \
+                                OR e.node->>'reachability' IN ('unreachable', 'lost') \
                            FROM node_events e WHERE e.subject = p.node_id AND e.at < p.at ORDER BY e.at DESC LIMIT 1) \
                      OR (SELECT (e.device->>'quarantined')::boolean OR e.device->>'health' = 'unhealthy' \
                            FROM device_events e JOIN device_atoms x ON x.device_id = e.subject \
