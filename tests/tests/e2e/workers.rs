@@ -994,24 +994,7 @@ async fn a_worker_serves_its_metrics_and_health() {
     let app = spawn_app().await;
     let db = app.db.db.clone();
     for key in ["a", "b", "c"] {
-        db.tx(
-            "a_worker_serves_its_metrics_and_health",
-            compute_domain::db::TxKind::Write,
-            |conn| {
-                Box::pin(async move {
-                    compute_domain::work_queue::enqueue(
-                        conn,
-                        compute_domain::work_queue::WorkKind::Noop,
-                        key,
-                        SHARDS,
-                        Duration::ZERO,
-                    )
-                    .await
-                })
-            },
-        )
-        .await
-        .expect("enqueue");
+        enqueue_noop(&db, key).await;
     }
     let mut w = QueueWorker::new(
         db.clone(),
@@ -1336,6 +1319,27 @@ fn the_worker_refuses_bad_flags_at_start() {
     assert!(stderr.contains("cannot connect"), "{stderr}");
 }
 
+/// A waker listening for the writers' pokes until `stop`, returned once its LISTEN connection
+/// has heard one (a writing commit's).
+async fn listening_waker(
+    db: &compute_domain::db::Db,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> compute_workers::wake::Waker {
+    let waker = compute_workers::wake::Waker::default();
+    tokio::spawn(waker.clone().listen(db.clone(), stop));
+    compute_tests::eventually("the waker hears pokes", Duration::from_secs(10), || async {
+        db.tx("poke", compute_domain::db::TxKind::Write, |_| {
+            Box::pin(async { Ok(()) })
+        })
+        .await
+        .expect("a write");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        (waker.pokes() > 0).then_some(())
+    })
+    .await;
+    waker
+}
+
 /// Enqueues a `noop` item `key` in a writing transaction (whose commit pokes the listeners).
 async fn enqueue_noop(db: &compute_domain::db::Db, key: &'static str) {
     db.tx("enqueue_noop", compute_domain::db::TxKind::Write, |conn| {
@@ -1359,30 +1363,13 @@ async fn enqueue_noop(db: &compute_domain::db::Db, key: &'static str) {
 /// that hears no poke at all runs it by polling, within its interval.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poke_wakes_an_idle_queue_and_polling_alone_still_delivers() {
-    use compute_workers::wake::Waker;
     let app = spawn_app().await;
     let db = app.db.db.clone();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let until_stop = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let waker = Waker::default();
-    tokio::spawn(
-        waker
-            .clone()
-            .listen(db.clone(), until_stop(stopped.clone())),
-    );
-    // The LISTEN connection is up once a writing commit's poke is heard.
-    compute_tests::eventually("the waker hears pokes", Duration::from_secs(10), || async {
-        db.tx("poke", compute_domain::db::TxKind::Write, |_| {
-            Box::pin(async { Ok(()) })
-        })
-        .await
-        .expect("a write");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        (waker.pokes() > 0).then_some(())
-    })
-    .await;
+    let waker = listening_waker(&db, until_stop(stopped.clone())).await;
     let done = |key: &'static str| {
         let pool = db.pool().clone();
         async move {
@@ -1480,7 +1467,6 @@ async fn a_poke_wakes_an_idle_queue_and_polling_alone_still_delivers() {
 /// (Without pokes the sinks poll: every other webhook test here runs so.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poke_wakes_a_caught_up_webhook_sink() {
-    use compute_workers::wake::Waker;
     let app = spawn_app().await;
     let db = app.db.db.clone();
     let (receiver, url) = start_receiver(Duration::ZERO).await;
@@ -1492,22 +1478,7 @@ async fn a_poke_wakes_a_caught_up_webhook_sink() {
         .as_str()
         .expect("secret")
         .to_owned();
-    let (_stop, stopped) = tokio::sync::watch::channel(false);
-    let waker = Waker::default();
-    tokio::spawn(waker.clone().listen(db.clone(), async move {
-        let mut rx = stopped;
-        let _ = rx.wait_for(|s| *s).await;
-    }));
-    compute_tests::eventually("the waker hears pokes", Duration::from_secs(10), || async {
-        db.tx("poke", compute_domain::db::TxKind::Write, |_| {
-            Box::pin(async { Ok(()) })
-        })
-        .await
-        .expect("a write");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        (waker.pokes() > 0).then_some(())
-    })
-    .await;
+    let waker = listening_waker(&db, std::future::pending()).await;
     let mut dispatcher = compute_workers::dispatch::Dispatcher::new(db.clone(), "worker-poked")
         .allowing_private_targets(true)
         .woken_by(&waker);
