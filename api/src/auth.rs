@@ -115,8 +115,12 @@ impl Viewer {
     }
 }
 
-/// The verifier's clock: seconds since the epoch. The wall clock in production; tests inject
-/// their own, so token expiry is tested by moving time, not by waiting.
+/// The verifier's clock: seconds since the epoch. A server's verifier reads business time
+/// ([`Verifier::on_business_time`]: `compute_now()` through the process's [`Clock`]), so a test
+/// on simulated time expires a token by moving the clock; a verifier outside a server (the
+/// benchmarks) reads the wall clock.
+///
+/// [`Clock`]: compute_domain::clock::Clock
 pub type JwtClock = std::sync::Arc<dyn Fn() -> i64 + Send + Sync>;
 
 fn wall_clock() -> JwtClock {
@@ -265,10 +269,17 @@ impl Verifier {
         self
     }
 
-    /// This verifier with `clock` in place of the wall clock (tests).
+    /// This verifier with `clock` in place of the wall clock (unit tests).
     pub fn with_clock(mut self, clock: JwtClock) -> Verifier {
         self.clock = clock;
         self
+    }
+
+    /// This verifier checking `exp` and `nbf` against business time: `clock`, the process's
+    /// clock anchored to `compute_now()` (what every server's verifier does).
+    pub fn on_business_time(self, clock: &compute_domain::clock::Clock) -> Verifier {
+        let clock = clock.clone();
+        self.with_clock(std::sync::Arc::new(move || clock.now().timestamp()))
     }
 
     /// The pinned algorithm.

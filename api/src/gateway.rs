@@ -11,6 +11,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+use compute_domain::clock::Clock;
 use compute_domain::db::Db;
 use compute_domain::ids::{CommandId, GatewayId, NodeId};
 use compute_domain::leases::Fence;
@@ -19,7 +21,6 @@ use compute_domain::node_commands::{self, Command};
 use compute_domain::node_sessions::{self, CloseReason, GATEWAY_TTL, Seen};
 use compute_protocol::{CommandKind, ToDaemon};
 use tokio::sync::{Notify, mpsc, watch};
-use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 /// The gateway's settings (`compute-api serve --agent-…`).
@@ -31,7 +32,7 @@ pub struct GatewayConfig {
     pub heartbeat: Duration,
     /// How often the gateway writes its sessions' ages.
     pub flush_every: Duration,
-    /// A daemon silent for this long is disconnected (`4408`).
+    /// A daemon silent for this long of business time is disconnected (`4408`).
     pub silent_after: Duration,
     /// The time a daemon has to send `hello` after connecting.
     pub hello_timeout: Duration,
@@ -77,7 +78,7 @@ pub struct Kick {
 /// One session this process holds.
 struct Live {
     epoch: i64,
-    last_seen: Arc<Mutex<Instant>>,
+    last_seen: Arc<Mutex<DateTime<Utc>>>,
     kick: watch::Sender<Option<Kick>>,
     /// Messages for the daemon (`command`).
     push: mpsc::UnboundedSender<ToDaemon>,
@@ -87,8 +88,9 @@ struct Live {
 
 /// What a connection holds of its session in the gateway.
 pub struct Registered {
-    /// Touch on every frame from the daemon.
-    pub last_seen: Arc<Mutex<Instant>>,
+    /// Touch on every frame from the daemon ([`Gateway::touch`]): business time, so the silence
+    /// timer and the ages the gateway flushes follow `compute_now()` (simulated in tests).
+    pub last_seen: Arc<Mutex<DateTime<Utc>>>,
     /// Fires when the gateway ends the session (superseded, lease lost, shutdown).
     pub kick: watch::Receiver<Option<Kick>>,
     /// Commands for the daemon, pushed by [`Gateway::push_now`].
@@ -123,6 +125,7 @@ pub fn protocol_kind(kind: node_commands::Kind) -> CommandKind {
 struct Inner {
     config: GatewayConfig,
     db: Db,
+    clock: Clock,
     lease: tokio::sync::Mutex<Option<HeldLease>>,
     sessions: Mutex<HashMap<NodeId, Live>>,
     /// A dispatcher poked this gateway: push now.
@@ -134,10 +137,12 @@ struct Inner {
 pub struct Gateway(Arc<Inner>);
 
 impl Gateway {
-    pub fn new(db: Db, config: GatewayConfig) -> Gateway {
+    /// A gateway on `db`, its timers on business time (`clock`).
+    pub fn new(db: Db, clock: Clock, config: GatewayConfig) -> Gateway {
         Gateway(Arc::new(Inner {
             config,
             db,
+            clock,
             lease: tokio::sync::Mutex::new(None),
             sessions: Mutex::new(HashMap::new()),
             poked: Notify::new(),
@@ -150,6 +155,24 @@ impl Gateway {
 
     pub fn id(&self) -> &GatewayId {
         &self.0.config.id
+    }
+
+    /// The business clock its timers read.
+    pub fn clock(&self) -> &Clock {
+        &self.0.clock
+    }
+
+    /// Business time since a session's daemon last sent anything.
+    pub fn silent_for(&self, registered: &Registered) -> Duration {
+        let since = registered.last_seen.lock().map(|t| *t).unwrap_or_default();
+        self.0.clock.since(since)
+    }
+
+    /// Records a frame from a session's daemon, now by business time.
+    pub fn touch(&self, registered: &Registered) {
+        if let Ok(mut t) = registered.last_seen.lock() {
+            *t = self.0.clock.now();
+        }
     }
 
     /// The sessions open on this gateway.
@@ -209,7 +232,7 @@ impl Gateway {
     /// Records a session this connection opened at `epoch`; an older session of the same node
     /// on this gateway is told to close (`4409`).
     pub fn register(&self, node: &NodeId, epoch: i64) -> Registered {
-        let last_seen = Arc::new(Mutex::new(Instant::now()));
+        let last_seen = Arc::new(Mutex::new(self.0.clock.now()));
         let (kick, rx) = watch::channel(None);
         let (push, push_rx) = mpsc::unbounded_channel();
         let old = self.0.sessions.lock().ok().and_then(|mut s| {
@@ -332,7 +355,7 @@ impl Gateway {
                         age_seconds: live
                             .last_seen
                             .lock()
-                            .map(|t| t.elapsed().as_secs_f64())
+                            .map(|t| self.0.clock.since(*t).as_secs_f64())
                             .unwrap_or(0.0),
                     })
                     .collect()

@@ -248,6 +248,8 @@ impl Server {
         registry: Registry,
     ) -> compute_domain::Result<Server> {
         let clock = Clock::anchored(&db).await?;
+        // Tokens expire in business time, as leases and bookings do.
+        let verifier = verifier.on_business_time(&clock);
         let (shutdown_tx, shutdown) = watch::channel(false);
         let tailer = Tailer::new(db.clone(), stream);
         let metrics = Metrics::new(&registry, &db, &clock, &tailer, &routes::ALL);
@@ -270,8 +272,11 @@ impl Server {
                 vec![("reused", reused as f64), ("parsed", parsed as f64)]
             },
         );
-        let gateway =
-            crate::gateway::Gateway::new(db.clone(), crate::gateway::GatewayConfig::new());
+        let gateway = crate::gateway::Gateway::new(
+            db.clone(),
+            clock.clone(),
+            crate::gateway::GatewayConfig::new(),
+        );
         let app = AppState::new(Inner {
             gateway,
             gateway_only: false,
@@ -322,7 +327,8 @@ impl Server {
     /// `/metrics`) when `only` (`serve --gateway-only`).
     pub fn with_gateway(mut self, config: crate::gateway::GatewayConfig, only: bool) -> Server {
         self.app.configure(|inner| {
-            inner.gateway = crate::gateway::Gateway::new(inner.db.clone(), config);
+            inner.gateway =
+                crate::gateway::Gateway::new(inner.db.clone(), inner.clock.clone(), config);
             inner.gateway_only = only;
         });
         self

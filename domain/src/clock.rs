@@ -2,7 +2,8 @@
 //!
 //! The database's `compute_now()` is the one clock of the system (in tests, a simulated clock).
 //! [`Clock::now`] extrapolates from the last sample with the monotonic clock, so reading it costs
-//! no round trip. [`Clock::sample`] re-anchors it, at start-up and on a timer, and measures the
+//! no round trip; on simulated time it does not extrapolate (simulated time moves only when it is
+//! moved), and reads the last sample until the next. [`Clock::sample`] re-anchors it, at start-up and on a timer, and measures the
 //! skew between this process's wall clock and `compute_now()`; a skew over one second is logged
 //! as `ClockSkew` and shown by `/readyz` as `clock.skew`.
 
@@ -18,18 +19,24 @@ use crate::error::Result;
 /// A skew above this is logged as `ClockSkew` and reported as a warning by `/readyz`.
 pub const MAX_SKEW: Duration = Duration::from_secs(1);
 
+/// How often [`Clock::run_sampler`] samples a simulated clock.
+pub const SIMULATED_EVERY: Duration = Duration::from_secs(1);
+
 #[derive(Debug, Clone, Copy)]
 struct Anchor {
     db_time: DateTime<Utc>,
     at: Instant,
     skew_ms: i64,
     round_trip: Duration,
+    simulated: bool,
 }
 
 /// A clock anchored to `compute_now()`. Cheap to clone; clones share the anchor.
 #[derive(Debug, Clone)]
 pub struct Clock {
     anchor: Arc<RwLock<Anchor>>,
+    /// Bumped at every sample: a timer on business time ([`Clock::resampled`]) looks again.
+    samples: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 /// What [`Clock::sample`] observed.
@@ -54,14 +61,19 @@ impl Clock {
         let anchor = take_sample(db).await?;
         let clock = Clock {
             anchor: Arc::new(RwLock::new(anchor)),
+            samples: Arc::new(tokio::sync::watch::Sender::new(0)),
         };
         clock.report(&anchor);
         Ok(clock)
     }
 
-    /// Business time now: the last sample of `compute_now()` plus the monotonic time since.
+    /// Business time now: the last sample of `compute_now()` plus the monotonic time since
+    /// (on simulated time, the last sample itself).
     pub fn now(&self) -> DateTime<Utc> {
         let anchor = *self.anchor.read().unwrap_or_else(|p| p.into_inner());
+        if anchor.simulated {
+            return anchor.db_time;
+        }
         let elapsed = chrono::Duration::from_std(anchor.at.elapsed()).unwrap_or_default();
         anchor.db_time + elapsed
     }
@@ -71,7 +83,21 @@ impl Clock {
         let anchor = take_sample(db).await?;
         *self.anchor.write().unwrap_or_else(|p| p.into_inner()) = anchor;
         self.report(&anchor);
+        self.samples.send_modify(|n| *n += 1);
         Ok(reading(&anchor))
+    }
+
+    /// A receiver that changes at every sample. A timer on business time sleeps on the monotonic
+    /// clock and on this, and measures again when either fires: on simulated time the clock moves
+    /// only at a sample (every 30 s, or when a test moves time), so a deadline passed by a move
+    /// is noticed at once.
+    pub fn resampled(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.samples.subscribe()
+    }
+
+    /// How long business time has run since `since` (zero if `since` is ahead).
+    pub fn since(&self, since: DateTime<Utc>) -> Duration {
+        (self.now() - since).to_std().unwrap_or_default()
     }
 
     /// The last reading, without a round trip.
@@ -100,12 +126,18 @@ impl Clock {
         stop: impl std::future::Future<Output = ()>,
     ) {
         tokio::pin!(stop);
-        let mut ticker = tokio::time::interval(every);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            // Simulated time does not run between samples, and a test or the simulator may move
+            // it at any moment: sampled every second, so every process follows a move at once.
+            let simulated = self.anchor.read().map(|a| a.simulated).unwrap_or(false);
+            let wait = if simulated {
+                every.min(SIMULATED_EVERY)
+            } else {
+                every
+            };
             tokio::select! {
                 () = &mut stop => return,
-                _ = ticker.tick() => {
+                () = tokio::time::sleep(wait) => {
                     if let Err(e) = self.sample(&db).await {
                         warn!(error = %e, "clock sample failed");
                     }
@@ -125,7 +157,7 @@ fn reading(anchor: &Anchor) -> ClockReading {
 async fn take_sample(db: &Db) -> Result<Anchor> {
     let sent = Instant::now();
     let wall_sent = Utc::now();
-    let db_time = db.compute_now().await?;
+    let (db_time, simulated) = db.compute_now_and_mode().await?;
     let round_trip = sent.elapsed();
     // The server read its clock about half way through the round trip.
     let half = chrono::Duration::from_std(round_trip / 2).unwrap_or_default();
@@ -135,5 +167,6 @@ async fn take_sample(db: &Db) -> Result<Anchor> {
         at: sent + round_trip / 2,
         skew_ms: (db_time - wall_mid).num_milliseconds(),
         round_trip,
+        simulated,
     })
 }

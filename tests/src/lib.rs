@@ -278,15 +278,38 @@ pub struct TestDb {
     pub direct_url: String,
     pub db: Db,
     external: bool,
+    /// The business clocks of the servers started on this database, re-anchored at once when
+    /// the test moves simulated time (a server samples `compute_now()` only every 30 s).
+    clocks: std::sync::Mutex<Vec<compute_domain::clock::Clock>>,
 }
 
-/// A fresh database cloned from the migrated template, named after the running test.
+/// A fresh database cloned from the migrated template, named after the running test, on
+/// simulated time: `compute_now()` stands at the second the test began and moves only when the
+/// test moves it ([`TestDb::advance_clock`]). A test that needs time to pass by itself asks for
+/// [`test_db_on_wall_clock`] and says why.
 pub async fn test_db() -> TestDb {
     test_db_with(8).await
 }
 
-/// [`test_db`] with a pool of `max_connections`.
+/// [`test_db`] with a pool of `max_connections`, on simulated time.
 pub async fn test_db_with(max_connections: u32) -> TestDb {
+    let db = test_db_on_wall_clock_with(max_connections).await;
+    let start = chrono::Timelike::with_nanosecond(&chrono::Utc::now(), 0)
+        .expect("a whole second")
+        .to_rfc3339();
+    db.use_sim_clock(&start).await;
+    db
+}
+
+/// A fresh database whose `compute_now()` is the wall clock: for a test of something that
+/// passes by itself (a lease left to expire by a killed process, a retry's back-off, a real
+/// daemon's timers), where stepping simulated time cannot reach.
+pub async fn test_db_on_wall_clock() -> TestDb {
+    test_db_on_wall_clock_with(8).await
+}
+
+/// [`test_db_on_wall_clock`] with a pool of `max_connections`.
+pub async fn test_db_on_wall_clock_with(max_connections: u32) -> TestDb {
     let cluster = cluster().await;
     let test = std::thread::current()
         .name()
@@ -346,6 +369,7 @@ pub async fn test_db_with(max_connections: u32) -> TestDb {
         direct_url,
         db,
         external: cluster._embedded.is_none(),
+        clocks: Default::default(),
     }
 }
 
@@ -381,6 +405,7 @@ pub async fn test_db_at(url: &str, name: &str, migrate: bool) -> TestDb {
         direct_url: url.to_owned(),
         db,
         external: false,
+        clocks: Default::default(),
     }
 }
 
@@ -477,6 +502,7 @@ impl TestDb {
             .execute(self.db.pool())
             .await
             .expect("switch to simulated time");
+        self.resample_clocks().await;
     }
 
     /// Moves simulated time forward by `seconds`.
@@ -486,6 +512,15 @@ impl TestDb {
             .execute(self.db.pool())
             .await
             .expect("advance simulated time");
+        self.resample_clocks().await;
+    }
+
+    /// Re-anchors the clocks of the servers on this database to `compute_now()`.
+    async fn resample_clocks(&self) {
+        let clocks = self.clocks.lock().map(|c| c.clone()).unwrap_or_default();
+        for clock in clocks {
+            clock.sample(&self.db).await.expect("sample compute_now()");
+        }
     }
 }
 
@@ -526,6 +561,12 @@ impl Drop for TestDb {
     }
 }
 
+/// How long [`TestApp::operator`], [`TestApp::member`] and [`TestApp::node_token`] tokens last,
+/// in seconds of business time: 23 hours, an hour short of the most the verifier accepts
+/// ([`compute_api::auth::DEFAULT_MAX_TOKEN_LIFETIME`]), so another server on the database whose
+/// clock has not yet seen the test's last move of simulated time accepts them too.
+const DAY: i64 = 23 * 3600;
+
 /// The issuer of the tests' tokens.
 pub const TEST_ISSUER: &str = "compute-test";
 /// The audience of the tests' tokens.
@@ -541,8 +582,8 @@ pub struct TestApp {
     pub http: reqwest::Client,
     /// The server's node-daemon gateway (`/agent`), for tests that step it.
     pub gateway: compute_api::gateway::Gateway,
-    /// Seconds the token verifier's clock runs ahead of the wall clock ([`TestApp::move_jwt_clock`]).
-    jwt_offset: Arc<std::sync::atomic::AtomicI64>,
+    /// The server's business clock: tokens are minted on it and verified against it.
+    pub clock: compute_domain::clock::Clock,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
@@ -680,17 +721,12 @@ async fn start_app_configured(
     configure: impl FnOnce(Server) -> Server,
 ) -> TestApp {
     init_logging();
-    let jwt_offset = Arc::new(std::sync::atomic::AtomicI64::new(0));
-    let offset = jwt_offset.clone();
     let verifier = Verifier::new(
         KeySource::Hs256(Secret::new(TEST_SECRET)),
         TEST_ISSUER,
         TEST_AUDIENCE,
     )
-    .expect("verifier")
-    .with_clock(Arc::new(move || {
-        chrono::Utc::now().timestamp() + offset.load(std::sync::atomic::Ordering::SeqCst)
-    }));
+    .expect("verifier");
     let registry = compute_domain::metrics::Registry::default();
     db.db.register_metrics(&registry);
     let server = configure(
@@ -703,6 +739,10 @@ async fn start_app_configured(
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let gateway = server.state().gateway.clone();
+    let clock = server.state().clock.clone();
+    if let Ok(mut clocks) = db.clocks.lock() {
+        clocks.push(clock.clone());
+    }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let handle = tokio::spawn(server.run(listener, async move {
         let _ = stopped.await;
@@ -712,7 +752,7 @@ async fn start_app_configured(
         db,
         gateway,
         http: reqwest::Client::new(),
-        jwt_offset,
+        clock,
         stop: Some(stop),
         server: Some(handle),
     }
@@ -741,16 +781,27 @@ impl TestApp {
             .expect("the body of /metrics")
     }
 
-    /// Moves the token verifier's clock `seconds` ahead: token expiry is tested by moving time,
-    /// not by waiting.
-    pub fn move_jwt_clock(&self, seconds: i64) {
-        self.jwt_offset
-            .fetch_add(seconds, std::sync::atomic::Ordering::SeqCst);
+    /// Claims as the tests' issuer signs them, made on this server's business clock: valid
+    /// for `ttl_seconds` from now, and since an hour ago (`nbf`), so another server on the same
+    /// database whose clock has not yet seen the test's last move of simulated time accepts
+    /// them. A test expires them by moving simulated time ([`TestDb::advance_clock`]), not by
+    /// waiting.
+    pub fn claims(
+        &self,
+        sub: &str,
+        tenant: Option<&str>,
+        roles: &[Role],
+        ttl_seconds: i64,
+    ) -> Claims {
+        let now = self.clock.now().timestamp();
+        let mut c = claims(sub, tenant, roles, ttl_seconds);
+        (c.iat, c.nbf, c.exp) = (Some(now), Some(now - 3600), now + ttl_seconds);
+        c
     }
 
-    /// A node daemon's token for `node`, valid for an hour.
+    /// A node daemon's token for `node`, valid for 23 hours of business time.
     pub fn node_token(&self, node: &str) -> String {
-        let mut c = claims(&format!("node:{node}"), None, &[Role::Node], 3600);
+        let mut c = self.claims(&format!("node:{node}"), None, &[Role::Node], DAY);
         c.node = Some(node.to_owned());
         mint(c)
     }
@@ -760,9 +811,9 @@ impl TestApp {
         format!("ws://{}/agent", self.addr)
     }
 
-    /// A token with `roles` for `tenant`, valid for an hour.
+    /// A token with `roles` for `tenant`, valid for an hour of business time.
     pub fn token(&self, sub: &str, tenant: Option<&str>, roles: &[Role]) -> String {
-        mint(claims(sub, tenant, roles, 3600))
+        mint(self.claims(sub, tenant, roles, 3600))
     }
 
     /// POSTs a GraphQL request; returns the status and the JSON body.
@@ -826,14 +877,20 @@ impl TestApp {
         .await;
     }
 
-    /// An operator's token (tenant `ops`).
+    /// An operator's token (tenant `ops`), valid for 23 hours of business time.
     pub fn operator(&self) -> String {
-        self.token("root@ops", Some("ops"), &[Role::Operator])
+        mint(self.claims("root@ops", Some("ops"), &[Role::Operator], DAY))
     }
 
-    /// A member's token for `tenant`.
+    /// A member's token for `tenant`, valid for 23 hours of business time (about the longest
+    /// the verifier accepts), so a test that moves simulated time by hours keeps its tokens.
     pub fn member(&self, tenant: &str) -> String {
-        self.token(&format!("alice@{tenant}"), Some(tenant), &[Role::Member])
+        mint(self.claims(
+            &format!("alice@{tenant}"),
+            Some(tenant),
+            &[Role::Member],
+            DAY,
+        ))
     }
 
     /// Runs a GraphQL request that must succeed; returns its `data`.
@@ -884,7 +941,8 @@ impl Drop for TestApp {
     }
 }
 
-/// Claims as the tests' issuer signs them.
+/// Claims as the tests' issuer signs them, made on the wall clock (a test with a server mints on its
+/// business clock: [`TestApp::claims`]).
 pub fn claims(sub: &str, tenant: Option<&str>, roles: &[Role], ttl_seconds: i64) -> Claims {
     let mut c = compute_api::auth::dev_claims(sub, tenant, roles, ttl_seconds);
     c.iss = TEST_ISSUER.into();

@@ -372,12 +372,11 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
     let expiry = tokio::time::sleep(valid_for);
     tokio::pin!(expiry);
     let mut window = (Instant::now(), 0u32);
+    // The silence timer runs on business time: it sleeps for what is left of `silent_after`,
+    // and looks again whenever the clock is sampled (simulated time moves only then).
+    let mut resampled = gateway.clock().resampled();
     let end: End = loop {
-        let silent_for = registered
-            .last_seen
-            .lock()
-            .map(|t| t.elapsed())
-            .unwrap_or_default();
+        let silent_for = gateway.silent_for(&registered);
         let silence = tokio::time::sleep(config.silent_after.saturating_sub(silent_for));
         tokio::select! {
             msg = socket.recv() => {
@@ -385,9 +384,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                     None | Some(Err(_)) => break End::new(1006, "", CloseReason::DaemonClosed),
                     Some(Ok(m)) => m,
                 };
-                if let Ok(mut t) = registered.last_seen.lock() {
-                    *t = Instant::now();
-                }
+                gateway.touch(&registered);
                 if window.0.elapsed() >= std::time::Duration::from_secs(1) {
                     window = (Instant::now(), 0);
                 }
@@ -546,9 +543,9 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                     break End::new(k.code, k.reason, reason);
                 }
             }
+            _ = resampled.changed() => {}
             () = silence => {
-                let silent = registered.last_seen.lock().map(|t| t.elapsed() >= config.silent_after).unwrap_or(true);
-                if silent {
+                if gateway.silent_for(&registered) >= config.silent_after {
                     break End::new(4408, "no message within the time allowed", CloseReason::Silent);
                 }
             }

@@ -456,6 +456,17 @@ impl Db {
             .await?)
     }
 
+    /// `compute_now()`, and whether it reads the simulated clock, in one round trip (what
+    /// [`crate::clock::Clock`] samples).
+    pub async fn compute_now_and_mode(&self) -> Result<(chrono::DateTime<chrono::Utc>, bool)> {
+        let row = sqlx::query!(
+            r#"SELECT compute_now() AS "now!", compute_clock_is_simulated() AS "simulated!""#
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((row.now, row.simulated))
+    }
+
     /// Whether `compute_now()` reads the simulated clock (tests and the simulator only).
     pub async fn clock_is_simulated(&self) -> Result<bool> {
         Ok(

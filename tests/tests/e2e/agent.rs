@@ -160,6 +160,43 @@ async fn a_session_connects_the_node_and_a_newer_one_supersedes_it() {
     );
 }
 
+/// The gateway's silence timer runs on business time: a daemon that sends nothing is cut off
+/// (`4408`) when simulated time passes `silent_after`, at once and not after that long on the
+/// wall clock; a second less leaves it open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_daemon_is_cut_off_when_business_time_passes_the_silence_limit() {
+    let (app, p, _r) = setup().await;
+    let node = &p.nodes[0];
+    let mut s = Session::open(&daemon(&app, node, "j1"))
+        .await
+        .expect("open");
+    let limit = app.gateway.config().silent_after.as_secs() as i64;
+    assert_eq!(limit, 15);
+    app.db.advance_clock(limit - 1).await;
+    assert_eq!(
+        s.closed(Duration::from_millis(500)).await,
+        None,
+        "14 s of silence is allowed"
+    );
+    app.db.advance_clock(1).await;
+    let closed = s
+        .closed(Duration::from_secs(5))
+        .await
+        .expect("cut off once 15 s of business time passed, without waiting 15 s");
+    assert_eq!(closed.code, 4408, "{closed:?}");
+    compute_tests::eventually("the node is disconnected", WAIT, || async {
+        (reachability(&app, node).await == "disconnected").then_some(())
+    })
+    .await;
+    let reason: String =
+        sqlx::query_scalar("SELECT close_reason FROM node_sessions WHERE node_id = $1")
+            .bind(node)
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("session");
+    assert_eq!(reason, "silent");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silence_is_disconnected_then_unreachable_and_bookings_stay() {
     let (app, p, mut r) = setup().await;

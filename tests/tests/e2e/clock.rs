@@ -18,7 +18,8 @@ async fn server_time_follows_the_simulated_clock() {
 
 #[tokio::test]
 async fn the_rust_clock_is_anchored_to_compute_now_and_measures_skew() {
-    let db = test_db().await;
+    // On the wall clock first: the skew measured is this process's against PostgreSQL's.
+    let db = compute_tests::test_db_on_wall_clock().await;
     let clock = Clock::anchored(&db.db).await.expect("anchor");
     let reading = clock.last_reading();
     assert!(
@@ -35,13 +36,15 @@ async fn the_rust_clock_is_anchored_to_compute_now_and_measures_skew() {
         reading.skew_ms > 0,
         "the simulated clock is ahead: {reading:?}"
     );
-    let now = clock.now();
-    assert_eq!(now.format("%Y-%m-%d").to_string(), "2030-01-01");
+    // Simulated time stands still between samples: the clock does not run on by itself.
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    assert_eq!(clock.now().to_rfc3339(), "2030-01-01T00:00:00+00:00");
 }
 
 #[tokio::test]
 async fn simulated_time_only_moves_forward_and_needs_switching_on() {
-    let db = test_db().await;
+    // A database on the wall clock, as production's: simulated time is switched on explicitly.
+    let db = compute_tests::test_db_on_wall_clock().await;
     let err = sqlx::query("SELECT compute_set_sim_clock('2030-01-01Z')")
         .execute(db.db.pool())
         .await

@@ -481,6 +481,15 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
         .expect("free");
     app.db.advance_clock(16).await;
     app.gateway.refresh_lease().await.expect("gateway lease");
+    // 16 s of business time without a word is past the gateway's silence limit (15 s): the
+    // second session is cut off, and the daemon opens a third.
+    let mut second = second;
+    let closed = second.closed(WAIT).await.expect("cut off by silence");
+    assert_eq!(closed.code, 4408, "{closed:?}");
+    let second = Session::open(&daemon_config(&app, node, "j1", 1))
+        .await
+        .expect("open a third");
+    assert_eq!(second.welcome.session_epoch, 3);
     let new = compute_domain::leases::acquire(db, &name, "successor", ttl)
         .await
         .expect("acquire")

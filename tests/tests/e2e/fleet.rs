@@ -476,8 +476,8 @@ async fn pool_ratios_reach_the_nodes_and_never_overcommit_them() {
 #[tokio::test]
 async fn cordon_taint_drain_and_retire_follow_the_state_table() {
     let app = spawn_app().await;
-    let op = app.operator();
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let op = app.operator();
     let f = small_fleet(&app, "life").await;
     let fields =
         "{ computeNode { lifecycle cordoned cordonReason version taints { key value effect } } }";
@@ -686,8 +686,8 @@ const CHANGE_MODE: &str = "mutation($i: ChangeDeviceModeInput!) { changeDeviceMo
 #[tokio::test]
 async fn a_mode_change_replaces_the_atoms_and_holds_the_gpu() {
     let app = spawn_app().await;
-    let op = app.operator();
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let op = app.operator();
     let f = small_fleet(&app, "mode").await;
     let (dev, uuid) = f.gpus[0].clone();
     let d = app
@@ -777,8 +777,8 @@ async fn a_mode_change_replaces_the_atoms_and_holds_the_gpu() {
 #[tokio::test]
 async fn a_mode_change_is_refused_while_an_atom_is_booked() {
     let app = spawn_app().await;
-    let op = app.operator();
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let op = app.operator();
     let f = small_fleet(&app, "busy").await;
     let (dev, uuid) = f.gpus[1].clone(); // the MIG GPU
     // An advance booking, an hour from now, on one instance.
@@ -1332,8 +1332,8 @@ async fn a_cordon_waits_for_a_placement_holding_the_node() {
 #[tokio::test]
 async fn capacity_over_a_window_sees_advance_bookings() {
     let app = spawn_app().await;
-    let op = app.operator();
     app.db.use_sim_clock("2031-06-01T00:00:00Z").await;
+    let op = app.operator();
     let f = small_fleet(&app, "window").await;
     let (dev, uuid) = f.gpus[0].clone();
     sqlx::query(

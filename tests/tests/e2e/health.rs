@@ -3,7 +3,11 @@ use serde_json::{Value, json};
 
 #[tokio::test]
 async fn readyz_reports_database_migrations_and_clock_skew() {
-    let app = spawn_app().await;
+    // The wall clock: production's `compute_now()`, which reports `simulated: false`.
+    let app = compute_tests::TestApp::builder()
+        .on(compute_tests::test_db_on_wall_clock().await)
+        .start()
+        .await;
     let res = app.http.get(app.url("/readyz")).send().await.expect("GET");
     assert_eq!(res.status().as_u16(), 200);
     let body: Value = res.json().await.expect("json");

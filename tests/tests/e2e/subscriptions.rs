@@ -236,11 +236,11 @@ async fn every_close_code_of_graphql_transport_ws() {
     assert_eq!(code, 4400);
     assert!(reason.contains("`start`"), "{reason}");
 
-    // 4403 again when the token expires while the connection is open. The verifier's clock
-    // moves to the token's last second (its hour plus the 5 s leeway): it is accepted, and has
-    // no time left, so the connection closes at once (no waiting on the wall clock).
+    // 4403 again when the token expires while the connection is open. Business time moves to
+    // the token's last second (its hour plus the 5 s leeway): it is accepted, and has no time
+    // left, so the connection closes at once (no waiting on the wall clock).
     let late = app.token("late", Some("acme"), &[Role::Member]);
-    app.move_jwt_clock(3600 + 5);
+    app.db.advance_clock(3600 + 5).await;
     let mut ws = subscribe(&app, &late, "s", EVENTS, json!({})).await;
     assert_eq!(
         close_of(&mut ws).await,
@@ -548,6 +548,8 @@ async fn a_cursor_before_the_pruned_front_is_expired() {
         .sharing(&app)
         .start()
         .await;
+    // Its token is new: the first expired in the week that passed.
+    let member = other.member("acme");
     let mut again = subscribe(&other, &member, "e", EVENTS, json!({ "after": cursor })).await;
     let msg = next_msg(&mut again).await;
     assert_eq!(msg["type"], "error", "{msg}");
@@ -779,29 +781,16 @@ async fn sse_streams_and_resumes_with_last_event_id() {
     let (status, _) = SseStream::open(&app, "nope", body, None).await;
     assert_eq!(status, 401);
     // A token that expires while the stream is open ends it: UNAUTHENTICATED, then complete.
-    // (The verifier's clock is moved to the token's last second, so it ends at once. That
-    // second is the last only while the wall clock stays in the second the token was made in:
-    // an open that a tick split found the token already expired, and is made again.)
-    let mut moved = 0;
-    let (status, mut late) = loop {
-        app.move_jwt_clock(-moved);
-        let made = chrono::Utc::now().timestamp();
-        let mut c = compute_tests::claims("late", Some("acme"), &[Role::Member], 3600);
-        (c.iat, c.nbf, c.exp) = (Some(made), Some(made - 5), made + 3600);
-        let late_token = compute_tests::mint(c);
-        app.move_jwt_clock(3600 + 5);
-        moved = 3600 + 5;
-        let opened = SseStream::open(
-            &app,
-            &late_token,
-            json!({ "query": EVENTS, "variables": { "types": ["test.tick"] } }),
-            None,
-        )
-        .await;
-        if chrono::Utc::now().timestamp() == made {
-            break opened;
-        }
-    };
+    // (Business time moves to the token's last second, so it ends at once.)
+    let late_token = app.token("late", Some("acme"), &[Role::Member]);
+    app.db.advance_clock(3600 + 5).await;
+    let (status, mut late) = SseStream::open(
+        &app,
+        &late_token,
+        json!({ "query": EVENTS, "variables": { "types": ["test.tick"] } }),
+        None,
+    )
+    .await;
     assert_eq!(status, 200);
     let e = late.next().await;
     let v: Value = serde_json::from_str(&e.data).expect("json");

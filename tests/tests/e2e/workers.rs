@@ -831,6 +831,7 @@ async fn webhooks_reach_only_public_addresses_and_follow_no_redirect() {
     // Private targets allowed: a redirect to the receiver is not followed.
     let app = spawn_app().await;
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let acme = app.member("acme");
     let (target, target_url) = start_receiver(Duration::ZERO).await;
     let redirector = start_redirector(target_url).await;
     let sink = app
@@ -991,7 +992,11 @@ async fn sinks_spread_over_dispatchers_when_one_joins() {
 
 #[tokio::test]
 async fn a_worker_serves_its_metrics_and_health() {
-    let app = spawn_app().await;
+    // On the wall clock first: the skew reported is this process's against PostgreSQL's.
+    let app = compute_tests::TestApp::builder()
+        .on(compute_tests::test_db_on_wall_clock().await)
+        .start()
+        .await;
     let db = app.db.db.clone();
     for key in ["a", "b", "c"] {
         enqueue_noop(&db, key).await;
