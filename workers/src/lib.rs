@@ -166,7 +166,7 @@ impl Reconciler {
             held: true,
             liveness,
             expired: reconcile::expire_due(&db).await?,
-            failed: reconcile::fail_lost(&db).await?,
+            failed: reconcile::fail_lost(&db).await? + reconcile::fail_overlapped(&db).await?,
             placed: reconcile::retry_pending(&db).await?,
             started: reconcile::activate_due(&db).await?,
         })

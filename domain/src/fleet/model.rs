@@ -38,8 +38,10 @@ text_enum!(
     Resource { Vcpu = "vcpu", MemoryMib = "memory_mib", DiskGib = "disk_gib" }
 );
 text_enum!(
-    /// Why a booking holds an atom (`device_bookings.reason`).
-    BookingReason { Allocation = "allocation", ModeChange = "mode_change" }
+    /// Why a booking holds an atom (`device_bookings.reason`): an allocation's, a mode change's
+    /// hold, or the hold left after the node's daemon refused the allocation's devices
+    /// (`DEVICE_OVERLAP`: something else runs on them), until the end of the reservation's window.
+    BookingReason { Allocation = "allocation", ModeChange = "mode_change", OverlapHold = "overlap_hold" }
 );
 
 /// A name: trimmed, 1 to 100 characters, no control characters.

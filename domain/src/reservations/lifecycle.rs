@@ -81,6 +81,16 @@ async fn close_out(
     conditions: Option<Vec<Condition>>,
 ) -> Result<Reservation> {
     give_back(conn, rsv).await?;
+    record_end(conn, rsv, to, conditions).await
+}
+
+/// The reservation's terminal state, its conditions and its event.
+async fn record_end(
+    conn: &mut PgConnection,
+    rsv: &Reservation,
+    to: State,
+    conditions: Option<Vec<Condition>>,
+) -> Result<Reservation> {
     let rsv = query_reservations!(
         "UPDATE reservations r SET state = $2, next_attempt_at = NULL,
            ended_at = CASE WHEN $2 = 'expired' THEN r.ends_at ELSE compute_now() END,
@@ -482,6 +492,106 @@ pub(crate) async fn fail_lost(db: &Db, id: &ReservationId) -> Result<()> {
                     counts: Vec::new(),
                 }];
                 close_out(conn, &rsv, State::Failed, Some(condition)).await?;
+                Ok(())
+            })
+        },
+    )
+    .await
+}
+
+/// Fails a scheduled or active reservation one of whose instances the node's daemon refused with
+/// `DEVICE_OVERLAP` (the reconciler's step): quota and scalars come back, but the refused
+/// allocations' atoms stay booked, as `overlap_hold` bookings (never billed), until the end of
+/// the window they were booked for: the daemon says something else runs on them, so placement
+/// must not hand them to anyone else before an operator has looked. One transaction, in the
+/// lock order of every release: the reservation row, quota, the bookings (the allocation's end,
+/// then the holds), `node_resources`, the reservation's state and its `reservation.failed` event,
+/// whose `DeviceOverlap` condition names the node, the atoms and until when they are held.
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
+pub(crate) async fn fail_overlapped(db: &Db, id: &ReservationId) -> Result<()> {
+    db.tx(
+        "fail_reservation_on_device_overlap",
+        TxKind::Maintenance,
+        |conn| {
+            let id = id.clone();
+            Box::pin(async move {
+                let from = states(Action::Fail);
+                let rsv = query_reservations!(
+                    "SELECT",
+                    "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE",
+                    id.as_str(),
+                    &from as &[&str],
+                )
+                .fetch_optional(&mut *conn)
+                .await?;
+                let Some(rsv) = rsv else {
+                    return Err(conflict(format!("reservation {id} cannot fail now")));
+                };
+                // The refused allocations, and what their holds will cover: from now (or the
+                // booking's start, if later) to the booking's end.
+                let holds = sqlx::query!(
+                    r#"SELECT DISTINCT b.atom AS "atom!", b.device_id AS "device_id!", n.hostname AS "host!",
+                              greatest(lower(b.during), compute_now()) AS "from!", upper(b.during) AS "until!"
+                         FROM instances i
+                         JOIN commands c ON c.workflow_id = i.id AND c.error_code = 'DEVICE_OVERLAP'
+                         JOIN allocations a ON a.id = i.allocation_id
+                         JOIN nodes n ON n.id = a.node_id
+                         JOIN device_bookings b ON b.allocation_id = a.id AND upper(b.during) > compute_now()
+                        WHERE i.reservation_id = $1 AND i.state = 'failed'
+                        ORDER BY b.atom"#,
+                    id.as_str(),
+                )
+                .fetch_all(&mut *conn)
+                .await?;
+                let refused: bool = sqlx::query_scalar!(
+                    r#"SELECT EXISTS (SELECT 1 FROM instances i
+                         JOIN commands c ON c.workflow_id = i.id AND c.error_code = 'DEVICE_OVERLAP'
+                        WHERE i.reservation_id = $1 AND i.state = 'failed') AS "refused!""#,
+                    id.as_str(),
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                if !refused {
+                    return Err(conflict(format!(
+                        "reservation {id} has no instance refused with DEVICE_OVERLAP"
+                    )));
+                }
+                give_back(conn, &rsv).await?;
+                let atoms: Vec<String> = holds.iter().map(|h| h.atom.clone()).collect();
+                let devices: Vec<String> = holds.iter().map(|h| h.device_id.clone()).collect();
+                let froms: Vec<DateTime<Utc>> = holds.iter().map(|h| h.from).collect();
+                let untils: Vec<DateTime<Utc>> = holds.iter().map(|h| h.until).collect();
+                sqlx::query!(
+                    "INSERT INTO device_bookings (atom, device_id, reason, during)                      SELECT h.atom, h.device_id, 'overlap_hold', tstzrange(h.f, h.t)                        FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::timestamptz[]) AS h(atom, device_id, f, t)",
+                    &atoms,
+                    &devices,
+                    &froms,
+                    &untils,
+                )
+                .execute(&mut *conn)
+                .await?;
+                let mut hosts: Vec<&str> = holds.iter().map(|h| h.host.as_str()).collect();
+                hosts.dedup();
+                let held = match untils.iter().max() {
+                    Some(until) => format!(
+                        "; {} stay booked until {}, the end of its window, for an operator to look at the node",
+                        atoms.join(", "),
+                        until.to_rfc3339()
+                    ),
+                    None => String::new(),
+                };
+                let condition = vec![Condition {
+                    kind: "DeviceOverlap".into(),
+                    status: ConditionStatus::True,
+                    reason: Some("DaemonRefused".into()),
+                    message: Some(format!(
+                        "the daemon of {} refused its devices: a workload it runs holds one (DEVICE_OVERLAP){held}",
+                        hosts.join(", ")
+                    )),
+                    since: None,
+                    counts: Vec::new(),
+                }];
+                record_end(conn, &rsv, State::Failed, Some(condition)).await?;
                 Ok(())
             })
         },

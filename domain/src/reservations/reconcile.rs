@@ -208,6 +208,32 @@ pub async fn fail_lost(db: &Db) -> Result<u64> {
     Ok(moved)
 }
 
+/// Fails every scheduled or active reservation one of whose instances the node's daemon refused
+/// with `DEVICE_OVERLAP` (its devices held until the window's end: [`lifecycle::fail_overlapped`]);
+/// one transaction per reservation. Level-triggered: it finds them by the failed run commands
+/// (a partial index, migration 0024), so a crash between the instance's failure and this loses
+/// nothing.
+pub async fn fail_overlapped(db: &Db) -> Result<u64> {
+    let due = sqlx::query_scalar!(
+        r#"SELECT DISTINCT r.id AS "id: ReservationId" FROM commands c
+             JOIN instances i ON i.id = c.workflow_id AND i.state = 'failed'
+             JOIN reservations r ON r.id = i.reservation_id
+            WHERE c.error_code = 'DEVICE_OVERLAP' AND r.state IN ('scheduled', 'active')
+            ORDER BY r.id LIMIT 500"#,
+    )
+    .fetch_all(db.pool())
+    .await?;
+    let mut moved = 0;
+    for id in due {
+        match lifecycle::fail_overlapped(db, &id).await {
+            Ok(()) => moved += 1,
+            Err(e) if moved_by_someone_else(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(moved)
+}
+
 fn request_of(a: &Allocation) -> AllocationRequest {
     AllocationRequest {
         gpu_kind: a.gpu_kind,

@@ -579,3 +579,193 @@ async fn a_running_instance_survives_its_node_going_unreachable_and_back() {
         assert_eq!(*seconds, 60.0, "{windows:?}");
     }
 }
+
+/// A daemon that refuses an instance's devices (`DEVICE_OVERLAP`: a workload it runs holds one)
+/// fails the instance and then, at the reconciler's next pass, the reservation: quota and vCPU
+/// come back and a `reservation.failed` event carries the `DeviceOverlap` condition, but the
+/// atom stays booked (`overlap_hold`, no allocation, so never billed) until the end of the
+/// reservation's window, and is bookable again only then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its_end() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let p = pool(&app).await;
+    let acme = app.member("acme");
+    let one_on_a =
+        json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]);
+    let r = app
+        .ok(&acme, CREATE, input(&p.pool, "r1", one_on_a.clone()))
+        .await["createReservation"]["reservation"]
+        .clone();
+    assert_eq!(r["state"], "ACTIVE");
+    let rsv = r["id"].as_str().expect("id").to_owned();
+    let allocation = r["allocations"][0]["id"]
+        .as_str()
+        .expect("allocation")
+        .to_owned();
+    let node = r["allocations"][0]["computeNodeId"]
+        .as_str()
+        .expect("node")
+        .to_owned();
+    let atom = r["allocations"][0]["atoms"][0]
+        .as_str()
+        .expect("atom")
+        .to_owned();
+    let db = &app.db.db;
+
+    let journal = compute_sim::journal("j1");
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let daemon = tokio::spawn(compute_sim::run_daemon(
+        crate::commands::daemon_config(&app, &node, "j1", 1),
+        compute_sim::Behaviour {
+            journal: Some(journal.clone()),
+            ..compute_sim::Behaviour::default()
+        },
+        stopped,
+        |_, _| {},
+    ));
+    let mut workers = Workers::new(&app);
+    // A workload the reservation does not know already runs on its GPU (an operator's, or a
+    // leak): the daemon holds the atom for it.
+    let run = "mutation($i: RunCommandInput!) { runCommand(input: $i) { command { id } } }";
+    let stray = app
+        .ok(
+            &app.operator(),
+            run,
+            json!({ "i": { "computeNodeId": node, "kind": "RUN_INSTANCE", "idempotencyKey": "stray",
+            "args": { "instanceId": "stray", "devices": [atom] } } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let started = tokio::time::Instant::now();
+    loop {
+        workers.step().await;
+        let c = app
+            .ok(
+                &app.operator(),
+                "query($id: ID!) { command(id: $id) { state } }",
+                json!({ "id": stray }),
+            )
+            .await;
+        if c["command"]["state"] == "SUCCEEDED" {
+            break;
+        }
+        assert!(started.elapsed() < WAIT, "the stray workload runs: {c}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let made = app
+        .ok(&acme, CREATE_INSTANCE, json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1", "idempotencyKey": "i1" } }))
+        .await["createInstance"]["instance"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    step_until(&app, &mut workers, &made, "FAILED").await;
+    let s = state(&app, &acme, &made).await;
+    assert!(
+        s["reason"]
+            .as_str()
+            .expect("reason")
+            .contains("DEVICE_OVERLAP"),
+        "{s}"
+    );
+
+    let mut reconciler = compute_workers::Reconciler::new(db.clone(), "worker-overlap");
+    let pass = reconciler.pass().await.expect("pass");
+    assert_eq!(pass.failed, 1, "{pass:?}");
+    let got = app
+        .ok(
+            &acme,
+            "query($id: ID!) { reservation(id: $id) { state conditions { type status reason message } } }",
+            json!({ "id": rsv }),
+        )
+        .await;
+    assert_eq!(got["reservation"]["state"], "FAILED", "{got}");
+    let condition = &got["reservation"]["conditions"][0];
+    assert_eq!(
+        (condition["type"].as_str(), condition["reason"].as_str()),
+        (Some("DeviceOverlap"), Some("DaemonRefused")),
+        "{got}"
+    );
+    let message = condition["message"].as_str().expect("message");
+    assert!(
+        message.contains(&atom) && message.contains("2031-01-01T02:00:00"),
+        "names the atom held and until when: {message}"
+    );
+    // Quota and vCPU came back; the atom did not.
+    let (quota, vcpu): (f64, i64) = sqlx::query_as(
+        "SELECT (SELECT coalesce(sum(used), 0)::float8 FROM quota_usage WHERE tenant_id = 'acme'), \
+                (SELECT coalesce(sum(allocated), 0)::bigint FROM node_resources WHERE resource = 'vcpu')",
+    )
+    .fetch_one(db.pool())
+    .await
+    .expect("counters");
+    assert_eq!((quota, vcpu), (0.0, 0));
+    let held: Vec<(String, bool, String)> = sqlx::query_as(
+        "SELECT reason, allocation_id IS NULL, to_char(upper(during) AT TIME ZONE 'UTC', 'HH24:MI') \
+           FROM device_bookings WHERE atom = $1 AND upper(during) > compute_now()",
+    )
+    .bind(&atom)
+    .fetch_all(db.pool())
+    .await
+    .expect("bookings");
+    assert_eq!(
+        held,
+        [("overlap_hold".to_owned(), true, "02:00".to_owned())]
+    );
+    let failed: Vec<Value> = sqlx::query_scalar(
+        "SELECT data FROM outbox WHERE subject = $1 AND type = 'reservation.failed'",
+    )
+    .bind(&rsv)
+    .fetch_all(db.pool())
+    .await
+    .expect("events");
+    assert_eq!(failed.len(), 1, "one event says so: {failed:?}");
+    assert!(
+        failed[0].to_string().contains("DeviceOverlap"),
+        "{}",
+        failed[0]
+    );
+    // Placement does not hand the held GPU out: every GPU of h100-a but the held one can be
+    // reserved, and then h100-a has none left.
+    let gpus: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM devices WHERE node_id = $1 AND retired_at IS NULL",
+    )
+    .bind(&node)
+    .fetch_one(db.pool())
+    .await
+    .expect("gpus");
+    for k in 1..gpus {
+        let d = app
+            .ok(
+                &acme,
+                CREATE,
+                input(&p.pool, &format!("after-{k}"), one_on_a.clone()),
+            )
+            .await;
+        let placed = &d["createReservation"]["reservation"];
+        assert_eq!(placed["state"], "ACTIVE", "{d}");
+        assert_ne!(
+            placed["allocations"][0]["atoms"][0].as_str(),
+            Some(atom.as_str())
+        );
+    }
+    let d = app
+        .ok(
+            &acme,
+            CREATE,
+            input(&p.pool, "after-last", one_on_a.clone()),
+        )
+        .await;
+    assert_eq!(
+        d["createReservation"]["reservation"]["state"], "PENDING",
+        "{d}"
+    );
+    // A second pass changes nothing more.
+    assert_eq!(reconciler.pass().await.expect("pass").failed, 0);
+    let _ = stop.send(true);
+    let _ = daemon.await;
+}
