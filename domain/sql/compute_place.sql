@@ -1,8 +1,8 @@
--- The current definition, as migrations/0015_reservation_hot_path.sql left it. Change it with a new migration
+-- The current definition, as migrations/0025_place_contention_switch.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE FUNCTION compute_place(p_id text, p_from timestamptz, p_to timestamptz, p_sample integer, p_describe text[])
+CREATE OR REPLACE FUNCTION compute_place(p_id text, p_from timestamptz, p_to timestamptz, p_sample integer, p_describe text[])
     RETURNS jsonb
     LANGUAGE plpgsql
     AS $fn$
@@ -136,6 +136,11 @@ BEGIN
                     WHEN SQLSTATE 'CPLR0' THEN
                         GET STACKED DIAGNOSTICS v_reason = MESSAGE_TEXT;
                     WHEN lock_not_available OR deadlock_detected THEN
+                        -- The lock-order tests (`Db::without_contention_retry`) say so: a deadlock
+                        -- fails the call, so an inversion of the order cannot be replanned away.
+                        IF SQLSTATE = '40P01' AND current_setting('compute.contention_retry', true) = 'off' THEN
+                            RAISE;
+                        END IF;
                         v_reason := 'a lock wait timed out';
                 END;
                 EXIT WHEN v_reason IS NULL;

@@ -79,6 +79,18 @@ impl TxKind {
             self.statement_timeout().as_millis(),
         )
     }
+
+    /// [`TxKind::begin_statement`], and with `retry_contention` false also
+    /// `SET LOCAL compute.contention_retry = 'off'`, which tells the SQL functions that replan
+    /// on a deadlock (`compute_place`, migration 0025) to fail instead ([`Db::without_contention_retry`]).
+    fn begin_statement_retrying(self, retry_contention: bool) -> String {
+        let begin = self.begin_statement();
+        if retry_contention {
+            begin
+        } else {
+            format!("{begin}; SET LOCAL compute.contention_retry = 'off'")
+        }
+    }
 }
 
 /// How many times a transaction is attempted when it hits a deadlock or serialization failure.
@@ -196,8 +208,9 @@ impl Db {
     }
 
     /// This handle with deadlocks (40P01) and serialization failures (40001) returned at once as
-    /// [`Error::Contention`] instead of retried: a test mode, in which an inversion of the
-    /// documented lock order fails a test instead of being retried away.
+    /// [`Error::Contention`] instead of retried, by `Db::tx` and by the placement's replanning
+    /// inside `compute_place`: a test mode, in which an inversion of the documented lock order
+    /// fails a test instead of being retried away.
     pub fn without_contention_retry(mut self) -> Db {
         self.retry_contention = false;
         self
@@ -435,7 +448,10 @@ impl Db {
     where
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T>,
     {
-        let mut tx = self.pool.begin_with(kind.begin_statement()).await?;
+        let mut tx = self
+            .pool
+            .begin_with(kind.begin_statement_retrying(self.retry_contention))
+            .await?;
         if let Some(fence) = fence {
             fence::check(&mut tx, fence).await?;
         }

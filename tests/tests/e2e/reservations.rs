@@ -1517,3 +1517,81 @@ async fn a_contested_placement_replans_elsewhere_and_gives_up_after_three_attemp
     .expect("bookings");
     assert_eq!(booked, 0, "every attempt rolled back to its savepoint");
 }
+
+/// Under the lock-order tests' mode (`Db::without_contention_retry`) a deadlock inside a
+/// placement attempt fails the call (`40P01`, nothing written) instead of being taken for a
+/// lost race and replanned away; without it, the same deadlock is replanned. The deadlock is
+/// made on purpose: a second transaction holds node h100-a's counters, the placement pinned to
+/// h100-a waits on them while it holds the node row `FOR SHARE`, and the second transaction then
+/// asks for the node row `FOR UPDATE` (the documented order inverted). PostgreSQL's detector
+/// runs first in the placement's backend, which waited first, and aborts its statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_inside_placement_fails_the_call_when_contention_is_not_retried() {
+    use compute_domain::idempotency::Actor;
+    use compute_domain::reservations::lifecycle::create_reservation;
+    use compute_domain::reservations::model::{AllocationInput, parse_request};
+    let app = spawn_app().await;
+    let p = pool(&app).await;
+    let a = p.nodes[0].clone();
+    let acme = Actor::member("alice", compute_tests::tenant("acme"));
+    let now = app.db.db.compute_now().await.expect("now");
+    let request = parse_request(
+        &p.pool,
+        None,
+        now + chrono::Duration::hours(1),
+        &[AllocationInput {
+            gpu_count: 1,
+            vcpu: 1,
+            node_selector: vec![("host".into(), "h100-a".into())],
+            ..AllocationInput::default()
+        }],
+    )
+    .expect("request");
+    let deadlock = |db: compute_domain::db::Db, key: &'static str| {
+        let (app, a, acme, request) = (&app, a.clone(), acme.clone(), request.clone());
+        async move {
+            let mut side = app
+                .db
+                .db
+                .pool()
+                .begin()
+                .await
+                .expect("a second transaction");
+            sqlx::query(
+                "SELECT 1 FROM node_resources WHERE node_id = $1 ORDER BY resource FOR UPDATE",
+            )
+            .bind(&a)
+            .execute(&mut *side)
+            .await
+            .expect("hold the counters");
+            let placing =
+                tokio::spawn(async move { create_reservation(&db, &acme, request, key).await });
+            app.until_lock_waiters(1).await;
+            sqlx::query("SELECT 1 FROM nodes WHERE id = $1 FOR UPDATE")
+                .bind(&a)
+                .execute(&mut *side)
+                .await
+                .expect("the node row, once the placement let it go");
+            side.rollback().await.expect("let go");
+            placing.await.expect("join")
+        }
+    };
+    let strict = deadlock(app.db.db.clone().without_contention_retry(), "dl-strict").await;
+    match strict {
+        Err(compute_domain::Error::Contention { sqlstate, attempts }) => {
+            assert_eq!((sqlstate.as_str(), attempts), ("40P01", 1));
+        }
+        other => panic!("a deadlock fails the call in this mode: {other:?}"),
+    }
+    assert_eq!(app.count("reservations").await, 0, "nothing written");
+    // The same deadlock in production's mode: the attempt is replanned without h100-a, the only
+    // node the selector allows, so the reservation waits, pending.
+    let (made, stats) = deadlock(app.db.db.clone(), "dl-replanned")
+        .await
+        .expect("replanned, not failed");
+    assert_eq!(stats.replans, 1);
+    assert_eq!(
+        made.value.state,
+        compute_domain::reservations::state::State::Pending
+    );
+}
