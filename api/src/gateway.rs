@@ -168,6 +168,16 @@ impl Gateway {
         self.0.clock.since(since)
     }
 
+    /// When a session's daemon has been silent for `silent_after`, by business time.
+    pub fn silence_ends(&self, registered: &Registered) -> DateTime<Utc> {
+        let since = registered.last_seen.lock().map(|t| *t).unwrap_or_default();
+        since
+            .checked_add_signed(
+                chrono::Duration::from_std(self.0.config.silent_after).unwrap_or_default(),
+            )
+            .unwrap_or(since)
+    }
+
     /// Records a frame from a session's daemon, now by business time.
     pub fn touch(&self, registered: &Registered) {
         if let Ok(mut t) = registered.last_seen.lock() {

@@ -95,6 +95,37 @@ impl Clock {
         self.samples.subscribe()
     }
 
+    /// Business time `d` from now: the deadline of a timer on business time ([`Clock::sleep_until`]).
+    pub fn after(&self, d: Duration) -> DateTime<Utc> {
+        chrono::Duration::from_std(d)
+            .ok()
+            .and_then(|d| self.now().checked_add_signed(d))
+            .unwrap_or(DateTime::<Utc>::MAX_UTC)
+    }
+
+    /// Resolves when business time reaches `at`. It sleeps on the monotonic clock for what is
+    /// left and measures again at every sample ([`Clock::resampled`]), so a move of simulated
+    /// time past `at` ends it at once, and in production it ends when the monotonic time runs out.
+    pub async fn sleep_until(&self, at: DateTime<Utc>) {
+        let mut resampled = self.resampled();
+        loop {
+            let Ok(left) = (at - self.now()).to_std() else {
+                return;
+            };
+            if left.is_zero() {
+                return;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(left) => {}
+                changed = resampled.changed() => {
+                    if changed.is_err() {
+                        tokio::time::sleep(left).await;
+                    }
+                }
+            }
+        }
+    }
+
     /// How long business time has run since `since` (zero if `since` is ahead).
     pub fn since(&self, since: DateTime<Utc>) -> Duration {
         (self.now() - since).to_std().unwrap_or_default()

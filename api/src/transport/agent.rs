@@ -369,15 +369,20 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
         }
     };
     tokio::pin!(stopping);
-    let expiry = tokio::time::sleep(valid_for);
+    // The session ends when its token expires, by business time.
+    let expiry = {
+        let clock = gateway.clock().clone();
+        let until = clock.after(valid_for);
+        async move { clock.sleep_until(until).await }
+    };
     tokio::pin!(expiry);
     let mut window = (Instant::now(), 0u32);
     // The silence timer runs on business time: it sleeps for what is left of `silent_after`,
     // and looks again whenever the clock is sampled (simulated time moves only then).
-    let mut resampled = gateway.clock().resampled();
     let end: End = loop {
-        let silent_for = gateway.silent_for(&registered);
-        let silence = tokio::time::sleep(config.silent_after.saturating_sub(silent_for));
+        let silence = gateway
+            .clock()
+            .sleep_until(gateway.silence_ends(&registered));
         tokio::select! {
             msg = socket.recv() => {
                 let msg = match msg {
@@ -543,7 +548,6 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                     break End::new(k.code, k.reason, reason);
                 }
             }
-            _ = resampled.changed() => {}
             () = silence => {
                 if gateway.silent_for(&registered) >= config.silent_after {
                     break End::new(4408, "no message within the time allowed", CloseReason::Silent);

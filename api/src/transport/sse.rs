@@ -192,15 +192,21 @@ async fn stream_events(
     peer: Option<Peer>,
     tx: mpsc::Sender<SseEvent>,
 ) {
-    let expires = viewer.as_ref().map_or(
-        std::time::Duration::from_secs(100 * 365 * 24 * 3600),
-        Viewer::valid_for,
-    );
+    // The stream ends when the token expires, by business time.
+    let expires = viewer.as_ref().map(|v| app.clock.after(v.valid_for()));
     let mut request = crate::graph::with_loaders(request, &app.db);
     let admitted = app.admission.admit(&mut request, viewer.as_ref(), peer);
     let (request, streaming) = Streaming::attach(request, viewer);
     let mut responses = crate::transport::execute_streaming(&app, request, admitted);
-    let expiry = tokio::time::sleep(expires);
+    let expiry = {
+        let clock = app.clock.clone();
+        async move {
+            match expires {
+                Some(until) => clock.sleep_until(until).await,
+                None => std::future::pending().await,
+            }
+        }
+    };
     tokio::pin!(expiry);
     let mut shutdown = app.shutdown.clone();
     let stopping = async move {

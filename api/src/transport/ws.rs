@@ -25,7 +25,6 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::time::Duration;
 
 use axum::extract::FromRequestParts;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
@@ -36,7 +35,7 @@ use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 use tracing::{Instrument, debug};
 
 use crate::auth::{Viewer, bearer};
@@ -143,19 +142,27 @@ struct Conn {
     acked: bool,
     ops: HashMap<String, tokio::task::AbortHandle>,
     out_tx: mpsc::Sender<(String, Out)>,
-    expiry: Pin<Box<Sleep>>,
+    /// Ends when the token expires, by business time ([`Clock::sleep_until`]).
+    ///
+    /// [`Clock::sleep_until`]: compute_domain::clock::Clock::sleep_until
+    expiry: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
     /// The connection's place among its identity's streams, from the acknowledgement on.
     stream: Option<crate::limits::StreamGuard>,
 }
 
-/// A far deadline, for timers that are off.
-fn never() -> Instant {
-    Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)
-}
-
-/// When `viewer`'s token stops being valid.
-fn expiry_of(viewer: Option<&Viewer>) -> Instant {
-    viewer.map_or_else(never, |v| Instant::now() + v.valid_for())
+/// Ends when `viewer`'s token stops being valid, by business time; never without a token.
+fn expiry_of(
+    app: &AppState,
+    viewer: Option<&Viewer>,
+) -> Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    match viewer {
+        None => Box::pin(std::future::pending()),
+        Some(v) => {
+            let clock = app.clock.clone();
+            let until = clock.after(v.valid_for());
+            Box::pin(async move { clock.sleep_until(until).await })
+        }
+    }
 }
 
 async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Option<Viewer>) {
@@ -163,7 +170,7 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
     let (out_tx, mut out_rx) = mpsc::channel::<(String, Out)>(16);
     let config = app.tailer.config().clone();
     let mut conn = Conn {
-        expiry: Box::pin(tokio::time::sleep_until(expiry_of(viewer.as_ref()))),
+        expiry: expiry_of(&app, viewer.as_ref()),
         app: app.clone(),
         protocol,
         sink,
@@ -351,7 +358,7 @@ impl Conn {
             let token = bearer(token).unwrap_or(token);
             match self.app.verifier.verify(token) {
                 Ok(viewer) => {
-                    self.expiry.as_mut().reset(expiry_of(Some(&viewer)));
+                    self.expiry = expiry_of(&self.app, Some(&viewer));
                     self.viewer = Some(viewer);
                 }
                 Err(e) => return Err(self.forbid(&e.to_string()).await),

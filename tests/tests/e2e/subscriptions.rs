@@ -246,6 +246,16 @@ async fn every_close_code_of_graphql_transport_ws() {
         close_of(&mut ws).await,
         (4403, "Forbidden: the bearer token has expired".into())
     );
+    // And while it is open: the connection's expiry runs on business time, so moving simulated
+    // time past the token's hour and leeway closes it at once (on the wall clock it would stay
+    // open for the hour).
+    let hour = app.token("hour", Some("acme"), &[Role::Member]);
+    let mut ws = subscribe(&app, &hour, "s", EVENTS, json!({})).await;
+    app.db.advance_clock(3600 + 6).await;
+    assert_eq!(
+        close_of(&mut ws).await,
+        (4403, "Forbidden: the bearer token has expired".into())
+    );
 }
 
 #[tokio::test]
@@ -510,8 +520,15 @@ async fn a_cursor_before_the_pruned_front_is_expired() {
     emit(&app, Some("acme"), &["old", "older"]).await;
     let old = next_msg(&mut ws).await;
     let cursor = event_of(&old)["cursor"].clone();
-    assert_eq!(subjects(&mut ws, 1).await, ["older"]);
+    let older = next_msg(&mut ws).await;
+    assert_eq!(event_of(&older)["subject"], "older");
+    let older_cursor = event_of(&older)["cursor"].clone();
     app.db.advance_clock(8 * 24 * 3600).await;
+    // A week is past the subscriber's token: its connection ends (business time).
+    assert_eq!(
+        close_of(&mut ws).await,
+        (4403, "Forbidden: the bearer token has expired".into())
+    );
     emit(&app, Some("acme"), &["new"]).await;
     // Both old events go; the front is "older", so a client that saw only "old" has lost one.
     // The pruner leaves events at or past the cluster's snapshot xmin, which an open transaction
@@ -555,7 +572,15 @@ async fn a_cursor_before_the_pruned_front_is_expired() {
     assert_eq!(msg["type"], "error", "{msg}");
     assert_eq!(msg["payload"][0]["extensions"]["code"], "CURSOR_EXPIRED");
     // The new event was kept: a cursor after the pruned front still works.
-    let front = next_msg(&mut ws).await;
+    let mut fresh = subscribe(
+        &other,
+        &member,
+        "f",
+        EVENTS,
+        json!({ "after": older_cursor, "types": ["test.tick"] }),
+    )
+    .await;
+    let front = next_msg(&mut fresh).await;
     assert_eq!(event_of(&front)["subject"], "new");
 }
 
