@@ -112,7 +112,7 @@ async fn main() {
     let api = sibling("test-api");
     let worker = sibling("test-worker");
     let agent_bin = sibling("test-agent");
-    let test_db = compute_tests::test_db_with(8).await;
+    let test_db = compute_tests::test_db_on_wall_clock_with(8).await;
     let db = test_db.db.clone();
     // One node of `instances` whole H100s (at least one), as an operator registers it.
     let pool = gpu_fleet(&db, 1, 1, instances.max(1)).await.remove(0);

@@ -196,7 +196,10 @@ async fn main() {
     println!("the cache answers {:.1}x faster", full / cached);
 
     let bare = bare_server().await;
-    let app = compute_tests::spawn_app().await;
+    let app = compute_tests::TestApp::builder()
+        .on(compute_tests::test_db_on_wall_clock().await)
+        .start()
+        .await;
     let member = app.member("acme");
     let bare_url = format!("http://{bare}/graphql");
     let api_url = app.url("/graphql");

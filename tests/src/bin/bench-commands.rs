@@ -179,7 +179,7 @@ async fn main() {
     let m: i64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let api = sibling("test-api");
     let worker = sibling("test-worker");
-    let test_db = compute_tests::test_db_with(8).await;
+    let test_db = compute_tests::test_db_on_wall_clock_with(8).await;
     let db = test_db.db.clone();
     let nodes = Arc::new(seed_nodes(&db, n).await);
     // The daemons start at the nodes' generation: no apply_spec in the figures.

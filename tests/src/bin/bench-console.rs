@@ -50,7 +50,10 @@ async fn main() {
     let mut args = std::env::args().skip(1);
     let nodes: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1000);
     let reservations: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(300);
-    let app = compute_tests::spawn_app().await;
+    let app = compute_tests::TestApp::builder()
+        .on(compute_tests::test_db_on_wall_clock().await)
+        .start()
+        .await;
     let started = Instant::now();
     let pools = compute_tests::bench::gpu_fleet(&app.db.db, 1, nodes, 8).await;
     let pool = pools[0].to_string();

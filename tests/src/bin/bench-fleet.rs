@@ -78,6 +78,7 @@ async fn main() {
         |i: usize, default: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(default);
     let (requests, pools, per_pool) = (arg(1, 300), arg(2, 9), arg(3, 250));
     let app = compute_tests::TestApp::builder()
+        .on(compute_tests::test_db_on_wall_clock().await)
         .limits(compute_api::limits::Limits {
             max_cost: u64::MAX,
             budget_per_minute: u64::MAX / 2,

@@ -62,7 +62,7 @@ async fn main() {
     let n: i64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let seconds: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(30);
     let binary = sibling("test-api");
-    let test_db = compute_tests::test_db_with(4).await;
+    let test_db = compute_tests::test_db_on_wall_clock_with(4).await;
     let db = test_db.db.clone();
     let nodes = seed_nodes(&db, n).await;
     let port = free_port();

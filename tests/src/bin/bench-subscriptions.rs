@@ -88,7 +88,7 @@ async fn main() {
         );
         std::process::exit(2);
     }
-    let test_db = compute_tests::test_db_with(4).await;
+    let test_db = compute_tests::test_db_on_wall_clock_with(4).await;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
     let addr = listener.local_addr().expect("addr");
     drop(listener);

@@ -55,7 +55,7 @@ async fn count(db: &Db, sql: &str) -> i64 {
 }
 
 async fn queue_run(binary: &std::path::Path, items: usize, processes: usize) {
-    let test_db = compute_tests::test_db_with(8).await;
+    let test_db = compute_tests::test_db_on_wall_clock_with(8).await;
     let db = test_db.db.clone();
     let mut children: Vec<_> = (0..processes)
         .map(|_| worker(binary, &test_db.url, "reconcile", WorkKind::Noop.as_str()))
@@ -150,7 +150,7 @@ async fn queue_run(binary: &std::path::Path, items: usize, processes: usize) {
 }
 
 async fn webhook_run(binary: &std::path::Path, events: usize) {
-    let test_db = compute_tests::test_db_with(4).await;
+    let test_db = compute_tests::test_db_on_wall_clock_with(4).await;
     let db = test_db.db.clone();
     let received = Arc::new(AtomicU64::new(0));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
