@@ -599,12 +599,16 @@ async fn main() {
     // quarter within a minute, and paths measured one after the other would see different
     // machines. The figures are of all rounds together; each round's ratios are printed too.
     for (m, &mode) in sync_modes.iter().enumerate() {
-        sqlx::raw_sql(&format!(
-            "ALTER SYSTEM SET synchronous_commit = '{mode}'; SELECT pg_reload_conf();"
-        ))
-        .execute(db.pool())
-        .await
-        .expect("synchronous_commit (the benchmark's cluster is its own)");
+        // Two statements: ALTER SYSTEM cannot run in the transaction a multi-statement string is.
+        for sql in [
+            format!("ALTER SYSTEM SET synchronous_commit = '{mode}'"),
+            "SELECT pg_reload_conf()".to_owned(),
+        ] {
+            sqlx::raw_sql(&sql)
+                .execute(db.pool())
+                .await
+                .expect("synchronous_commit (the benchmark's cluster is its own)");
+        }
         let _ = writeln!(
             std::io::stdout().lock(),
             "\nsynchronous_commit = {mode}\n\
@@ -703,10 +707,15 @@ async fn main() {
             );
         }
     }
-    sqlx::raw_sql("ALTER SYSTEM RESET synchronous_commit; SELECT pg_reload_conf();")
-        .execute(db.pool())
-        .await
-        .expect("synchronous_commit back");
+    for sql in [
+        "ALTER SYSTEM RESET synchronous_commit",
+        "SELECT pg_reload_conf()",
+    ] {
+        sqlx::raw_sql(sql)
+            .execute(db.pool())
+            .await
+            .expect("synchronous_commit back");
+    }
     let pool_id = pools[0].clone();
     if !scale_out {
         return;
