@@ -410,6 +410,7 @@ pub struct LivenessPass {
 /// due. One transaction per node for the transitions; at most 500 of each per pass.
 pub async fn liveness_pass(db: &Db) -> Result<LivenessPass> {
     let outage_seconds = note_pass(db).await?;
+    extend_after_outage(db).await?;
     let mut pass = LivenessPass {
         outage_seconds,
         ..LivenessPass::default()
@@ -476,8 +477,8 @@ pub async fn liveness_pass(db: &Db) -> Result<LivenessPass> {
 }
 
 /// Records this pass; when the previous one is older than [`OUTAGE_THRESHOLD`], records the
-/// outage and moves every disconnected node's `unreachable_at` to at least 40 s + 5 min from
-/// now. Returns the gap when it was an outage.
+/// outage ([`extend_after_outage`] then gives the disconnected nodes their grace). Returns the
+/// gap when it was an outage.
 async fn note_pass(db: &Db) -> Result<Option<f64>> {
     db.tx("liveness_note_pass", TxKind::Maintenance, |conn| {
         Box::pin(async move {
@@ -494,16 +495,35 @@ async fn note_pass(db: &Db) -> Result<Option<f64>> {
             )
             .fetch_one(&mut *conn)
             .await?;
-            if gap.is_some() {
-                sqlx::query!(
-                    "UPDATE nodes SET unreachable_at = greatest(coalesce(unreachable_at, joined_at + interval '40 seconds'), \
-                                                          compute_unreachable_at('outage')) \
-                      WHERE reachability = 'disconnected' AND retired_at IS NULL",
-                )
-                .execute(&mut *conn)
-                .await?;
-            }
             Ok(gap)
+        })
+    })
+    .await
+}
+
+/// Within 5 min 40 s of the last outage, moves every disconnected node's `unreachable_at` to
+/// the end of that grace. Every pass runs it (level-triggered: a pass that died after recording
+/// the outage loses nothing). It never waits on a node row: rows another transaction holds
+/// (a placement's `FOR SHARE`) are skipped and taken at the next pass, and until the grace
+/// ends no node becomes unreachable anyway ([`transition`] checks it). Until session 28 this
+/// was one `UPDATE` of every disconnected node inside the outage's transaction, which waited on
+/// the rows a placement of several allocations held while that placement waited on the rows
+/// it held: a deadlock (the torture test's, once in three runs).
+async fn extend_after_outage(db: &Db) -> Result<u64> {
+    db.tx("liveness_outage_grace", TxKind::Maintenance, |conn| {
+        Box::pin(async move {
+            Ok(sqlx::query!(
+                "WITH t AS (SELECT last_outage_at + interval '340 seconds' AS target FROM liveness_passes \
+                             WHERE id = 1 AND last_outage_at + interval '340 seconds' > compute_now()), \
+                      due AS (SELECT n.id FROM nodes n, t \
+                               WHERE n.reachability = 'disconnected' AND n.retired_at IS NULL \
+                                 AND coalesce(n.unreachable_at, n.joined_at + interval '40 seconds') < t.target \
+                               ORDER BY n.id FOR NO KEY UPDATE OF n SKIP LOCKED) \
+                 UPDATE nodes n SET unreachable_at = t.target FROM due, t WHERE n.id = due.id",
+            )
+            .execute(&mut *conn)
+            .await?
+            .rows_affected())
         })
     })
     .await
@@ -536,6 +556,8 @@ async fn transition(db: &Db, id: &NodeId, to: Transition) -> Result<bool> {
                       WHERE n.id = $1 AND n.reachability = 'disconnected' AND n.retired_at IS NULL \
                         AND coalesce(n.unreachable_at, n.joined_at + interval '40 seconds') <= compute_now() \
                         AND NOT EXISTS (SELECT 1 FROM node_sessions s WHERE s.node_id = n.id AND s.closed_at IS NULL) \
+                        AND NOT EXISTS (SELECT 1 FROM liveness_passes p \
+                                         WHERE p.id = 1 AND p.last_outage_at + interval '340 seconds' > compute_now()) \
                       RETURNING",
                     "",
                     id.as_str(),
