@@ -451,6 +451,20 @@ pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
     .await
 }
 
+/// Locks a reservation that may fail now (scheduled or active), or says it cannot.
+async fn lock_to_fail(conn: &mut PgConnection, id: &ReservationId) -> Result<Reservation> {
+    let from = states(Action::Fail);
+    query_reservations!(
+        "SELECT",
+        "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE",
+        id.as_str(),
+        &from as &[&str],
+    )
+    .fetch_optional(&mut *conn)
+    .await?
+    .ok_or_else(|| conflict(format!("reservation {id} cannot fail now")))
+}
+
 /// Fails a scheduled or active reservation one of whose nodes is lost (the reconciler's step):
 /// its bookings end now, quota first, then scalars come back.
 #[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
@@ -461,18 +475,7 @@ pub(crate) async fn fail_lost(db: &Db, id: &ReservationId) -> Result<()> {
         |conn| {
             let id = id.clone();
             Box::pin(async move {
-                let from = states(Action::Fail);
-                let rsv = query_reservations!(
-                    "SELECT",
-                    "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE",
-                    id.as_str(),
-                    &from as &[&str],
-                )
-                .fetch_optional(&mut *conn)
-                .await?;
-                let Some(rsv) = rsv else {
-                    return Err(conflict(format!("reservation {id} cannot fail now")));
-                };
+                let rsv = lock_to_fail(conn, &id).await?;
                 let hosts = sqlx::query_scalar!(
                 "SELECT DISTINCT n.hostname FROM allocations a JOIN nodes n ON n.id = a.node_id \
                   WHERE a.reservation_id = $1 AND n.reachability = 'lost' ORDER BY 1",
@@ -515,18 +518,7 @@ pub(crate) async fn fail_overlapped(db: &Db, id: &ReservationId) -> Result<()> {
         |conn| {
             let id = id.clone();
             Box::pin(async move {
-                let from = states(Action::Fail);
-                let rsv = query_reservations!(
-                    "SELECT",
-                    "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE",
-                    id.as_str(),
-                    &from as &[&str],
-                )
-                .fetch_optional(&mut *conn)
-                .await?;
-                let Some(rsv) = rsv else {
-                    return Err(conflict(format!("reservation {id} cannot fail now")));
-                };
+                let rsv = lock_to_fail(conn, &id).await?;
                 // The refused allocations, and what their holds will cover: from now (or the
                 // booking's start, if later) to the booking's end.
                 let holds = sqlx::query!(
