@@ -448,15 +448,25 @@ impl Db {
     where
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T>,
     {
-        let mut tx = self
-            .pool
-            .begin_with(kind.begin_statement_retrying(self.retry_contention))
+        let mut conn = Abandonable::new(self.pool.acquire().await?);
+        let ran = async {
+            let mut tx = sqlx::Connection::begin_with(
+                conn.get(),
+                kind.begin_statement_retrying(self.retry_contention),
+            )
             .await?;
-        if let Some(fence) = fence {
-            fence::check(&mut tx, fence).await?;
+            if let Some(fence) = fence {
+                fence::check(&mut tx, fence).await?;
+            }
+            let value = body(&mut tx).await?;
+            tx.commit().await?;
+            Ok::<T, Error>(value)
         }
-        let value = body(&mut tx).await?;
-        tx.commit().await?;
+        .await;
+        // Ran to its end, committed or not: a transaction that failed was dropped whole, and
+        // sqlx rolls it back before the connection is reused.
+        conn.finished();
+        let value = ran?;
         if !kind.read_only()
             && let Some(poker) = &self.poker
         {
@@ -498,6 +508,45 @@ impl Db {
             .fetch_one(&self.pool)
             .await?;
         Ok(())
+    }
+}
+
+/// A pooled connection that is closed, not returned to the pool, when the future using it is
+/// dropped before [`Abandonable::finished`] (a request abandoned by its client, a worker loop
+/// stopped mid-step). sqlx queues a `ROLLBACK` for a dropped [`sqlx::Transaction`], but not for one
+/// dropped while its `BEGIN` is still in flight: that connection would go back to the pool inside
+/// an open transaction, and every later autocommit statement on it (a lease taken, a lease
+/// released) would hold its row locks until the connection's next `COMMIT`. Closing the connection
+/// ends whatever transaction it had on the server.
+struct Abandonable {
+    conn: sqlx::pool::PoolConnection<sqlx::Postgres>,
+    finished: bool,
+}
+
+impl Abandonable {
+    fn new(conn: sqlx::pool::PoolConnection<sqlx::Postgres>) -> Self {
+        Self {
+            conn,
+            finished: false,
+        }
+    }
+
+    fn get(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+
+    /// The work ran to its end (committed, or failed with its transaction dropped whole, which
+    /// sqlx rolls back): the connection may go back to the pool.
+    fn finished(&mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for Abandonable {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.conn.close_on_drop();
+        }
     }
 }
 

@@ -173,3 +173,67 @@ async fn deadlocks_and_serialization_failures_are_retried_then_reported() {
         .expect("count");
     assert_eq!(n, 1, "failed attempts left nothing");
 }
+
+/// A transaction abandoned at any moment (a client gone, a loop stopped mid-step) leaves no open
+/// transaction behind: the next autocommit statement on the pool commits at once. sqlx queues no
+/// `ROLLBACK` for a transaction dropped while its `BEGIN` is in flight, so without the closing
+/// guard in `Db::tx` that connection returned to the pool inside the transaction, and a later
+/// write on it stayed uncommitted, holding its locks (a lease row, in CI through PgBouncer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_abandoned_at_any_moment_leaves_no_transaction_open() {
+    let t = test_db().await;
+    sqlx::query("CREATE TABLE probe (n int PRIMARY KEY)")
+        .execute(t.db.pool())
+        .await
+        .expect("table");
+    // One connection, so each probe runs on the connection the abandoned transaction had.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&t.url)
+        .await
+        .expect("pool");
+    let db = Db::from_pool(pool);
+    let mut observer = sqlx::PgConnection::connect(&t.url).await.expect("observer");
+    let mut abandoned_mid_flight = 0;
+    for n in 0..400i32 {
+        let work = {
+            let db = db.clone();
+            tokio::spawn(async move {
+                db.tx("abandoned", TxKind::Write, |conn| {
+                    Box::pin(async move {
+                        sqlx::query("SELECT 1").execute(conn).await?;
+                        Ok(())
+                    })
+                })
+                .await
+            })
+        };
+        // Abandon it somewhere between its acquire and its commit (blocking this thread while
+        // the other worker thread runs it).
+        std::thread::sleep(std::time::Duration::from_micros(
+            u64::from(n as u32 % 40) * 15,
+        ));
+        work.abort();
+        if matches!(work.await, Err(e) if e.is_cancelled()) {
+            abandoned_mid_flight += 1;
+        }
+        sqlx::query("INSERT INTO probe (n) VALUES ($1)")
+            .bind(n)
+            .execute(db.pool())
+            .await
+            .expect("probe");
+        let (seen,): (i64,) = sqlx::query_as("SELECT count(*) FROM probe WHERE n = $1")
+            .bind(n)
+            .fetch_one(&mut observer)
+            .await
+            .expect("observe");
+        assert_eq!(
+            seen, 1,
+            "probe {n}: an autocommit write after an abandoned transaction is not committed"
+        );
+    }
+    assert!(
+        abandoned_mid_flight > 50,
+        "the test abandons transactions in flight ({abandoned_mid_flight} of 400)"
+    );
+}
