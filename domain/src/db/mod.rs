@@ -328,7 +328,36 @@ impl Db {
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
-        self.run(name, kind, self.fence.as_ref(), body).await
+        self.run(name, kind, Mode::Transaction(self.fence.as_ref()), body)
+            .await
+    }
+
+    /// Runs `body`, which sends exactly one statement, in that statement's own implicit
+    /// transaction: one round trip in all where [`Db::tx`] takes three (`BEGIN`, the work,
+    /// `COMMIT`), and no backend waits idle in a transaction on this process meanwhile. For a
+    /// write done by one SQL function that states what a `BEGIN` of `kind` would: it checks READ
+    /// COMMITTED and sets `lock_timeout` ([`TxKind::lock_timeout`]) and the contention switch
+    /// ([`Db::retries_contention`]) with `set_config(…, true)`; its time is bounded by the
+    /// connection's `statement_timeout` ([`PoolSettings::statement_timeout`]). Deadlocks and
+    /// serialization failures run it again as [`Db::tx`] does, with the same span and metrics.
+    /// A fenced handle refuses it (the fence is a statement of the transaction).
+    pub async fn statement<T, F>(&self, name: &'static str, kind: TxKind, body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
+    {
+        if self.fence.is_some() {
+            return Err(Error::internal(format!(
+                "{name}: a fenced handle runs transactions, not single statements"
+            )));
+        }
+        self.run(name, kind, Mode::Statement, body).await
+    }
+
+    /// Whether deadlocks and serialization failures are retried (false only in the lock-order
+    /// tests, [`Db::without_contention_retry`]); a single-statement call passes it to its SQL.
+    pub fn retries_contention(&self) -> bool {
+        self.retry_contention
     }
 
     /// This handle with every transaction fenced by `fence`: the first statement of each checks
@@ -347,7 +376,7 @@ impl Db {
         &self,
         name: &'static str,
         kind: TxKind,
-        fence: Option<&fence::Fence>,
+        mode: Mode<'_>,
         body: F,
     ) -> Result<T>
     where
@@ -357,7 +386,7 @@ impl Db {
         let span = tracing::debug_span!("tx", tx.name = name, tx.kind = kind.label());
         let started = std::time::Instant::now();
         let result = self
-            .run_in_span(name, kind, fence, body)
+            .run_in_span(name, kind, mode, body)
             .instrument(span)
             .await;
         let labels = crate::metrics::TxLabels {
@@ -384,7 +413,7 @@ impl Db {
         &self,
         name: &'static str,
         kind: TxKind,
-        fence: Option<&fence::Fence>,
+        mode: Mode<'_>,
         mut body: F,
     ) -> Result<T>
     where
@@ -393,7 +422,11 @@ impl Db {
     {
         let mut attempt = 1;
         loop {
-            match self.try_tx(kind, fence, &mut body).await {
+            let attempt_result = match mode {
+                Mode::Transaction(fence) => self.try_tx(kind, fence, &mut body).await,
+                Mode::Statement => self.try_statement(kind, &mut body).await,
+            };
+            match attempt_result {
                 Err(Error::Contention { sqlstate, .. })
                     if attempt < MAX_ATTEMPTS && self.retry_contention =>
                 {
@@ -436,7 +469,8 @@ impl Db {
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
-        self.run(name, kind, Some(fence), body).await
+        self.run(name, kind, Mode::Transaction(Some(fence)), body)
+            .await
     }
 
     async fn try_tx<T, F>(
@@ -467,6 +501,22 @@ impl Db {
         // sqlx rolls it back before the connection is reused.
         conn.finished();
         let value = ran?;
+        if !kind.read_only()
+            && let Some(poker) = &self.poker
+        {
+            poker.poke();
+        }
+        Ok(value)
+    }
+
+    async fn try_statement<T, F>(&self, kind: TxKind, body: &mut F) -> Result<T>
+    where
+        F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T>,
+    {
+        // No guard: a statement abandoned mid-flight leaves no transaction open (its implicit
+        // one ends with it), and sqlx reads its answer before reusing the connection.
+        let mut conn = self.pool.acquire().await?;
+        let value = body(&mut conn).await?;
         if !kind.read_only()
             && let Some(poker) = &self.poker
         {
@@ -548,6 +598,13 @@ impl Drop for Abandonable {
             self.conn.close_on_drop();
         }
     }
+}
+
+/// How [`Db::run`] runs its body: in a transaction (fenced or not), or as one statement.
+#[derive(Clone, Copy)]
+enum Mode<'f> {
+    Transaction(Option<&'f fence::Fence>),
+    Statement,
 }
 
 /// Connection counts of the pool.

@@ -126,8 +126,9 @@ pub struct CreateStats {
 /// response under the idempotency key, all in one transaction and one round trip inside it
 /// (`compute_create_reservation`, migration 0015, which follows the lock order and the
 /// idempotency rules of [`idempotency`]). The same statement answers with the reservation it
-/// wrote or replays (`compute_reservation_json`, migration 0018), so nothing is read back:
-/// three round trips in all (`BEGIN`, the call, `COMMIT`).
+/// wrote or replays (`compute_reservation_json`, migration 0018), so nothing is read back; and
+/// it is one statement in its own implicit transaction (`compute_create_reservation_call`,
+/// migration 0026, through [`Db::statement`]): one round trip in all.
 #[tracing::instrument(level = "debug", skip_all, fields(pool = %req.pool_id, subject = %actor.subject))]
 pub async fn create_reservation(
     db: &Db,
@@ -162,7 +163,9 @@ pub async fn create_reservation(
     let allocations = serde_json::Value::Array(allocations);
     let gpu = super::model::gpu_charge(&req.allocations);
     let scope = actor.idempotency_scope();
-    db.tx("create_reservation", TxKind::Write, |conn| {
+    let retry_contention = db.retries_contention();
+    let lock_timeout_ms = TxKind::Write.lock_timeout().as_millis() as i32;
+    db.statement("create_reservation", TxKind::Write, |conn| {
         let (actor, key, fingerprint, req, rsv_id, allocations, tenant, scope) = (
             actor.clone(),
             key.clone(),
@@ -173,14 +176,12 @@ pub async fn create_reservation(
             tenant.clone(),
             scope.clone(),
         );
+        let cancel = CancelOnDrop::new(db, &rsv_id);
         Box::pin(async move {
-            // `OFFSET 0` keeps the call a subquery evaluated before the outer row, whose
-            // (volatile) `compute_reservation_json` then sees what the call wrote.
-            let answer = sqlx::query!(
-                r#"SELECT x.o AS "outcome!", compute_reservation_json(x.o->>'reservationId') AS reservation
-                     FROM (SELECT compute_create_reservation($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
-                                                             $13::float8::numeric, $14, $15, $16) AS o
-                           OFFSET 0) x"#,
+            let mut cancel = cancel;
+            let answer: std::result::Result<Value, sqlx::Error> = sqlx::query_scalar!(
+                r#"SELECT compute_create_reservation_call($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+                                                         $13::float8::numeric, $14, $15, $16, $17, $18) AS "answer!""#,
                 scope,
                 actor.subject,
                 key,
@@ -197,21 +198,34 @@ pub async fn create_reservation(
                 RETRY_SECONDS as i32,
                 crate::work_queue::SHARDS,
                 super::placement::SAMPLE,
+                lock_timeout_ms,
+                retry_contention,
             )
             .fetch_one(&mut *conn)
-            .await?;
-            Ok(match CreateAnswer::decode(answer.outcome)? {
+            .await;
+            // Answered or failed: the statement ended, there is nothing left to cancel.
+            cancel.disarm();
+            let mut answer = answer?;
+            let reservation = answer
+                .get_mut("reservation")
+                .map(serde_json::Value::take)
+                .filter(|r| !r.is_null());
+            let outcome = answer
+                .get_mut("outcome")
+                .map(serde_json::Value::take)
+                .unwrap_or_default();
+            Ok(match CreateAnswer::decode(outcome)? {
                 CreateAnswer::Refused { error } => Err(error.into()),
                 CreateAnswer::Created { replans, .. } => Ok((
                     Outcome {
-                        value: ReservationJson::decode(answer.reservation)?,
+                        value: ReservationJson::decode(reservation)?,
                         replayed: false,
                     },
                     CreateStats { replans },
                 )),
                 CreateAnswer::Replay { .. } => Ok((
                     Outcome {
-                        value: ReservationJson::decode(answer.reservation)?,
+                        value: ReservationJson::decode(reservation)?,
                         replayed: true,
                     },
                     CreateStats { replans: 0 },
@@ -220,6 +234,55 @@ pub async fn create_reservation(
         })
     })
     .await?
+}
+
+/// Cancels the create's statement when the request is dropped before its answer (its client
+/// left): the call runs in its own implicit transaction, which commits when the statement ends
+/// whether or not anyone still waits for it. The call names its backend
+/// `compute create <reservation id>` for its transaction (migration 0026); dropped armed, this
+/// sends `pg_cancel_backend` to the backend of that name from another connection, so a call
+/// still waiting on a lock or working fails and writes nothing. One that already ended is not
+/// touched: the name goes with its transaction.
+struct CancelOnDrop {
+    db: Db,
+    name: Option<String>,
+}
+
+impl CancelOnDrop {
+    fn new(db: &Db, id: &ReservationId) -> Self {
+        CancelOnDrop {
+            db: db.clone(),
+            name: Some(format!("compute create {id}")),
+        }
+    }
+
+    /// The statement answered: nothing to cancel.
+    fn disarm(&mut self) {
+        self.name = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        let (Some(name), Ok(runtime)) = (self.name.take(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let pool = self.db.pool().clone();
+        runtime.spawn(async move {
+            let cancelled = sqlx::query_scalar!(
+                r#"SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) AS "n!" FROM pg_stat_activity
+                    WHERE application_name = $1 AND datname = current_database()"#,
+                name,
+            )
+            .fetch_one(&pool)
+            .await;
+            match cancelled {
+                Ok(n) => tracing::info!(statement = %name, cancelled = n, "the client left: its create is cancelled"),
+                Err(e) => tracing::warn!(statement = %name, error = %e, "cancelling an abandoned create failed; it commits if it can"),
+            }
+        });
+    }
 }
 
 /// What `compute_create_reservation` answers (`domain/sql/compute_create_reservation.sql`),

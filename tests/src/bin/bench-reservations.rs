@@ -43,11 +43,16 @@
 //! `compute-api serve` processes (this package's `test-api` build), the requests spread over
 //! them in turn: reservations/s with one and with two API processes.
 //!
+//! With `profile` among the arguments it first runs 2,000 requests of graphql and of the
+//! random-node function at 8 clients with `track_functions = 'pl'` and prints each PL/pgSQL
+//! function's calls and time per request (`pg_stat_user_functions`): where the server's time
+//! per reservation goes.
+//!
 //! Asserts nothing: a benchmark, not a test.
 //!
 //! ```sh
 //! cargo build --release -p compute-tests
-//! target/release/bench-reservations [requests per round] [clients…] [rounds=N] [pools=P] [nodes=N] [sync=on|off] [scale-out]
+//! target/release/bench-reservations [requests per round] [clients…] [rounds=N] [pools=P] [nodes=N] [sync=on|off] [profile] [scale-out]
 //! ```
 
 use std::io::Write;
@@ -237,6 +242,63 @@ fn postgres_cpu(postmaster: u32) -> f64 {
         }
     }
     total as f64 / 100.0
+}
+
+/// With `profile`: 2,000 requests of `path` at 8 clients with `track_functions = 'pl'`, then
+/// each PL/pgSQL function's calls and time (its own, and with what it calls) per request, from
+/// `pg_stat_user_functions`: where the server's time per reservation goes.
+async fn profile<F, Fut>(db: &compute_domain::db::Db, postmaster: u32, path: &str, one: F)
+where
+    F: Fn(usize) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = bool> + Send,
+{
+    reset(db).await;
+    run(64, 8, postmaster, one.clone()).await;
+    for sql in [
+        "ALTER SYSTEM SET track_functions = 'pl'",
+        "SELECT pg_reload_conf()",
+    ] {
+        sqlx::raw_sql(sql).execute(db.pool()).await.expect(sql);
+    }
+    // Let every backend see the new setting and flush what it counted (at most once a second).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::query("SELECT pg_stat_reset()")
+        .execute(db.pool())
+        .await
+        .expect("reset");
+    let n = 2000;
+    let r = run(n, 8, postmaster, one).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let rows: Vec<(String, i64, f64, f64)> = sqlx::query_as(
+        "SELECT funcname::text, calls, self_time, total_time FROM pg_stat_user_functions ORDER BY self_time DESC",
+    )
+    .fetch_all(db.pool())
+    .await
+    .expect("pg_stat_user_functions");
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "\nprofile of {path}: {n} requests at 8 clients, {:.0}/s, PostgreSQL CPU {:.2} ms per request\n\
+         function                              calls/request  self ms/request  total ms/request",
+        r.rate(),
+        r.cpu_ms()
+    );
+    for (name, calls, own, total) in rows {
+        let _ = writeln!(
+            out,
+            "{name:<38}  {:>12.2}  {:>15.3}  {:>16.3}",
+            calls as f64 / n as f64,
+            own / n as f64,
+            total / n as f64
+        );
+    }
+    drop(out);
+    for sql in [
+        "ALTER SYSTEM RESET track_functions",
+        "SELECT pg_reload_conf()",
+    ] {
+        sqlx::raw_sql(sql).execute(db.pool()).await.expect(sql);
+    }
 }
 
 struct Run {
@@ -593,6 +655,10 @@ async fn main() {
          reference {reference_statements:.1}, random-node {random_statements:.1}"
     );
     drop(out);
+    if args.iter().any(|a| a == "profile") {
+        profile(&db, postmaster, "graphql", graphql(2000)).await;
+        profile(&db, postmaster, "random-node", random_node(2000)).await;
+    }
     const PATHS: [&str; 3] = ["graphql", "reference", "random-node"];
     // Each client count runs the three paths in `rounds` rounds of `requests`, in turn (the
     // order rotated every round) and each on an emptied fleet: this machine's speed drifts by a

@@ -352,10 +352,11 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
     // updates this after the database, so it is never ahead of `compute_now()`).
     let clock = Arc::new(AtomicI64::new(0));
     let flipped_to_zero = Arc::new(AtomicBool::new(false));
+    let ticking = tokio::sync::Mutex::new(0u32);
     let done = Arc::new(AtomicBool::new(false));
 
     let tasks = futures_util::stream::iter(0..OPERATIONS).map(|i| {
-        let gateway = &gateway;
+        let (gateway, ticking) = (&gateway, &ticking);
         let (url, http, op_token, tokens, pool, nodes, devices, created, tally, clock, flipped_to_zero, app) = (
             url.clone(),
             app.http.clone(),
@@ -520,9 +521,18 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                     record("cancel", &label, &body);
                 }
                 75..=77 => {
-                    app.db.advance_clock(TICK_SECONDS).await;
-                    clock.fetch_add(TICK_SECONDS, Ordering::SeqCst);
-                    record("clock tick", "30 s", &Value::Null);
+                    // Ticks take turns (the move, the flush, the pass), so the liveness passes
+                    // are one tick apart and no pass takes two ticks for an outage by chance;
+                    // the fourth tick alone jumps 90 s, an outage the pass notices (its grace
+                    // holds every disconnected node for 340 s), and the rest of the run is long
+                    // enough after it for nodes to become unreachable while placements race.
+                    let mut ticks = ticking.lock().await;
+                    *ticks += 1;
+                    let outage = *ticks == 4;
+                    let seconds = if outage { 3 * TICK_SECONDS } else { TICK_SECONDS };
+                    app.db.advance_clock(seconds).await;
+                    clock.fetch_add(seconds, Ordering::SeqCst);
+                    record("clock tick", if outage { "90 s (an outage)" } else { "30 s" }, &Value::Null);
                     // The liveness reconciler reacts to the time that passed (nodes long
                     // disconnected become unreachable), racing the placements in flight.
                     let pass = async {
@@ -530,10 +540,12 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                         compute_domain::node_sessions::liveness_pass(&app.db.db).await
                     };
                     let outcome = match pass.await {
+                        Ok(p) if p.outage_seconds.is_some() => "an outage noticed".to_owned(),
                         Ok(p) if p.unreachable > 0 => "some unreachable".to_owned(),
                         Ok(_) => "ok".to_owned(),
                         Err(e) => e.code().as_str().to_owned(),
                     };
+                    drop(ticks);
                     record("liveness pass", &outcome, &Value::Null);
                 }
                 78 | 79 => {
