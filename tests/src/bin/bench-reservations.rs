@@ -43,6 +43,9 @@
 //! `compute-api serve` processes (this package's `test-api` build), the requests spread over
 //! them in turn: reservations/s with one and with two API processes.
 //!
+//! `db-pool=N` sets the connections every path shares (the API's pool; the API's default, 16,
+//! unless given).
+//!
 //! With `profile` among the arguments it first runs 2,000 requests of graphql and of the
 //! random-node function at 8 clients with `track_functions = 'pl'` and prints each PL/pgSQL
 //! function's calls and time per request (`pg_stat_user_functions`): where the server's time
@@ -52,7 +55,7 @@
 //!
 //! ```sh
 //! cargo build --release -p compute-tests
-//! target/release/bench-reservations [requests per round] [clients…] [rounds=N] [pools=P] [nodes=N] [sync=on|off] [profile] [scale-out]
+//! target/release/bench-reservations [requests per round] [clients…] [rounds=N] [pools=P] [nodes=N] [sync=on|off] [db-pool=N] [profile] [scale-out]
 //! ```
 
 use std::io::Write;
@@ -247,13 +250,18 @@ fn postgres_cpu(postmaster: u32) -> f64 {
 /// With `profile`: 2,000 requests of `path` at 8 clients with `track_functions = 'pl'`, then
 /// each PL/pgSQL function's calls and time (its own, and with what it calls) per request, from
 /// `pg_stat_user_functions`: where the server's time per reservation goes.
-async fn profile<F, Fut>(db: &compute_domain::db::Db, postmaster: u32, path: &str, one: F)
-where
-    F: Fn(usize) -> Fut + Send + Sync + Clone + 'static,
+async fn profile<F, Fut>(
+    db: &compute_domain::db::Db,
+    postmaster: u32,
+    path: &str,
+    warm: F,
+    one: F,
+) where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = bool> + Send,
 {
     reset(db).await;
-    run(64, 8, postmaster, one.clone()).await;
+    run(64, 8, postmaster, warm).await;
     for sql in [
         "ALTER SYSTEM SET track_functions = 'pl'",
         "SELECT pg_reload_conf()",
@@ -456,7 +464,14 @@ async fn main() {
         client_counts = vec![8, 32];
     }
     let max_clients = client_counts.iter().copied().max().unwrap_or(8);
-    let test_db = compute_tests::test_db_on_wall_clock_with(max_clients as u32 + 8).await;
+    // `db-pool=N`: the connections every path shares; by default the API's own default
+    // (`PoolSettings`, 16), which served more than one per client (fewer backends contend less
+    // for the two cores: docs/performance.md).
+    let db_pool = named(
+        "db-pool",
+        compute_domain::db::PoolSettings::default().max_connections as usize,
+    );
+    let test_db = compute_tests::test_db_on_wall_clock_with(db_pool as u32).await;
     let app = Arc::new(compute_tests::TestApp::builder().on(test_db).start().await);
     let db = app.db.db.clone();
     let _ = DB.set(db.clone());
@@ -536,7 +551,7 @@ async fn main() {
         out,
         "fleet: {} nodes × {GPUS_PER_NODE} H100 = {} GPUs in {} pool(s), {TENANTS} tenants (seeded in {:.1} s); \
          {requests} requests per path in each of {rounds} rounds, each 1 GPU now for 1 h with 4 vCPU and 8 GiB \
-         in the pools in turn, unique keys",
+         in the pools in turn, unique keys; {db_pool} pooled connections",
         nodes_of.iter().map(Vec::len).sum::<usize>(),
         nodes_of.iter().map(Vec::len).sum::<usize>() * GPUS_PER_NODE,
         pools.len(),
@@ -656,8 +671,8 @@ async fn main() {
     );
     drop(out);
     if args.iter().any(|a| a == "profile") {
-        profile(&db, postmaster, "graphql", graphql(2000)).await;
-        profile(&db, postmaster, "random-node", random_node(2000)).await;
+        profile(&db, postmaster, "graphql", graphql(2001), graphql(2000)).await;
+        profile(&db, postmaster, "random-node", random_node(2001), random_node(2000)).await;
     }
     const PATHS: [&str; 3] = ["graphql", "reference", "random-node"];
     // Each client count runs the three paths in `rounds` rounds of `requests`, in turn (the
