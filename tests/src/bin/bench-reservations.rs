@@ -250,13 +250,8 @@ fn postgres_cpu(postmaster: u32) -> f64 {
 /// With `profile`: 2,000 requests of `path` at 8 clients with `track_functions = 'pl'`, then
 /// each PL/pgSQL function's calls and time (its own, and with what it calls) per request, from
 /// `pg_stat_user_functions`: where the server's time per reservation goes.
-async fn profile<F, Fut>(
-    db: &compute_domain::db::Db,
-    postmaster: u32,
-    path: &str,
-    warm: F,
-    one: F,
-) where
+async fn profile<F, Fut>(db: &compute_domain::db::Db, postmaster: u32, path: &str, warm: F, one: F)
+where
     F: Fn(usize) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = bool> + Send,
 {
@@ -463,7 +458,6 @@ async fn main() {
     if client_counts.is_empty() {
         client_counts = vec![8, 32];
     }
-    let max_clients = client_counts.iter().copied().max().unwrap_or(8);
     // `db-pool=N`: the connections every path shares; by default the API's own default
     // (`PoolSettings`, 16), which served more than one per client (fewer backends contend less
     // for the two cores: docs/performance.md).
@@ -672,7 +666,14 @@ async fn main() {
     drop(out);
     if args.iter().any(|a| a == "profile") {
         profile(&db, postmaster, "graphql", graphql(2001), graphql(2000)).await;
-        profile(&db, postmaster, "random-node", random_node(2001), random_node(2000)).await;
+        profile(
+            &db,
+            postmaster,
+            "random-node",
+            random_node(2001),
+            random_node(2000),
+        )
+        .await;
     }
     const PATHS: [&str; 3] = ["graphql", "reference", "random-node"];
     // Each client count runs the three paths in `rounds` rounds of `requests`, in turn (the

@@ -346,6 +346,11 @@ async fn command_torture_no_command_runs_twice_or_is_lost() {
         elapsed.as_secs_f64(),
         problems.len()
     );
+    // The violations too, so a failed run in CI can be read from the report CI prints.
+    let report = problems
+        .iter()
+        .take(30)
+        .fold(report, |r, p| format!("{r}  {p}\n"));
     eprint!("{report}");
     let _ = std::fs::write(
         std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("command-torture-report.txt"),
