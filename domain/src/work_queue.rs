@@ -66,6 +66,33 @@ pub async fn enqueue(
     Ok(())
 }
 
+/// Which of `held` (kind and shard pairs) have an item due and unclaimed now, in one read
+/// without locks: a worker that holds many shards claims only in those, instead of a fenced
+/// transaction per shard each pass (eight empty claims, four round trips each, were most of the
+/// time from a poke to the claim of a new command). A shard this misses (an item committed just
+/// after it) is claimed at the next pass; the claim itself stays fenced.
+pub async fn due_shards(
+    db: &crate::db::Db,
+    held: &[(WorkKind, i32)],
+) -> Result<Vec<(WorkKind, i32)>> {
+    let kinds: Vec<String> = held.iter().map(|(k, _)| k.as_str().to_owned()).collect();
+    let shards: Vec<i32> = held.iter().map(|(_, n)| *n).collect();
+    let due = sqlx::query!(
+        r#"SELECT h.kind AS "kind!", h.shard AS "shard!" FROM unnest($1::text[], $2::int[]) AS h(kind, shard)
+            WHERE EXISTS (SELECT 1 FROM work_queue w
+                           WHERE w.kind = h.kind AND w.shard = h.shard AND w.not_before <= compute_now()
+                             AND (w.claimed_until IS NULL OR w.claimed_until < compute_now()))"#,
+        &kinds,
+        &shards,
+    )
+    .fetch_all(db.pool())
+    .await?;
+    Ok(due
+        .into_iter()
+        .filter_map(|r| Some((WorkKind::parse(&r.kind)?, r.shard)))
+        .collect())
+}
+
 /// Claims up to `limit` due items of `kind` in `shards`, for `claim_for`. Run it in a transaction
 /// fenced by the shard leases; other claimers skip the rows this one locks.
 pub async fn claim(

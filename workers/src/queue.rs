@@ -251,7 +251,15 @@ impl QueueWorker {
     /// finishes them. Returns how many rows it ran.
     pub async fn step(&mut self) -> Result<usize> {
         let mut ran = 0;
-        let keys: Vec<_> = self.shards.keys().copied().collect();
+        let held: Vec<_> = self.shards.keys().copied().collect();
+        // Only the shards with something due (one read), not a fenced claim in each.
+        let keys = match work_queue::due_shards(&self.db, &held).await {
+            Ok(due) => due,
+            Err(e) => {
+                warn!(error = %e, "work queue: reading the due shards failed; claiming in every held shard");
+                held
+            }
+        };
         for key in keys {
             let Some(lease) = self.shards.get(&key) else {
                 continue;
