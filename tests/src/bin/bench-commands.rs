@@ -4,7 +4,7 @@
 //!
 //! ```sh
 //! cargo build --release -p compute-tests
-//! target/release/bench-commands [nodes] [commands]
+//! target/release/bench-commands [nodes] [commands] [rate=R]
 //! ```
 //!
 //! The gateway is a real `compute-api serve --gateway-only` process and the dispatchers real
@@ -12,9 +12,9 @@
 //! builds); the daemons are `compute-sim` clients in this process and `runCommand` is the
 //! domain's (the transaction the GraphQL mutation runs), all on a throwaway embedded PostgreSQL
 //! on the same two cores. Each phase first sends a burst (every command at once, from 8
-//! callers: the throughput), then a steady rate of half that throughput (the latency from the
-//! `runCommand` transaction to the `result` transaction, as the database timed them). Asserts
-//! nothing: a benchmark, not a test.
+//! callers: the throughput), then a steady rate of half that throughput, or `rate=R` a second
+//! (the latency from the `runCommand` transaction to the `result` transaction, as the database
+//! timed them). Asserts nothing: a benchmark, not a test.
 
 #![allow(clippy::print_stdout, reason = "a benchmark prints its figures")]
 
@@ -177,6 +177,12 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let n: i64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1_000);
     let m: i64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    // `rate=R`: the steady phases at R commands a second (issue 36 asks for its latencies at
+    // 200/s) instead of half the burst's throughput, which moves from run to run.
+    let fixed_rate: Option<f64> = args
+        .iter()
+        .find_map(|a| a.strip_prefix("rate=")?.parse().ok())
+        .filter(|r: &f64| *r > 0.0);
     let api = sibling("test-api");
     let worker = sibling("test-worker");
     let test_db = compute_tests::test_db_on_wall_clock_with(8).await;
@@ -218,7 +224,14 @@ async fn main() {
     println!(
         "  (the slowest: [to dispatch s, to ack s, to result s, attempts, session epoch] {slow:?})"
     );
-    steady(&db, &nodes, "one-steady", (one / 2.0).max(1.0), 10).await;
+    steady(
+        &db,
+        &nodes,
+        "one-steady",
+        fixed_rate.unwrap_or((one / 2.0).max(1.0)),
+        10,
+    )
+    .await;
 
     let _second = dispatcher(&worker, &test_db.url);
     // The first gives shards back at its next rebalance (every 5 s) once it sees the second.
@@ -231,7 +244,14 @@ async fn main() {
     .expect("leases");
     println!("two dispatch processes (shards held: {spread:?}):");
     let two = burst(&db, &nodes, "two", m).await;
-    steady(&db, &nodes, "two-steady", (two / 2.0).max(1.0), 10).await;
+    steady(
+        &db,
+        &nodes,
+        "two-steady",
+        fixed_rate.unwrap_or((two / 2.0).max(1.0)),
+        10,
+    )
+    .await;
     let _ = stop.send(true);
     tokio::time::sleep(Duration::from_millis(500)).await;
 }
