@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod ops;
 pub mod persisted;
 pub mod server;
+pub mod share;
 pub mod state;
 pub mod tailer;
 pub mod transport;

@@ -127,7 +127,7 @@ impl Metrics {
             None,
             move || vec![("", clock.last_reading().skew_ms as f64 / 1000.0)],
         );
-        let stream: [StreamMetric; 7] = [
+        let stream: [StreamMetric; 9] = [
             (
                 "compute_subscriptions_open",
                 "Subscriptions open now, on every transport.",
@@ -145,6 +145,18 @@ impl Metrics {
                 "Times a slow subscription fell behind the live stream and read the outbox to catch up.",
                 Sampled::Counter,
                 |t| t.stats().fallbacks.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "compute_subscription_frames_rendered",
+                "Payloads of the events subscription rendered by one subscription and kept for the others of its shape (docs/subscriptions.md).",
+                Sampled::Counter,
+                |t| t.frames().rendered.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "compute_subscription_frames_shared",
+                "Payloads of the events subscription sent as another subscription of the same shape rendered them, without resolving them again.",
+                Sampled::Counter,
+                |t| t.frames().shared.load(Ordering::Relaxed) as f64,
             ),
             (
                 "compute_outbox_tailer_polls",

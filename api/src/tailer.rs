@@ -122,6 +122,8 @@ struct Inner {
     state: Mutex<State>,
     poke: Notify,
     stats: StreamStats,
+    /// The `events` subscription's rendered payloads ([`crate::share`]).
+    frames: Arc<crate::share::Frames>,
     /// Turns `true` once the tailer has its starting cursor.
     started: watch::Sender<bool>,
 }
@@ -141,6 +143,7 @@ impl Tailer {
             }),
             poke: Notify::new(),
             stats: StreamStats::default(),
+            frames: Arc::default(),
             started: watch::channel(false).0,
         }))
     }
@@ -152,6 +155,11 @@ impl Tailer {
     /// The figures for `/metrics`.
     pub fn stats(&self) -> &StreamStats {
         &self.0.stats
+    }
+
+    /// The `events` subscription's rendered payloads, shared by its subscriptions.
+    pub fn frames(&self) -> &Arc<crate::share::Frames> {
+        &self.0.frames
     }
 
     /// The settings.

@@ -439,6 +439,8 @@ pub struct EventSinkView {
     pub url: String,
     pub types: Vec<String>,
     pub active: bool,
+    /// Events per POST (1: each alone).
+    pub batch_size: i32,
     pub state: SinkState,
     pub version: i64,
     pub created_at: DateTime<Utc>,

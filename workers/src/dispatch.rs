@@ -14,6 +14,12 @@
 //! `cmp:<allocationId>:<windowStart>…` for `usage.*` events, the event id for every other),
 //! `Compute-Timestamp` (seconds since the epoch) and `Compute-Signature: v1=<hex>`, the
 //! HMAC-SHA256 of `<timestamp>.<body>` under the sink's secret. A 2xx answer is a delivery.
+//!
+//! A sink with a `batch_size` above 1 gets up to that many events per POST instead, in order:
+//! the body `{"deliveries": [{"idempotencyKey", "event"}, …]}`, the headers
+//! `Compute-Batch-Size`, `Idempotency-Key: batch:<first event id>:<last event id>`, and the
+//! same timestamp and signature. A slow receiver then costs one round trip per batch, not per
+//! event (`docs/webhooks.md`).
 
 use compute_domain::ids::SinkId;
 use std::collections::HashMap;
@@ -59,8 +65,8 @@ pub fn signature(secret: &str, timestamp: i64, body: &[u8]) -> String {
     format!("v1={hex}")
 }
 
-/// The JSON body of an event's delivery.
-pub fn body_of(event: &Event) -> Vec<u8> {
+/// An event as a delivery carries it.
+fn event_json(event: &Event) -> serde_json::Value {
     serde_json::json!({
         "id": event.id,
         "type": event.event_type,
@@ -69,8 +75,33 @@ pub fn body_of(event: &Event) -> Vec<u8> {
         "time": event.time,
         "data": event.data,
     })
-    .to_string()
-    .into_bytes()
+}
+
+/// The JSON body of an event's delivery.
+pub fn body_of(event: &Event) -> Vec<u8> {
+    event_json(event).to_string().into_bytes()
+}
+
+/// The JSON body of a batch's delivery: `{"deliveries": [{"idempotencyKey", "event"}, …]}`, in
+/// order.
+pub fn batch_body_of(events: &[Event]) -> Vec<u8> {
+    let deliveries: Vec<serde_json::Value> = events
+        .iter()
+        .map(
+            |e| serde_json::json!({ "idempotencyKey": idempotency_key(e), "event": event_json(e) }),
+        )
+        .collect();
+    serde_json::json!({ "deliveries": deliveries })
+        .to_string()
+        .into_bytes()
+}
+
+/// The `Idempotency-Key` of a batch: the first and last events' ids. A batch sent again after
+/// a failure starts at the same event; it may end later, if more events arrived meanwhile.
+pub fn batch_key(events: &[Event]) -> String {
+    let first = events.first().map(|e| e.id.as_str()).unwrap_or("");
+    let last = events.last().map(|e| e.id.as_str()).unwrap_or("");
+    format!("batch:{first}:{last}")
 }
 
 /// A sink being delivered, and the switch that asks its task to stop after its current batch.
@@ -362,11 +393,18 @@ async fn deliver_batch(
     let mut last: Option<Cursor> = None;
     let mut delivered = 0i64;
     let mut failure: Option<String> = None;
-    for event in &events {
-        match post(http, &sink.url, &secret, event).await {
+    // One event per POST, or batches of up to the sink's size, each its own POST in order: a
+    // failed one stops the rest, and the cursor saved covers what was answered with a 2xx.
+    let size = usize::try_from(sink.batch_size).unwrap_or(1).max(1);
+    for chunk in events.chunks(size) {
+        let sent = match chunk {
+            [event] if size == 1 => post(http, &sink.url, &secret, event).await,
+            _ => post_batch(http, &sink.url, &secret, chunk).await,
+        };
+        match sent {
             Ok(()) => {
-                last = event.cursor;
-                delivered += 1;
+                last = chunk.last().and_then(|e| e.cursor);
+                delivered += chunk.len() as i64;
             }
             Err(why) => {
                 failure = Some(why);
@@ -415,20 +453,44 @@ pub fn idempotency_key(event: &Event) -> &str {
         .unwrap_or(event.id.as_str())
 }
 
-async fn post(http: &Webhooks, url: &str, secret: &str, event: &Event) -> Result<(), String> {
+/// The URL to POST to, if the egress policy lets it through.
+fn target(http: &Webhooks, url: &str) -> Result<reqwest::Url, String> {
     let target = reqwest::Url::parse(url).map_err(|_| crate::egress::UNREACHABLE.to_owned())?;
     if let Some(why) = crate::egress::refusal(&target, http.allow_private) {
         return Err(why.to_owned());
     }
-    let body = body_of(event);
-    let timestamp = chrono::Utc::now().timestamp();
-    let response = http
+    Ok(target)
+}
+
+async fn post(http: &Webhooks, url: &str, secret: &str, event: &Event) -> Result<(), String> {
+    let request = http
         .client
-        .post(target)
-        .header("Content-Type", "application/json")
+        .post(target(http, url)?)
         .header("Compute-Event-Id", event.id.as_str())
         .header("Compute-Event-Type", &event.event_type)
-        .header("Idempotency-Key", idempotency_key(event))
+        .header("Idempotency-Key", idempotency_key(event));
+    send(request, secret, body_of(event)).await
+}
+
+async fn post_batch(
+    http: &Webhooks,
+    url: &str,
+    secret: &str,
+    events: &[Event],
+) -> Result<(), String> {
+    let request = http
+        .client
+        .post(target(http, url)?)
+        .header("Compute-Batch-Size", events.len().to_string())
+        .header("Idempotency-Key", batch_key(events));
+    send(request, secret, batch_body_of(events)).await
+}
+
+/// Signs and sends a delivery: `Ok` on a 2xx answer, else what went wrong in words.
+async fn send(request: reqwest::RequestBuilder, secret: &str, body: Vec<u8>) -> Result<(), String> {
+    let timestamp = chrono::Utc::now().timestamp();
+    let response = request
+        .header("Content-Type", "application/json")
         .header("Compute-Timestamp", timestamp.to_string())
         .header("Compute-Signature", signature(secret, timestamp, &body))
         .body(body)

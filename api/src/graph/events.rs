@@ -20,6 +20,7 @@ use futures_util::Stream;
 
 use crate::graph::common::gql_id;
 use crate::graph::{GqlError, GqlResult, actor, db, gql_error, viewer};
+use crate::share;
 use crate::tailer::{Feed, Tailer};
 
 /// Where the item a subscription yielded last sits in the outbox. A transport puts one in each
@@ -43,23 +44,49 @@ impl StreamPosition {
 pub struct Streaming {
     position: StreamPosition,
     replay: crate::graph::ReplayFlag,
+    slot: Option<Arc<share::Slot>>,
 }
 
 impl Streaming {
-    /// Attaches the caller, a [`StreamPosition`] and a replay flag to `request`.
+    /// Attaches the caller, a [`StreamPosition`], a replay flag and, for a subscription, its
+    /// [`share::Slot`] in `frames` to `request`.
     pub fn attach(
         mut request: async_graphql::Request,
         viewer: Option<crate::auth::Viewer>,
+        frames: &Arc<share::Frames>,
     ) -> (async_graphql::Request, Streaming) {
+        let visibility = viewer.as_ref().map(|v| {
+            let tenant = v.tenant.as_ref().map(TenantId::as_str);
+            (tenant, v.roles.iter().map(|r| format!("{r:?}")).collect())
+        });
+        let slot = share::Shape::of(&mut request, visibility)
+            .map(|shape| Arc::new(share::Slot::new(shape, frames.clone())));
         if let Some(v) = viewer {
             request = request.data(v);
+        }
+        if let Some(slot) = &slot {
+            request = request.data(slot.clone());
         }
         let s = Streaming {
             position: StreamPosition::default(),
             replay: crate::graph::ReplayFlag::default(),
+            slot,
         };
         let request = request.data(s.position.clone()).data(s.replay.clone());
         (request, s)
+    }
+
+    /// The JSON text of a decorated, prepared `response`: the payload stored for its event and
+    /// shape when another subscription rendered it, else `render()`'s ([`share`]).
+    pub fn payload(
+        &self,
+        response: &async_graphql::Response,
+        render: impl FnOnce() -> String,
+    ) -> Arc<str> {
+        match &self.slot {
+            Some(slot) => slot.payload(response, render),
+            None => render().into(),
+        }
     }
 
     /// Adds `extensions.cursor` (the item's place in the outbox) and
@@ -88,6 +115,34 @@ pub struct ResumeAfter(pub Cursor);
 
 /// A change, as the outbox recorded it.
 pub struct EventObj(Arc<Event>);
+
+/// An item of the `events` subscription: an event to resolve, or one whose payload another
+/// subscription of the same shape rendered ([`share`]), which resolves to nothing.
+pub enum EventItem {
+    Fresh(EventObj),
+    Stored,
+}
+
+impl async_graphql::OutputType for EventItem {
+    fn type_name() -> std::borrow::Cow<'static, str> {
+        <EventObj as async_graphql::OutputType>::type_name()
+    }
+
+    fn create_type_info(registry: &mut async_graphql::registry::Registry) -> String {
+        <EventObj as async_graphql::OutputType>::create_type_info(registry)
+    }
+
+    async fn resolve(
+        &self,
+        ctx: &async_graphql::ContextSelectionSet<'_>,
+        field: &async_graphql::Positioned<async_graphql::parser::types::Field>,
+    ) -> async_graphql::ServerResult<async_graphql::Value> {
+        match self {
+            EventItem::Fresh(e) => async_graphql::OutputType::resolve(e, ctx, field).await,
+            EventItem::Stored => share::stored_item(),
+        }
+    }
+}
 
 /// A change, as the outbox recorded it.
 #[Object(name = "Event")]
@@ -240,7 +295,7 @@ impl SubscriptionRoot {
         #[graphql(desc = "Only events about these ids (all when null or empty).")] subjects: Option<
             Vec<String>,
         >,
-    ) -> Result<impl Stream<Item = async_graphql::Result<EventObj>> + use<>, GqlError> {
+    ) -> Result<impl Stream<Item = async_graphql::Result<EventItem>> + use<>, GqlError> {
         let tenant_id = actor(ctx)?
             .visible_tenant()
             .map_err(|_| {
@@ -256,10 +311,20 @@ impl SubscriptionRoot {
             subjects.unwrap_or_default(),
         )?;
         let feed = tailer(ctx)?.feed(cursor, filter);
+        let slot = ctx.data_opt::<Arc<share::Slot>>().cloned();
         Ok(follow(
             feed,
             ctx.data_opt::<StreamPosition>().cloned(),
-            |e| async move { Ok(Some(EventObj(e))) },
+            move |e| {
+                let stored = slot.as_ref().is_some_and(|s| s.lookup(e.cursor));
+                async move {
+                    Ok(Some(if stored {
+                        EventItem::Stored
+                    } else {
+                        EventItem::Fresh(EventObj(e))
+                    }))
+                }
+            },
         ))
     }
 

@@ -32,7 +32,7 @@ use crate::graph::admission::{Peer, identity_key};
 use crate::graph::events::{ResumeAfter, Streaming};
 use crate::limits::StreamGuard;
 use crate::state::AppState;
-use crate::transport::{BAD_REQUEST, PARSE_FAILED, operation_type, prepare, response_json};
+use crate::transport::{BAD_REQUEST, PARSE_FAILED, operation_type, prepare};
 
 /// Whether `Accept` asks for an event stream.
 pub fn wants_event_stream(headers: &HeaderMap) -> bool {
@@ -196,7 +196,7 @@ async fn stream_events(
     let expires = viewer.as_ref().map(|v| app.clock.after(v.valid_for()));
     let mut request = crate::graph::with_loaders(request, &app.db);
     let admitted = app.admission.admit(&mut request, viewer.as_ref(), peer);
-    let (request, streaming) = Streaming::attach(request, viewer);
+    let (request, streaming) = Streaming::attach(request, viewer, app.tailer.frames());
     let mut responses = crate::transport::execute_streaming(&app, request, admitted);
     let expiry = {
         let clock = app.clock.clone();
@@ -230,8 +230,10 @@ async fn stream_events(
         if let Some(cursor) = streaming.decorate(&mut response) {
             event = event.id(cursor.encode());
         }
-        let data = response_json(&response, request_error).text();
-        if tx.send(event.data(data)).await.is_err() {
+        let data = streaming.payload(&response, || {
+            crate::transport::response_json(&response, request_error).text()
+        });
+        if tx.send(event.data(&*data)).await.is_err() {
             return;
         }
     }

@@ -42,7 +42,7 @@ use crate::auth::{Viewer, bearer};
 use crate::graph::events::Streaming;
 use crate::state::AppState;
 use crate::transport::build_request;
-use crate::transport::{prepare, response_json};
+use crate::transport::prepare;
 
 /// The two subprotocols.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,17 +107,24 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
     let max = app.limits.max_ws_message;
     ws.protocols([protocol.name()])
         .read_buffer_size(4 * 1024)
-        .write_buffer_size(0)
+        // Frames queued together are written together (the connection loop flushes after a
+        // batch); the buffer grows only as far as one batch needs.
+        .write_buffer_size(WRITE_BUFFER)
         // tungstenite's default would take a 64 MiB message from anyone who connects.
         .max_message_size(max)
         .max_frame_size(max)
         .on_upgrade(move |socket| serve(app, socket, protocol, header_viewer))
 }
 
+/// How many queued messages a connection writes in one go, at most.
+const COALESCE: usize = 64;
+/// How many bytes of frames a connection gathers before it writes them, without a flush.
+const WRITE_BUFFER: usize = 16 * 1024;
+
 /// What an operation's task hands to the connection.
 enum Out {
     /// The payload, as JSON text (serialized once, where the response lies).
-    Next(String),
+    Next(std::sync::Arc<str>),
     /// The errors, as a JSON array.
     Error(Value),
     Complete,
@@ -207,15 +214,37 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
                     Err(end) => break end,
                 }
             }
-            Some((id, out)) = out_rx.recv() => {
-                if !conn.ops.contains_key(&id) {
-                    continue; // the client completed it; drop what was still queued
+            Some(first) = out_rx.recv() => {
+                // Everything already queued goes out in one write: a connection that fell
+                // behind catches up with one system call for many frames, not one each.
+                let mut next = Some(first);
+                let mut written = Ok(());
+                for _ in 0..COALESCE {
+                    let Some((id, out)) = next.take() else { break };
+                    if conn.ops.contains_key(&id) {
+                        if matches!(out, Out::Error(_) | Out::Complete) {
+                            conn.ops.remove(&id);
+                        }
+                        written = conn.feed_out(&id, out).await;
+                        if written.is_err() {
+                            break;
+                        }
+                    } // else the client completed it; drop what was still queued
+                    next = out_rx.try_recv().ok();
                 }
-                if matches!(out, Out::Error(_) | Out::Complete) {
-                    conn.ops.remove(&id);
-                }
-                if conn.send_out(&id, out).await.is_err() {
+                if written.is_err() || conn.sink.flush().await.is_err() {
                     break End::Gone;
+                }
+                if let Some((id, out)) = next {
+                    // Beyond the batch: sent on its own, in order.
+                    if conn.ops.contains_key(&id) {
+                        if matches!(out, Out::Error(_) | Out::Complete) {
+                            conn.ops.remove(&id);
+                        }
+                        if conn.send_out(&id, out).await.is_err() {
+                            break End::Gone;
+                        }
+                    }
                 }
             }
             () = &mut init_deadline, if !conn.init_received => {
@@ -277,8 +306,9 @@ impl Conn {
             .await
     }
 
-    async fn send_out(&mut self, id: &str, out: Out) -> Result<(), axum::Error> {
-        let message = match (self.protocol, out) {
+    /// The message of an operation's output.
+    fn message_of(&self, id: &str, out: Out) -> Message {
+        let text = match (self.protocol, out) {
             // The payload is already JSON: the frame is written around it, not parsed again.
             (protocol, Out::Next(payload)) => {
                 let kind = match protocol {
@@ -286,13 +316,23 @@ impl Conn {
                     Protocol::Legacy => "data",
                 };
                 let id = Value::from(id);
-                let frame = format!(r#"{{"id":{id},"type":"{kind}","payload":{payload}}}"#);
-                return self.sink.send(Message::Text(frame.into())).await;
+                format!(r#"{{"id":{id},"type":"{kind}","payload":{payload}}}"#)
             }
-            (_, Out::Error(p)) => json!({ "id": id, "type": "error", "payload": p }),
-            (_, Out::Complete) => json!({ "id": id, "type": "complete" }),
+            (_, Out::Error(p)) => json!({ "id": id, "type": "error", "payload": p }).to_string(),
+            (_, Out::Complete) => json!({ "id": id, "type": "complete" }).to_string(),
         };
-        self.send(message).await
+        Message::Text(text.into())
+    }
+
+    async fn send_out(&mut self, id: &str, out: Out) -> Result<(), axum::Error> {
+        let message = self.message_of(id, out);
+        self.sink.send(message).await
+    }
+
+    /// Queues an operation's output without flushing it.
+    async fn feed_out(&mut self, id: &str, out: Out) -> Result<(), axum::Error> {
+        let message = self.message_of(id, out);
+        self.sink.feed(message).await
     }
 
     /// Handles one client message; `Err` ends the connection.
@@ -504,7 +544,7 @@ async fn operation(
         .admission
         .parse(&mut request)
         .and_then(|()| app.admission.admit(&mut request, viewer.as_ref(), None));
-    let (request, streaming) = Streaming::attach(request, viewer);
+    let (request, streaming) = Streaming::attach(request, viewer, app.tailer.frames());
     let mut responses = super::execute_streaming(&app, request, admitted);
     let mut first = true;
     while let Some(mut response) = responses.next().await {
@@ -516,7 +556,9 @@ async fn operation(
         }
         first = false;
         streaming.decorate(&mut response);
-        let payload = response_json(&response, request_error).text();
+        let payload = streaming.payload(&response, || {
+            crate::transport::response_json(&response, request_error).text()
+        });
         if out.send((id.clone(), Out::Next(payload))).await.is_err() {
             return;
         }

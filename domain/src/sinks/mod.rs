@@ -24,6 +24,8 @@ pub use model::SinkState;
 
 /// Consecutive failures after which a sink shows as `failing`.
 pub const FAILING_AFTER: i32 = 3;
+/// The most events one POST of a batching sink carries.
+pub const MAX_BATCH_SIZE: i32 = 100;
 /// The longest wait between two attempts of a failing sink.
 pub const MAX_BACKOFF_SECONDS: f64 = 300.0;
 
@@ -35,6 +37,8 @@ pub struct Sink {
     pub url: String,
     pub types: Vec<String>,
     pub active: bool,
+    /// Events per POST: 1 sends each event alone, more sends batches ([`MAX_BATCH_SIZE`]).
+    pub batch_size: i32,
     pub state: SinkState,
     pub failures: i32,
     pub next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
@@ -74,7 +78,7 @@ async fn select_sinks(
 ) -> Result<Vec<Sink>> {
     Ok(sqlx::query_as!(
         Sink,
-        r#"SELECT s.id AS "id: _", s.tenant_id AS "tenant_id: _", s.url, s.types, s.active, s.state AS "state: _",
+        r#"SELECT s.id AS "id: _", s.tenant_id AS "tenant_id: _", s.url, s.types, s.active, s.batch_size, s.state AS "state: _",
                   s.failures, s.next_attempt_at, s.last_success_at, s.last_error, s.last_error_at, s.created_by,
                   s.version, s.created_at, s.updated_at,
                   c.txid::text::bigint AS "cursor_txid!", c.seq AS cursor_seq, c.delivered,
@@ -134,6 +138,18 @@ fn check_url(url: &str) -> Result<()> {
     Ok(())
 }
 
+fn check_batch_size(size: i32) -> Result<()> {
+    if !(1..=MAX_BATCH_SIZE).contains(&size) {
+        return Err(Error::bad_input(
+            "batchSize",
+            format!(
+                "`batchSize` must be between 1 and {MAX_BATCH_SIZE} (events per POST), not {size}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A fresh signing secret: 32 random bytes from the operating system, hex.
 fn new_secret() -> Result<String> {
     Ok(format!("whsec_{}", crate::process::random_hex(32)?))
@@ -175,9 +191,11 @@ pub async fn create(
     created_by: &str,
     url: &str,
     types: Vec<String>,
+    batch_size: i32,
 ) -> Result<(Sink, String)> {
     check_url(url)?;
     crate::outbox::check_types(&types)?;
+    check_batch_size(batch_size)?;
     let secret = new_secret()?;
     let id = SinkId::generate();
     // Stored sealed under the configured key, bound to this sink's id (docs/security.md).
@@ -188,13 +206,14 @@ pub async fn create(
             let (tenant, by) = (scope.tenant_id.clone(), created_by.to_owned());
             Box::pin(async move {
                 sqlx::query!(
-                    "INSERT INTO event_sinks (id, tenant_id, url, types, secret, created_by) VALUES ($1, $2, $3, $4, $5, $6)",
+                    "INSERT INTO event_sinks (id, tenant_id, url, types, secret, created_by, batch_size) VALUES ($1, $2, $3, $4, $5, $6, $7)",
                     id.as_str(),
                     tenant.as_ref().map(TenantId::as_str),
                     url,
                     &types,
                     secret,
                     by,
+                    batch_size,
                 )
                 .execute(&mut *conn)
                 .await?;
@@ -234,6 +253,7 @@ pub struct SinkChange {
     pub url: Option<String>,
     pub types: Option<Vec<String>>,
     pub active: Option<bool>,
+    pub batch_size: Option<i32>,
     pub expected_version: Option<i64>,
 }
 
@@ -246,12 +266,15 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
     if let Some(types) = &change.types {
         crate::outbox::check_types(types)?;
     }
+    if let Some(size) = change.batch_size {
+        check_batch_size(size)?;
+    }
     db.tx("update_event_sink", TxKind::Write, |conn| {
         let (id, change, scope) = (id.clone(), change.clone(), scope.clone());
         Box::pin(async move {
             let done = sqlx::query!(
                 "UPDATE event_sinks SET url = coalesce($2, url), types = coalesce($3, types), \
-                        active = coalesce($4, active), \
+                        active = coalesce($4, active), batch_size = coalesce($7, batch_size), \
                         failures = CASE WHEN $4 THEN 0 ELSE failures END, \
                         next_attempt_at = CASE WHEN $4 THEN NULL ELSE next_attempt_at END, \
                         state = CASE WHEN $4 AND state = 'failing' THEN 'healthy' ELSE state END, \
@@ -264,6 +287,7 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
                 change.active,
                 change.expected_version,
                 scope.tenant_id.as_ref().map(TenantId::as_str),
+                change.batch_size,
             )
             .execute(&mut *conn)
             .await?;
@@ -416,6 +440,8 @@ pub struct Delivery {
     /// the sink's id.
     pub secret: String,
     pub active: bool,
+    /// Events per POST.
+    pub batch_size: i32,
     pub next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
     pub cursor_txid: i64,
     pub cursor_seq: i64,
@@ -442,7 +468,7 @@ impl Delivery {
 pub async fn delivery(conn: &mut PgConnection, id: &SinkId) -> Result<Option<Delivery>> {
     Ok(sqlx::query_as!(
         Delivery,
-        r#"SELECT s.id AS "id: _", s.tenant_id AS "tenant_id: _", s.url, s.types, s.secret, s.active, s.next_attempt_at,
+        r#"SELECT s.id AS "id: _", s.tenant_id AS "tenant_id: _", s.url, s.types, s.secret, s.active, s.batch_size, s.next_attempt_at,
                 c.txid::text::bigint AS "cursor_txid!", c.seq AS cursor_seq
            FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id WHERE s.id = $1"#,
         id.as_str(),

@@ -13,6 +13,7 @@ impl From<&Sink> for EventSinkView {
             url: s.url.clone(),
             types: s.types.clone(),
             active: s.active,
+            batch_size: s.batch_size,
             state: s.state,
             version: s.version,
             created_at: s.created_at,

@@ -1,9 +1,10 @@
 //! Measures the workers: work-queue throughput (enqueue, then claim and finish) with 1, 2 and 4
-//! worker processes, and webhook deliveries per second to a local receiver.
+//! worker processes, webhook deliveries per second to a local receiver, and to 100 sinks whose
+//! receiver answers after 50 ms (one event per POST, then batches).
 //!
 //! ```sh
 //! cargo build --release -p compute-tests
-//! target/release/bench-workers [items] [events]
+//! target/release/bench-workers [items] [events] [only=queue|webhooks|slow] [slow-events=N] [batch=N]
 //! ```
 //!
 //! The workers are real `compute-worker` processes (this package's `test-worker` build of it),
@@ -179,6 +180,7 @@ async fn webhook_run(binary: &std::path::Path, events: usize) {
         "bench",
         &url,
         vec!["bench.tick".into()],
+        1,
     )
     .await
     .expect("sink");
@@ -207,11 +209,161 @@ async fn webhook_run(binary: &std::path::Path, events: usize) {
     let _ = child.wait().await;
 }
 
+/// What a slow receiver saw: deliveries, POSTs, and events that arrived out of order (an event
+/// number not above the last one its sink received).
+#[derive(Default)]
+struct Seen {
+    deliveries: AtomicU64,
+    posts: AtomicU64,
+    out_of_order: AtomicU64,
+    last: std::sync::Mutex<std::collections::HashMap<String, i64>>,
+}
+
+impl Seen {
+    /// Records one POST's body to `sink`: a single event, or a batch's deliveries.
+    fn record(&self, sink: &str, body: &[u8]) {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return;
+        };
+        let numbers: Vec<i64> = match v.get("deliveries").and_then(|d| d.as_array()) {
+            Some(batch) => batch
+                .iter()
+                .filter_map(|d| d["event"]["data"]["n"].as_i64())
+                .collect(),
+            None => v["data"]["n"].as_i64().into_iter().collect(),
+        };
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let at = last.entry(sink.to_owned()).or_insert(0);
+        for n in &numbers {
+            if *n <= *at {
+                self.out_of_order.fetch_add(1, Ordering::Relaxed);
+            }
+            *at = *n;
+        }
+        self.posts.fetch_add(1, Ordering::Relaxed);
+        self.deliveries
+            .fetch_add(numbers.len() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Issue 36's webhook goal: `sinks` sinks whose receiver answers each POST after `wait`, each
+/// receiving `events` events, delivered by `processes` worker processes.
+async fn slow_webhook_run(
+    binary: &std::path::Path,
+    events: usize,
+    sinks: usize,
+    batch_size: i32,
+    processes: usize,
+    wait: Duration,
+) {
+    let test_db = compute_tests::test_db_on_wall_clock_with(8).await;
+    let db = test_db.db.clone();
+    let seen = Arc::new(Seen::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let recorder = seen.clone();
+    let router = axum::Router::new().route(
+        "/hook/{sink}",
+        axum::routing::post(
+            move |axum::extract::Path(sink): axum::extract::Path<String>,
+                  body: axum::body::Bytes| {
+                let recorder = recorder.clone();
+                async move {
+                    tokio::time::sleep(wait).await;
+                    recorder.record(&sink, &body);
+                    axum::http::StatusCode::NO_CONTENT
+                }
+            },
+        ),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let scope = compute_domain::sinks::Scope {
+        tenant_id: Some(TenantId::parse("tenant", "bench").expect("valid tenant")),
+    };
+    for i in 0..sinks {
+        compute_domain::sinks::create(
+            &db,
+            &scope,
+            "bench",
+            &format!("{base}/{i}"),
+            vec!["bench.tick".into()],
+            batch_size,
+        )
+        .await
+        .expect("sink");
+    }
+    sqlx::query("SELECT compute_emit('bench.tick', 'bench', 'e' || g, jsonb_build_object('n', g)) FROM generate_series(1, $1) g")
+        .bind(events as i32)
+        .execute(db.pool())
+        .await
+        .expect("events");
+    let total = (events * sinks) as u64;
+    let started = Instant::now();
+    let mut children: Vec<_> = (0..processes)
+        .map(|_| worker(binary, &test_db.url, "outbox", "reservation"))
+        .collect();
+    // The rate is measured from the first delivery, so the processes' start-up is left out.
+    let mut first: Option<Instant> = None;
+    while seen.deliveries.load(Ordering::Relaxed) < total {
+        if first.is_none() && seen.posts.load(Ordering::Relaxed) > 0 {
+            first = Some(Instant::now());
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            println!("  (gave up after 600 s)");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let done = Instant::now();
+    let from = first.unwrap_or(started);
+    let delivered = seen.deliveries.load(Ordering::Relaxed);
+    println!(
+        "  {processes} process(es), {sinks} sinks, batch size {batch_size}, receiver {} ms: {delivered} of {total} deliveries in {} POSTs, {:.2} s from the first = {:.0}/s; out of order {}",
+        wait.as_millis(),
+        seen.posts.load(Ordering::Relaxed),
+        (done - from).as_secs_f64(),
+        delivered as f64 / (done - from).as_secs_f64(),
+        seen.out_of_order.load(Ordering::Relaxed),
+    );
+    for c in &mut children {
+        let _ = c.start_kill();
+    }
+    for c in &mut children {
+        let _ = c.wait().await;
+    }
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let items: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(20_000);
-    let events: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let (options, positional): (Vec<&String>, Vec<&String>) =
+        args.iter().skip(1).partition(|a| a.contains('='));
+    let option = |name: &str| {
+        options
+            .iter()
+            .find_map(|o| o.strip_prefix(&format!("{name}=")))
+            .map(str::to_owned)
+    };
+    let items: usize = positional
+        .first()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20_000);
+    let events: usize = positional
+        .get(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10_000);
+    // `only=queue|webhooks|slow` runs one part; `slow-events=N` (default 2000) and
+    // `batch=N` (default 100) shape the slow receivers' run.
+    let only = option("only");
+    let slow_events: usize = option("slow-events")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2_000);
+    let batch: i32 = option("batch").and_then(|s| s.parse().ok()).unwrap_or(100);
+    let runs = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let binary = std::env::current_exe()
         .expect("own path")
         .with_file_name("test-worker");
@@ -222,10 +374,38 @@ async fn main() {
         );
         std::process::exit(2);
     }
-    println!("work queue, {items} noop items:");
-    for processes in [1, 2, 4] {
-        queue_run(&binary, items, processes).await;
+    if runs("queue") {
+        println!("work queue, {items} noop items:");
+        for processes in [1, 2, 4] {
+            queue_run(&binary, items, processes).await;
+        }
     }
-    println!("webhooks, {events} events to a local receiver:");
-    webhook_run(&binary, events).await;
+    if runs("webhooks") {
+        println!("webhooks, {events} events to a local receiver:");
+        webhook_run(&binary, events).await;
+    }
+    if runs("slow") {
+        println!(
+            "webhooks, 100 sinks whose receiver answers after 50 ms, {slow_events} events each:"
+        );
+        // One event per POST, as before batches: one round trip per event caps a sink at 20/s.
+        slow_webhook_run(
+            &binary,
+            (slow_events / 20).max(1),
+            100,
+            1,
+            1,
+            Duration::from_millis(50),
+        )
+        .await;
+        slow_webhook_run(
+            &binary,
+            slow_events,
+            100,
+            batch,
+            1,
+            Duration::from_millis(50),
+        )
+        .await;
+    }
 }

@@ -303,6 +303,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
         "alice",
         "https://example.com/hooks",
         vec!["reservation.active".into()],
+        1,
     )
     .await
     .expect("sink");

@@ -434,6 +434,101 @@ async fn tenants_see_only_their_own_events() {
     assert_eq!(msg["payload"][0]["extensions"]["code"], "FORBIDDEN");
 }
 
+/// Subscriptions of one shape (the selection, the variables it uses, what the caller may see)
+/// share each event's rendered payload, whatever cursor they resumed from; another tenant, or
+/// another selection, never gets a payload rendered for someone else (issue 36).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_of_one_shape_share_each_payload_and_tenants_never_do() {
+    let app = spawn_app().await;
+    const SHAPE: &str = "subscription($after: String, $types: [String!]) { events(after: $after, types: $types) { id cursor tenantId subject data } }";
+    let first = now(&app).await;
+    emit(&app, Some("acme"), &["earlier"]).await;
+    let second = now(&app).await;
+    let ticks = json!(["test.tick"]);
+    // Three of acme's: two people, two resume points, one shape.
+    let mut a1 = subscribe(
+        &app,
+        &app.member("acme"),
+        "a",
+        SHAPE,
+        json!({ "after": first, "types": ticks }),
+    )
+    .await;
+    let bob = app.token("bob", Some("acme"), &[Role::Member]);
+    let mut a2 = subscribe(
+        &app,
+        &bob,
+        "b",
+        SHAPE,
+        json!({ "after": second, "types": ticks }),
+    )
+    .await;
+    let mut a3 = subscribe(
+        &app,
+        &app.member("acme"),
+        "c",
+        SHAPE,
+        json!({ "after": second }),
+    )
+    .await;
+    // The same document for another tenant, and another selection for acme.
+    let mut g = subscribe(
+        &app,
+        &app.member("globex"),
+        "a",
+        SHAPE,
+        json!({ "after": second, "types": ticks }),
+    )
+    .await;
+    let mut other = subscribe(
+        &app,
+        &app.member("acme"),
+        "a",
+        "subscription($after: String) { events(after: $after, types: [\"test.tick\"]) { subject type } }",
+        json!({ "after": second }),
+    )
+    .await;
+    assert_eq!(subjects(&mut a1, 1).await, ["earlier"]);
+    let shared = |text: &str| metric(text, "compute_subscription_frames_shared_total");
+    let before = shared(&app.metrics().await);
+    let names = ["t1", "t2", "t3", "t4", "t5"];
+    emit(&app, Some("globex"), &["theirs"]).await;
+    emit(&app, Some("acme"), &names).await;
+    for _ in names {
+        let (m1, m2, m3) = (
+            next_msg(&mut a1).await,
+            next_msg(&mut a2).await,
+            next_msg(&mut a3).await,
+        );
+        assert_eq!(m1["payload"], m2["payload"], "one shape, one payload");
+        assert_eq!(m1["payload"], m3["payload"]);
+        assert_eq!(event_of(&m1)["tenantId"], "acme");
+        assert_eq!(
+            (m1["id"].as_str(), m2["id"].as_str(), m3["id"].as_str()),
+            (Some("a"), Some("b"), Some("c")),
+            "each frame carries its own operation id"
+        );
+        let o = next_msg(&mut other).await;
+        assert_eq!(event_of(&o)["subject"], event_of(&m1)["subject"]);
+        assert_eq!(event_of(&o)["type"], "test.tick");
+        assert!(
+            event_of(&o).get("id").is_none(),
+            "another selection renders its own: {o}"
+        );
+    }
+    let theirs = next_msg(&mut g).await;
+    assert_eq!(event_of(&theirs)["subject"], "theirs");
+    assert_eq!(event_of(&theirs)["tenantId"], "globex");
+    // globex's subscriber gets nothing of acme's five: its next message is the next event of its own.
+    emit(&app, Some("globex"), &["theirs-too"]).await;
+    assert_eq!(event_of(&next_msg(&mut g).await)["subject"], "theirs-too");
+    let after = shared(&app.metrics().await);
+    assert!(
+        after - before >= 1.0,
+        "three subscriptions of one shape rendered every one of five events themselves ({before} -> {after})"
+    );
+}
+
 #[tokio::test]
 async fn a_slow_subscriber_falls_back_to_the_database_and_catches_up() {
     // Channels of 2 events and a ring of 4: a burst of 60 events overflows both, so every

@@ -444,6 +444,10 @@ struct Receiver {
     got: Arc<Mutex<Vec<String>>>,
     bad: Arc<Mutex<u32>>,
     delay: Duration,
+    /// Each batch's `Idempotency-Key` and size, in arrival order (failed answers included).
+    batches: Arc<Mutex<Vec<(String, usize)>>>,
+    /// POSTs still to answer with a 500.
+    fail_next: Arc<Mutex<u32>>,
 }
 
 async fn receive(
@@ -466,6 +470,51 @@ async fn receive(
         return axum::http::StatusCode::UNAUTHORIZED;
     }
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let failing = {
+        let mut f = r.fail_next.lock().expect("fail");
+        let failing = *f > 0;
+        *f = f.saturating_sub(1);
+        failing
+    };
+    if let Some(size) = headers.get("compute-batch-size") {
+        // A batch: `{"deliveries": [{"idempotencyKey", "event"}, …]}`, keyed by its first and
+        // last events.
+        let deliveries = v["deliveries"].as_array().expect("a batch's deliveries");
+        assert_eq!(
+            size.to_str().ok(),
+            Some(deliveries.len().to_string().as_str())
+        );
+        let (first, last) = (
+            &deliveries[0]["event"]["id"],
+            &deliveries[deliveries.len() - 1]["event"]["id"],
+        );
+        assert_eq!(
+            h("idempotency-key"),
+            format!(
+                "batch:{}:{}",
+                first.as_str().unwrap_or(""),
+                last.as_str().unwrap_or("")
+            )
+        );
+        r.batches
+            .lock()
+            .expect("batches")
+            .push((h("idempotency-key"), deliveries.len()));
+        if failing {
+            return axum::http::StatusCode::INTERNAL_SERVER_ERROR;
+        }
+        for d in deliveries {
+            assert_eq!(d["idempotencyKey"], d["event"]["id"], "{d}");
+            if d["event"]["type"] == "test.tick" {
+                let key = d["idempotencyKey"].as_str().unwrap_or("").to_owned();
+                r.got.lock().expect("got").push(key);
+            }
+        }
+        return axum::http::StatusCode::NO_CONTENT;
+    }
+    if failing {
+        return axum::http::StatusCode::INTERNAL_SERVER_ERROR;
+    }
     assert_eq!(
         v["id"].as_str(),
         Some(h("compute-event-id").as_str()),
@@ -491,6 +540,8 @@ async fn start_receiver(delay: Duration) -> (Receiver, String) {
         got: Arc::default(),
         bad: Arc::default(),
         delay,
+        batches: Arc::default(),
+        fail_next: Arc::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -752,6 +803,101 @@ async fn a_failing_sink_backs_off_without_holding_up_the_others() {
     assert_eq!(wait, 8.0);
 }
 
+/// A sink with a batch size gets its events in POSTs of up to that many, in order, signed, each
+/// batch keyed by its first and last events; a failed batch is sent again from the same event
+/// with the same key. A batch size outside 1..=100 is refused and writes nothing.
+#[tokio::test]
+async fn a_batching_sink_gets_its_events_in_order_in_batches_of_its_size() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let acme = app.member("acme");
+    let (receiver, url) = start_receiver(Duration::ZERO).await;
+    let before = app.count("event_sinks").await;
+    for size in [0, 101, -1] {
+        let (code, body) = app
+            .fails(
+                &acme,
+                CREATE_SINK,
+                json!({ "i": { "url": url, "batchSize": size } }),
+            )
+            .await;
+        assert_eq!(code, "BAD_USER_INPUT", "{body}");
+    }
+    assert_eq!(
+        app.count("event_sinks").await,
+        before,
+        "a refusal writes nothing"
+    );
+    let d = app
+        .ok(
+            &acme,
+            "mutation($i: CreateEventSinkInput!) { createEventSink(input: $i) { secret eventSink { id batchSize } } }",
+            json!({ "i": { "url": url, "types": ["test.tick"], "batchSize": 3 } }),
+        )
+        .await;
+    assert_eq!(d["createEventSink"]["eventSink"]["batchSize"], 3);
+    let id = d["createEventSink"]["eventSink"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    let (code, _) = app
+        .fails(&acme, "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { batchSize } } }", json!({ "i": { "id": id, "batchSize": 500 } }))
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT");
+    let (version,): (i64,) = sqlx::query_as("SELECT version FROM event_sinks WHERE id = $1")
+        .bind(&id)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("version");
+    assert_eq!(version, 1, "the refused update changed nothing");
+    let ids: Vec<String> = sqlx::query_scalar(
+        "SELECT compute_emit('test.tick', 'acme', 'e' || g, '{}') FROM generate_series(1, 7) g ORDER BY g",
+    )
+    .fetch_all(app.db.db.pool())
+    .await
+    .expect("emit");
+    // The first POST is answered with a 500: the sink backs off, then sends that batch again.
+    *receiver.fail_next.lock().expect("fail") = 1;
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-b")
+        .allowing_private_targets(true);
+    dispatcher.idle = Duration::from_millis(20);
+    failures_reach(&app, &mut dispatcher, &id, 1).await;
+    app.db.advance_clock(300).await;
+    tokio::time::timeout(WAIT, async {
+        while receiver.got.lock().expect("got").len() < 7 {
+            dispatcher.rebalance().await.expect("rebalance");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("all seven are delivered");
+    assert_eq!(
+        *receiver.got.lock().expect("got"),
+        ids,
+        "each once, in order"
+    );
+    let batches = receiver.batches.lock().expect("batches").clone();
+    assert_eq!(
+        batches.iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        [3, 3, 3, 1],
+        "batches of the sink's size: {batches:?}"
+    );
+    assert_eq!(
+        batches[0], batches[1],
+        "the failed batch is sent again as it was"
+    );
+    assert_eq!(batches[1].0, format!("batch:{}:{}", ids[0], ids[2]));
+    assert_eq!(
+        *receiver.bad.lock().expect("bad"),
+        0,
+        "every batch is signed"
+    );
+}
+
 /// A receiver that answers every request with a redirect to `location`.
 async fn start_redirector(location: String) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -864,7 +1010,7 @@ async fn outbox_pruning_waits_for_sinks_up_to_the_hard_maximum() {
         tenant_id: Some(compute_tests::tenant("acme")),
     };
     let (sink, _) =
-        compute_domain::sinks::create(db, &scope, "test", "http://127.0.0.1:9/x", vec![])
+        compute_domain::sinks::create(db, &scope, "test", "http://127.0.0.1:9/x", vec![], 1)
             .await
             .expect("sink");
     sqlx::query(
