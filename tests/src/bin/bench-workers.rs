@@ -40,6 +40,8 @@ fn worker(binary: &std::path::Path, url: &str, role: &str, kinds: &str) -> tokio
             "--webhooks-allow-private",
         ])
         .env("DATABASE_URL", url)
+        // The test databases seal sink secrets under the tests' key.
+        .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .kill_on_drop(true)
