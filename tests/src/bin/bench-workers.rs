@@ -4,7 +4,7 @@
 //!
 //! ```sh
 //! cargo build --release -p compute-tests
-//! target/release/bench-workers [items] [events] [only=queue|webhooks|slow] [slow-events=N] [batch=N]
+//! target/release/bench-workers [items] [events] [only=queue|webhooks|reconcile|slow] [reservations=N] [slow-events=N] [batch=N]
 //! ```
 //!
 //! The workers are real `compute-worker` processes (this package's `test-worker` build of it),
@@ -211,6 +211,132 @@ async fn webhook_run(binary: &std::path::Path, events: usize) {
     let _ = child.wait().await;
 }
 
+/// Issue 36's queue goal: `n` real reservations of 100 tenants, all starting at one moment and
+/// ending at another, activated and then expired by one worker process's reservation
+/// reconciler.
+async fn reconcile_run(binary: &std::path::Path, n: usize) {
+    use compute_domain::ids::ScopeId;
+    use compute_domain::quota::{self, QuotaLimits};
+    let test_db = compute_tests::test_db_on_wall_clock_with(16).await;
+    let app = Arc::new(compute_tests::TestApp::builder().on(test_db).start().await);
+    let db = app.db.db.clone();
+    let pools = compute_tests::bench::gpu_fleet(&db, 1, n.div_ceil(8), 8).await;
+    sqlx::query("UPDATE nodes SET reachability = 'connected'")
+        .execute(db.pool())
+        .await
+        .expect("connected");
+    // 100 tenants, as in bench-reservations: an expiry gives back its tenant's quota, and one
+    // tenant's quota row would serialize them all.
+    let tenants: Vec<String> = (0..100).map(|t| format!("tenant-{t}")).collect();
+    for t in &tenants {
+        quota::set_quota(
+            &db,
+            &compute_domain::idempotency::Actor::operator("bench"),
+            &compute_tests::tenant(t),
+            &ScopeId::Pool(pools[0].clone()),
+            QuotaLimits {
+                gpus: Some(1_000_000.0),
+                vcpu: Some(100_000_000),
+                memory_mib: Some(100_000_000_000),
+            },
+        )
+        .await
+        .expect("quota");
+    }
+    // Every reservation starts at one moment, late enough for all to be created first, and ends
+    // 20 s later.
+    let lead = Duration::from_secs(10 + n as u64 / 150);
+    let starts = chrono::Utc::now() + chrono::Duration::from_std(lead).expect("lead");
+    let ends = starts + chrono::Duration::seconds(20);
+    let tokens: Arc<Vec<String>> = Arc::new(
+        tenants
+            .iter()
+            .map(|t| {
+                app.token(
+                    &format!("bench@{t}"),
+                    Some(t),
+                    &[compute_api::auth::Role::Member],
+                )
+            })
+            .collect(),
+    );
+    let created = Instant::now();
+    let clients = 16;
+    let mut tasks = Vec::new();
+    // Creates answered after the start (not `SCHEDULED`): the run would then measure less.
+    let late = Arc::new(AtomicU64::new(0));
+    for c in 0..clients {
+        let (app, tokens, pool, late) = (
+            app.clone(),
+            tokens.clone(),
+            pools[0].to_string(),
+            late.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            for i in (c..n).step_by(clients) {
+                let vars = serde_json::json!({ "i": {
+                    "poolId": pool, "startsAt": starts.to_rfc3339(), "endsAt": ends.to_rfc3339(),
+                    "allocations": [{ "gpuCount": 1, "model": "H100", "vcpu": 4, "memoryMib": 8192 }],
+                    "idempotencyKey": format!("r{i}"),
+                }});
+                let (status, body) = app
+                    .graphql("mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { state } } }", vars, Some(&tokens[i % tokens.len()]))
+                    .await;
+                assert!(
+                    status == 200 && body.get("errors").is_none(),
+                    "createReservation: {body}"
+                );
+                if body["data"]["createReservation"]["reservation"]["state"] != "SCHEDULED" {
+                    late.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("creates");
+    }
+    println!(
+        "  {n} reservations created in {:.1} s, starting {:.1} s later ({} created after the start)",
+        created.elapsed().as_secs_f64(),
+        (starts - chrono::Utc::now()).num_milliseconds() as f64 / 1000.0,
+        late.load(Ordering::Relaxed)
+    );
+    let mut child = worker(binary, &app.db.url, "reconcile", "reservation");
+    let until_state = |states: &'static str, at: chrono::DateTime<chrono::Utc>| {
+        let db = db.clone();
+        async move {
+            let wait = (at - chrono::Utc::now()).to_std().unwrap_or_default();
+            tokio::time::sleep(wait).await;
+            let from = Instant::now();
+            let sql = format!("SELECT count(*) FROM reservations WHERE state IN ({states})");
+            loop {
+                if count(&db, &sql).await as usize >= n {
+                    return Some(from.elapsed());
+                }
+                if from.elapsed() > Duration::from_secs(300) {
+                    return None;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    for (what, states, at) in [
+        ("activated", "'active', 'expired'", starts),
+        ("expired", "'expired'", ends),
+    ] {
+        match until_state(states, at).await {
+            Some(took) => println!(
+                "  1 worker process: {n} {what} in {:.2} s from their time = {:.0} reconciles/s",
+                took.as_secs_f64(),
+                n as f64 / took.as_secs_f64()
+            ),
+            None => println!("  1 worker process: not all {what} within 300 s"),
+        }
+    }
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+}
+
 /// What a slow receiver saw: deliveries, POSTs, and events that arrived out of order (an event
 /// number not above the last one its sink received).
 #[derive(Default)]
@@ -358,13 +484,17 @@ async fn main() {
         .get(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(10_000);
-    // `only=queue|webhooks|slow` runs one part; `slow-events=N` (default 2000) and
+    // `only=queue|webhooks|reconcile|slow` runs one part; `reservations=N` (default 10000) the
+    // reconcilers' run; `slow-events=N` (default 2000) and
     // `batch=N` (default 100) shape the slow receivers' run.
     let only = option("only");
     let slow_events: usize = option("slow-events")
         .and_then(|s| s.parse().ok())
         .unwrap_or(2_000);
     let batch: i32 = option("batch").and_then(|s| s.parse().ok()).unwrap_or(100);
+    let reconciles: usize = option("reservations")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10_000);
     let runs = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let binary = std::env::current_exe()
         .expect("own path")
@@ -385,6 +515,10 @@ async fn main() {
     if runs("webhooks") {
         println!("webhooks, {events} events to a local receiver:");
         webhook_run(&binary, events).await;
+    }
+    if runs("reconcile") {
+        println!("work queue, {reconciles} real reservations activated, then expired:");
+        reconcile_run(&binary, reconciles).await;
     }
     if runs("slow") {
         println!(
