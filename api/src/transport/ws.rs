@@ -197,6 +197,7 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
         let _ = shutdown.wait_for(|stopping| *stopping).await;
     };
     tokio::pin!(stopping);
+    let mut queued = Vec::with_capacity(COALESCE);
     let end = loop {
         tokio::select! {
             message = stream.next() => {
@@ -217,34 +218,25 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
             Some(first) = out_rx.recv() => {
                 // Everything already queued goes out in one write: a connection that fell
                 // behind catches up with one system call for many frames, not one each.
-                let mut next = Some(first);
+                queued.push(first);
+                while queued.len() < COALESCE {
+                    match out_rx.try_recv() {
+                        Ok(more) => queued.push(more),
+                        Err(_) => break,
+                    }
+                }
                 let mut written = Ok(());
-                for _ in 0..COALESCE {
-                    let Some((id, out)) = next.take() else { break };
-                    if conn.ops.contains_key(&id) {
-                        if matches!(out, Out::Error(_) | Out::Complete) {
-                            conn.ops.remove(&id);
-                        }
-                        written = conn.feed_out(&id, out).await;
-                        if written.is_err() {
-                            break;
-                        }
-                    } // else the client completed it; drop what was still queued
-                    next = out_rx.try_recv().ok();
+                for (id, out) in queued.drain(..) {
+                    if written.is_err() || !conn.ops.contains_key(&id) {
+                        continue; // gone, or the client completed it: drop what was still queued
+                    }
+                    if matches!(out, Out::Error(_) | Out::Complete) {
+                        conn.ops.remove(&id);
+                    }
+                    written = conn.feed_out(&id, out).await;
                 }
                 if written.is_err() || conn.sink.flush().await.is_err() {
                     break End::Gone;
-                }
-                if let Some((id, out)) = next {
-                    // Beyond the batch: sent on its own, in order.
-                    if conn.ops.contains_key(&id) {
-                        if matches!(out, Out::Error(_) | Out::Complete) {
-                            conn.ops.remove(&id);
-                        }
-                        if conn.send_out(&id, out).await.is_err() {
-                            break End::Gone;
-                        }
-                    }
                 }
             }
             () = &mut init_deadline, if !conn.init_received => {

@@ -152,6 +152,16 @@ async fn queue_run(binary: &std::path::Path, items: usize, processes: usize) {
     }
 }
 
+/// Commits `n` `bench.tick` events of tenant `bench` in one transaction, numbered from 1
+/// (`data.n`).
+async fn emit_ticks(db: &Db, n: usize) {
+    sqlx::query("SELECT compute_emit('bench.tick', 'bench', 'e' || g, jsonb_build_object('n', g)) FROM generate_series(1, $1) g")
+        .bind(n as i32)
+        .execute(db.pool())
+        .await
+        .expect("events");
+}
+
 async fn webhook_run(binary: &std::path::Path, events: usize) {
     let test_db = compute_tests::test_db_on_wall_clock_with(4).await;
     let db = test_db.db.clone();
@@ -186,11 +196,7 @@ async fn webhook_run(binary: &std::path::Path, events: usize) {
     )
     .await
     .expect("sink");
-    sqlx::query("SELECT compute_emit('bench.tick', 'bench', 'e' || g, jsonb_build_object('n', g)) FROM generate_series(1, $1) g")
-        .bind(events as i32)
-        .execute(db.pool())
-        .await
-        .expect("events");
+    emit_ticks(&db, events).await;
     let started = Instant::now();
     let mut child = worker(binary, &test_db.url, "outbox", "reservation");
     while (received.load(Ordering::Relaxed) as usize) < events {
@@ -424,11 +430,7 @@ async fn slow_webhook_run(
         .await
         .expect("sink");
     }
-    sqlx::query("SELECT compute_emit('bench.tick', 'bench', 'e' || g, jsonb_build_object('n', g)) FROM generate_series(1, $1) g")
-        .bind(events as i32)
-        .execute(db.pool())
-        .await
-        .expect("events");
+    emit_ticks(&db, events).await;
     let total = (events * sinks) as u64;
     let started = Instant::now();
     let mut children: Vec<_> = (0..processes)
