@@ -197,7 +197,8 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
         let _ = shutdown.wait_for(|stopping| *stopping).await;
     };
     tokio::pin!(stopping);
-    let mut queued = Vec::with_capacity(COALESCE);
+    // Grows only for a connection that falls behind (an idle one holds nothing).
+    let mut queued = Vec::new();
     let end = loop {
         tokio::select! {
             message = stream.next() => {
