@@ -24,10 +24,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use async_graphql::Positioned;
 use async_graphql::parser::types::{
     DocumentOperations, ExecutableDocument, OperationType, Selection, SelectionSet,
 };
-use async_graphql::{Positioned, ServerResult, Value};
 use async_graphql_value::Value as Raw;
 use compute_domain::outbox::Cursor;
 
@@ -275,9 +275,4 @@ impl Slot {
             Served::Fresh(_) | Served::Unshared => render().into(),
         }
     }
-}
-
-/// An item that resolves to nothing: its payload is stored ([`Slot::payload`] sends it).
-pub fn stored_item() -> ServerResult<Value> {
-    Ok(Value::Null)
 }

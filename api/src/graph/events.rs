@@ -139,7 +139,8 @@ impl async_graphql::OutputType for EventItem {
     ) -> async_graphql::ServerResult<async_graphql::Value> {
         match self {
             EventItem::Fresh(e) => async_graphql::OutputType::resolve(e, ctx, field).await,
-            EventItem::Stored => share::stored_item(),
+            // Its payload is stored: the transport sends that ([`share::Slot::payload`]).
+            EventItem::Stored => Ok(async_graphql::Value::Null),
         }
     }
 }
