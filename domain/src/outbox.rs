@@ -348,6 +348,35 @@ pub async fn read_after(
         .collect())
 }
 
+/// Whether events that pass `filter` lie after `after` but are held back, committed by a
+/// transaction not older than every one still running (of any database of the cluster: xids
+/// are the cluster's). A reader that found nothing with [`read_after`] asks this to know
+/// whether to look again soon, when that transaction ends, or to idle: no commit pokes it when
+/// the transaction that held the rows back ends without writing.
+pub async fn held_back(
+    db: &crate::db::Db,
+    after: Cursor,
+    filter: &EventFilter,
+) -> crate::Result<bool> {
+    let held = sqlx::query_scalar!(
+        r#"SELECT EXISTS (
+                SELECT 1 FROM outbox o
+                 WHERE o.txid >= pg_snapshot_xmin(pg_current_snapshot())
+                   AND (o.txid, o.seq) > ($1::text::xid8, $2)
+                   AND ($3::text IS NULL OR o.tenant_id = $3)
+                   AND (cardinality($4::text[]) = 0 OR o.type = ANY($4))
+                   AND (cardinality($5::text[]) = 0 OR o.subject = ANY($5))) AS "held!""#,
+        after.txid.to_string(),
+        after.seq,
+        filter.tenant_id.as_ref().map(TenantId::as_str),
+        &filter.types,
+        &filter.subjects,
+    )
+    .fetch_one(db.pool())
+    .await?;
+    Ok(held)
+}
+
 /// [`read_after`] without a filter, and the pruned front ([`pruned_through`]) in the same
 /// statement: what a tailer needs each poll, in one round trip.
 pub async fn read_all_after(

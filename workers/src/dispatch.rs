@@ -50,6 +50,8 @@ pub struct DispatchStats {
     pub batches: AtomicU64,
     /// Times a caught-up sink began an idle wait.
     pub idle_waits: AtomicU64,
+    /// Looks that found events held back behind a running transaction (looked at again soon).
+    pub held_back: AtomicU64,
 }
 
 /// The signature header's value for `body` sent at `timestamp` with `secret`.
@@ -291,6 +293,20 @@ impl Dispatcher {
     }
 }
 
+/// What one look at a sink's events did.
+enum Pass {
+    /// Delivered some (a 2xx for each), the cursor saved past them.
+    Delivered,
+    /// Nothing after the cursor: the sink is caught up.
+    CaughtUp,
+    /// Nothing readable yet, but events lie after the cursor behind a transaction still
+    /// running ([`outbox::held_back`]): look again soon.
+    HeldBack,
+}
+
+/// The first wait after a look that found events held back; it doubles up to the idle.
+const HELD_BACK_WAIT: Duration = Duration::from_millis(20);
+
 /// Why a sink's task ends.
 enum Stop {
     Deleted,
@@ -314,6 +330,7 @@ async fn deliver_sink(
     mut stop: watch::Receiver<bool>,
 ) {
     let Pace { idle, woken } = pace;
+    let mut held_wait = HELD_BACK_WAIT;
     loop {
         if *stop.borrow() {
             info!(sink = %id, "sink handed over");
@@ -328,11 +345,21 @@ async fn deliver_sink(
                 warn!(sink = %id, "sink lease lost; another worker resumes from the saved cursor");
                 return;
             }
-            Bound::Done(Ok(Ok(0))) => {
+            Bound::Done(Ok(Ok(Pass::CaughtUp))) => {
+                held_wait = HELD_BACK_WAIT;
                 stats.idle_waits.fetch_add(1, Ordering::Relaxed);
                 idle
             }
-            Bound::Done(Ok(Ok(_))) => Duration::ZERO,
+            Bound::Done(Ok(Ok(Pass::HeldBack))) => {
+                stats.held_back.fetch_add(1, Ordering::Relaxed);
+                let wait = held_wait.min(idle);
+                held_wait = (held_wait * 2).min(idle);
+                wait
+            }
+            Bound::Done(Ok(Ok(Pass::Delivered))) => {
+                held_wait = HELD_BACK_WAIT;
+                Duration::ZERO
+            }
             Bound::Done(Ok(Err(Stop::Deleted))) => {
                 info!(sink = %id, "sink deleted; delivery stops");
                 lease.release(&db).await;
@@ -362,7 +389,7 @@ async fn deliver_sink(
     }
 }
 
-/// Delivers one batch; `Ok(Ok(n))` with the number delivered.
+/// Delivers one batch, or says why it delivered nothing.
 #[tracing::instrument(level = "debug", skip_all, fields(sink = %id, lease = %lease.fence().name, epoch = lease.fence().epoch))]
 async fn deliver_batch(
     db: &Db,
@@ -370,7 +397,7 @@ async fn deliver_batch(
     lease: &HeldLease,
     id: &SinkId,
     stats: &DispatchStats,
-) -> compute_domain::Result<Result<usize, Stop>> {
+) -> compute_domain::Result<Result<Pass, Stop>> {
     let mut conn = db.pool().acquire().await?;
     let Some(sink) = sinks::delivery(&mut conn, id).await? else {
         return Ok(Err(Stop::Deleted));
@@ -384,9 +411,14 @@ async fn deliver_batch(
     {
         return Ok(Err(Stop::Inactive));
     }
-    let events = outbox::read_after(db, sink.cursor(), &sink.filter(), BATCH).await?;
+    let (cursor, filter) = (sink.cursor(), sink.filter());
+    let events = outbox::read_after(db, cursor, &filter, BATCH).await?;
     if events.is_empty() {
-        return Ok(Ok(0));
+        return Ok(Ok(if outbox::held_back(db, cursor, &filter).await? {
+            Pass::HeldBack
+        } else {
+            Pass::CaughtUp
+        }));
     }
     let secret = compute_domain::secrets::open(db.keyring(), &sink.secret, sink.id.as_str())?;
     stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -439,7 +471,7 @@ async fn deliver_batch(
         warn!(sink = %id, error = %why, delivered, "a webhook delivery failed; the sink backs off");
         return Ok(Err(Stop::Inactive));
     }
-    Ok(Ok(delivered as usize))
+    Ok(Ok(Pass::Delivered))
 }
 
 /// What a receiver deduplicates `event` on: a usage record's key (billing systems key on the

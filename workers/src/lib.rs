@@ -337,6 +337,14 @@ impl Stats {
             None,
             move || vec![("", d.failed.load(Relaxed) as f64)],
         );
+        let d = self.dispatch.clone();
+        registry.sample(
+            "compute_webhook_held_back_looks",
+            "Looks at a sink's events that found them held back behind a transaction still running (looked at again within milliseconds); a steady rise means a long transaction in the cluster delays every outbox reader.",
+            Sampled::Counter,
+            None,
+            move || vec![("", d.held_back.load(Relaxed) as f64)],
+        );
     }
 }
 

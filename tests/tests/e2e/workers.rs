@@ -1491,6 +1491,75 @@ async fn listening_waker(
     waker
 }
 
+/// A caught-up sink poked for an event that an older transaction, still running, holds back
+/// (the reader takes only rows below the snapshot's xmin) looks again within milliseconds rather
+/// than idling: the older transaction here ends without writing, so no poke would follow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_held_back_by_a_running_transaction_looks_again_soon() {
+    let app = spawn_app().await;
+    let db = app.db.db.clone();
+    let (receiver, url) = start_receiver(Duration::ZERO).await;
+    let acme = app.member("acme");
+    let d = app
+        .ok(&acme, CREATE_SINK, json!({ "i": { "url": url } }))
+        .await;
+    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    let waker = listening_waker(&db, std::future::pending()).await;
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(db.clone(), "worker-held")
+        .allowing_private_targets(true)
+        .woken_by(&waker);
+    dispatcher.idle = Duration::from_secs(60);
+    let stats = dispatcher.stats();
+    dispatcher.rebalance().await.expect("rebalance");
+    compute_tests::eventually(
+        "the sink caught up and idles",
+        Duration::from_secs(10),
+        || async {
+            (stats.idle_waits.load(std::sync::atomic::Ordering::Relaxed) > 0).then_some(())
+        },
+    )
+    .await;
+    let before = receiver.got.lock().expect("got").len();
+    // An older transaction takes its xid and stays open; it writes nothing, so its end pokes
+    // no one (a plain pool transaction, not `Db::tx`).
+    let mut older = db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT pg_current_xact_id()")
+        .execute(&mut *older)
+        .await
+        .expect("an xid");
+    db.tx("emit", compute_domain::db::TxKind::Write, |conn| {
+        Box::pin(async move {
+            sqlx::query("SELECT compute_emit('test.tick', 'acme', 'held', '{}')")
+                .execute(&mut *conn)
+                .await?;
+            Ok(())
+        })
+    })
+    .await
+    .expect("an event");
+    compute_tests::eventually(
+        "the poked sink finds the event held back",
+        Duration::from_secs(10),
+        || async { (stats.held_back.load(std::sync::atomic::Ordering::Relaxed) > 0).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        receiver.got.lock().expect("got").len(),
+        before,
+        "nothing is delivered while the older transaction runs"
+    );
+    older.commit().await.expect("the older transaction ends");
+    compute_tests::eventually(
+        "the event reaches the receiver long before the sink's one-minute look",
+        Duration::from_secs(10),
+        || async { (receiver.got.lock().expect("got").len() > before).then_some(()) },
+    )
+    .await;
+}
+
 /// Enqueues a `noop` item `key` in a writing transaction (whose commit pokes the listeners).
 async fn enqueue_noop(db: &compute_domain::db::Db, key: &'static str) {
     db.tx("enqueue_noop", compute_domain::db::TxKind::Write, |conn| {
