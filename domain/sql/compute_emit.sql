@@ -1,4 +1,4 @@
--- The current definition, as migrations/0015_reservation_hot_path.sql left it. Change it with a new migration
+-- The current definition, as migrations/0028_outbox_subject_causality.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -9,8 +9,10 @@ CREATE OR REPLACE FUNCTION compute_emit(p_type text, p_tenant_id text, p_subject
 DECLARE
     v_id text := compute_new_id('evt');
 BEGIN
-    INSERT INTO outbox (id, type, tenant_id, subject, data)
-        VALUES (v_id, p_type, p_tenant_id, p_subject, p_data);
+    INSERT INTO outbox (txid, id, type, tenant_id, subject, data)
+        VALUES (GREATEST(pg_current_xact_id(),
+                         (SELECT max(o.txid) FROM outbox o WHERE o.subject = p_subject)),
+                v_id, p_type, p_tenant_id, p_subject, p_data);
     RETURN v_id;
 END
 $fn$;

@@ -373,11 +373,13 @@ async fn run_shard(
         .iter()
         .map(|item| Box::pin(lease.bound(run_item(&fenced, kind, &item.key))) as ItemRun<'_>)
         .collect();
-    // Only reservation reconciles overlap. A node's command dispatch stays one at a time: with
-    // several at once, the command torture test saw a command's `command.dispatched` ordered
-    // before its `command.created` (the outbox orders by transaction id, which a transaction
-    // takes at its first write, not by commit), a case not yet understood to the end.
-    let at_once = if kind == WorkKind::Reservation {
+    // Reservation reconciles and node command dispatches overlap (each item is its own
+    // reservation or node). Dispatches overlapping once showed a command's `command.dispatched`
+    // ordered before its `command.created`: a dispatch that took its xid at its fence and then
+    // dispatched a command committed a moment later wrote its event under the smaller xid.
+    // Migration 0028 keys each event at least at the latest event of its subject, so a
+    // subject's events follow causality (docs/consistency.md, "The outbox").
+    let at_once = if kind == WorkKind::Reservation || kind == WorkKind::NodeCommands {
         ITEMS_AT_ONCE
     } else {
         1
