@@ -51,6 +51,72 @@ fn no_sql_reads_the_wall_clock() {
     );
 }
 
+/// No writing transaction notifies: a notifying commit waits for PostgreSQL's one cluster-wide
+/// notify lock, which put every commit in one line (migration 0015, issue 36). Every `NOTIFY`
+/// goes out after the commit, from the debouncer in `domain/src/db/poke.rs`
+/// (`Db::poke_after_commit`); SQL in the migrations since 0015 and in the code sends none.
+#[test]
+fn only_the_after_commit_poker_notifies() {
+    let mut files = vec![];
+    for dir in [
+        "api/src",
+        "domain/src",
+        "workers/src",
+        "agent/src",
+        "sim/src",
+        "domain/sql",
+    ] {
+        let dir = root().join(dir);
+        if dir.is_dir() {
+            sources_under(&dir, &mut files);
+        }
+    }
+    for m in std::fs::read_dir(root().join("migrations"))
+        .expect("migrations")
+        .flatten()
+    {
+        let name = m.file_name().to_string_lossy().into_owned();
+        if name.as_str() >= "0015" {
+            files.push(m.path());
+        }
+    }
+    let mut found = vec![];
+    for f in files {
+        if f.ends_with("domain/src/db/poke.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).expect("read");
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            let code = code.split("--").next().unwrap_or("");
+            let sql_notify = code
+                .trim_start()
+                .to_ascii_uppercase()
+                .starts_with("NOTIFY ")
+                || code.contains("\"NOTIFY ");
+            if code.to_ascii_lowercase().contains("pg_notify(") || sql_notify {
+                found.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "NOTIFY outside the after-commit poker (use Db::poke_after_commit):\n{}",
+        found.join("\n")
+    );
+}
+
+fn sources_under(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read_dir").flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            sources_under(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs" || e == "sql") {
+            out.push(path);
+        }
+    }
+}
+
 /// The rooms of `compute-api` and their layer: a module may use only rooms of a lower layer, so
 /// the rooms' imports cannot form a cycle. `ARCHITECTURE.md` states the same rules.
 const API_ROOMS: &[(&str, u8)] = &[

@@ -525,6 +525,16 @@ impl Db {
         Ok(value)
     }
 
+    /// Sends `NOTIFY channel, payload` after the caller's transaction committed, from a
+    /// transaction of its own, folded with the other pokes of the next [`poke::POKE_INTERVAL`]:
+    /// never inside a writing transaction (a notifying commit takes PostgreSQL's one
+    /// cluster-wide notify lock). Outside a Tokio runtime it sends nothing; the listeners poll.
+    pub fn poke_after_commit(&self, channel: &str, payload: &str) {
+        if let Some(poker) = &self.poker {
+            poker.poke_to(channel, payload);
+        }
+    }
+
     /// Reads `compute_now()`, the one clock of the system.
     pub async fn compute_now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
         Ok(sqlx::query_scalar!(r#"SELECT compute_now() AS "now!""#)

@@ -521,17 +521,20 @@ pub struct Dispatched {
     pub abandoned: usize,
     /// More were waiting than one batch takes: run again at once.
     pub more: bool,
+    /// The gateway holding the session the commands went to (poked after the commit).
+    pub gateway: Option<String>,
 }
 
 /// Dispatches the waiting commands of `node` to its open session, in one transaction of `db`
 /// (fenced by the node's shard lease): makes the `apply_spec` of a generation the daemon has
 /// not reported, sends every pending command whose `min_generation` the daemon has reported
-/// (oldest first, at most [`DISPATCH_BATCH`]), and pokes the session's gateway. A node without
+/// (oldest first, at most [`DISPATCH_BATCH`]), and, after the commit, pokes the session's
+/// gateway ([`Db::poke_after_commit`]). A node without
 /// an open session gets nothing (its next session wakes this again); a retired node's commands
 /// fail with `NODE_RETIRED`.
 #[tracing::instrument(level = "debug", skip_all, fields(node = %node))]
 pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
-    db.tx("dispatch_commands", TxKind::Maintenance, |conn| {
+    let dispatched = db.tx("dispatch_commands", TxKind::Maintenance, |conn| {
         let node = node.clone();
         Box::pin(async move {
             let Some(spec) = sqlx::query!(
@@ -612,18 +615,21 @@ pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
                 return Ok(Dispatched::default());
             }
             emit(conn, &sent, EventType::CommandDispatched).await?;
-            sqlx::query!("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, session.gateway)
-                .execute(&mut *conn)
-                .await?;
             let more = sent.len() as i64 == DISPATCH_BATCH;
             Ok(Dispatched {
                 commands: sent,
                 abandoned: 0,
                 more,
+                gateway: Some(session.gateway),
             })
         })
     })
-    .await
+    .await?;
+    // The gateway hears of it after the commit, never from inside the writing transaction.
+    if let Some(gateway) = &dispatched.gateway {
+        db.poke_after_commit(NOTIFY_CHANNEL, gateway);
+    }
+    Ok(dispatched)
 }
 
 /// The commands dispatched to sessions `gateway` holds and not yet acknowledged: what it has

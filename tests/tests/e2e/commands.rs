@@ -132,6 +132,56 @@ async fn command_events(app: &TestApp, id: &str) -> Vec<String> {
         .expect("events")
 }
 
+/// A dispatch pokes the session's gateway after its commit (`Db::poke_after_commit`; no writing
+/// transaction notifies, `static_checks::only_the_after_commit_poker_notifies`): a listener on the
+/// commands' channel hears the gateway's id once the dispatch returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_pokes_the_sessions_gateway_after_its_commit() {
+    let (app, nodes, mut dispatcher) = setup().await;
+    let node = &nodes[0];
+    let _session = Session::open(&daemon_config(&app, node, "j1", 1))
+        .await
+        .expect("open");
+    let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let listener = tokio::spawn({
+        let (db, heard) = (app.db.db.clone(), heard.clone());
+        async move {
+            let _ = cmds::listen_for_pokes(&db, |id| {
+                heard.lock().expect("heard").push(id.to_owned());
+            })
+            .await;
+        }
+    });
+    // The listener is up once it hears a poke sent by hand.
+    compute_tests::eventually("the listener hears", WAIT, || async {
+        app.db.db.poke_after_commit(cmds::NOTIFY_CHANNEL, "probe");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        heard
+            .lock()
+            .expect("heard")
+            .iter()
+            .any(|h| h == "probe")
+            .then_some(())
+    })
+    .await;
+    heard.lock().expect("heard").clear();
+    run(&app, node, "NOOP", "poked", json!({})).await;
+    assert!(
+        dispatch(&mut dispatcher).await >= 1,
+        "the command is dispatched"
+    );
+    let gateway = app.gateway.id().as_str().to_owned();
+    compute_tests::eventually("the gateway's poke", WAIT, || async {
+        heard
+            .lock()
+            .expect("heard")
+            .contains(&gateway)
+            .then_some(())
+    })
+    .await;
+    listener.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_runs_once_end_to_end_and_a_retry_gets_the_same_command() {
     let (app, nodes, mut dispatcher) = setup().await;
