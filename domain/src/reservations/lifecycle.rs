@@ -489,26 +489,29 @@ async fn finish(
 }
 
 /// Expires a reservation whose window has ended (the reconciler's step): quota first, then scalars
-/// come back; its bookings already end at its end.
+/// come back; its bookings already end at its end. One call of `compute_expire_reservation`
+/// (migration 0029), which does [`close_out`]'s writes in the same lock order; a `CONFLICT` when
+/// the reservation is not due to expire (ended otherwise, or its end moved later).
 #[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
     db.tx("expire_reservation", TxKind::Maintenance, |conn| {
         let id = id.clone();
         Box::pin(async move {
             let from = states(Action::Expire);
-            let rsv = query_reservations!(
-                "SELECT",
-                "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) AND r.ends_at <= compute_now() FOR UPDATE",
+            let event = sqlx::query_scalar!(
+                "SELECT compute_expire_reservation($1, $2, $3, $4, $5)",
                 id.as_str(),
                 &from as &[&str],
+                State::Expired.as_str(),
+                EventType::of_reservation(State::Expired).as_str(),
+                crate::work_queue::SHARDS,
             )
-            .fetch_optional(&mut *conn)
+            .fetch_one(&mut *conn)
             .await?;
-            let Some(rsv) = rsv else {
-                return Err(conflict(format!("reservation {id} is not due to expire")));
-            };
-            close_out(conn, &rsv, State::Expired, None).await?;
-            Ok(())
+            match event {
+                Some(_) => Ok(()),
+                None => Err(conflict(format!("reservation {id} is not due to expire"))),
+            }
         })
     })
     .await

@@ -101,6 +101,8 @@ struct Stored {
     starts_at: chrono::DateTime<chrono::Utc>,
     ends_at: chrono::DateTime<chrono::Utc>,
     next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// `compute_now()` when it was read.
+    now: chrono::DateTime<chrono::Utc>,
 }
 
 /// The reservation reconciler's work for one reservation (a work-queue key): does what is due
@@ -113,10 +115,12 @@ pub async fn reconcile_one(
     id: &ReservationId,
 ) -> Result<(Step, Option<chrono::DateTime<chrono::Utc>>)> {
     // The stored state, not the state as time says: this is the code that moves it.
+    // The row and the clock in one round trip.
     let load = || async {
         let found = sqlx::query_as!(
             Stored,
-            r#"SELECT r.state AS "state: _", r.starts_at, r.ends_at, r.next_attempt_at FROM reservations r WHERE r.id = $1"#,
+            r#"SELECT r.state AS "state: _", r.starts_at, r.ends_at, r.next_attempt_at, compute_now() AS "now!"
+                 FROM reservations r WHERE r.id = $1"#,
             id.as_str(),
         )
         .fetch_optional(db.pool())
@@ -126,12 +130,13 @@ pub async fn reconcile_one(
     let Some(rsv) = load().await? else {
         return Ok((Step::Nothing, None));
     };
-    let now = db.compute_now().await?;
+    let now = rsv.now;
     let live = !rsv.state.is_terminal();
     let mut step = Step::Nothing;
     if live && rsv.ends_at <= now {
         match lifecycle::expire(db, id).await {
-            Ok(()) => step = Step::Expired,
+            // Expired is terminal: nothing is due again, no need to read it back.
+            Ok(()) => return Ok((Step::Expired, None)),
             Err(e) if e.code() == crate::ErrorCode::Conflict => step = Step::Expired,
             Err(e) => return Err(e),
         }

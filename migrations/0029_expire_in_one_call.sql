@@ -1,0 +1,64 @@
+-- The expiry of a reservation as one server-side call (issue 36, goal 4: 1,000 reservation
+-- reconciles a second on one worker). `lifecycle::expire` sent six statements inside its
+-- transaction (the reservation locked, quota refunded, bookings trimmed, node scalars given back,
+-- the terminal state, its event), each a round trip while the reservation, quota and node rows
+-- stayed locked. This function does the same writes, in the same lock order
+-- (docs/database-locks.md): the reservation row, its tenant's quota rows in key order, its
+-- bookings, its nodes' `node_resources` rows in (node, resource) order, then the state and the
+-- event (`compute_reservation_changed`, which also enqueues its reconcile).
+--
+-- The states it may expire from, the state it writes and the event type come from the caller
+-- (the state tables in Rust stay the one place that says them). NULL when the reservation is not
+-- due to expire (gone, ended otherwise, or its end moved later): the caller's conflict.
+CREATE FUNCTION compute_expire_reservation(p_id text, p_from text[], p_to text, p_event text, p_shards integer)
+    RETURNS text
+    LANGUAGE plpgsql
+    AS $fn$
+DECLARE
+    v_tenant  text;
+    v_charged jsonb;
+BEGIN
+    SELECT r.tenant_id, r.charged INTO v_tenant, v_charged
+      FROM reservations r
+     WHERE r.id = p_id AND r.state = ANY(p_from) AND r.ends_at <= compute_now()
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+
+    -- Quota back (as quota::refund): the charged rows locked in key order, then decremented.
+    WITH back AS (SELECT c->>'scope_kind' AS scope_kind, c->>'scope_id' AS scope_id,
+                         c->>'resource' AS resource, (c->>'amount')::float8 AS amount
+                    FROM jsonb_array_elements(v_charged) c),
+         locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q
+                      JOIN back b USING (scope_kind, scope_id, resource)
+                     WHERE q.tenant_id = v_tenant
+                     ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q)
+    UPDATE quota_usage q SET used = q.used - b.amount::numeric, version = q.version + 1, updated_at = compute_now()
+      FROM back b, locked l
+     WHERE q.tenant_id = v_tenant AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
+       AND b.scope_kind = l.scope_kind AND b.scope_id = l.scope_id AND b.resource = l.resource;
+
+    -- Bookings: those not begun are gone, those running end now (an expired one ended already).
+    WITH mine AS (SELECT id FROM allocations WHERE reservation_id = p_id),
+         gone AS (DELETE FROM device_bookings b USING mine
+                   WHERE b.allocation_id = mine.id AND lower(b.during) >= compute_now() RETURNING 1)
+    UPDATE device_bookings b SET during = tstzrange(lower(b.during), compute_now()) FROM mine
+     WHERE b.allocation_id = mine.id AND lower(b.during) < compute_now() AND upper(b.during) > compute_now();
+
+    -- Node scalars back, locked in (node, resource) order as placement locks them.
+    WITH back AS (SELECT a.node_id, v.res, sum(v.amount)::bigint AS amount FROM allocations a,
+                         LATERAL (VALUES ('vcpu', a.vcpu), ('memory_mib', a.memory_mib), ('disk_gib', a.disk_gib)) v(res, amount)
+                   WHERE a.reservation_id = p_id AND a.node_id IS NOT NULL GROUP BY a.node_id, v.res),
+         locked AS (SELECT r.node_id, r.resource FROM node_resources r JOIN back b ON b.node_id = r.node_id AND b.res = r.resource
+                     ORDER BY r.node_id, r.resource FOR UPDATE OF r)
+    UPDATE node_resources r SET allocated = r.allocated - b.amount FROM back b, locked l
+     WHERE r.node_id = l.node_id AND r.resource = l.resource AND b.node_id = l.node_id AND b.res = l.resource;
+
+    UPDATE reservations r SET state = p_to, next_attempt_at = NULL, ended_at = r.ends_at,
+           version = r.version + 1, updated_at = compute_now()
+     WHERE r.id = p_id;
+    RETURN compute_reservation_changed(p_id, p_event, p_shards);
+END
+$fn$;
+ALTER FUNCTION compute_expire_reservation(text, text[], text, text, integer) SET enable_seqscan = off;
