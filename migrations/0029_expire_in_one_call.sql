@@ -5,12 +5,12 @@
 -- stayed locked. This function does the same writes, in the same lock order
 -- (docs/database-locks.md): the reservation row, its tenant's quota rows in key order, its
 -- bookings, its nodes' `node_resources` rows in (node, resource) order, then the state and the
--- event (`compute_reservation_changed`, which also enqueues its reconcile).
+-- event.
 --
 -- The states it may expire from, the state it writes and the event type come from the caller
 -- (the state tables in Rust stay the one place that says them). NULL when the reservation is not
 -- due to expire (gone, ended otherwise, or its end moved later): the caller's conflict.
-CREATE FUNCTION compute_expire_reservation(p_id text, p_from text[], p_to text, p_event text, p_shards integer)
+CREATE FUNCTION compute_expire_reservation(p_id text, p_from text[], p_to text, p_event text)
     RETURNS text
     LANGUAGE plpgsql
     AS $fn$
@@ -58,7 +58,10 @@ BEGIN
     UPDATE reservations r SET state = p_to, next_attempt_at = NULL, ended_at = r.ends_at,
            version = r.version + 1, updated_at = compute_now()
      WHERE r.id = p_id;
-    RETURN compute_reservation_changed(p_id, p_event, p_shards);
+    -- Its event, without `compute_reservation_changed`'s enqueue of its own reconcile: the
+    -- caller is that reconcile, and an expired reservation has nothing due again (the instance
+    -- teardown is enqueued by the `reservations` trigger of migration 0014).
+    RETURN compute_emit(p_event, v_tenant, p_id, compute_reservation_payload(p_id));
 END
 $fn$;
-ALTER FUNCTION compute_expire_reservation(text, text[], text, text, integer) SET enable_seqscan = off;
+ALTER FUNCTION compute_expire_reservation(text, text[], text, text) SET enable_seqscan = off;

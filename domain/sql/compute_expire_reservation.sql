@@ -2,7 +2,7 @@
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE FUNCTION compute_expire_reservation(p_id text, p_from text[], p_to text, p_event text, p_shards integer)
+CREATE FUNCTION compute_expire_reservation(p_id text, p_from text[], p_to text, p_event text)
     RETURNS text
     LANGUAGE plpgsql
     AS $fn$
@@ -50,7 +50,10 @@ BEGIN
     UPDATE reservations r SET state = p_to, next_attempt_at = NULL, ended_at = r.ends_at,
            version = r.version + 1, updated_at = compute_now()
      WHERE r.id = p_id;
-    RETURN compute_reservation_changed(p_id, p_event, p_shards);
+    -- Its event, without `compute_reservation_changed`'s enqueue of its own reconcile: the
+    -- caller is that reconcile, and an expired reservation has nothing due again (the instance
+    -- teardown is enqueued by the `reservations` trigger of migration 0014).
+    RETURN compute_emit(p_event, v_tenant, p_id, compute_reservation_payload(p_id));
 END
 $fn$;
-ALTER FUNCTION compute_expire_reservation(text, text[], text, text, integer) SET enable_seqscan = off;
+ALTER FUNCTION compute_expire_reservation(text, text[], text, text) SET enable_seqscan = off;

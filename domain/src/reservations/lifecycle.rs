@@ -499,12 +499,11 @@ pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
         Box::pin(async move {
             let from = states(Action::Expire);
             let event = sqlx::query_scalar!(
-                "SELECT compute_expire_reservation($1, $2, $3, $4, $5)",
+                "SELECT compute_expire_reservation($1, $2, $3, $4)",
                 id.as_str(),
                 &from as &[&str],
                 State::Expired.as_str(),
                 EventType::of_reservation(State::Expired).as_str(),
-                crate::work_queue::SHARDS,
             )
             .fetch_one(&mut *conn)
             .await?;
