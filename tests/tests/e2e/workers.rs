@@ -1491,12 +1491,16 @@ async fn listening_waker(
     waker
 }
 
-/// A caught-up sink poked for an event that an older transaction, still running, holds back
-/// (the reader takes only rows below the snapshot's xmin) looks again within milliseconds rather
-/// than idling: the older transaction here ends without writing, so no poke would follow.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sink_held_back_by_a_running_transaction_looks_again_soon() {
-    let app = spawn_app().await;
+/// A sink of acme's delivered by a dispatcher woken by pokes and idling a minute between looks,
+/// once it has caught up: its receiver, the dispatcher (kept alive) and its counters.
+async fn caught_up_sink(
+    app: &compute_tests::TestApp,
+    owner: &str,
+) -> (
+    Receiver,
+    compute_workers::dispatch::Dispatcher,
+    Arc<compute_workers::dispatch::DispatchStats>,
+) {
     let db = app.db.db.clone();
     let (receiver, url) = start_receiver(Duration::ZERO).await;
     let acme = app.member("acme");
@@ -1508,7 +1512,7 @@ async fn a_sink_held_back_by_a_running_transaction_looks_again_soon() {
         .expect("secret")
         .to_owned();
     let waker = listening_waker(&db, std::future::pending()).await;
-    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(db.clone(), "worker-held")
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(db.clone(), owner)
         .allowing_private_targets(true)
         .woken_by(&waker);
     dispatcher.idle = Duration::from_secs(60);
@@ -1522,6 +1526,17 @@ async fn a_sink_held_back_by_a_running_transaction_looks_again_soon() {
         },
     )
     .await;
+    (receiver, dispatcher, stats)
+}
+
+/// A caught-up sink poked for an event that an older transaction, still running, holds back
+/// (the reader takes only rows below the snapshot's xmin) looks again within milliseconds rather
+/// than idling: the older transaction here ends without writing, so no poke would follow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_held_back_by_a_running_transaction_looks_again_soon() {
+    let app = spawn_app().await;
+    let db = app.db.db.clone();
+    let (receiver, _dispatcher, stats) = caught_up_sink(&app, "worker-held").await;
     let before = receiver.got.lock().expect("got").len();
     // An older transaction takes its xid and stays open; it writes nothing, so its end pokes
     // no one (a plain pool transaction, not `Db::tx`).
@@ -1689,30 +1704,7 @@ async fn a_poke_wakes_an_idle_queue_and_polling_alone_still_delivers() {
 async fn a_poke_wakes_a_caught_up_webhook_sink() {
     let app = spawn_app().await;
     let db = app.db.db.clone();
-    let (receiver, url) = start_receiver(Duration::ZERO).await;
-    let acme = app.member("acme");
-    let d = app
-        .ok(&acme, CREATE_SINK, json!({ "i": { "url": url } }))
-        .await;
-    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
-        .as_str()
-        .expect("secret")
-        .to_owned();
-    let waker = listening_waker(&db, std::future::pending()).await;
-    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(db.clone(), "worker-poked")
-        .allowing_private_targets(true)
-        .woken_by(&waker);
-    dispatcher.idle = Duration::from_secs(60);
-    let stats = dispatcher.stats();
-    dispatcher.rebalance().await.expect("rebalance");
-    compute_tests::eventually(
-        "the sink caught up and idles",
-        Duration::from_secs(10),
-        || async {
-            (stats.idle_waits.load(std::sync::atomic::Ordering::Relaxed) > 0).then_some(())
-        },
-    )
-    .await;
+    let (receiver, _dispatcher, stats) = caught_up_sink(&app, "worker-poked").await;
     let before = receiver.got.lock().expect("got").len();
     db.tx("emit", compute_domain::db::TxKind::Write, |conn| {
         Box::pin(async move {
