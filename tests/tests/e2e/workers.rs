@@ -1704,7 +1704,7 @@ async fn a_poke_wakes_an_idle_queue_and_polling_alone_still_delivers() {
 async fn a_poke_wakes_a_caught_up_webhook_sink() {
     let app = spawn_app().await;
     let db = app.db.db.clone();
-    let (receiver, _dispatcher, stats) = caught_up_sink(&app, "worker-poked").await;
+    let (receiver, _dispatcher, _) = caught_up_sink(&app, "worker-poked").await;
     let before = receiver.got.lock().expect("got").len();
     db.tx("emit", compute_domain::db::TxKind::Write, |conn| {
         Box::pin(async move {
