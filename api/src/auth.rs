@@ -21,6 +21,8 @@ pub use compute_domain::process::Secret;
 /// A role a token can carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Role {
+    /// Manages grants and service accounts; an operator of the whole fleet besides.
+    Admin,
     /// Manages the fleet.
     Operator,
     /// Reserves capacity and sees only its tenant's objects.
@@ -32,6 +34,7 @@ pub enum Role {
 impl Role {
     pub fn parse(s: &str) -> Option<Role> {
         match s {
+            "admin" => Some(Role::Admin),
             "operator" => Some(Role::Operator),
             "member" => Some(Role::Member),
             "node" => Some(Role::Node),
@@ -40,6 +43,7 @@ impl Role {
     }
     pub fn as_str(self) -> &'static str {
         match self {
+            Role::Admin => "admin",
             Role::Operator => "operator",
             Role::Member => "member",
             Role::Node => "node",
@@ -72,10 +76,23 @@ pub struct Claims {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Viewer {
     pub subject: String,
+    /// Who vouches for `subject`: the token's `iss`, or `compute:service-account`.
+    pub issuer: String,
     /// The `tenant` claim, checked at the door ([`TenantId::parse`]): a token whose tenant is
     /// not a valid tenant id is refused, so an empty or odd tenant never reaches a rule.
     pub tenant: Option<TenantId>,
+    /// The caller's roles. `Operator` is an operator of the whole fleet; an operator limited to
+    /// sites or pools has `scopes` instead (`crate::authz`), so every rule that asks for the
+    /// operator role refuses a scoped one unless it asks about a target in its scope.
     pub roles: Vec<Role>,
+    /// The sites and pools a scoped operator grant covers; empty for everyone else.
+    pub scopes: Vec<compute_domain::ids::ScopeId>,
+    /// The grants could not be read lately (the database unreachable past the projection's
+    /// trust): every field refuses with the retryable `UNAVAILABLE`.
+    pub unavailable: bool,
+    /// What the token itself claimed (`roles`, `tenant`), kept so the caller can be resolved
+    /// against the grants again when they change (`crate::authz`).
+    pub claimed: Option<Claimed>,
     /// The `node` claim, checked at the door ([`NodeId::parse`]): the node a daemon's token
     /// may open the session of.
     pub node: Option<NodeId>,
@@ -115,6 +132,13 @@ impl Viewer {
     }
 }
 
+/// What a token claimed, before the grants had their say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claimed {
+    pub roles: Vec<Role>,
+    pub tenant: Option<TenantId>,
+}
+
 /// The verifier's clock: seconds since the epoch. A server's verifier reads business time
 /// ([`Verifier::on_business_time`]: `compute_now()` through the process's [`Clock`]), so a test
 /// on simulated time expires a token by moving the clock; a verifier outside a server (the
@@ -142,9 +166,15 @@ pub enum KeySource {
 /// long after its token's `exp`.
 pub const LEEWAY_SECONDS: u64 = 5;
 
+/// The issuer this server's tokens must name: the issuer of a grant's subject unless the
+/// grant names another (schema data).
+#[derive(Debug, Clone)]
+pub struct TokenIssuer(pub String);
+
 /// Checks bearer tokens against the configured keys, issuer and audience.
 pub struct Verifier {
     algorithm: Algorithm,
+    issuer: String,
     keys: Vec<(Option<String>, DecodingKey)>,
     validation: Validation,
     clock: JwtClock,
@@ -253,8 +283,14 @@ impl Verifier {
         // `exp` and `nbf` are checked against the verifier's clock, below.
         validation.validate_exp = false;
         validation.validate_nbf = false;
+        if issuer == compute_domain::authz::SERVICE_ACCOUNT_ISSUER {
+            return Err(KeyConfigError(format!(
+                "the token issuer `{issuer}` is reserved for service accounts"
+            )));
+        }
         Ok(Verifier {
             algorithm,
+            issuer: issuer.to_owned(),
             keys,
             validation,
             clock: wall_clock(),
@@ -280,6 +316,11 @@ impl Verifier {
     pub fn on_business_time(self, clock: &compute_domain::clock::Clock) -> Verifier {
         let clock = clock.clone();
         self.with_clock(std::sync::Arc::new(move || clock.now().timestamp()))
+    }
+
+    /// The issuer every token must name.
+    pub fn issuer(&self) -> &str {
+        &self.issuer
     }
 
     /// The pinned algorithm.
@@ -402,8 +443,15 @@ impl Verifier {
             .map(|n| NodeId::parse("node", n))
             .transpose()
             .map_err(|_| unauthenticated("the bearer token's node claim is not a node id"))?;
+        if claims.iss == compute_domain::authz::SERVICE_ACCOUNT_ISSUER {
+            return Err(unauthenticated("the bearer token names a reserved issuer"));
+        }
         Ok(Viewer {
             subject: claims.sub,
+            issuer: claims.iss,
+            scopes: Vec::new(),
+            unavailable: false,
+            claimed: None,
             tenant,
             node,
             roles: claims.roles.iter().filter_map(|r| Role::parse(r)).collect(),

@@ -10,6 +10,7 @@
 //! `state` → `transport`, `ops` → `server` → `cli`.
 
 pub mod auth;
+pub mod authz;
 pub mod cli;
 pub mod codes;
 pub mod console;

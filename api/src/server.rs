@@ -251,9 +251,14 @@ impl Server {
         // Tokens expire in business time, as leases and bookings do.
         let verifier = verifier.on_business_time(&clock);
         let (shutdown_tx, shutdown) = watch::channel(false);
+        let authz = crate::authz::Authz::load(db.clone(), clock.clone()).await?;
         let tailer = Tailer::new(db.clone(), stream);
         let metrics = Metrics::new(&registry, &db, &clock, &tailer, &routes::ALL);
-        let schema = graph::build(Some((db.clone(), tailer.clone())));
+        let schema = graph::build(Some((
+            db.clone(),
+            tailer.clone(),
+            crate::auth::TokenIssuer(verifier.issuer().to_owned()),
+        )));
         let costs = graph::cost::CostModel::from_sdl(&schema.sdl())
             .map_err(|e| compute_domain::Error::internal(e.to_string()))?;
         let admission = graph::admission::AdmissionControl::new(limits.clone(), costs, {
@@ -288,6 +293,7 @@ impl Server {
             db,
             clock,
             verifier,
+            authz,
             metrics,
             registry,
             persisted: Arc::new(
@@ -313,6 +319,13 @@ impl Server {
             inner.persisted = Arc::new(persisted);
             inner.cors_origins = cors_origins;
         });
+        self
+    }
+
+    /// This server taking the roles of a subject without grants from `source`
+    /// (`serve --authz`).
+    pub fn with_authz_source(self, source: crate::authz::Source) -> Server {
+        self.app.authz.set_source(source);
         self
     }
 
@@ -363,6 +376,12 @@ impl Server {
                 let _ = rx.wait_for(|s| *s).await;
             }
         }));
+        let authz = tokio::spawn(app.authz.clone().run({
+            let mut rx = app.shutdown.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        }));
         let gateway = tokio::spawn(app.gateway.clone().run({
             let mut rx = app.shutdown.clone();
             async move {
@@ -372,6 +391,7 @@ impl Server {
         let result = serve(listener, app.clone(), stop, shutdown_tx).await;
         sampler.abort();
         tailer.abort();
+        authz.abort();
         // The gateway ends its sessions and lets its lease go, so daemons reconnect elsewhere.
         let _ = tokio::time::timeout(Duration::from_secs(5), gateway).await;
         result

@@ -29,6 +29,8 @@ pub struct Inner {
     /// The streams each identity holds open.
     pub streams: crate::limits::Streams,
     pub verifier: Verifier,
+    /// The process's projection of the grants, which every caller is resolved against.
+    pub authz: crate::authz::Authz,
     pub metrics: Metrics,
     /// The process's one metrics registry, which `/metrics` encodes.
     pub registry: compute_domain::metrics::Registry,
@@ -59,6 +61,19 @@ impl AppState {
     /// Wraps the shared contents.
     pub fn new(inner: Inner) -> AppState {
         AppState(Arc::new(inner))
+    }
+
+    /// Who a bearer token is, with what the grants let it do: a service account's token
+    /// (`cst_…`) or a JWT, then resolved against the grants (`crate::authz`). `Err` is why it
+    /// is not accepted (`401`).
+    pub fn identify(&self, token: &str) -> Result<crate::auth::Viewer, String> {
+        if let Some(account) = self.authz.service_account(token) {
+            return account;
+        }
+        self.verifier
+            .verify(token)
+            .map(|v| self.authz.resolve(v))
+            .map_err(|e| e.to_string())
     }
 
     /// Changes the contents before the state is shared; `false` once it has been cloned.

@@ -414,6 +414,16 @@ pub fn bounded(message: &str) -> String {
     out
 }
 
+/// Maps a violated constraint, by name, to a domain error; anything else passes through.
+pub(crate) fn on_constraint(err: sqlx::Error, map: &[(&str, &dyn Fn() -> Error)]) -> Error {
+    if let Some(name) = err.as_database_error().and_then(|e| e.constraint())
+        && let Some((_, make)) = map.iter().find(|(c, _)| *c == name)
+    {
+        return make();
+    }
+    Error::from(err)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,7 +20,7 @@ use crate::fleet::model::{
 };
 use crate::fleet::state::NodeLifecycle;
 use crate::ids::{
-    AllocationId, AtomName, CommandId, DeviceId, InstanceId, JoinTokenId, NodeId, PoolId,
+    AllocationId, AtomName, CommandId, DeviceId, GrantId, InstanceId, JoinTokenId, NodeId, PoolId,
     ReservationId, ScopeId, SinkId, SiteId, TenantId,
 };
 use crate::instances::state::State as InstanceState;
@@ -89,6 +89,8 @@ text_enum!(
         InstanceExited = "instance.exited",
         UsageWindowClosed = "usage.window_closed",
         UsageWindowAdjusted = "usage.window_adjusted",
+        AuthzGranted = "authz.granted",
+        AuthzRevoked = "authz.revoked",
     }
 );
 
@@ -106,6 +108,7 @@ pub enum Family {
     Instance,
     Usage,
     JoinToken,
+    Authz,
 }
 
 impl EventType {
@@ -121,6 +124,7 @@ impl EventType {
             Some("instance") => Family::Instance,
             Some("usage") => Family::Usage,
             Some("join_token") => Family::JoinToken,
+            Some("authz") => Family::Authz,
             _ => Family::EventSink,
         }
     }
@@ -400,6 +404,36 @@ impl From<&Toleration> for TolerationView {
             effect: t.effect,
         }
     }
+}
+
+/// `authz.granted` and `authz.revoked`: a principal's grant given or taken away.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AuthzPayload {
+    /// The principal's issuer (`compute:service-account` for a service account).
+    pub issuer: String,
+    /// The principal's subject: a token's `sub`, or a service account's id.
+    pub subject: String,
+    /// The grant given or taken; null when a revocation found none and only made the principal
+    /// managed (its token's claims stopped counting).
+    pub grant: Option<GrantView>,
+    /// Who made the change.
+    pub by: String,
+}
+
+/// A grant as events carry it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GrantView {
+    pub id: GrantId,
+    pub issuer: String,
+    pub subject: String,
+    /// `admin`, `operator` or `member`.
+    pub role: String,
+    pub tenant_id: Option<TenantId>,
+    pub scope_id: Option<ScopeId>,
+    pub granted_by: String,
+    pub granted_at: DateTime<Utc>,
 }
 
 /// `quota.set`: the tenant's limits on one pool or site after the change.

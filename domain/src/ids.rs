@@ -10,8 +10,8 @@
 use crate::error::{Error, Result};
 
 /// The prefixes of the system's entities.
-pub const PREFIXES: [&str; 11] = [
-    "site", "pool", "node", "dev", "rsv", "alc", "cmd", "ins", "evt", "snk", "njt",
+pub const PREFIXES: [&str; 13] = [
+    "site", "pool", "node", "dev", "rsv", "alc", "cmd", "ins", "evt", "snk", "njt", "grt", "sa",
 ];
 
 /// A new id with `prefix`, time-ordered by the wall clock of this process.
@@ -172,6 +172,14 @@ entity_id!(
 entity_id!(
     /// A node join token's id, `njt_…` (not its secret).
     JoinTokenId = "njt", "join token"
+);
+entity_id!(
+    /// A grant's id, `grt_…`.
+    GrantId = "grt", "grant"
+);
+entity_id!(
+    /// A service account's id, `sa_…` (not its token).
+    ServiceAccountId = "sa", "service account"
 );
 
 /// A tenant's id: 1 to 63 of letters, digits, `_`, `.`, `-`, starting with a letter or digit.

@@ -5,6 +5,7 @@
 //! the workers call it; it calls PostgreSQL.
 
 pub mod actor;
+pub mod authz;
 pub mod clock;
 pub mod condition;
 pub mod db;

@@ -127,7 +127,8 @@ pub fn concerns(event_type: &str, data: &serde_json::Value) -> Concerns {
         | Family::EventSink
         | Family::Command
         | Family::Instance
-        | Family::Usage => Concerns::default(),
+        | Family::Usage
+        | Family::Authz => Concerns::default(),
     }
 }
 
@@ -525,11 +526,5 @@ pub async fn prune(
 /// Listens for the outbox pokes (`db::poke::Poker`) and calls `on_poke` for each, until the listening
 /// connection fails (the error is returned; call again to reconnect).
 pub async fn listen_for_pokes(db: &crate::db::Db, on_poke: impl Fn()) -> crate::Result<()> {
-    let mut listener = db.listener().await?;
-    listener.listen(NOTIFY_CHANNEL).await?;
-    tracing::debug!("listening for outbox pokes");
-    loop {
-        listener.recv().await?;
-        on_poke();
-    }
+    db.listen(NOTIFY_CHANNEL, on_poke).await
 }

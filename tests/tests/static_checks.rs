@@ -126,6 +126,7 @@ const API_ROOMS: &[(&str, u8)] = &[
     ("tailer", 1),
     ("limits", 1),
     ("persisted", 1),
+    ("authz", 2),
     ("metrics", 2),
     ("graph", 2),
     ("gateway", 2),

@@ -57,6 +57,9 @@ pub enum Command {
     ConsoleManifest,
     /// Print a development JWT signed with the key `dev` keeps in its data directory.
     Token(TokenArgs),
+    /// Make a subject an administrator (a grant of the `admin` role), without a token: the first
+    /// administrator of a deployment that runs `serve --authz grants`.
+    GrantAdmin(GrantAdminArgs),
     /// Seal every sink secret under the current secrets key (after setting a key for the first
     /// time, or to finish a rotation); safe to run beside running processes, and again.
     ResealSecrets(ResealArgs),
@@ -219,6 +222,15 @@ pub struct JwtArgs {
     pub jwt_audience: Option<String>,
 }
 
+/// `serve --authz`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AuthzSource {
+    /// A subject without grants keeps its token's claims.
+    Claims,
+    /// Only grants give roles.
+    Grants,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum PublicKeyAlgorithm {
     #[value(name = "RS256")]
@@ -256,6 +268,12 @@ pub struct ServeArgs {
     pub gateway: GatewayArgs,
     #[command(flatten)]
     pub frontends: FrontendArgs,
+    /// Where a subject's roles come from when it has no grants: `claims` (its token's `roles`
+    /// and `tenant`, the default) or `grants` (nowhere: only grants give roles; make the first
+    /// administrator with `compute-api grant-admin`). A subject with grants is governed by its
+    /// grants either way (docs/security.md#grants).
+    #[arg(long, env = "COMPUTE_AUTHZ", value_enum, default_value = "claims")]
+    pub authz: AuthzSource,
     /// Apply pending migrations at start. Without it, `serve` on DATABASE_URL expects them
     /// applied (`compute-api migrate`, as the schema's owner) and refuses to start otherwise, so
     /// it can run as a role that cannot change the schema. The embedded database is always
@@ -427,6 +445,19 @@ pub struct MigrateArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct GrantAdminArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// The subject (`sub`) of the administrator's tokens.
+    #[arg(long)]
+    pub subject: String,
+    /// The issuer (`iss`) of its tokens, as `serve --jwt-issuer` names it (the development
+    /// issuer by default).
+    #[arg(long, env = "COMPUTE_JWT_ISSUER", default_value = crate::auth::DEV_ISSUER)]
+    pub issuer: String,
+}
+
+#[derive(Debug, Args)]
 pub struct TokenArgs {
     /// Role to grant; repeat for several (operator, member, node).
     #[arg(long = "role", required = true, value_parser = parse_role)]
@@ -450,7 +481,7 @@ pub struct TokenArgs {
 }
 
 fn parse_role(s: &str) -> std::result::Result<Role, String> {
-    Role::parse(s).ok_or_else(|| format!("unknown role `{s}`: use operator, member or node"))
+    Role::parse(s).ok_or_else(|| format!("unknown role `{s}`: use admin, operator, member or node"))
 }
 
 /// A database handle, and the embedded server behind it when there is one (stopped on drop).
@@ -618,6 +649,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     .await?
     .with_gateway(gateway, args.gateway.gateway_only)
     .with_frontends(persisted, cors)
+    .with_authz_source(match args.authz {
+        AuthzSource::Claims => crate::authz::Source::ClaimsThenGrants,
+        AuthzSource::Grants => crate::authz::Source::GrantsOnly,
+    })
     .run(listener, shutdown_signal())
     .await
     .map_err(Error::internal)?;
@@ -658,6 +693,16 @@ pub async fn migrate(args: MigrateArgs) -> Result<()> {
         database.db.grant_runtime(&role).await?;
         info!(role = %role, "run-time privileges granted");
     }
+    Ok(())
+}
+
+/// `compute-api grant-admin`.
+pub async fn grant_admin(args: GrantAdminArgs) -> Result<()> {
+    init_logging(args.database.log_format);
+    let database = open_database(&args.database, 2).await?;
+    let grant =
+        compute_domain::authz::bootstrap_admin(&database.db, &args.issuer, &args.subject).await?;
+    info!(grant = %grant.id, subject = %grant.subject, issuer = %grant.issuer, "administrator granted");
     Ok(())
 }
 
@@ -717,6 +762,7 @@ pub async fn main() -> std::process::ExitCode {
         #[cfg(feature = "dev")]
         Command::Dev(args) => dev::dev(args).await,
         Command::Migrate(args) => migrate(args).await,
+        Command::GrantAdmin(args) => grant_admin(args).await,
         Command::Schema => {
             let _ = write!(std::io::stdout().lock(), "{}", crate::graph::sdl());
             Ok(())

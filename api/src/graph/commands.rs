@@ -11,7 +11,10 @@ use compute_domain::node_commands::{self as cmds, CommandFilter, CommandRequest}
 use crate::graph::common::{connection, gql_id, page_request};
 use crate::graph::fleet::ComputeNodeObj;
 use crate::graph::loaders::*;
-use crate::graph::{GqlResult, ReplayFlag, actor, db, gql_error, require_operator};
+use crate::graph::{
+    GqlResult, ReplayFlag, db, gql_error, operator_actor, require_operator, require_operator_on,
+};
+use compute_domain::authz::Target;
 
 /// Where a command is in its life (`docs/commands.md`).
 #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -172,7 +175,11 @@ pub async fn page(
     filter: CommandFilter,
     request: compute_domain::page::PageRequest,
 ) -> GqlResult<Connection<String, CommandObj, CommandCount>> {
-    require_operator(ctx)?;
+    // A scoped operator lists one node's commands at a time, a node in its scope.
+    match &filter.node_id {
+        Some(node) => require_operator_on(ctx, Target::Node(node.clone())).await?,
+        None => require_operator(ctx)?,
+    }
     let args = request.resolve()?;
     let page = cmds::list_commands(db(ctx)?, &filter, &args).await?;
     Ok(connection(
@@ -196,8 +203,8 @@ impl CommandQuery {
         ctx: &Context<'_>,
         #[graphql(desc = "The global id of the object.")] id: ID,
     ) -> GqlResult<CommandObj> {
-        require_operator(ctx)?;
         let cid = CommandId::parse("id", id.as_str())?;
+        require_operator_on(ctx, Target::Command(cid.clone())).await?;
         loaders_of(ctx)?
             .load_one(cid.clone())
             .await?
@@ -297,9 +304,11 @@ impl CommandMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `runCommand`.")] input: RunCommandInput,
     ) -> GqlResult<CommandPayload> {
-        let actor = actor(ctx)?;
+        let node = NodeId::parse("computeNodeId", input.compute_node_id.as_str())?;
+        require_operator_on(ctx, Target::Node(node.clone())).await?;
+        let actor = operator_actor(ctx)?;
         let request = CommandRequest::parse(
-            NodeId::parse("computeNodeId", input.compute_node_id.as_str())?,
+            node,
             input.kind.into(),
             input
                 .args
@@ -325,8 +334,9 @@ impl CommandMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `cancelCommand`.")] input: CancelCommandInput,
     ) -> GqlResult<CommandPayload> {
-        let actor = actor(ctx)?;
         let id = CommandId::parse("id", input.id.as_str())?;
+        require_operator_on(ctx, Target::Command(id.clone())).await?;
+        let actor = operator_actor(ctx)?;
         let command = cmds::cancel(db(ctx)?, &actor, &id).await?;
         Ok(CommandPayload {
             command: CommandObj(command),

@@ -113,13 +113,64 @@ fn coded(err: Error) -> async_graphql::Error {
     })
 }
 
-/// The caller's identity, or `UNAUTHENTICATED`.
+/// The caller's identity, or `UNAUTHENTICATED`; `UNAVAILABLE` (retryable) while the grants
+/// could not be read lately (`crate::authz`): no decision is made on old grants.
 pub fn viewer<'a>(ctx: &'a Context<'_>) -> GqlResult<&'a Viewer> {
-    ctx.data_opt::<Viewer>().ok_or_else(|| {
+    let v = ctx.data_opt::<Viewer>().ok_or_else(|| {
         gql_error(Error::Unauthenticated(
             "this field needs a bearer token (Authorization: Bearer <jwt>)".into(),
         ))
-    })
+    })?;
+    if v.unavailable {
+        return Err(gql_error(Error::Unavailable(
+            "the grants could not be read from the database lately; retry the request".into(),
+        )));
+    }
+    Ok(v)
+}
+
+/// The caller must be an administrator (grants and service accounts).
+pub fn require_admin(ctx: &Context<'_>) -> GqlResult<()> {
+    if viewer(ctx)?.has_role(Role::Admin) {
+        Ok(())
+    } else {
+        Err(gql_error(Error::Forbidden(
+            "this needs the admin role".into(),
+        )))
+    }
+}
+
+/// The caller must be an operator of the whole fleet, or of a site or pool that holds
+/// `target`. A scoped operator is refused a target outside its scopes, and one that does not
+/// exist (`FORBIDDEN` either way: its scope does not reveal what lies outside it).
+pub async fn require_operator_on(
+    ctx: &Context<'_>,
+    target: compute_domain::authz::Target,
+) -> GqlResult<()> {
+    use compute_domain::ids::ScopeId;
+    let v = viewer(ctx)?;
+    if v.has_role(Role::Operator) {
+        return Ok(());
+    }
+    if v.scopes.is_empty() {
+        return Err(gql_error(Error::Forbidden(
+            "this needs the operator role".into(),
+        )));
+    }
+    let place = compute_domain::authz::place_of(db(ctx)?, &target).await?;
+    let covered = place.is_some_and(|(site, pool)| {
+        v.scopes.iter().any(|s| match s {
+            ScopeId::Site(x) => *x == site,
+            ScopeId::Pool(p) => pool.as_ref() == Some(p),
+        })
+    });
+    if covered {
+        Ok(())
+    } else {
+        Err(gql_error(Error::Forbidden(
+            "your operator grant covers other sites or pools".into(),
+        )))
+    }
 }
 
 /// The caller as the domain sees it; `FORBIDDEN` for a token with neither the operator nor the
@@ -129,6 +180,24 @@ pub fn actor(ctx: &Context<'_>) -> GqlResult<Actor> {
         gql_error(Error::Forbidden(
             "this needs the member or operator role".into(),
         ))
+    })
+}
+
+/// The caller as the domain sees an operator's fleet change (its subject recorded, its
+/// idempotency keys its own): call it after [`require_operator_on`] or [`require_operator`]
+/// passed, so a scoped operator acts only inside its scope.
+pub fn operator_actor(ctx: &Context<'_>) -> GqlResult<Actor> {
+    let v = viewer(ctx)?;
+    if !v.has_role(Role::Operator) && v.scopes.is_empty() {
+        return Err(gql_error(Error::Forbidden(
+            "this needs the operator role".into(),
+        )));
+    }
+    // The tenant stays: an operator's idempotency scope includes it (`Actor::idempotency_scope`).
+    Ok(Actor {
+        subject: v.subject.clone(),
+        authority: compute_domain::actor::Authority::Operator,
+        tenant: v.tenant.clone(),
     })
 }
 

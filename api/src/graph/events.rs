@@ -381,8 +381,9 @@ impl SubscriptionRoot {
         impl Stream<Item = async_graphql::Result<crate::graph::fleet::ComputeNodeObj>> + use<>,
         GqlError,
     > {
-        crate::graph::require_operator(ctx)?;
         let nid = NodeId::parse("id", id.as_str())?;
+        crate::graph::require_operator_on(ctx, compute_domain::authz::Target::Node(nid.clone()))
+            .await?;
         let db = db(ctx)?.clone();
         if compute_domain::fleet::get_nodes(&db, std::slice::from_ref(&nid))
             .await?
@@ -461,8 +462,9 @@ impl SubscriptionRoot {
         impl Stream<Item = async_graphql::Result<crate::graph::commands::CommandObj>> + use<>,
         GqlError,
     > {
-        crate::graph::require_operator(ctx)?;
         let cid = CommandId::parse("id", id.as_str())?;
+        crate::graph::require_operator_on(ctx, compute_domain::authz::Target::Command(cid.clone()))
+            .await?;
         let db = db(ctx)?.clone();
         if compute_domain::node_commands::get_commands(&db, std::slice::from_ref(&cid))
             .await?

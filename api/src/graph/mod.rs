@@ -20,6 +20,7 @@ pub mod context;
 pub mod cost;
 pub mod events;
 pub mod fleet;
+pub mod grants;
 pub mod instances;
 pub mod loaders;
 pub mod node;
@@ -30,7 +31,8 @@ pub mod sinks;
 pub mod usage;
 
 pub use context::{
-    GqlError, GqlResult, ReplayFlag, actor, db, gql_error, require_operator, require_viewer, viewer,
+    GqlError, GqlResult, ReplayFlag, actor, db, gql_error, operator_actor, require_admin,
+    require_operator, require_operator_on, require_viewer, viewer,
 };
 
 /// The schema type served by the API.
@@ -49,6 +51,7 @@ pub struct Query(
     commands::CommandQuery,
     instances::InstanceQuery,
     usage::UsageQuery,
+    grants::GrantQuery,
 );
 
 /// The root of every mutation.
@@ -60,6 +63,7 @@ pub struct Mutation(
     sinks::SinkMutation,
     commands::CommandMutation,
     instances::InstanceMutation,
+    grants::GrantMutation,
 );
 
 /// Gives `request` data loaders of its own over `db`: batches never cross requests, so one
@@ -70,7 +74,7 @@ pub fn with_loaders(request: async_graphql::Request, db: &Db) -> async_graphql::
 
 /// Builds the schema with the shared services every resolver reads. Without a database (for
 /// printing the SDL) no resolver can run.
-pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
+pub fn build(services: Option<(Db, crate::tailer::Tailer, crate::auth::TokenIssuer)>) -> ApiSchema {
     let mut builder = Schema::build(
         Query::default(),
         Mutation::default(),
@@ -87,10 +91,10 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer)>) -> ApiSchema {
     // item). The door (`door`) bounds and prices documents in the transports instead, and
     // each request has one span (`transport::request_span`), not one per field.
     .limit_depth(32);
-    if let Some((db, tailer)) = services {
+    if let Some((db, tailer, issuer)) = services {
         // The data loaders are not here: each request gets its own (`with_loaders`), so a batch
         // never mixes two requests' keys and no input of one request can fail another's.
-        builder = builder.data(db).data(tailer);
+        builder = builder.data(db).data(tailer).data(issuer);
     }
     builder.finish()
 }
@@ -107,13 +111,17 @@ pub struct CoreQuery;
 /// The core queries: who is calling, and what time it is.
 #[Object]
 impl CoreQuery {
-    /// The caller, as the API sees them: identity, tenant and roles from the bearer token.
+    /// The caller, as the API sees them: the identity of the bearer token, and the tenant,
+    /// roles and scopes its grants give (its token's claims when it has none,
+    /// `docs/security.md#grants`).
     async fn viewer(&self, ctx: &Context<'_>) -> GqlResult<ViewerInfo> {
         let v = viewer(ctx)?;
         Ok(ViewerInfo {
             subject: v.subject.clone(),
+            issuer: v.issuer.clone(),
             tenant_id: v.tenant.as_ref().map(ToString::to_string),
             roles: v.roles.iter().map(|r| GqlRole::from(*r)).collect(),
+            operator_scope_ids: v.scopes.iter().map(ToString::to_string).collect(),
             expires_at: DateTime::from_timestamp(v.expires_at, 0).unwrap_or_default(),
         })
     }
@@ -127,12 +135,17 @@ impl CoreQuery {
 /// The caller of a request.
 #[derive(SimpleObject)]
 struct ViewerInfo {
-    /// The identity (`sub`) of the bearer token.
+    /// The identity (`sub`) of the bearer token, or the service account's id.
     subject: String,
+    /// Who vouches for it: the token's issuer, or `compute:service-account`.
+    issuer: String,
     /// The tenant the caller acts for; operators may have none.
     tenant_id: Option<String>,
-    /// The roles of the token that this API knows.
+    /// The caller's roles that this API knows. `OPERATOR` is an operator of the whole fleet;
+    /// an operator of some sites or pools has `operatorScopeIds` instead.
     roles: Vec<GqlRole>,
+    /// The sites and pools a scoped operator grant covers; empty otherwise.
+    operator_scope_ids: Vec<String>,
     /// When the bearer token expires.
     expires_at: DateTime<Utc>,
 }
@@ -141,6 +154,8 @@ struct ViewerInfo {
 #[derive(Enum, Clone, Copy, PartialEq, Eq)]
 #[graphql(name = "Role")]
 enum GqlRole {
+    /// Manages grants and service accounts, and the whole fleet.
+    Admin,
     /// Manages the fleet: sites, pools, nodes and devices.
     Operator,
     /// Reserves capacity; sees only its tenant's objects.
@@ -152,6 +167,7 @@ enum GqlRole {
 impl From<Role> for GqlRole {
     fn from(r: Role) -> Self {
         match r {
+            Role::Admin => GqlRole::Admin,
             Role::Operator => GqlRole::Operator,
             Role::Member => GqlRole::Member,
             Role::Node => GqlRole::Node,

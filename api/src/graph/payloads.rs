@@ -34,6 +34,7 @@ pub enum EventPayload {
     Instance(InstanceEventPayload),
     Usage(UsageEventPayload),
     JoinToken(NodeJoinTokenEventPayload),
+    Authz(AuthzEventPayload),
 }
 
 /// The typed payload of an event of `event_type` whose data is `data`: `None` for a type this
@@ -60,6 +61,7 @@ pub fn payload(event_type: &str, data: &serde_json::Value) -> Result<Option<Even
         Family::Instance => EventPayload::Instance(de::<ev::InstancePayload>(data)?.into()),
         Family::Usage => EventPayload::Usage(de::<ev::UsagePayload>(data)?.into()),
         Family::JoinToken => EventPayload::JoinToken(de::<ev::JoinTokenPayload>(data)?.into()),
+        Family::Authz => EventPayload::Authz(de::<ev::AuthzPayload>(data)?.into()),
     }))
 }
 
@@ -510,6 +512,55 @@ pub struct QuotaEventPayload {
     quotas: Vec<QuotaSnapshot>,
     /// Who set them.
     set_by: String,
+}
+
+/// `authz.granted`, `authz.revoked`: a principal's grant given or taken away.
+#[derive(SimpleObject)]
+pub struct AuthzEventPayload {
+    /// The principal's issuer (`compute:service-account` for a service account).
+    issuer: String,
+    /// The principal's subject: a token's `sub`, or a service account's id.
+    subject: String,
+    /// The grant given or taken; null when a revocation found none and only made the
+    /// principal managed (its token's claims stopped counting).
+    grant: Option<GrantSnapshot>,
+    /// Who made the change.
+    by: String,
+}
+
+/// A grant as an event saw it.
+#[derive(SimpleObject)]
+pub struct GrantSnapshot {
+    /// The grant's id.
+    id: ID,
+    /// The role: `admin`, `operator` or `member`.
+    role: String,
+    /// The tenant of a member grant.
+    tenant_id: Option<String>,
+    /// The site or pool an operator grant is limited to.
+    scope_id: Option<ID>,
+    /// Who granted it.
+    granted_by: String,
+    /// When it was granted.
+    granted_at: DateTime<Utc>,
+}
+
+impl From<ev::AuthzPayload> for AuthzEventPayload {
+    fn from(p: ev::AuthzPayload) -> Self {
+        AuthzEventPayload {
+            issuer: p.issuer,
+            subject: p.subject,
+            grant: p.grant.map(|g| GrantSnapshot {
+                id: id(&g.id),
+                role: g.role,
+                tenant_id: g.tenant_id.map(|t| t.to_string()),
+                scope_id: g.scope_id.map(|s| id(&s)),
+                granted_by: g.granted_by,
+                granted_at: g.granted_at,
+            }),
+            by: p.by,
+        }
+    }
 }
 
 /// One quota as an event saw it.

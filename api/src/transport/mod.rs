@@ -40,10 +40,7 @@ pub fn authenticate(app: &AppState, headers: &HeaderMap) -> Result<Option<Viewer
         .ok()
         .and_then(bearer)
         .ok_or("the Authorization header must be `Bearer <jwt>`")?;
-    app.verifier
-        .verify(token)
-        .map(Some)
-        .map_err(|e| e.to_string())
+    app.identify(token).map(Some)
 }
 
 /// A close reason that fits a WebSocket close frame (at most 123 bytes), for every WebSocket

@@ -194,6 +194,7 @@ async fn stream_events(
 ) {
     // The stream ends when the token expires, by business time.
     let expires = viewer.as_ref().map(|v| app.clock.after(v.valid_for()));
+    let revoked = app.authz.shrinks(viewer.as_ref());
     let mut request = crate::graph::with_loaders(request, &app.db);
     let admitted = app.admission.admit(&mut request, viewer.as_ref(), peer);
     let (request, streaming) = Streaming::attach(request, viewer, app.tailer.frames());
@@ -208,6 +209,7 @@ async fn stream_events(
         }
     };
     tokio::pin!(expiry);
+    tokio::pin!(revoked);
     let mut shutdown = app.shutdown.clone();
     let stopping = async move {
         let _ = shutdown.wait_for(|s| *s).await;
@@ -219,6 +221,11 @@ async fn stream_events(
             () = tx.closed() => return,
             () = &mut expiry => {
                 let errors = json!({ "errors": [{ "message": "the bearer token has expired", "extensions": { "code": ErrorCode::Unauthenticated.as_str() } }] });
+                let _ = tx.send(SseEvent::default().event("next").data(errors.to_string())).await;
+                break;
+            }
+            () = &mut revoked => {
+                let errors = json!({ "errors": [{ "message": "your access was revoked", "extensions": { "code": ErrorCode::Forbidden.as_str() } }] });
                 let _ = tx.send(SseEvent::default().event("next").data(errors.to_string())).await;
                 break;
             }

@@ -153,6 +153,9 @@ struct Conn {
     ///
     /// [`Clock::sleep_until`]: compute_domain::clock::Clock::sleep_until
     expiry: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+    /// Ends when a change to the caller's grants leaves it less than it had
+    /// ([`crate::authz::Authz::shrinks`]).
+    revoked: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
     /// The connection's place among its identity's streams, from the acknowledgement on.
     stream: Option<crate::limits::StreamGuard>,
 }
@@ -178,6 +181,7 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
     let config = app.tailer.config().clone();
     let mut conn = Conn {
         expiry: expiry_of(&app, viewer.as_ref()),
+        revoked: app.authz.shrinks(viewer.as_ref()),
         app: app.clone(),
         protocol,
         sink,
@@ -257,6 +261,12 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
                     let _ = conn.send(json!({ "type": "connection_error", "payload": { "message": "the bearer token has expired" } })).await;
                 }
                 break End::Close(4403, "Forbidden: the bearer token has expired".into());
+            }
+            () = &mut conn.revoked => {
+                if protocol == Protocol::Legacy {
+                    let _ = conn.send(json!({ "type": "connection_error", "payload": { "message": "your access was revoked" } })).await;
+                }
+                break End::Close(4403, "Forbidden: your access was revoked".into());
             }
             () = &mut stopping => {
                 let ids: Vec<String> = conn.ops.keys().cloned().collect();
@@ -389,12 +399,13 @@ impl Conn {
         }
         if let Some(token) = token {
             let token = bearer(token).unwrap_or(token);
-            match self.app.verifier.verify(token) {
+            match self.app.identify(token) {
                 Ok(viewer) => {
                     self.expiry = expiry_of(&self.app, Some(&viewer));
+                    self.revoked = self.app.authz.shrinks(Some(&viewer));
                     self.viewer = Some(viewer);
                 }
-                Err(e) => return Err(self.forbid(&e.to_string()).await),
+                Err(e) => return Err(self.forbid(&e).await),
             }
         }
         let key = crate::graph::admission::identity_key(self.viewer.as_ref(), None);

@@ -193,6 +193,19 @@ impl Db {
         })
     }
 
+    /// Listens on `channel` (a poke sent after a commit, [`Db::poke_after_commit`]) and calls
+    /// `on_poke` for each, until the listening connection fails (the error is returned; call
+    /// again to reconnect). Every listener also polls: a lost poke only delays.
+    pub async fn listen(&self, channel: &str, on_poke: impl Fn()) -> Result<()> {
+        let mut listener = self.listener().await?;
+        listener.listen(channel).await?;
+        tracing::debug!(channel, "listening for pokes");
+        loop {
+            listener.recv().await?;
+            on_poke();
+        }
+    }
+
     /// Wraps an existing pool.
     pub fn from_pool(pool: PgPool) -> Db {
         let poker = poke::Poker::start(pool.clone());

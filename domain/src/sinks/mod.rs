@@ -326,6 +326,51 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
     .await
 }
 
+/// Pauses the event sinks `subject` created that its grants no longer cover (all of them with
+/// `all`, when its identity itself is revoked), in the caller's transaction, after the
+/// principal's lock (docs/database-locks.md), each with its `event_sink.updated` event. A sink
+/// of every event needs an administrator or an operator grant over the whole fleet; a tenant's
+/// sink, that or a member grant of that tenant. The ids of the sinks paused.
+pub async fn pause_uncovered(
+    conn: &mut PgConnection,
+    issuer: &str,
+    subject: &str,
+    all: bool,
+) -> Result<Vec<SinkId>> {
+    let paused = sqlx::query_scalar!(
+        r#"UPDATE event_sinks s SET active = false, version = s.version + 1, updated_at = compute_now()
+            WHERE s.created_by = $2 AND s.active
+              AND ($3 OR NOT EXISTS (
+                    SELECT 1 FROM authz_grants g
+                     WHERE g.issuer = $1 AND g.subject = $2
+                       AND (g.role = 'admin' OR (g.role = 'operator' AND g.scope_kind IS NULL)
+                            OR (g.role = 'member' AND g.tenant_id = s.tenant_id))))
+            RETURNING s.id AS "id: SinkId""#,
+        issuer,
+        subject,
+        all,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for id in &paused {
+        if let Some(sink) = get_in(conn, id).await? {
+            crate::outbox::emit(
+                conn,
+                crate::outbox::NewEvent {
+                    event_type: EventType::EventSinkUpdated,
+                    tenant_id: sink.tenant_id.as_ref(),
+                    subject: id.as_str(),
+                    data: events::to_data(&EventSinkPayload {
+                        event_sink: (&sink).into(),
+                    })?,
+                },
+            )
+            .await?;
+        }
+    }
+    Ok(paused)
+}
+
 /// Deletes a sink and its position.
 #[tracing::instrument(level = "debug", skip_all, fields(sink = %id))]
 pub async fn delete(db: &Db, scope: &Scope, id: &SinkId) -> Result<Sink> {

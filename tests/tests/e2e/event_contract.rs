@@ -102,6 +102,9 @@ fn read_back(t: EventType, data: &Value) -> Result<(), String> {
             serde_json::from_value::<compute_domain::events::JoinTokenPayload>(data.clone())
                 .map(|_| ())
         }
+        Family::Authz => {
+            serde_json::from_value::<compute_domain::events::AuthzPayload>(data.clone()).map(|_| ())
+        }
     };
     ok.map_err(|e| format!("{t}: {e}: {data}"))
 }
@@ -676,6 +679,27 @@ async fn every_event_payload_keeps_its_documented_shape() {
     // Usage: the windows the scenario's bookings held are closed (usage.window_closed); then a
     // booking inside a closed window is corrected in SQL and announced as a reservation change,
     // as a late change would be, and the meter's check adjusts the window (usage.window_adjusted).
+    // Grants: one given, one taken back (a member's sink paused with it).
+    {
+        use compute_domain::authz::{self, GrantRole, GrantSpec, Principal};
+        let admin = Actor::operator("root");
+        let spec = |role: GrantRole, tenant: Option<&str>| {
+            GrantSpec::new(
+                Principal::parse("subject", "compute-dev", "bob").expect("a principal"),
+                role,
+                tenant.map(compute_tests::tenant),
+                None,
+            )
+            .expect("a grant")
+        };
+        authz::grant(db, &admin, spec(GrantRole::Member, Some("acme")), None)
+            .await
+            .expect("grant");
+        authz::revoke(db, &admin, spec(GrantRole::Member, Some("acme")), None)
+            .await
+            .expect("revoke");
+    }
+
     t.advance_clock(2 * 3600).await;
     let pass = compute_domain::usage::meter_pass(db, 1000)
         .await

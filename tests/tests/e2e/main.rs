@@ -2,6 +2,7 @@
 
 mod agent;
 mod auth;
+mod authz;
 mod clock;
 mod command_torture;
 mod commands;

@@ -58,7 +58,7 @@ pub(crate) async fn next_msg(ws: &mut Ws) -> Value {
 }
 
 /// Reads until the server closes; returns the close code and reason.
-async fn close_of(ws: &mut Ws) -> (u16, String) {
+pub(crate) async fn close_of(ws: &mut Ws) -> (u16, String) {
     tokio::time::timeout(WAIT, async {
         loop {
             match ws.next().await {
@@ -80,14 +80,20 @@ pub(crate) async fn init(ws: &mut Ws, token: &str) {
     assert_eq!(next_msg(ws).await["type"], "connection_ack");
 }
 
-async fn subscribe(app: &TestApp, token: &str, id: &str, query: &str, variables: Value) -> Ws {
+pub(crate) async fn subscribe(
+    app: &TestApp,
+    token: &str,
+    id: &str,
+    query: &str,
+    variables: Value,
+) -> Ws {
     let mut ws = connect(app, "graphql-transport-ws").await;
     init(&mut ws, token).await;
     send(&mut ws, json!({ "id": id, "type": "subscribe", "payload": { "query": query, "variables": variables } })).await;
     ws
 }
 
-const EVENTS: &str = "subscription($after: String, $types: [String!]) { events(after: $after, types: $types) { id cursor type tenantId subject data } }";
+pub(crate) const EVENTS: &str = "subscription($after: String, $types: [String!]) { events(after: $after, types: $types) { id cursor type tenantId subject data } }";
 
 /// Commits one event per subject, each in its own transaction, in order.
 async fn emit(app: &TestApp, tenant: Option<&str>, subjects: &[&str]) {
@@ -133,7 +139,7 @@ async fn subjects(ws: &mut Ws, n: usize) -> Vec<String> {
 /// committed event lies beyond it. (Run as threads of one process through PgBouncer, they used
 /// to fail now and then on such a repeat: a node's earlier event delivered after the cursor and
 /// showing the node as it was then, a command's `PENDING` event before its `DISPATCHED`.)
-async fn now(app: &TestApp) -> Value {
+pub(crate) async fn now(app: &TestApp) -> Value {
     let deadline = std::time::Instant::now() + WAIT;
     loop {
         let cursor = app
@@ -737,19 +743,19 @@ async fn the_legacy_graphql_ws_protocol() {
 
 /// One server-sent event.
 #[derive(Debug, Default, Clone)]
-struct Sse {
-    event: String,
+pub(crate) struct Sse {
+    pub(crate) event: String,
     id: Option<String>,
-    data: String,
+    pub(crate) data: String,
 }
 
-struct SseStream {
+pub(crate) struct SseStream {
     res: reqwest::Response,
     buf: String,
 }
 
 impl SseStream {
-    async fn open(
+    pub(crate) async fn open(
         app: &TestApp,
         token: &str,
         body: Value,
@@ -782,7 +788,7 @@ impl SseStream {
     }
 
     /// The next event, skipping keep-alive comments.
-    async fn next(&mut self) -> Sse {
+    pub(crate) async fn next(&mut self) -> Sse {
         tokio::time::timeout(WAIT, async {
             loop {
                 if let Some(end) = self.buf.find("\n\n") {

@@ -12,7 +12,8 @@ use compute_domain::ids::{JoinTokenId, NodeId, PoolId};
 use super::mutations::{LabelInput, labels};
 use super::{ComputeNodeObj, Label, labels_of};
 use crate::graph::common::*;
-use crate::graph::{GqlResult, actor, db, require_operator};
+use crate::graph::{GqlResult, db, operator_actor, require_operator, require_operator_on};
+use compute_domain::authz::Target;
 
 /// Where a join token is in its life.
 #[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -210,15 +211,20 @@ impl EnrollmentMutation {
         #[graphql(desc = "The arguments of `createNodeJoinToken`.")]
         input: CreateNodeJoinTokenInput,
     ) -> GqlResult<CreateNodeJoinTokenPayload> {
-        require_operator(ctx)?;
+        let pool_id = parse_id::<PoolId>("poolId", &input.pool_id)?;
+        require_operator_on(ctx, Target::Pool(pool_id.clone())).await?;
         let new = NewJoinToken {
-            pool_id: parse_id::<PoolId>("poolId", &input.pool_id)?,
+            pool_id,
             expires_in_seconds: input.expires_in_seconds,
             labels: labels("labels", &input.labels)?,
         };
-        let outcome =
-            enrollment::create_join_token(db(ctx)?, &actor(ctx)?, new, input.idempotency_key)
-                .await?;
+        let outcome = enrollment::create_join_token(
+            db(ctx)?,
+            &operator_actor(ctx)?,
+            new,
+            input.idempotency_key,
+        )
+        .await?;
         if outcome.replayed {
             crate::graph::ReplayFlag::mark(ctx);
         }
@@ -236,9 +242,9 @@ impl EnrollmentMutation {
         #[graphql(desc = "The arguments of `revokeNodeJoinToken`.")]
         input: RevokeNodeJoinTokenInput,
     ) -> GqlResult<NodeJoinTokenPayload> {
-        require_operator(ctx)?;
         let id = parse_id::<JoinTokenId>("id", &input.id)?;
-        let token = enrollment::revoke_join_token(db(ctx)?, &actor(ctx)?, &id).await?;
+        require_operator_on(ctx, Target::JoinToken(id.clone())).await?;
+        let token = enrollment::revoke_join_token(db(ctx)?, &operator_actor(ctx)?, &id).await?;
         Ok(NodeJoinTokenPayload {
             node_join_token: NodeJoinTokenObj(token),
         })
@@ -253,8 +259,8 @@ impl EnrollmentMutation {
         #[graphql(desc = "The arguments of `acceptNodeInventory`.")]
         input: AcceptNodeInventoryInput,
     ) -> GqlResult<AcceptNodeInventoryPayload> {
-        require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Node(id.clone())).await?;
         let node = cmd::accept_node_inventory(db(ctx)?, &id, input.version).await?;
         Ok(AcceptNodeInventoryPayload {
             compute_node: ComputeNodeObj::new(node),

@@ -13,7 +13,10 @@ use compute_domain::{Error, quota};
 
 use crate::graph::common::*;
 use crate::graph::fleet::*;
-use crate::graph::{GqlResult, actor, db, gql_error, require_operator};
+use crate::graph::{
+    GqlResult, db, gql_error, operator_actor, require_operator, require_operator_on,
+};
+use compute_domain::authz::Target;
 
 fn bad<T>(e: Error) -> GqlResult<T> {
     Err(gql_error(e))
@@ -418,7 +421,8 @@ impl FleetMutation {
                 .map(|r| name("region", r))
                 .transpose()?,
         };
-        let outcome = cmd::create_site(db(ctx)?, &actor(ctx)?, new, input.idempotency_key).await?;
+        let outcome =
+            cmd::create_site(db(ctx)?, &operator_actor(ctx)?, new, input.idempotency_key).await?;
         if outcome.replayed {
             crate::graph::ReplayFlag::mark(ctx);
         }
@@ -434,8 +438,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updateSite`.")] input: UpdateSiteInput,
     ) -> GqlResult<UpdateSitePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<SiteId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Site(id.clone())).await?;
         let new_name = input.name.as_deref().map(|n| name("name", n)).transpose()?;
         let region = input
             .region
@@ -454,10 +458,11 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `createPool`.")] input: CreatePoolInput,
     ) -> GqlResult<CreatePoolPayload> {
-        require_operator(ctx)?;
+        let site_id = parse_id::<SiteId>("siteId", &input.site_id)?;
+        require_operator_on(ctx, Target::Site(site_id.clone())).await?;
         let oc = input.overcommit.unwrap_or_default();
         let new = NewPool {
-            site_id: parse_id::<SiteId>("siteId", &input.site_id)?,
+            site_id,
             name: name("name", &input.name)?,
             kind: input.kind.into(),
             lost_after_seconds: input.lost_after_seconds,
@@ -465,7 +470,8 @@ impl FleetMutation {
             memory_ratio: ratio("overcommit.memory", oc.memory)?.unwrap_or(1.0),
             disk_ratio: ratio("overcommit.disk", oc.disk)?.unwrap_or(1.0),
         };
-        let outcome = cmd::create_pool(db(ctx)?, &actor(ctx)?, new, input.idempotency_key).await?;
+        let outcome =
+            cmd::create_pool(db(ctx)?, &operator_actor(ctx)?, new, input.idempotency_key).await?;
         if outcome.replayed {
             crate::graph::ReplayFlag::mark(ctx);
         }
@@ -481,8 +487,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updatePool`.")] input: UpdatePoolInput,
     ) -> GqlResult<UpdatePoolPayload> {
-        require_operator(ctx)?;
         let id = parse_id::<PoolId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Pool(id.clone())).await?;
         if input.clear_lost_after && input.lost_after_seconds.is_some() {
             return bad(Error::bad_input(
                 "lostAfterSeconds",
@@ -517,7 +523,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `registerNode`.")] input: RegisterNodeInput,
     ) -> GqlResult<ComputeNodePayload> {
-        require_operator(ctx)?;
+        let pool_id = parse_id::<PoolId>("poolId", &input.pool_id)?;
+        require_operator_on(ctx, Target::Pool(pool_id.clone())).await?;
         let mut devices = Vec::with_capacity(input.devices.len());
         if input.devices.len() > m::MAX_GPUS_PER_NODE {
             return bad(Error::bad_input(
@@ -544,7 +551,7 @@ impl FleetMutation {
             });
         }
         let new = NewNode {
-            pool_id: parse_id::<PoolId>("poolId", &input.pool_id)?,
+            pool_id,
             hostname: m::parse_hostname("hostname", &input.hostname)?,
             labels: labels("labels", &input.labels)?,
             taints: input
@@ -574,8 +581,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updateNode`.")] input: UpdateNodeInput,
     ) -> GqlResult<ComputeNodePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Node(id.clone())).await?;
         let node = cmd::update_node(
             db(ctx)?,
             &id,
@@ -594,8 +601,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `cordonNode`.")] input: CordonNodeInput,
     ) -> GqlResult<ComputeNodePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Node(id.clone())).await?;
         let reason = optional_reason("reason", input.reason)?;
         let node = cmd::cordon_node(db(ctx)?, &id, input.version, reason).await?;
         Ok(ComputeNodePayload {
@@ -609,8 +616,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `uncordonNode`.")] input: NodeActionInput,
     ) -> GqlResult<ComputeNodePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Node(id.clone())).await?;
         let node = cmd::uncordon_node(db(ctx)?, &id, input.version).await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(node),
@@ -623,8 +630,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `taintNode`.")] input: TaintNodeInput,
     ) -> GqlResult<ComputeNodePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Node(id.clone())).await?;
         let t = taint("taint", &input.taint)?;
         let node = cmd::taint_node(db(ctx)?, &id, input.version, t).await?;
         Ok(ComputeNodePayload {
@@ -638,8 +645,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `untaintNode`.")] input: UntaintNodeInput,
     ) -> GqlResult<ComputeNodePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Node(id.clone())).await?;
         let key = m::parse_key("key", &input.key)?;
         let node = cmd::untaint_node(
             db(ctx)?,
@@ -660,8 +667,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `drainNode`.")] input: NodeActionInput,
     ) -> GqlResult<DrainNodePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Node(id.clone())).await?;
         let (node, remaining) = cmd::drain_node(db(ctx)?, &id, input.version).await?;
         Ok(DrainNodePayload {
             compute_node: ComputeNodeObj::new(node),
@@ -683,8 +690,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `retireNode`.")] input: NodeActionInput,
     ) -> GqlResult<ComputeNodePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<NodeId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Node(id.clone())).await?;
         let node = cmd::retire_node(db(ctx)?, &id, input.version).await?;
         Ok(ComputeNodePayload {
             compute_node: ComputeNodeObj::new(node),
@@ -697,8 +704,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `setDeviceHealth`.")] input: SetDeviceHealthInput,
     ) -> GqlResult<DevicePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Device(id.clone())).await?;
         let reason = optional_reason("reason", input.reason)?;
         let device =
             cmd::set_device_health(db(ctx)?, &id, input.version, input.health.into(), reason)
@@ -714,8 +721,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `quarantineDevice`.")] input: QuarantineDeviceInput,
     ) -> GqlResult<DevicePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Device(id.clone())).await?;
         let reason = m::Reason::parse("reason", &input.reason)?;
         let device = cmd::quarantine_device(db(ctx)?, &id, input.version, reason).await?;
         Ok(DevicePayload {
@@ -729,8 +736,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `unquarantineDevice`.")] input: UnquarantineDeviceInput,
     ) -> GqlResult<DevicePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Device(id.clone())).await?;
         let device = cmd::release_quarantine(db(ctx)?, &id, input.version).await?;
         Ok(DevicePayload {
             device: DeviceObj::new(device),
@@ -745,8 +752,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `retireDevice`.")] input: RetireDeviceInput,
     ) -> GqlResult<DevicePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Device(id.clone())).await?;
         let device = cmd::retire_device(db(ctx)?, &id, input.version).await?;
         Ok(DevicePayload {
             device: DeviceObj::new(device),
@@ -760,8 +767,8 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `changeDeviceMode`.")] input: ChangeDeviceModeInput,
     ) -> GqlResult<DevicePayload> {
-        require_operator(ctx)?;
         let id = parse_id::<DeviceId>("id", &input.id)?;
+        require_operator_on(ctx, Target::Device(id.clone())).await?;
         let layout = input.layout.unwrap_or_default();
         let request = LayoutRequest {
             mode: input.mode.into(),
@@ -787,15 +794,23 @@ impl FleetMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `setQuota`.")] input: SetQuotaInput,
     ) -> GqlResult<SetQuotaPayload> {
-        require_operator(ctx)?;
+        let tenant = TenantId::parse("tenantId", &input.tenant_id)?;
+        let scope = ScopeId::parse("scopeId", input.scope_id.as_str())?;
+        require_operator_on(
+            ctx,
+            match &scope {
+                ScopeId::Pool(p) => Target::Pool(p.clone()),
+                ScopeId::Site(s) => Target::Site(s.clone()),
+            },
+        )
+        .await?;
         let limits = quota::QuotaLimits {
             gpus: input.gpus,
             vcpu: input.vcpu,
             memory_mib: input.memory_mib,
         };
-        let tenant = TenantId::parse("tenantId", &input.tenant_id)?;
-        let scope = ScopeId::parse("scopeId", input.scope_id.as_str())?;
-        let quotas = quota::set_quota(db(ctx)?, &actor(ctx)?, &tenant, &scope, limits).await?;
+        let quotas =
+            quota::set_quota(db(ctx)?, &operator_actor(ctx)?, &tenant, &scope, limits).await?;
         Ok(SetQuotaPayload {
             quotas: quotas.into_iter().map(quota_obj).collect(),
         })

@@ -23,15 +23,7 @@ use crate::idempotency::{self, Actor, Claim, Outcome};
 use crate::ids::{AllocationId, AtomName, DeviceId, NodeId, PoolId, SiteId};
 use crate::outbox::{self, NewEvent};
 
-/// Maps a violated constraint, by name, to a domain error; anything else passes through.
-fn on_constraint(err: sqlx::Error, map: &[(&str, &dyn Fn() -> Error)]) -> Error {
-    if let Some(name) = err.as_database_error().and_then(|e| e.constraint())
-        && let Some((_, make)) = map.iter().find(|(c, _)| *c == name)
-    {
-        return make();
-    }
-    Error::from(err)
-}
+use crate::error::on_constraint;
 
 fn conflict(message: impl Into<String>, current_version: Option<i64>) -> Error {
     Error::Conflict {

@@ -1,0 +1,771 @@
+//! Authorization from the database (issue 40): grants an administrator changes live, felt by
+//! the next request of every API process, closing the streams they no longer cover; scoped
+//! operators; service accounts; and every mutation asking for its grant.
+
+use std::time::{Duration, Instant};
+
+use compute_api::auth::Role;
+use compute_tests::{TestApp, eventually, spawn_app};
+use serde_json::{Value, json};
+
+use crate::subscriptions::{EVENTS, SseStream, close_of, now, subscribe};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+pub(crate) const GRANT: &str = "mutation($input: GrantRoleInput!) { grantRole(input: $input) { grant { id subject issuer role tenantId scopeId grantedBy } idempotentReplay } }";
+pub(crate) const REVOKE: &str = "mutation($input: RevokeRoleInput!) { revokeRole(input: $input) { revokedGrantId pausedEventSinkIds idempotentReplay } }";
+const VIEWER: &str = "{ viewer { subject issuer tenantId roles operatorScopeIds } }";
+const RESERVATIONS: &str = "{ reservations(first: 1) { totalCount } }";
+
+/// An administrator's token (by its claims: nothing is granted yet).
+fn admin(app: &TestApp) -> String {
+    app.token("root@admins", None, &[Role::Admin])
+}
+
+/// The code of the first error of `body`, or `OK` without errors.
+fn code(body: &Value) -> String {
+    match body.get("errors") {
+        None => "OK".into(),
+        Some(e) => e[0]["extensions"]["code"]
+            .as_str()
+            .unwrap_or("<uncoded>")
+            .to_owned(),
+    }
+}
+
+async fn viewer(app: &TestApp, token: &str) -> Value {
+    app.ok(token, VIEWER, json!({})).await["viewer"].clone()
+}
+
+#[tokio::test]
+async fn grants_override_claims_and_a_revocation_is_refused_at_once() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    // Bob's token says member of acme; no grant names him yet.
+    let bob = app.token("bob", Some("acme"), &[Role::Member]);
+    assert_eq!(viewer(&app, &bob).await["tenantId"], "acme");
+    assert_eq!(
+        code(&app.graphql(RESERVATIONS, json!({}), Some(&bob)).await.1),
+        "OK"
+    );
+
+    // A grant moves him to beta: the grant, not the claim, decides from the next request on.
+    let input =
+        json!({ "subject": "bob", "role": "MEMBER", "tenantId": "beta", "idempotencyKey": "g1" });
+    let granted = app.ok(&admin, GRANT, json!({ "input": input })).await["grantRole"].clone();
+    assert_eq!(granted["grant"]["issuer"], compute_tests::TEST_ISSUER);
+    assert_eq!(granted["grant"]["grantedBy"], "root@admins");
+    assert_eq!(granted["idempotentReplay"], false);
+    let again = app.ok(&admin, GRANT, json!({ "input": input })).await["grantRole"].clone();
+    assert_eq!(again["idempotentReplay"], true);
+    assert_eq!(again["grant"]["id"], granted["grant"]["id"]);
+    assert_eq!(app.count("authz_grants").await, 1);
+    eventually("bob's grant is felt", WAIT, || async {
+        (viewer(&app, &bob).await["tenantId"] == "beta").then_some(())
+    })
+    .await;
+    assert_eq!(viewer(&app, &bob).await["roles"], json!(["MEMBER"]));
+
+    // Revoked: refused by the next request, well within a second.
+    let revoked = app
+        .ok(
+            &admin,
+            REVOKE,
+            json!({ "input": { "subject": "bob", "role": "MEMBER", "tenantId": "beta" } }),
+        )
+        .await["revokeRole"]
+        .clone();
+    assert_eq!(revoked["revokedGrantId"], granted["grant"]["id"]);
+    let started = Instant::now();
+    let refused = eventually("bob is refused", WAIT, || async {
+        let c = code(&app.graphql(RESERVATIONS, json!({}), Some(&bob)).await.1);
+        (c != "OK").then_some(c)
+    })
+    .await;
+    let felt = started.elapsed();
+    assert_eq!(refused, "FORBIDDEN");
+    assert!(felt < Duration::from_secs(1), "felt after {felt:?}");
+    // Managed, with no grant: the token's member claim no longer counts.
+    assert_eq!(viewer(&app, &bob).await["roles"], json!([]));
+
+    // The events say who changed what.
+    let (types,): (Vec<String>,) = sqlx::query_as(
+        "SELECT array_agg(type ORDER BY txid, seq) FROM outbox WHERE type LIKE 'authz.%'",
+    )
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("events");
+    assert_eq!(types, ["authz.granted", "authz.revoked"]);
+}
+
+#[tokio::test]
+async fn bad_grants_are_refused_and_write_nothing() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    let before = (
+        app.count("authz_grants").await,
+        app.count("authz_principals").await,
+        app.count("authz_changes").await,
+        app.count("outbox").await,
+    );
+    let cases = [
+        (json!({ "subject": "", "role": "OPERATOR" }), "subject"),
+        (
+            json!({ "subject": "a\u{7}b", "role": "OPERATOR" }),
+            "subject",
+        ),
+        (json!({ "subject": "carol", "role": "MEMBER" }), "tenantId"),
+        (
+            json!({ "subject": "carol", "role": "OPERATOR", "tenantId": "acme" }),
+            "tenantId",
+        ),
+        (
+            json!({ "subject": "carol", "role": "MEMBER", "tenantId": "acme", "scopeId": "pool_00000000000000000000000000000000" }),
+            "scopeId",
+        ),
+        (
+            json!({ "subject": "carol", "role": "OPERATOR", "scopeId": "pool_00000000000000000000000000000000" }),
+            "scopeId",
+        ),
+        (
+            json!({ "subject": "carol", "role": "OPERATOR", "scopeId": "rack-7" }),
+            "scopeId",
+        ),
+        (
+            json!({ "subject": "sa_00000000000000000000000000000000", "role": "OPERATOR" }),
+            "subject",
+        ),
+    ];
+    for (input, field) in cases {
+        let (c, error) = app.fails(&admin, GRANT, json!({ "input": input })).await;
+        assert_eq!(c, "BAD_USER_INPUT", "{input}: {error}");
+        assert_eq!(error["extensions"]["field"], field, "{input}: {error}");
+    }
+    // A role that does not exist is refused by the schema.
+    let (c, _) = app
+        .fails(
+            &admin,
+            GRANT,
+            json!({ "input": { "subject": "carol", "role": "ROOT" } }),
+        )
+        .await;
+    // The schema's enum refuses it before any resolver runs.
+    assert_eq!(c, "GRAPHQL_VALIDATION_FAILED");
+    // Only administrators grant.
+    let (c, _) = app
+        .fails(
+            &app.operator(),
+            GRANT,
+            json!({ "input": { "subject": "carol", "role": "OPERATOR" } }),
+        )
+        .await;
+    assert_eq!(c, "FORBIDDEN");
+    let after = (
+        app.count("authz_grants").await,
+        app.count("authz_principals").await,
+        app.count("authz_changes").await,
+        app.count("outbox").await,
+    );
+    assert_eq!(before, after, "a refused grant writes nothing");
+
+    // The last administrator grant cannot go, even raced by two revocations.
+    for who in ["ann", "ben"] {
+        app.ok(
+            &admin,
+            GRANT,
+            json!({ "input": { "subject": who, "role": "ADMIN" } }),
+        )
+        .await;
+    }
+    let revoke = |who: &'static str| {
+        app.graphql_in_background(
+            &admin,
+            REVOKE,
+            json!({ "input": { "subject": who, "role": "ADMIN" } }),
+        )
+    };
+    let (a, b) = (revoke("ann"), revoke("ben"));
+    let codes = [code(&a.await.expect("ann")), code(&b.await.expect("ben"))];
+    let mut sorted = codes.clone();
+    sorted.sort();
+    assert_eq!(sorted, ["CONFLICT", "OK"], "{codes:?}");
+    let (admins,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM authz_grants WHERE role = 'admin'")
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("count");
+    assert_eq!(admins, 1);
+}
+
+/// Two `compute-api serve` processes on one database: a revocation committed through one is
+/// refused by both within a second (printed).
+#[tokio::test]
+async fn a_revocation_is_felt_by_two_api_processes_within_a_second() {
+    let db = compute_tests::test_db_on_wall_clock().await;
+    let env = db.process_env();
+    let (_a, base_a) = crate::crash::start_api_with(&env, &[]).await;
+    let (_b, base_b) = crate::crash::start_api_with(&env, &[]).await;
+    let http = reqwest::Client::new();
+    let token = |sub: &str, tenant: Option<&str>, roles: &[Role]| {
+        compute_tests::mint(compute_tests::claims(sub, tenant, roles, 3600))
+    };
+    let admin = token("root@admins", None, &[Role::Admin]);
+    let post = |base: &str, token: &str, query: &str, variables: Value| {
+        let req = http
+            .post(format!("{base}/graphql"))
+            .bearer_auth(token)
+            .json(&json!({ "query": query, "variables": variables }));
+        async move {
+            req.send()
+                .await
+                .expect("the API answers")
+                .json::<Value>()
+                .await
+                .expect("JSON")
+        }
+    };
+    let mut figures = Vec::new();
+    for round in 0..3 {
+        let sub = format!("dana{round}");
+        let dana = token(&sub, Some("acme"), &[Role::Member]);
+        let body = post(
+            &base_a,
+            &admin,
+            GRANT,
+            json!({ "input": { "subject": sub, "role": "MEMBER", "tenantId": "acme" } }),
+        )
+        .await;
+        assert_eq!(code(&body), "OK", "{body}");
+        for base in [&base_a, &base_b] {
+            eventually("the grant is felt", WAIT, || async {
+                (code(&post(base, &dana, RESERVATIONS, json!({})).await) == "OK").then_some(())
+            })
+            .await;
+        }
+        let body = post(
+            &base_a,
+            &admin,
+            REVOKE,
+            json!({ "input": { "subject": sub, "role": "MEMBER", "tenantId": "acme" } }),
+        )
+        .await;
+        assert_eq!(code(&body), "OK", "{body}");
+        let committed = Instant::now();
+        let mut felt = Vec::new();
+        for base in [&base_a, &base_b] {
+            eventually("the revocation is felt", WAIT, || async {
+                (code(&post(base, &dana, RESERVATIONS, json!({})).await) == "FORBIDDEN")
+                    .then_some(())
+            })
+            .await;
+            felt.push(committed.elapsed());
+        }
+        let slowest = *felt.iter().max().expect("two");
+        figures.push(slowest);
+        assert!(
+            slowest < Duration::from_secs(1),
+            "round {round}: the revocation was felt after {felt:?}"
+        );
+    }
+    eprintln!(
+        "revocation felt by both API processes after (committed → refused, per round): {:?}",
+        figures
+    );
+}
+
+#[tokio::test]
+async fn streams_close_and_sinks_pause_when_their_grant_is_revoked() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    app.ok(
+        &admin,
+        GRANT,
+        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+    )
+    .await;
+    let erin = app.token("erin", Some("acme"), &[Role::Member]);
+    eventually("erin's grant is felt", WAIT, || async {
+        (viewer(&app, &erin).await["roles"] == json!(["MEMBER"])).then_some(())
+    })
+    .await;
+    let sink = app
+        .ok(
+            &erin,
+            "mutation { createEventSink(input: { url: \"http://127.0.0.1:9/hook\" }) { eventSink { id active } } }",
+            json!({}),
+        )
+        .await["createEventSink"]["eventSink"]["id"]
+        .clone();
+    // Another subject's stream stays open.
+    let other = app.member("acme");
+    let after = now(&app).await;
+    let vars = json!({ "after": after, "types": ["test.tick"] });
+    let mut ws = subscribe(&app, &erin, "1", EVENTS, vars.clone()).await;
+    let mut ws_other = subscribe(&app, &other, "1", EVENTS, vars.clone()).await;
+    let (status, mut sse) = SseStream::open(
+        &app,
+        &erin,
+        json!({ "query": EVENTS, "variables": vars }),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    // A grant added does not close anything.
+    app.ok(
+        &admin,
+        GRANT,
+        json!({ "input": { "subject": "erin", "role": "OPERATOR", "scopeId": null } }),
+    )
+    .await;
+    let revoked = app
+        .ok(
+            &admin,
+            REVOKE,
+            json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+        )
+        .await["revokeRole"]
+        .clone();
+    // Still an operator of the fleet: her streams are covered; her tenant sink too.
+    assert_eq!(revoked["pausedEventSinkIds"], json!([]));
+    let revoked = app
+        .ok(
+            &admin,
+            REVOKE,
+            json!({ "input": { "subject": "erin", "role": "OPERATOR" } }),
+        )
+        .await["revokeRole"]
+        .clone();
+    assert_eq!(revoked["pausedEventSinkIds"], json!([sink.clone()]));
+    let (active,): (bool,) = sqlx::query_as("SELECT active FROM event_sinks WHERE id = $1")
+        .bind(sink.as_str())
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("the sink");
+    assert!(!active, "the sink of a subject without access is paused");
+
+    let (code_ws, reason) = close_of(&mut ws).await;
+    assert_eq!(code_ws, 4403, "{reason}");
+    assert!(reason.contains("revoked"), "{reason}");
+    let e = sse.next().await;
+    assert_eq!(e.event, "next");
+    assert!(e.data.contains("FORBIDDEN"), "{e:?}");
+    assert_eq!(sse.next().await.event, "complete");
+    // The other subscriber's stream still delivers.
+    sqlx::query("SELECT compute_emit('test.tick', 'acme', 'still-here', '{}')")
+        .execute(app.db.db.pool())
+        .await
+        .expect("emit");
+    let msg = crate::subscriptions::next_msg(&mut ws_other).await;
+    assert_eq!(
+        msg["payload"]["data"]["events"]["subject"], "still-here",
+        "{msg}"
+    );
+}
+
+#[tokio::test]
+async fn a_scoped_operator_changes_only_its_pool_and_sees_only_its_commands() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    let ops = app.operator();
+    let site = app
+        .ok(
+            &ops,
+            "mutation { createSite(input: { name: \"s1\" }) { site { id } } }",
+            json!({}),
+        )
+        .await["createSite"]["site"]["id"]
+        .clone();
+    let pool = |name: &str| {
+        let (app, ops, site) = (&app, ops.clone(), site.clone());
+        let name = name.to_owned();
+        async move {
+            app.ok(
+                &ops,
+                "mutation($s: ID!, $n: String!) { createPool(input: { siteId: $s, name: $n, kind: BARE_METAL }) { pool { id } } }",
+                json!({ "s": site, "n": name }),
+            )
+            .await["createPool"]["pool"]["id"]
+                .clone()
+        }
+    };
+    let (mine, theirs) = (pool("mine").await, pool("theirs").await);
+    let node = |pool: Value, host: &str| {
+        let (app, ops) = (&app, ops.clone());
+        let host = host.to_owned();
+        async move {
+            app.ok(
+                &ops,
+                "mutation($p: ID!, $h: String!) { registerNode(input: { poolId: $p, hostname: $h, resources: { vcpu: 8, memoryMib: 1024, diskGib: 10 } }) { computeNode { id version } } }",
+                json!({ "p": pool, "h": host }),
+            )
+            .await["registerNode"]["computeNode"]["id"]
+                .clone()
+        }
+    };
+    let (my_node, their_node) = (
+        node(mine.clone(), "h-mine").await,
+        node(theirs.clone(), "h-theirs").await,
+    );
+    app.ok(
+        &admin,
+        GRANT,
+        json!({ "input": { "subject": "paula", "role": "OPERATOR", "scopeId": mine } }),
+    )
+    .await;
+    let paula = app.token("paula", None, &[Role::Operator]);
+    eventually("paula's grant is felt", WAIT, || async {
+        (viewer(&app, &paula).await["operatorScopeIds"] == json!([mine.clone()])).then_some(())
+    })
+    .await;
+    assert_eq!(
+        viewer(&app, &paula).await["roles"],
+        json!([]),
+        "no fleet-wide operator role"
+    );
+
+    const CORDON: &str =
+        "mutation($id: ID!) { cordonNode(input: { id: $id }) { computeNode { cordoned } } }";
+    const RUN: &str = "mutation($n: ID!, $k: String!) { runCommand(input: { computeNodeId: $n, kind: NOOP, idempotencyKey: $k }) { command { id } } }";
+    let run =
+        |node: &Value, key: &str| app.graphql(RUN, json!({ "n": node, "k": key }), Some(&paula));
+    assert_eq!(
+        code(
+            &app.graphql(CORDON, json!({ "id": my_node }), Some(&paula))
+                .await
+                .1
+        ),
+        "OK"
+    );
+    assert_eq!(
+        code(
+            &app.graphql(CORDON, json!({ "id": their_node }), Some(&paula))
+                .await
+                .1
+        ),
+        "FORBIDDEN"
+    );
+    let (_, mine_cmd) = run(&my_node, "k1").await;
+    assert_eq!(code(&mine_cmd), "OK", "{mine_cmd}");
+    assert_eq!(code(&run(&their_node, "k2").await.1), "FORBIDDEN");
+    // Whole-fleet changes are not a pool operator's.
+    assert_eq!(
+        code(
+            &app.graphql(
+                "mutation { createSite(input: { name: \"s2\" }) { site { id } } }",
+                json!({}),
+                Some(&paula)
+            )
+            .await
+            .1
+        ),
+        "FORBIDDEN"
+    );
+    assert_eq!(
+        code(&app.graphql("mutation($s: ID!) { createPool(input: { siteId: $s, name: \"x\", kind: BARE_METAL }) { pool { id } } }", json!({ "s": site }), Some(&paula)).await.1),
+        "FORBIDDEN"
+    );
+    // Its commands: one node of its pool at a time; another pool's command is refused.
+    let (_, theirs_cmd) = app
+        .graphql(RUN, json!({ "n": their_node, "k": "k3" }), Some(&ops))
+        .await;
+    let their_cmd = theirs_cmd["data"]["runCommand"]["command"]["id"].clone();
+    const COMMANDS: &str = "query($n: ID) { commands(computeNodeId: $n) { totalCount } }";
+    let listed = app.ok(&paula, COMMANDS, json!({ "n": my_node })).await;
+    assert_eq!(listed["commands"]["totalCount"], 1);
+    assert_eq!(
+        code(
+            &app.graphql(COMMANDS, json!({ "n": their_node }), Some(&paula))
+                .await
+                .1
+        ),
+        "FORBIDDEN"
+    );
+    assert_eq!(
+        code(&app.graphql(COMMANDS, json!({}), Some(&paula)).await.1),
+        "FORBIDDEN"
+    );
+    assert_eq!(
+        code(
+            &app.graphql(
+                "query($id: ID!) { command(id: $id) { id } }",
+                json!({ "id": their_cmd }),
+                Some(&paula)
+            )
+            .await
+            .1
+        ),
+        "FORBIDDEN"
+    );
+}
+
+#[tokio::test]
+async fn a_service_account_gets_a_scoped_token_shown_once_and_revocable() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    let made = app
+        .ok(
+            &admin,
+            "mutation { createServiceAccount(input: { name: \"billing exporter\", expiresInSeconds: 3600, role: MEMBER, tenantId: \"acme\" }) { serviceAccount { id name expiresAt } grant { role tenantId } token } }",
+            json!({}),
+        )
+        .await["createServiceAccount"]
+        .clone();
+    let token = made["token"].as_str().expect("a token").to_owned();
+    let id = made["serviceAccount"]["id"]
+        .as_str()
+        .expect("an id")
+        .to_owned();
+    assert!(token.starts_with("cst_"), "{token}");
+    // Only the token's hash is kept.
+    let (hash,): (Vec<u8>,) =
+        sqlx::query_as("SELECT token_hash FROM service_accounts WHERE id = $1")
+            .bind(&id)
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("the account");
+    assert_eq!(hash, compute_domain::authz::token_hash(&token));
+    let (stored,): (String,) =
+        sqlx::query_as("SELECT row_to_json(s)::text FROM service_accounts s WHERE id = $1")
+            .bind(&id)
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("the row");
+    assert!(!stored.contains(&token[4..]), "the token is not stored");
+
+    let me = eventually("the account is known", WAIT, || async {
+        let (status, body) = app.graphql(VIEWER, json!({}), Some(&token)).await;
+        (status == 200 && code(&body) == "OK").then(|| body["data"]["viewer"].clone())
+    })
+    .await;
+    assert_eq!(me["subject"], id.as_str());
+    assert_eq!(me["issuer"], "compute:service-account");
+    assert_eq!(me["tenantId"], "acme");
+    assert_eq!(me["roles"], json!(["MEMBER"]));
+    // Its grant is its scope: not an operator.
+    let (c, _) = app
+        .fails(
+            &token,
+            "mutation { createSite(input: { name: \"s\" }) { site { id } } }",
+            json!({}),
+        )
+        .await;
+    assert_eq!(c, "FORBIDDEN");
+    // A wrong token is 401.
+    let (status, _) = app
+        .graphql(VIEWER, json!({}), Some(&format!("cst_{}", "0".repeat(64))))
+        .await;
+    assert_eq!(status, 401);
+
+    // Revoked: refused within a second.
+    app.ok(
+        &admin,
+        "mutation($id: ID!) { revokeServiceAccount(input: { id: $id }) { serviceAccount { revokedAt revokedBy } } }",
+        json!({ "id": id }),
+    )
+    .await;
+    let started = Instant::now();
+    eventually("the revoked token is refused", WAIT, || async {
+        (app.graphql(VIEWER, json!({}), Some(&token)).await.0 == 401).then_some(())
+    })
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // Another one expires with business time.
+    let made = app
+        .ok(
+            &admin,
+            "mutation { createServiceAccount(input: { name: \"ci\", expiresInSeconds: 120, role: OPERATOR }) { token } }",
+            json!({}),
+        )
+        .await["createServiceAccount"]
+        .clone();
+    let ci = made["token"].as_str().expect("a token").to_owned();
+    eventually("the account is known", WAIT, || async {
+        (code(&app.graphql(VIEWER, json!({}), Some(&ci)).await.1) == "OK").then_some(())
+    })
+    .await;
+    app.db.advance_clock(121).await;
+    let (status, body) = app.graphql(VIEWER, json!({}), Some(&ci)).await;
+    assert_eq!(status, 401, "{body}");
+}
+
+/// A value of GraphQL input type `ty` for field `field` of mutation `mutation`, from the
+/// introspection `types`: well-formed, so a refusal is the authorization's, not the parser's.
+fn sample(types: &Value, ty: &Value, field: &str, mutation: &str) -> Option<Value> {
+    match ty["kind"].as_str()? {
+        "NON_NULL" => sample(types, &ty["ofType"], field, mutation),
+        "LIST" => Some(json!([])),
+        "SCALAR" => Some(match ty["name"].as_str()? {
+            "ID" => {
+                let prefix = id_prefix(field, mutation);
+                json!(format!("{prefix}_{}", "0".repeat(32)))
+            }
+            "String" => match field {
+                "idempotencyKey" => json!("key-1"),
+                "url" => json!("http://127.0.0.1:9/hook"),
+                "tenantId" => json!("acme"),
+                "hostname" => json!("h1"),
+                "reason" => json!("because"),
+                "subject" => json!("someone"),
+                _ => json!("x1"),
+            },
+            "Int" => json!(60),
+            "Float" => json!(1.0),
+            "Boolean" => json!(false),
+            "DateTime" => json!("2031-01-01T00:00:00Z"),
+            "JSON" => json!({}),
+            _ => json!("x1"),
+        }),
+        "ENUM" => {
+            let name = ty["name"].as_str()?;
+            let t = types.as_array()?.iter().find(|t| t["name"] == name)?;
+            Some(t["enumValues"][0]["name"].clone())
+        }
+        "INPUT_OBJECT" => {
+            let name = ty["name"].as_str()?;
+            let t = types.as_array()?.iter().find(|t| t["name"] == name)?;
+            let mut out = serde_json::Map::new();
+            for f in t["inputFields"].as_array()? {
+                if f["type"]["kind"] == "NON_NULL" && f["defaultValue"].is_null() {
+                    let n = f["name"].as_str()?;
+                    out.insert(n.to_owned(), sample(types, &f["type"], n, mutation)?);
+                }
+            }
+            Some(Value::Object(out))
+        }
+        _ => None,
+    }
+}
+
+/// The id prefix of an `ID` field.
+fn id_prefix(field: &str, mutation: &str) -> &'static str {
+    let by_field = [
+        ("siteId", "site"),
+        ("poolId", "pool"),
+        ("scopeId", "pool"),
+        ("computeNodeId", "node"),
+        ("reservationId", "rsv"),
+        ("allocationId", "alc"),
+        ("deviceId", "dev"),
+    ];
+    if let Some((_, p)) = by_field.iter().find(|(f, _)| *f == field) {
+        return p;
+    }
+    let by_mutation = [
+        ("JoinToken", "njt"),
+        ("Site", "site"),
+        ("Pool", "pool"),
+        ("Node", "node"),
+        ("Device", "dev"),
+        ("Reservation", "rsv"),
+        ("EventSink", "snk"),
+        ("Command", "cmd"),
+        ("Instance", "ins"),
+        ("ServiceAccount", "sa"),
+    ];
+    by_mutation
+        .iter()
+        .find(|(m, _)| mutation.contains(m))
+        .map(|(_, p)| *p)
+        .unwrap_or("x")
+}
+
+/// Every mutation of the schema, asked by a caller whose grants give it nothing, is
+/// `FORBIDDEN`: a new mutation that forgets to ask is caught here.
+#[tokio::test]
+async fn every_mutation_refuses_a_caller_without_the_grant() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    // Mallory's token claims everything; an administrator took it all away.
+    app.ok(
+        &admin,
+        REVOKE,
+        json!({ "input": { "subject": "mallory", "role": "OPERATOR" } }),
+    )
+    .await;
+    let mallory = app.token(
+        "mallory",
+        Some("acme"),
+        &[Role::Admin, Role::Operator, Role::Member],
+    );
+    eventually("mallory is managed", WAIT, || async {
+        (viewer(&app, &mallory).await["roles"] == json!([])).then_some(())
+    })
+    .await;
+    // A member may not do an administrator's or an operator's work either.
+    let member = app.member("acme");
+    let schema = app
+        .ok(
+            &admin,
+            "{ __schema { mutationType { fields { name args { name type { kind name ofType { kind name ofType { kind name } } } } } }
+               types { name kind enumValues { name } inputFields { name defaultValue type { kind name ofType { kind name ofType { kind name } } } } } } }",
+            json!({}),
+        )
+        .await;
+    let types = &schema["__schema"]["types"];
+    let fields = schema["__schema"]["mutationType"]["fields"]
+        .as_array()
+        .expect("mutations");
+    assert!(fields.len() >= 36, "{} mutations", fields.len());
+    let member_may = [
+        "createReservation",
+        "extendReservation",
+        "releaseReservation",
+        "cancelReservation",
+        "createEventSink",
+        "updateEventSink",
+        "deleteEventSink",
+        "createInstance",
+        "stopInstance",
+    ];
+    let mut wrong = Vec::new();
+    for f in fields {
+        let name = f["name"].as_str().expect("a name");
+        let mut args = serde_json::Map::new();
+        let mut decl = Vec::new();
+        let mut uses = Vec::new();
+        for a in f["args"].as_array().expect("args") {
+            let an = a["name"].as_str().expect("an arg name");
+            let Some(v) = sample(types, &a["type"], an, name) else {
+                wrong.push(format!("{name}: no sample for argument {an}"));
+                continue;
+            };
+            args.insert(an.to_owned(), v);
+            decl.push(format!("${an}: {}", type_ref(&a["type"])));
+            uses.push(format!("{an}: ${an}"));
+        }
+        let doc = format!(
+            "mutation({}) {{ {name}({}) {{ __typename }} }}",
+            decl.join(", "),
+            uses.join(", ")
+        );
+        let callers: Vec<(&str, &String)> = if member_may.contains(&name) {
+            vec![("mallory", &mallory)]
+        } else {
+            vec![("mallory", &mallory), ("a member", &member)]
+        };
+        for (who, token) in callers {
+            let (_, body) = app
+                .graphql(&doc, Value::Object(args.clone()), Some(token))
+                .await;
+            let c = code(&body);
+            if c != "FORBIDDEN" {
+                wrong.push(format!("{name} by {who}: {c}: {body}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+/// A type reference as a variable declaration writes it.
+fn type_ref(ty: &Value) -> String {
+    match ty["kind"].as_str() {
+        Some("NON_NULL") => format!("{}!", type_ref(&ty["ofType"])),
+        Some("LIST") => format!("[{}]", type_ref(&ty["ofType"])),
+        _ => ty["name"].as_str().unwrap_or_default().to_owned(),
+    }
+}
