@@ -64,6 +64,8 @@ struct Inner {
     db: Db,
     clock: Clock,
     grants_only: AtomicBool,
+    /// How long the projection is trusted after a read, in milliseconds ([`TRUST`]).
+    trust_ms: AtomicU64,
     state: RwLock<State>,
     /// When the feed was last read successfully.
     fresh: Mutex<Instant>,
@@ -98,6 +100,7 @@ impl Authz {
             db,
             clock,
             grants_only: AtomicBool::new(false),
+            trust_ms: AtomicU64::new(TRUST.as_millis() as u64),
             state: RwLock::new(state),
             fresh: Mutex::new(Instant::now()),
             poke: Notify::new(),
@@ -113,6 +116,14 @@ impl Authz {
         } else {
             Source::ClaimsThenGrants
         }
+    }
+
+    /// Trusts the projection for `trust` after each read instead of [`TRUST`] (tests of an
+    /// outage).
+    pub fn set_trust(&self, trust: Duration) {
+        self.0
+            .trust_ms
+            .store(trust.as_millis() as u64, Ordering::Relaxed);
     }
 
     /// Sets where roles come from for a principal without grants (`serve --authz`).
@@ -194,12 +205,13 @@ impl Authz {
     }
 
     fn trusted(&self) -> bool {
+        let trust = Duration::from_millis(self.0.trust_ms.load(Ordering::Relaxed));
         self.0
             .fresh
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .elapsed()
-            <= TRUST
+            <= trust
     }
 
     /// The caller as the grants make it: `viewer` as its token made it, with its roles, tenant

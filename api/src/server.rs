@@ -329,6 +329,13 @@ impl Server {
         self
     }
 
+    /// This server trusting its grants for `trust` after each read of the feed (tests of a
+    /// database outage; `authz::TRUST` otherwise).
+    pub fn with_authz_trust(self, trust: std::time::Duration) -> Server {
+        self.app.authz.set_trust(trust);
+        self
+    }
+
     /// This server handing `token` to the console's one-click sign-in (`compute-api dev`).
     pub fn with_dev_token(mut self, token: &str) -> Server {
         self.app

@@ -658,6 +658,8 @@ pub struct AppBuilder {
         compute_api::persisted::Persisted,
         Vec<axum::http::HeaderValue>,
     )>,
+    authz_source: compute_api::authz::Source,
+    authz_trust: Option<std::time::Duration>,
 }
 
 impl AppBuilder {
@@ -699,16 +701,35 @@ impl AppBuilder {
         self
     }
 
+    /// Taking roles from grants only (`serve --authz grants`).
+    pub fn grants_only(mut self) -> Self {
+        self.authz_source = compute_api::authz::Source::GrantsOnly;
+        self
+    }
+
+    /// Trusting its grants for `trust` after each read (`authz::TRUST` by default).
+    pub fn authz_trust(mut self, trust: std::time::Duration) -> Self {
+        self.authz_trust = Some(trust);
+        self
+    }
+
     /// Starts the API on `127.0.0.1:0`.
     pub async fn start(self) -> TestApp {
         let db = match self.db {
             Some(db) => db,
             None => Arc::new(test_db().await),
         };
-        let frontends = self.frontends;
-        start_app_configured(db, self.stream, self.limits, move |s| match frontends {
-            Some((persisted, origins)) => s.with_frontends(persisted, origins),
-            None => s,
+        let (frontends, source, trust) = (self.frontends, self.authz_source, self.authz_trust);
+        start_app_configured(db, self.stream, self.limits, move |s| {
+            let s = match frontends {
+                Some((persisted, origins)) => s.with_frontends(persisted, origins),
+                None => s,
+            };
+            let s = s.with_authz_source(source);
+            match trust {
+                Some(t) => s.with_authz_trust(t),
+                None => s,
+            }
         })
         .await
     }

@@ -769,3 +769,93 @@ fn type_ref(ty: &Value) -> String {
         _ => ty["name"].as_str().unwrap_or_default().to_owned(),
     }
 }
+
+/// `serve --authz grants`: a token's claims give nothing; `grant-admin`'s grant does.
+#[tokio::test]
+async fn with_grants_only_a_token_without_grants_has_no_role() {
+    let app = TestApp::builder().grants_only().start().await;
+    let claimed = app.token("root@admins", None, &[Role::Admin, Role::Operator]);
+    let (c, _) = app
+        .fails(
+            &claimed,
+            "mutation { createSite(input: { name: \"s\" }) { site { id } } }",
+            json!({}),
+        )
+        .await;
+    assert_eq!(c, "FORBIDDEN");
+    assert_eq!(viewer(&app, &claimed).await["roles"], json!([]));
+    // The first administrator, made without a token (`compute-api grant-admin`).
+    compute_domain::authz::bootstrap_admin(&app.db.db, compute_tests::TEST_ISSUER, "root@admins")
+        .await
+        .expect("bootstrap");
+    eventually("the administrator's grant is felt", WAIT, || async {
+        (viewer(&app, &claimed).await["roles"] == json!(["ADMIN", "OPERATOR"])).then_some(())
+    })
+    .await;
+    app.ok(
+        &claimed,
+        "mutation { createSite(input: { name: \"s\" }) { site { id } } }",
+        json!({}),
+    )
+    .await;
+}
+
+/// With the database unreachable, decisions come from the projection while it is trusted,
+/// then are refused with the retryable `UNAVAILABLE`, never allowed; they come back with the
+/// database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_database_unreachable_old_grants_are_trusted_briefly_then_refused() {
+    use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres};
+    let dir = std::env::temp_dir()
+        .join("compute-tests")
+        .join(format!("authz-outage-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let options = EmbeddedOptions {
+        data_dir: dir.clone(),
+        durable: false,
+        max_connections: 40,
+    };
+    let mut pg = EmbeddedPostgres::start(options.clone())
+        .await
+        .expect("the test's own server");
+    pg.ensure_database("authz").await.expect("database");
+    let db = compute_tests::test_db_at(&pg.url("authz"), "authz", true).await;
+    let app = TestApp::builder()
+        .on(db)
+        .authz_trust(Duration::from_secs(2))
+        .start()
+        .await;
+    let member = app.member("acme");
+    assert_eq!(viewer(&app, &member).await["roles"], json!(["MEMBER"]));
+    pg.shutdown();
+    let down = Instant::now();
+    // `viewer` reads no table: it answers from the projection while the projection is trusted.
+    let (_, body) = app.graphql(VIEWER, json!({}), Some(&member)).await;
+    assert_eq!(code(&body), "OK", "{body}");
+    let refused = eventually("old grants stop being trusted", WAIT, || async {
+        let (_, body) = app.graphql(VIEWER, json!({}), Some(&member)).await;
+        (code(&body) != "OK").then_some(body)
+    })
+    .await;
+    assert!(
+        down.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        down.elapsed()
+    );
+    assert_eq!(code(&refused), "UNAVAILABLE", "{refused}");
+    assert_eq!(
+        refused["errors"][0]["extensions"]["retryable"], true,
+        "{refused}"
+    );
+    pg.start_again(&options)
+        .await
+        .expect("the database is back");
+    eventually("grants are read again", Duration::from_secs(30), || async {
+        let (_, body) = app.graphql(VIEWER, json!({}), Some(&member)).await;
+        (code(&body) == "OK").then_some(())
+    })
+    .await;
+    drop(app);
+    pg.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
