@@ -402,7 +402,7 @@ impl GrantMutation {
             ReplayFlag::mark(ctx);
         }
         Ok(RevokeRolePayload {
-            revoked_grant_id: outcome.value.grant.as_ref().map(|g| gql_id(&g.id)),
+            revoked_grant_id: outcome.value.grant_id.as_ref().map(gql_id),
             paused_event_sink_ids: outcome.value.paused_sinks.iter().map(gql_id).collect(),
             idempotent_replay: outcome.replayed,
         })

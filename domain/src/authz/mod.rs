@@ -195,8 +195,10 @@ pub struct ServiceAccount {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Revoked {
     /// The grant deleted; `None` when the principal had none and was only made managed (its
-    /// token's claims stopped counting).
+    /// token's claims stopped counting), and on a replay (the row is gone: see `grant_id`).
     pub grant: Option<Grant>,
+    /// The id of the grant deleted, on a replay too.
+    pub grant_id: Option<GrantId>,
     /// The principal's event sinks paused because nothing it still holds covers them.
     pub paused_sinks: Vec<crate::ids::SinkId>,
 }
@@ -482,11 +484,12 @@ pub async fn revoke(
                     {
                         Claim::New => {}
                         Claim::Refused(e) => return Ok(Err(e)),
-                        Claim::Replay(_) => {
-                            // The grant is gone; the replay says what was revoked, as stored.
+                        Claim::Replay(id) => {
+                            // The grant is gone; the replay says which one it was, as stored.
                             return Ok(Ok(Outcome {
                                 value: Revoked {
                                     grant: None,
+                                    grant_id: GrantId::parse("id", &id).ok(),
                                     paused_sinks: Vec::new(),
                                 },
                                 replayed: true,
@@ -562,6 +565,7 @@ async fn revoke_in(
     emit_change(conn, EventType::AuthzRevoked, p, deleted.as_ref(), by).await?;
     Ok(Outcome {
         value: Revoked {
+            grant_id: deleted.as_ref().map(|g| g.id.clone()),
             grant: deleted,
             paused_sinks,
         },

@@ -71,11 +71,12 @@ async fn grants_override_claims_and_a_revocation_is_refused_at_once() {
         .ok(
             &admin,
             REVOKE,
-            json!({ "input": { "subject": "bob", "role": "MEMBER", "tenantId": "beta" } }),
+            json!({ "input": { "subject": "bob", "role": "MEMBER", "tenantId": "beta", "idempotencyKey": "r1" } }),
         )
         .await["revokeRole"]
         .clone();
     assert_eq!(revoked["revokedGrantId"], granted["grant"]["id"]);
+    assert_eq!(revoked["idempotentReplay"], false);
     let started = Instant::now();
     let refused = eventually("bob is refused", WAIT, || async {
         let c = code(&app.graphql(RESERVATIONS, json!({}), Some(&bob)).await.1);
@@ -87,6 +88,20 @@ async fn grants_override_claims_and_a_revocation_is_refused_at_once() {
     assert!(felt < Duration::from_secs(1), "felt after {felt:?}");
     // Managed, with no grant: the token's member claim no longer counts.
     assert_eq!(viewer(&app, &bob).await["roles"], json!([]));
+    // A retry of the revocation gets its answer again; without the key it is NOT_FOUND.
+    let input =
+        json!({ "subject": "bob", "role": "MEMBER", "tenantId": "beta", "idempotencyKey": "r1" });
+    let replay = app.ok(&admin, REVOKE, json!({ "input": input })).await["revokeRole"].clone();
+    assert_eq!(replay["idempotentReplay"], true);
+    assert_eq!(replay["revokedGrantId"], granted["grant"]["id"]);
+    let (c, _) = app
+        .fails(
+            &admin,
+            REVOKE,
+            json!({ "input": { "subject": "bob", "role": "MEMBER", "tenantId": "beta" } }),
+        )
+        .await;
+    assert_eq!(c, "NOT_FOUND");
 
     // The events say who changed what.
     let (types,): (Vec<String>,) = sqlx::query_as(
