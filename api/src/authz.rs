@@ -2,7 +2,7 @@
 //!
 //! PostgreSQL holds who may do what (`compute_domain::authz`); each API process keeps every
 //! managed principal's rows in memory, loaded at start and kept current by tailing
-//! `authz_changes` (every [`POLL`], and at once when a change's poke arrives). A request's
+//! `authz_changes` (every [`POLL`]). A request's
 //! [`Viewer`] comes from its token and is then *resolved* here ([`Authz::resolve`]): a managed
 //! principal's roles, tenant and scopes are its grants', whatever its claims say; a principal
 //! that is not managed keeps its claims, unless the process runs with [`Source::GrantsOnly`].
@@ -22,12 +22,12 @@ use std::time::{Duration, Instant};
 use compute_domain::authz::{self, FeedCursor, GrantRole, Principal, PrincipalRows};
 use compute_domain::clock::Clock;
 use compute_domain::db::Db;
-use tokio::sync::{Notify, broadcast};
+use tokio::sync::broadcast;
 use tracing::{info, warn};
 
 use crate::auth::{Claimed, Role, Viewer};
 
-/// How often the projection reads the feed without a poke.
+/// How often the projection reads the feed.
 pub const POLL: Duration = Duration::from_millis(100);
 /// How long the projection is trusted after its last successful read.
 pub const TRUST: Duration = Duration::from_secs(10);
@@ -69,7 +69,6 @@ struct Inner {
     state: RwLock<State>,
     /// When the feed was last read successfully.
     fresh: Mutex<Instant>,
-    poke: Notify,
     changes: broadcast::Sender<Principal>,
     stats: AuthzStats,
 }
@@ -103,7 +102,6 @@ impl Authz {
             trust_ms: AtomicU64::new(TRUST.as_millis() as u64),
             state: RwLock::new(state),
             fresh: Mutex::new(Instant::now()),
-            poke: Notify::new(),
             changes: broadcast::channel(1024).0,
             stats: AuthzStats::default(),
         })))
@@ -143,11 +141,6 @@ impl Authz {
         self.0.changes.subscribe()
     }
 
-    /// Reads the feed now (tests, and a process that changed grants itself).
-    pub fn poke(&self) {
-        self.0.poke.notify_one();
-    }
-
     /// Follows the feed until `stop` resolves: every [`POLL`] (each read is one index range
     /// scan of `authz_changes`, so a revocation is felt within a poll everywhere without a
     /// `LISTEN` connection of its own), and after a failed read with backoff (the projection
@@ -156,7 +149,7 @@ impl Authz {
         let follow = async {
             let mut wait = POLL;
             loop {
-                let _ = tokio::time::timeout(wait, self.0.poke.notified()).await;
+                tokio::time::sleep(wait).await;
                 match self.step().await {
                     Ok(()) => wait = POLL,
                     Err(e) => {
