@@ -161,13 +161,25 @@ impl AdmissionControl {
             request.set_parsed_query(selected);
         }
         let variables = std::mem::take(&mut request.variables);
-        let cost = request
-            .parsed_query()
-            .map(|doc| self.costs.cost(doc, &variables));
+        let mut variable_arguments = Vec::new();
+        let cost = request.parsed_query().map(|doc| {
+            arguments_with_variables(doc, &mut variable_arguments);
+            self.costs.cost(doc, &variables)
+        });
         request.variables = variables;
-        // A page size that is not an Int: a request error, coded by the transport as any
-        // document async-graphql does not validate.
-        let cost = cost?.map_err(|message| ServerError::new(message, None))?;
+        // A page size that is not an Int: a request error; the caller's input (`BAD_USER_INPUT`)
+        // when a variable gave it, otherwise coded by the transport as any document
+        // async-graphql does not validate.
+        let cost = cost?.map_err(|(message, at)| {
+            let mut e = ServerError::new(message, Some(at));
+            if variable_arguments.contains(&at) {
+                crate::transport::set_code(
+                    &mut e,
+                    compute_domain::ErrorCode::BadUserInput.as_str(),
+                );
+            }
+            e
+        })?;
         let limits = &self.limits;
         let key = identity_key(viewer, peer);
         let (limit, budget) = match viewer {
@@ -201,6 +213,7 @@ impl AdmissionControl {
                     limit,
                     remaining,
                 },
+                variable_arguments,
             }),
             Err((remaining, retry_after)) => Err(self.refuse(
                 Limit::RateLimited,
@@ -274,7 +287,26 @@ impl AdmissionControl {
     /// Refunds the charge of an admitted request that async-graphql refused (its first response
     /// has no data and only errors of the request, none of them the deadline's): a document
     /// that does not validate costs nothing. Whether it refunded.
-    pub fn settle(&self, admission: &Admission, response: &Response) -> bool {
+    ///
+    /// A value the caller sent in `variables` that its type refuses (an enum value that does not
+    /// exist, a missing field of an input) is coded `BAD_USER_INPUT` here, as a resolver's
+    /// refusal of an input is: it is the caller's data, not the document, that is wrong. A
+    /// literal in the document that its type refuses stays `GRAPHQL_VALIDATION_FAILED`.
+    pub fn settle(&self, admission: &Admission, response: &mut Response) -> bool {
+        if is_request_error(response) {
+            for e in &mut response.errors {
+                let of_variable = e.message.starts_with("Invalid value for argument")
+                    && e.extensions
+                        .as_ref()
+                        .is_none_or(|x| x.get("code").is_none())
+                    && e.locations
+                        .first()
+                        .is_some_and(|at| admission.variable_arguments.contains(at));
+                if of_variable {
+                    crate::transport::set_code(e, compute_domain::ErrorCode::BadUserInput.as_str());
+                }
+            }
+        }
         let refused = is_request_error(response)
             && !response.errors.iter().any(|e| {
                 e.extensions
@@ -344,6 +376,9 @@ pub struct Admission {
     key: String,
     budget: u64,
     charge: Charge,
+    /// Where the arguments whose value holds a variable are named in the document: an
+    /// argument async-graphql refuses at one of them was refused for a variable's value.
+    variable_arguments: Vec<async_graphql::Pos>,
 }
 
 /// The document reduced to the operation `name` names and the fragments it reaches; `None` when
@@ -580,6 +615,57 @@ impl<'a> Sizes<'a> {
             });
         }
         n
+    }
+}
+
+/// Collects where each argument whose value holds a variable is named, in every operation and
+/// fragment of `doc` (field and directive arguments alike).
+fn arguments_with_variables(doc: &ExecutableDocument, out: &mut Vec<async_graphql::Pos>) {
+    fn holds_variable(v: &async_graphql_value::Value) -> bool {
+        use async_graphql_value::Value;
+        match v {
+            Value::Variable(_) => true,
+            Value::List(items) => items.iter().any(holds_variable),
+            Value::Object(fields) => fields.values().any(holds_variable),
+            _ => false,
+        }
+    }
+    fn of_directives(d: &[Positioned<Directive>], out: &mut Vec<async_graphql::Pos>) {
+        for d in d {
+            for (name, value) in &d.node.arguments {
+                if holds_variable(&value.node) {
+                    out.push(name.pos);
+                }
+            }
+        }
+    }
+    fn of_set(set: &SelectionSet, out: &mut Vec<async_graphql::Pos>) {
+        for item in &set.items {
+            match &item.node {
+                Selection::Field(f) => {
+                    for (name, value) in &f.node.arguments {
+                        if holds_variable(&value.node) {
+                            out.push(name.pos);
+                        }
+                    }
+                    of_directives(&f.node.directives, out);
+                    of_set(&f.node.selection_set.node, out);
+                }
+                Selection::FragmentSpread(s) => of_directives(&s.node.directives, out),
+                Selection::InlineFragment(i) => {
+                    of_directives(&i.node.directives, out);
+                    of_set(&i.node.selection_set.node, out);
+                }
+            }
+        }
+    }
+    for (_, op) in doc.operations.iter() {
+        of_directives(&op.node.directives, out);
+        of_set(&op.node.selection_set.node, out);
+    }
+    for fragment in doc.fragments.values() {
+        of_directives(&fragment.node.directives, out);
+        of_set(&fragment.node.selection_set.node, out);
     }
 }
 

@@ -209,8 +209,13 @@ impl CostModel {
     /// that bound allows.
     ///
     /// A page size that is not an `Int` (a 32-bit integer) is the request's error, as GraphQL's
-    /// coercion of variables makes it: the message to answer with.
-    pub fn cost(&self, doc: &ExecutableDocument, variables: &Variables) -> Result<u64, String> {
+    /// coercion of variables makes it: the message to answer with, and where the argument is
+    /// named in the document.
+    pub fn cost(
+        &self,
+        doc: &ExecutableDocument,
+        variables: &Variables,
+    ) -> Result<u64, (String, async_graphql::Pos)> {
         let mut walk = Walk {
             model: self,
             fragments: &doc.fragments,
@@ -242,7 +247,7 @@ struct Walk<'a> {
     variables: &'a Variables,
     definitions: &'a [Positioned<VariableDefinition>],
     open: Vec<&'a str>,
-    error: Option<String>,
+    error: Option<(String, async_graphql::Pos)>,
 }
 
 impl<'a> Walk<'a> {
@@ -313,7 +318,7 @@ impl<'a> Walk<'a> {
             }
             Rule::List(n) => list_cost(n, children),
             Rule::ArgumentLength { argument, max } => {
-                let n = match self.argument(field, argument) {
+                let n = match self.argument(field, argument).map(|(v, _)| v) {
                     Some(async_graphql::Value::List(items)) => items.len(),
                     Some(async_graphql::Value::Null) | None => 0,
                     // A single value is a list of one (input coercion).
@@ -330,9 +335,9 @@ impl<'a> Walk<'a> {
         &self,
         field: &async_graphql::parser::types::Field,
         name: &str,
-    ) -> Option<async_graphql::Value> {
-        let (_, value) = field.arguments.iter().find(|(n, _)| n.node == name)?;
-        value
+    ) -> Option<(async_graphql::Value, async_graphql::Pos)> {
+        let (at, value) = field.arguments.iter().find(|(n, _)| n.node == name)?;
+        let value = value
             .node
             .clone()
             .into_const_with(|var| {
@@ -348,7 +353,8 @@ impl<'a> Walk<'a> {
                     })
                     .ok_or(())
             })
-            .ok()
+            .ok()?;
+        Some((value, at.pos))
     }
 
     /// An `Int` argument's value; `None` when it is absent or null. Anything else is the
@@ -358,7 +364,8 @@ impl<'a> Walk<'a> {
         field: &async_graphql::parser::types::Field,
         name: &str,
     ) -> Option<i64> {
-        match self.argument(field, name)? {
+        let (value, at) = self.argument(field, name)?;
+        match value {
             async_graphql::Value::Null => None,
             async_graphql::Value::Number(n)
                 if n.as_i64().is_some_and(|v| i32::try_from(v).is_ok()) =>
@@ -367,10 +374,11 @@ impl<'a> Walk<'a> {
             }
             other => {
                 self.error.get_or_insert_with(|| {
-                    format!(
+                    let message = format!(
                         "`{name}` of `{}` must be an Int (a 32-bit integer), not {other}",
                         field.name.node
-                    )
+                    );
+                    (message, at)
                 });
                 None
             }
@@ -429,7 +437,8 @@ mod tests {
             let doc = async_graphql::parser::parse_query(q).expect("parses");
             let e = model()
                 .cost(&doc, &Variables::from_json(serde_json::json!({ "n": bad })))
-                .expect_err("not an Int");
+                .expect_err("not an Int")
+                .0;
             assert!(e.contains("`first` of `sites` must be an Int"), "{e}");
         }
         assert_eq!(

@@ -272,19 +272,19 @@ pub fn execute_streaming(
     if subscription {
         let mut first = true;
         responses
-            .map(move |r| {
+            .map(move |mut r| {
                 if std::mem::take(&mut first) {
-                    door.settle(&admission, &r);
+                    door.settle(&admission, &mut r);
                 }
                 r
             })
             .boxed()
     } else {
         futures_util::stream::once(async move {
-            let r = door
+            let mut r = door
                 .within_deadline(async move { responses.next().await.unwrap_or_default() })
                 .await;
-            door.settle(&admission, &r);
+            door.settle(&admission, &mut r);
             r
         })
         .boxed()

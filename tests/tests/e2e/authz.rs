@@ -156,16 +156,22 @@ async fn bad_grants_are_refused_and_write_nothing() {
         assert_eq!(c, "BAD_USER_INPUT", "{input}: {error}");
         assert_eq!(error["extensions"]["field"], field, "{input}: {error}");
     }
-    // A role that does not exist is refused by the schema.
-    let (c, _) = app
+    // A role that does not exist is refused by the schema's enum before any resolver runs, as
+    // the caller's input (`BAD_USER_INPUT`, naming the value) when it came in the variables.
+    let (c, error) = app
         .fails(
             &admin,
             GRANT,
             json!({ "input": { "subject": "carol", "role": "ROOT" } }),
         )
         .await;
-    // The schema's enum refuses it before any resolver runs.
-    assert_eq!(c, "GRAPHQL_VALIDATION_FAILED");
+    assert_eq!(c, "BAD_USER_INPUT", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("ROOT")),
+        "{error}"
+    );
     // Only administrators grant.
     let (c, _) = app
         .fails(

@@ -195,8 +195,10 @@ async fn get_runs_queries_refuses_mutations_and_serves_graphiql_to_browsers() {
 
 #[tokio::test]
 async fn input_async_graphql_cannot_coerce_is_coded_as_the_callers_whatever_its_wording() {
-    // The codes do not rest on async-graphql's English. A variable of the wrong type is a request
-    // error (GraphQL over HTTP: 400, GRAPHQL_VALIDATION_FAILED, no data). A value that passes the
+    // The codes do not rest on async-graphql's English. A variable whose value its type refuses
+    // is a request error (GraphQL over HTTP: 400, no data) coded BAD_USER_INPUT: the caller's
+    // data is wrong, as when a resolver refuses an input. The same value written as a literal in
+    // the document is GRAPHQL_VALIDATION_FAILED: the document is wrong. A value that passes the
     // type check but not its scalar's parser fails at its field: every resolver error is coded,
     // so an uncoded field error can only be async-graphql's report of such input, and it is
     // BAD_USER_INPUT with the field's path, never INTERNAL.
@@ -207,6 +209,7 @@ async fn input_async_graphql_cannot_coerce_is_coded_as_the_callers_whatever_its_
             "a mistyped variable",
             "query($n: Int) { sites(first: $n) { totalCount } }",
             serde_json::json!({ "n": "ten" }),
+            "BAD_USER_INPUT",
         ),
         (
             // The cost of a connection is computed from its page size before it runs, so a
@@ -214,18 +217,51 @@ async fn input_async_graphql_cannot_coerce_is_coded_as_the_callers_whatever_its_
             "a page size too large for Int",
             "query($n: Int) { sites(first: $n) { totalCount } }",
             serde_json::json!({ "n": 1u64 << 40 }),
+            "BAD_USER_INPUT",
         ),
         (
             "an enum value that does not exist",
             "query($k: PoolKind) { pools(kind: $k) { totalCount } }",
             serde_json::json!({ "k": "SPACESHIP" }),
+            "BAD_USER_INPUT",
+        ),
+        (
+            "an enum value that does not exist, deep in an input object",
+            "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id } } }",
+            serde_json::json!({ "i": { "poolId": "pool_00000000000000000000000000000000",
+                "endsAt": "2030-01-01T00:00:00Z", "allocations": [{ "gpuKind": "WARP", "gpuCount": 1 }] } }),
+            "BAD_USER_INPUT",
+        ),
+        (
+            "a mistyped literal",
+            "{ sites(first: \"ten\") { totalCount } }",
+            serde_json::json!({}),
+            "GRAPHQL_VALIDATION_FAILED",
+        ),
+        (
+            "a literal page size too large for Int",
+            "{ sites(first: 1099511627776) { totalCount } }",
+            serde_json::json!({}),
+            "GRAPHQL_VALIDATION_FAILED",
+        ),
+        (
+            "an enum literal that does not exist",
+            "{ pools(kind: SPACESHIP) { totalCount } }",
+            serde_json::json!({}),
+            "GRAPHQL_VALIDATION_FAILED",
+        ),
+        (
+            "a literal beside a good variable",
+            "query($n: Int) { sites(first: $n) { totalCount } pools(kind: SPACESHIP) { totalCount } }",
+            serde_json::json!({ "n": 2 }),
+            "GRAPHQL_VALIDATION_FAILED",
         ),
     ];
-    for (case, query, variables) in request_errors {
+    for (case, query, variables, code) in request_errors {
         let (status, body) = app.graphql(query, variables, Some(&token)).await;
         assert_eq!(status, 400, "{case}: {body}");
         assert_eq!(
-            body["errors"][0]["extensions"]["code"], "GRAPHQL_VALIDATION_FAILED",
+            body["errors"][0]["extensions"]["code"], code,
             "{case}: {body}"
         );
         assert!(body.get("data").is_none(), "{case}: {body}");
