@@ -173,10 +173,7 @@ impl AdmissionControl {
         let cost = cost?.map_err(|(message, at)| {
             let mut e = ServerError::new(message, Some(at));
             if variable_arguments.contains(&at) {
-                crate::transport::set_code(
-                    &mut e,
-                    compute_domain::ErrorCode::BadUserInput.as_str(),
-                );
+                bad_user_input(&mut e);
             }
             e
         })?;
@@ -303,7 +300,7 @@ impl AdmissionControl {
                         .first()
                         .is_some_and(|at| admission.variable_arguments.contains(at));
                 if of_variable {
-                    crate::transport::set_code(e, compute_domain::ErrorCode::BadUserInput.as_str());
+                    bad_user_input(e);
                 }
             }
         }
@@ -616,6 +613,13 @@ impl<'a> Sizes<'a> {
         }
         n
     }
+}
+
+/// Codes `e` as the caller's input (`BAD_USER_INPUT`).
+fn bad_user_input(e: &mut ServerError) {
+    e.extensions
+        .get_or_insert_with(Default::default)
+        .set("code", compute_domain::ErrorCode::BadUserInput.as_str());
 }
 
 /// Collects where each argument whose value holds a variable is named, in every operation and

@@ -91,12 +91,49 @@ pub fn build(services: Option<(Db, crate::tailer::Tailer, crate::auth::TokenIssu
     // item). The door (`door`) bounds and prices documents in the transports instead, and
     // each request has one span (`transport::request_span`), not one per field.
     .limit_depth(32);
+    builder = describe_connections(builder);
     if let Some((db, tailer, issuer)) = services {
         // The data loaders are not here: each request gets its own (`with_loaders`), so a batch
         // never mixes two requests' keys and no input of one request can fail another's.
         builder = builder.data(db).data(tailer).data(issuer);
     }
     builder.finish()
+}
+
+/// async-graphql's `Connection` type has no description of its own; each of ours gets one
+/// here, so every type of the schema describes itself (a test reads them all by introspection).
+fn describe_connections(
+    builder: async_graphql::SchemaBuilder<Query, Mutation, events::SubscriptionRoot>,
+) -> async_graphql::SchemaBuilder<Query, Mutation, events::SubscriptionRoot> {
+    use async_graphql::connection::Connection;
+    use fleet::{AtomObj, ComputeNodeObj, Conn, DeviceObj, PoolObj, SiteObj};
+    macro_rules! describe {
+        ($builder:ident, $($ty:ty => $what:literal),* $(,)?) => {
+            $builder$(.override_output_type_description::<$ty>(concat!(
+                "A page of ", $what, ". Page forward with `first` and `after` (an edge's `cursor`, \
+                 or `pageInfo.endCursor`), and backward with `last` and `before` where the field \
+                 takes them; `totalCount` counts every item the filters match, not only this page's."
+            )))*
+        };
+    }
+    describe!(builder,
+        Conn<SiteObj> => "sites",
+        Conn<PoolObj> => "pools",
+        Conn<ComputeNodeObj> => "compute nodes",
+        Conn<DeviceObj> => "devices (GPUs)",
+        Conn<AtomObj> => "atoms, the bookable units of a device (a whole GPU, a MIG instance or a time-slice slot)",
+        Connection<String, commands::CommandObj, commands::CommandCount> => "commands sent to node daemons",
+        Connection<String, reservations::ReservationObj, reservations::ReservationCount> => "reservations",
+        Connection<String, sinks::EventSinkObj, sinks::SinkCount> => "event sinks (webhooks)",
+        Connection<String, grants::GrantObj, grants::GrantCount> => "role grants",
+        Connection<String, grants::ServiceAccountObj, grants::ServiceAccountCount> => "service accounts",
+        Connection<String, instances::InstanceObj, instances::InstanceCount> => "workload instances",
+        Connection<String, fleet::enrollment::NodeJoinTokenObj, fleet::enrollment::JoinTokenCount> => "node join tokens",
+    )
+    .override_output_type_description::<Connection<String, usage::UsageGroup>>(
+        "A page of usage groups, each the billed time of one key of the report's grouping. Page \
+         forward with `first` and `after` (an edge's `cursor`, or `pageInfo.endCursor`).",
+    )
 }
 
 /// The SDL of the schema, as `compute-api schema` prints it and `schema.graphql` holds it.
