@@ -112,11 +112,12 @@ pub enum Limit {
     Cost,
     RateLimited,
     NulCharacter,
+    ListItems,
     Timeout,
 }
 
 impl Limit {
-    pub const ALL: [Limit; 10] = [
+    pub const ALL: [Limit; 11] = [
         Limit::DocumentBytes,
         Limit::Aliases,
         Limit::Directives,
@@ -126,6 +127,7 @@ impl Limit {
         Limit::Cost,
         Limit::RateLimited,
         Limit::NulCharacter,
+        Limit::ListItems,
         Limit::Timeout,
     ];
 
@@ -141,6 +143,7 @@ impl Limit {
             Limit::Cost => "cost",
             Limit::RateLimited => "rate_limited",
             Limit::NulCharacter => "nul_character",
+            Limit::ListItems => "list_items",
             Limit::Timeout => "timeout",
         }
     }
@@ -157,7 +160,7 @@ impl Limit {
             Limit::Cost => Code::Transport(TransportCode::QueryTooCostly),
             Limit::Timeout => Code::Transport(TransportCode::Timeout),
             Limit::RateLimited => Code::Domain(ErrorCode::RateLimited),
-            Limit::NulCharacter => Code::Domain(ErrorCode::BadUserInput),
+            Limit::NulCharacter | Limit::ListItems => Code::Domain(ErrorCode::BadUserInput),
         }
     }
 }

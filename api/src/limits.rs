@@ -29,6 +29,9 @@ pub struct Limits {
     pub max_selections: usize,
     /// Errors in one response; the rest are summarised in one last error.
     pub max_errors: usize,
+    /// Items in any one list of an argument's value (nested in an input object too), whether
+    /// written in the document or sent in its variables.
+    pub max_list_items: usize,
     /// How long one query or mutation may run; then it stops and its transaction rolls back.
     pub request_timeout: Duration,
     /// How long a client has to send a request's headers (and how long an idle keep-alive
@@ -55,6 +58,7 @@ impl Default for Limits {
             max_directives: 100,
             max_selections: 5_000,
             max_errors: 50,
+            max_list_items: 100,
             request_timeout: Duration::from_secs(30),
             header_timeout: Duration::from_secs(10),
             max_connections: 1_024,

@@ -392,6 +392,9 @@ pub struct LimitArgs {
     /// Errors in one response.
     #[arg(long, env = "COMPUTE_MAX_ERRORS", default_value_t = Limits::default().max_errors)]
     pub max_errors: usize,
+    /// Items in any one list of an argument (in the document or its variables).
+    #[arg(long, env = "COMPUTE_MAX_LIST_ITEMS", default_value_t = Limits::default().max_list_items)]
+    pub max_list_items: usize,
     /// Seconds one query or mutation may run.
     #[arg(long, env = "COMPUTE_REQUEST_TIMEOUT_SECONDS", default_value_t = Limits::default().request_timeout.as_secs())]
     pub request_timeout_seconds: u64,
@@ -425,6 +428,7 @@ impl LimitArgs {
             max_directives: self.max_directives,
             max_selections: self.max_selections,
             max_errors: self.max_errors,
+            max_list_items: self.max_list_items,
             request_timeout: Duration::from_secs(self.request_timeout_seconds),
             header_timeout: Duration::from_secs(self.header_timeout_seconds),
             max_connections: self.max_connections,

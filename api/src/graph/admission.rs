@@ -13,6 +13,11 @@
 //! - **No NUL in any string**: PostgreSQL cannot store U+0000, so a string holding one is the
 //!   caller's error wherever it appears (an argument, a default, a variable), never a failed
 //!   statement.
+//! - **Lists**: no list in an argument's value (nested in an input object too, written in the
+//!   document or sent in the variables) holds more than [`Limits::max_list_items`]; each item
+//!   costs a point.
+//! - **Variables the schema refuses** are the caller's input: such an error is coded
+//!   `BAD_USER_INPUT` ([`AdmissionControl::settle`]), a bad literal `GRAPHQL_VALIDATION_FAILED`.
 //! - **Cost** ([`crate::graph::cost`]): a connection costs its page size times its children and
 //!   bounded lists their bound times their children; a request costs at most
 //!   [`Limits::max_cost`] (anonymous callers far less), and each identity spends from a budget
@@ -162,11 +167,48 @@ impl AdmissionControl {
         }
         let variables = std::mem::take(&mut request.variables);
         let mut variable_arguments = Vec::new();
+        let mut lists = Lists {
+            variables: &variables,
+            max: self.limits.max_list_items,
+            items: 0,
+            too_long: None,
+        };
         let cost = request.parsed_query().map(|doc| {
-            arguments_with_variables(doc, &mut variable_arguments);
+            each_argument(doc, &mut |name, value| {
+                if holds_variable(&value.node) {
+                    variable_arguments.push(name.pos);
+                }
+                // `input` is every mutation's one argument: its fields are named as the
+                // resolvers name them (`devices`, not `input.devices`).
+                let mut path = match name.node.as_str() {
+                    "input" => String::new(),
+                    other => other.to_owned(),
+                };
+                lists.value(&value.node, &mut path);
+            });
+            for (_, op) in doc.operations.iter() {
+                for d in &op.node.variable_definitions {
+                    if let Some(default) = &d.node.default_value {
+                        lists.constant(&default.node, &mut d.node.name.node.to_string());
+                    }
+                }
+            }
             self.costs.cost(doc, &variables)
         });
+        let (list_items, too_long) = (lists.items, lists.too_long);
         request.variables = variables;
+        if let Some((field, len)) = too_long {
+            let max = self.limits.max_list_items;
+            let mut e = self.refuse(
+                Limit::ListItems,
+                format!("`{field}` holds {len} items; a list in an argument holds at most {max}"),
+                &[("max", max as u64)],
+            );
+            e.extensions
+                .get_or_insert_with(Default::default)
+                .set("field", field);
+            return Err(e);
+        }
         // A page size that is not an Int: a request error; the caller's input (`BAD_USER_INPUT`)
         // when a variable gave it, otherwise coded by the transport as any document
         // async-graphql does not validate.
@@ -177,6 +219,8 @@ impl AdmissionControl {
             }
             e
         })?;
+        // Each item of a list in an argument costs a point: a resolver does work per item.
+        let cost = cost.saturating_add(list_items);
         let limits = &self.limits;
         let key = identity_key(viewer, peer);
         let (limit, budget) = match viewer {
@@ -622,55 +666,130 @@ fn bad_user_input(e: &mut ServerError) {
         .set("code", compute_domain::ErrorCode::BadUserInput.as_str());
 }
 
-/// Collects where each argument whose value holds a variable is named, in every operation and
-/// fragment of `doc` (field and directive arguments alike).
-fn arguments_with_variables(doc: &ExecutableDocument, out: &mut Vec<async_graphql::Pos>) {
-    fn holds_variable(v: &async_graphql_value::Value) -> bool {
-        use async_graphql_value::Value;
-        match v {
-            Value::Variable(_) => true,
-            Value::List(items) => items.iter().any(holds_variable),
-            Value::Object(fields) => fields.values().any(holds_variable),
-            _ => false,
-        }
-    }
-    fn of_directives(d: &[Positioned<Directive>], out: &mut Vec<async_graphql::Pos>) {
+/// Calls `f` with the name and value of every argument in `doc`: of every field and directive,
+/// in every operation and fragment.
+fn each_argument<'a>(
+    doc: &'a ExecutableDocument,
+    f: &mut dyn FnMut(&'a Positioned<Name>, &'a Positioned<async_graphql_value::Value>),
+) {
+    type Visit<'v, 'a> =
+        &'v mut dyn FnMut(&'a Positioned<Name>, &'a Positioned<async_graphql_value::Value>);
+    fn of_directives<'a>(d: &'a [Positioned<Directive>], f: Visit<'_, 'a>) {
         for d in d {
             for (name, value) in &d.node.arguments {
-                if holds_variable(&value.node) {
-                    out.push(name.pos);
-                }
+                f(name, value);
             }
         }
     }
-    fn of_set(set: &SelectionSet, out: &mut Vec<async_graphql::Pos>) {
+    fn of_set<'a>(set: &'a SelectionSet, f: Visit<'_, 'a>) {
         for item in &set.items {
             match &item.node {
-                Selection::Field(f) => {
-                    for (name, value) in &f.node.arguments {
-                        if holds_variable(&value.node) {
-                            out.push(name.pos);
-                        }
+                Selection::Field(field) => {
+                    for (name, value) in &field.node.arguments {
+                        f(name, value);
                     }
-                    of_directives(&f.node.directives, out);
-                    of_set(&f.node.selection_set.node, out);
+                    of_directives(&field.node.directives, f);
+                    of_set(&field.node.selection_set.node, f);
                 }
-                Selection::FragmentSpread(s) => of_directives(&s.node.directives, out),
+                Selection::FragmentSpread(s) => of_directives(&s.node.directives, f),
                 Selection::InlineFragment(i) => {
-                    of_directives(&i.node.directives, out);
-                    of_set(&i.node.selection_set.node, out);
+                    of_directives(&i.node.directives, f);
+                    of_set(&i.node.selection_set.node, f);
                 }
             }
         }
     }
     for (_, op) in doc.operations.iter() {
-        of_directives(&op.node.directives, out);
-        of_set(&op.node.selection_set.node, out);
+        of_directives(&op.node.directives, f);
+        of_set(&op.node.selection_set.node, f);
     }
     for fragment in doc.fragments.values() {
-        of_directives(&fragment.node.directives, out);
-        of_set(&fragment.node.selection_set.node, out);
+        of_directives(&fragment.node.directives, f);
+        of_set(&fragment.node.selection_set.node, f);
     }
+}
+
+/// Whether an argument's value holds a variable anywhere in it.
+fn holds_variable(v: &async_graphql_value::Value) -> bool {
+    use async_graphql_value::Value;
+    match v {
+        Value::Variable(_) => true,
+        Value::List(items) => items.iter().any(holds_variable),
+        Value::Object(fields) => fields.values().any(holds_variable),
+        _ => false,
+    }
+}
+
+/// The lists in a request's argument values, with its variables' values put in: how many items
+/// they hold in all (each costs a point) and the first one longer than the limit.
+struct Lists<'v> {
+    variables: &'v async_graphql::Variables,
+    max: usize,
+    items: u64,
+    too_long: Option<(String, usize)>,
+}
+
+impl Lists<'_> {
+    fn list(&mut self, path: &str, len: usize) {
+        self.items = self.items.saturating_add(len as u64);
+        if len > self.max && self.too_long.is_none() {
+            self.too_long = Some((path.to_owned(), len));
+        }
+    }
+
+    fn value(&mut self, v: &async_graphql_value::Value, path: &mut String) {
+        use async_graphql_value::Value;
+        match v {
+            Value::Variable(name) => {
+                if let Some(c) = self.variables.get(name) {
+                    self.constant(c, path);
+                }
+            }
+            Value::List(items) => {
+                self.list(path, items.len());
+                for item in items {
+                    self.value(item, path);
+                }
+            }
+            Value::Object(fields) => {
+                for (k, v) in fields {
+                    let at = path.len();
+                    push_field(path, k);
+                    self.value(v, path);
+                    path.truncate(at);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn constant(&mut self, v: &async_graphql::Value, path: &mut String) {
+        use async_graphql::Value;
+        match v {
+            Value::List(items) => {
+                self.list(path, items.len());
+                for item in items {
+                    self.constant(item, path);
+                }
+            }
+            Value::Object(fields) => {
+                for (k, v) in fields {
+                    let at = path.len();
+                    push_field(path, k);
+                    self.constant(v, path);
+                    path.truncate(at);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn push_field(path: &mut String, name: &str) {
+    if !path.is_empty() {
+        path.push('.');
+    }
+    path.push_str(name);
 }
 
 fn directives_in(d: &[Positioned<Directive>]) -> u64 {

@@ -555,11 +555,18 @@ async fn the_event_filter_is_bounded_and_checked() {
     let app = spawn_app().await;
     let token = app.member("acme");
     let many: Vec<String> = (0..101).map(|i| format!("rsv_{i:032x}")).collect();
+    // 50,000 subjects (1.9 MiB): refused at the door, before any resolver or stream starts.
+    let flood: Vec<String> = (0..50_000).map(|i| format!("rsv_{i:032x}")).collect();
     for (case, variables, expect) in [
         (
             "101 subjects",
             json!({ "s": many, "t": [] }),
-            "at most 100 subjects",
+            "`subjects` holds 101 items; a list in an argument holds at most 100",
+        ),
+        (
+            "50,000 subjects",
+            json!({ "s": flood, "t": [] }),
+            "`subjects` holds 50000 items",
         ),
         (
             "a subject that is no id",
@@ -592,6 +599,104 @@ async fn the_event_filter_is_bounded_and_checked() {
             "{case}: the error does not echo the input"
         );
     }
+}
+
+/// Every list in an argument is bounded at the door (100 items), whatever the field, however
+/// deep in an input object, written in the document or sent in the variables; nothing runs and
+/// nothing is written. A list within the bound costs one point per item.
+#[tokio::test]
+async fn every_list_argument_is_bounded_and_counts_in_the_cost() {
+    let app = spawn_app().await;
+    let ops = app.operator();
+    let ids = |n: usize| -> Vec<String> { (0..n).map(|i| format!("node_{i:032x}")).collect() };
+    let gpu = |i: usize| json!({ "uuid": format!("GPU-{i}"), "model": "H100", "memoryMib": 81559 });
+    let site = app
+        .ok(
+            &ops,
+            "mutation { createSite(input: { name: \"s\" }) { site { id } } }",
+            json!({}),
+        )
+        .await["createSite"]["site"]["id"]
+        .clone();
+    let pool = app
+        .ok(
+            &ops,
+            "mutation($i: CreatePoolInput!) { createPool(input: $i) { pool { id } } }",
+            json!({ "i": { "siteId": site, "name": "p", "kind": "BARE_METAL" } }),
+        )
+        .await["createPool"]["pool"]["id"]
+        .clone();
+    let register =
+        "mutation($i: RegisterNodeInput!) { registerNode(input: $i) { computeNode { id } } }";
+    let node = |devices: Vec<Value>| {
+        json!({ "i": { "poolId": pool, "hostname": "n1",
+            "resources": { "vcpu": 8, "memoryMib": 65536, "diskGib": 100 }, "devices": devices } })
+    };
+    let literal_ids = format!(
+        "{{ nodes(ids: [{}]) {{ id }} }}",
+        ids(101)
+            .iter()
+            .map(|i| format!("\"{i}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    for (case, query, variables, field) in [
+        (
+            "a query's ids, in the variables",
+            "query($ids: [ID!]!) { nodes(ids: $ids) { id } }".to_owned(),
+            json!({ "ids": ids(101) }),
+            "ids",
+        ),
+        (
+            "a query's ids, written in the document",
+            literal_ids,
+            json!({}),
+            "ids",
+        ),
+        (
+            "a list deep in a mutation's input",
+            register.to_owned(),
+            node((0..101).map(gpu).collect()),
+            "devices",
+        ),
+    ] {
+        let (status, body) = app.graphql(&query, variables, Some(&ops)).await;
+        assert_eq!(status, 400, "{case}: {body}");
+        let e = &body["errors"][0];
+        assert_eq!(e["extensions"]["code"], "BAD_USER_INPUT", "{case}: {body}");
+        assert_eq!(e["extensions"]["limit"], "list_items", "{case}: {body}");
+        assert_eq!(e["extensions"]["field"], field, "{case}: {body}");
+        assert_eq!(e["extensions"]["max"], 100, "{case}: {body}");
+        assert!(body.get("data").is_none(), "{case}: {body}");
+    }
+    assert_eq!(
+        app.count("nodes").await,
+        0,
+        "a refused registration wrote nothing"
+    );
+    // Within the bound, each item costs a point as input, on top of what the list selects
+    // where it sets a result's length: `nodes` costs 1, each of 100 ids selects one `id` (100)
+    // and is an item of input (100).
+    let q = "query($ids: [ID!]!) { nodes(ids: $ids) { id } }";
+    let (_, hundred) = app.graphql(q, json!({ "ids": ids(100) }), Some(&ops)).await;
+    assert!(hundred.get("errors").is_none(), "{hundred}");
+    assert_eq!(hundred["extensions"]["cost"]["requested"], 201, "{hundred}");
+    // And a registration of 8 GPUs is taken: the bound is per list, not a total.
+    let body = app
+        .ok(&ops, register, node((0..8).map(gpu).collect()))
+        .await;
+    assert!(
+        body["registerNode"]["computeNode"]["id"].is_string(),
+        "{body}"
+    );
+    // The refusals are counted by reason.
+    let metrics = app.metrics().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("reason=\"list_items\"") && !l.ends_with(" 0")),
+        "list_items refusals counted"
+    );
 }
 
 /// Reads from `stream` until the peer closes it; `true` if it did within `within`.
