@@ -362,7 +362,10 @@ pub async fn test_db_on_wall_clock_with(max_connections: u32) -> TestDb {
     let db = Db::connect(&url, &pool_settings(max_connections, &url, &direct_url))
         .await
         .expect("connect to the test database")
-        .with_keyring(test_keyring());
+        .with_keyring(test_keyring())
+        // The tests' receivers listen on loopback, as an on-premises receiver would on a
+        // private address (`--webhooks-allow-private`).
+        .allowing_private_webhooks(true);
     TestDb {
         name,
         url,
@@ -395,7 +398,10 @@ pub async fn test_db_at(url: &str, name: &str, migrate: bool) -> TestDb {
     let db = Db::connect(url, &PoolSettings::default())
         .await
         .expect("connect to the test database")
-        .with_keyring(test_keyring());
+        .with_keyring(test_keyring())
+        // The tests' receivers listen on loopback, as an on-premises receiver would on a
+        // private address (`--webhooks-allow-private`).
+        .allowing_private_webhooks(true);
     if migrate {
         db.migrate().await.expect("migrate");
     }
@@ -660,6 +666,7 @@ pub struct AppBuilder {
     )>,
     authz_source: compute_api::authz::Source,
     authz_trust: Option<std::time::Duration>,
+    public_webhooks_only: bool,
 }
 
 impl AppBuilder {
@@ -713,14 +720,22 @@ impl AppBuilder {
         self
     }
 
+    /// Letting sinks name public targets only, as `serve` does without
+    /// `--webhooks-allow-private` (the tests' default allows them: their receivers are local).
+    pub fn public_webhooks_only(mut self) -> Self {
+        self.public_webhooks_only = true;
+        self
+    }
+
     /// Starts the API on `127.0.0.1:0`.
     pub async fn start(self) -> TestApp {
         let db = match self.db {
             Some(db) => db,
             None => Arc::new(test_db().await),
         };
+        let private = !self.public_webhooks_only;
         let (frontends, source, trust) = (self.frontends, self.authz_source, self.authz_trust);
-        start_app_configured(db, self.stream, self.limits, move |s| {
+        start_app_configured(db, private, self.stream, self.limits, move |s| {
             let s = match frontends {
                 Some((persisted, origins)) => s.with_frontends(persisted, origins),
                 None => s,
@@ -737,6 +752,7 @@ impl AppBuilder {
 
 async fn start_app_configured(
     db: Arc<TestDb>,
+    private_webhooks: bool,
     stream: compute_api::tailer::StreamConfig,
     limits: compute_api::limits::Limits,
     configure: impl FnOnce(Server) -> Server,
@@ -751,9 +767,15 @@ async fn start_app_configured(
     let registry = compute_domain::metrics::Registry::default();
     db.db.register_metrics(&registry);
     let server = configure(
-        Server::with_limits(db.db.clone(), verifier, stream, limits, registry)
-            .await
-            .expect("server state"),
+        Server::with_limits(
+            db.db.clone().allowing_private_webhooks(private_webhooks),
+            verifier,
+            stream,
+            limits,
+            registry,
+        )
+        .await
+        .expect("server state"),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -16,7 +16,7 @@
 
 use std::error::Error as StdError;
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 
@@ -27,45 +27,7 @@ pub const UNREACHABLE: &str = "unreachable";
 /// The sink's last error when the receiver did not answer in time.
 pub const TIMEOUT: &str = "timeout";
 
-/// Whether `ip` is an address on the public internet: not loopback, private, link-local,
-/// shared (CGNAT), unspecified, multicast, broadcast, documentation, benchmarking or reserved,
-/// in either family (an IPv4-mapped IPv6 address is judged as its IPv4 address).
-pub fn is_public(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => is_public_v4(v4),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => is_public_v4(v4),
-            None => is_public_v6(v6),
-        },
-    }
-}
-
-fn is_public_v4(ip: Ipv4Addr) -> bool {
-    let [a, b, c, _] = ip.octets();
-    !(ip.is_unspecified()
-        || ip.is_loopback()
-        || ip.is_private()
-        || ip.is_link_local()
-        || ip.is_broadcast()
-        || ip.is_multicast()
-        || ip.is_documentation()
-        || a == 0
-        || (a == 100 && (64..128).contains(&b)) // shared address space (CGNAT)
-        || (a == 192 && b == 0 && c == 0) // IETF protocol assignments
-        || (a == 198 && (18..20).contains(&b)) // benchmarking
-        || a >= 240) // reserved
-}
-
-fn is_public_v6(ip: Ipv6Addr) -> bool {
-    let first = ip.segments()[0];
-    !(ip.is_unspecified()
-        || ip.is_loopback()
-        || ip.is_multicast()
-        || (first & 0xfe00) == 0xfc00 // unique local
-        || (first & 0xffc0) == 0xfe80 // link-local
-        || first == 0x2001 && ip.segments()[1] == 0x0db8 // documentation
-        || first == 0x0064 && ip.segments()[1] == 0xff9b) // NAT64, which maps to IPv4
-}
+pub use compute_domain::sinks::egress::is_public;
 
 /// Why a target was refused; found again in a reqwest error's sources by [`category`].
 #[derive(Debug)]
@@ -139,36 +101,6 @@ pub fn category(e: &reqwest::Error) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_public_addresses_are_public() {
-        let table: [(&str, bool); 20] = [
-            ("8.8.8.8", true),
-            ("1.1.1.1", true),
-            ("127.0.0.1", false),
-            ("10.1.2.3", false),
-            ("172.16.0.1", false),
-            ("192.168.1.1", false),
-            ("169.254.169.254", false),
-            ("100.64.0.1", false),
-            ("0.0.0.0", false),
-            ("255.255.255.255", false),
-            ("224.0.0.1", false),
-            ("198.18.0.1", false),
-            ("240.0.0.1", false),
-            ("2606:4700::1111", true),
-            ("::1", false),
-            ("::", false),
-            ("fe80::1", false),
-            ("fd00::1", false),
-            ("::ffff:127.0.0.1", false),
-            ("::ffff:8.8.8.8", true),
-        ];
-        for (ip, public) in table {
-            let parsed: IpAddr = ip.parse().expect("an address");
-            assert_eq!(is_public(parsed), public, "{ip}");
-        }
-    }
 
     #[test]
     fn literal_hosts_in_any_spelling_are_judged_as_addresses() {

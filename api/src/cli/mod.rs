@@ -280,6 +280,12 @@ pub struct ServeArgs {
     /// migrated.
     #[arg(long, env = "COMPUTE_MIGRATE")]
     pub migrate: bool,
+    /// Let event sinks name private, loopback and link-local targets (on-premises receivers).
+    /// Without it, creating or changing a sink whose URL names such an address (or `localhost`)
+    /// is `BAD_USER_INPUT`. The workers take the same flag (and the same
+    /// `COMPUTE_WEBHOOKS_ALLOW_PRIVATE`) for delivery: set it on both.
+    #[arg(long, env = "COMPUTE_WEBHOOKS_ALLOW_PRIVATE")]
+    pub webhooks_allow_private: bool,
 }
 
 /// What browser frontends need (`docs/frontends.md`): CORS and persisted operations.
@@ -632,7 +638,11 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
              docs/security.md"
         ),
     }
-    let db = database.db.clone().with_keyring(keyring);
+    let db = database
+        .db
+        .clone()
+        .with_keyring(keyring)
+        .allowing_private_webhooks(args.webhooks_allow_private);
     let gateway = args.gateway.config()?;
     let listener = bind(args.listen).await?;
     if args.gateway.gateway_only {

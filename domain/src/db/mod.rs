@@ -133,6 +133,9 @@ pub struct Db {
     fence: Option<fence::Fence>,
     /// The keys that seal sink secrets at rest; none stores them as they are (development).
     keyring: Option<std::sync::Arc<crate::secrets::Keyring>>,
+    /// Whether sinks may name private, loopback and link-local targets
+    /// (`--webhooks-allow-private`, [`crate::sinks::egress`]).
+    private_webhooks: bool,
     /// Wakes the outbox readers after a writing commit (`poke::Poker`).
     poker: Option<poke::Poker>,
     /// Where `LISTEN` connects, when not through the pool ([`PoolSettings::listen_url`]).
@@ -214,6 +217,7 @@ impl Db {
             metrics: crate::metrics::TxMetrics::default(),
             fence: None,
             keyring: None,
+            private_webhooks: false,
             poker,
             listen_url: None,
             retry_contention: true,
@@ -233,6 +237,18 @@ impl Db {
     pub fn with_keyring(mut self, keyring: Option<std::sync::Arc<crate::secrets::Keyring>>) -> Db {
         self.keyring = keyring;
         self
+    }
+
+    /// This handle letting sinks name private, loopback and link-local targets, or not (the
+    /// default): `--webhooks-allow-private`.
+    pub fn allowing_private_webhooks(mut self, allow: bool) -> Db {
+        self.private_webhooks = allow;
+        self
+    }
+
+    /// Whether sinks may name private targets ([`Db::allowing_private_webhooks`]).
+    pub fn private_webhooks_allowed(&self) -> bool {
+        self.private_webhooks
     }
 
     /// The keys that seal and open sink secrets, when configured.

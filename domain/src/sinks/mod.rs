@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::outbox::{Cursor, EventFilter};
 use crate::page::{Page, PageArgs};
 
+pub mod egress;
 pub mod model;
 mod payload;
 
@@ -194,6 +195,7 @@ pub async fn create(
     batch_size: i32,
 ) -> Result<(Sink, String)> {
     check_url(url)?;
+    egress::check_target(url, db.private_webhooks_allowed())?;
     crate::outbox::check_types(&types)?;
     check_batch_size(batch_size)?;
     let secret = new_secret()?;
@@ -262,6 +264,7 @@ pub struct SinkChange {
 pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> Result<Sink> {
     if let Some(url) = &change.url {
         check_url(url)?;
+        egress::check_target(url, db.private_webhooks_allowed())?;
     }
     if let Some(types) = &change.types {
         crate::outbox::check_types(types)?;

@@ -922,6 +922,71 @@ async fn start_redirector(location: String) -> String {
 }
 
 #[tokio::test]
+async fn a_sink_naming_an_internal_address_is_refused_when_created_or_changed() {
+    // `serve` without `--webhooks-allow-private`: a URL whose host is an internal address, in
+    // any spelling the URL parser reads as one, or `localhost`, is the caller's error when the
+    // sink is created or changed, not only a failed delivery later; nothing is written.
+    let app = compute_tests::TestApp::builder()
+        .public_webhooks_only()
+        .start()
+        .await;
+    let acme = app.member("acme");
+    let events_before = app.count("outbox").await;
+    for target in [
+        "http://127.0.0.1:8080/hook",
+        "http://2130706433/hook",
+        "http://0x7f.1/hook",
+        "http://[::1]/hook",
+        "http://[::ffff:169.254.169.254]/",
+        "http://169.254.169.254/latest/meta-data/",
+        "https://10.1.2.3/hook",
+        "https://192.168.0.7/hook",
+        "https://localhost/hook",
+        "https://billing.localhost/hook",
+    ] {
+        let (code, error) = app
+            .fails(&acme, CREATE_SINK, json!({ "i": { "url": target } }))
+            .await;
+        assert_eq!(code, "BAD_USER_INPUT", "{target}: {error}");
+        assert_eq!(error["extensions"]["field"], "url", "{target}: {error}");
+        assert!(
+            error["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("--webhooks-allow-private")),
+            "the message says how an operator allows it: {error}"
+        );
+    }
+    assert_eq!(app.count("event_sinks").await, 0, "no sink written");
+    assert_eq!(app.count("outbox").await, events_before, "no event written");
+    // A public name is taken, and cannot be changed to an internal address.
+    let sink = app
+        .ok(
+            &acme,
+            CREATE_SINK,
+            json!({ "i": { "url": "https://hooks.example.com/in" } }),
+        )
+        .await["createEventSink"]["eventSink"]["id"]
+        .clone();
+    let update =
+        "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { url } } }";
+    let (code, error) = app
+        .fails(
+            &acme,
+            update,
+            json!({ "i": { "id": sink, "url": "http://127.0.0.1:9/" } }),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "{error}");
+    let now = app.ok(&acme, SINKS_URLS, json!({})).await;
+    assert_eq!(
+        now["eventSinks"]["edges"][0]["node"]["url"], "https://hooks.example.com/in",
+        "the refused change left the sink as it was: {now}"
+    );
+}
+
+const SINKS_URLS: &str = "{ eventSinks { edges { node { url } } } }";
+
+#[tokio::test]
 async fn webhooks_reach_only_public_addresses_and_follow_no_redirect() {
     // A tenant's sink URL must not reach into the operator's network: by default, a loopback
     // receiver, a name that resolves to loopback and the metadata address are all refused,
