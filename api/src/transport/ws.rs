@@ -207,6 +207,13 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
         tokio::select! {
             message = stream.next() => {
                 let text = match message {
+                    Some(Err(e)) if too_big(&e) => {
+                        app.metrics.record_refusal("ws_message_bytes");
+                        break End::Close(
+                            1009,
+                            format!("Message too big: at most {} bytes", app.limits.max_ws_message),
+                        );
+                    }
                     None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break End::Gone,
                     Some(Ok(Message::Text(t))) => t.as_str().to_owned(),
                     Some(Ok(Message::Binary(b))) => match String::from_utf8(b.to_vec()) {
@@ -293,9 +300,32 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
                     reason: super::fit_reason(&reason).into(),
                 })))
                 .await;
+            if code == 1009 {
+                // The rest of the oversized message is still arriving and is not read (reading
+                // it is what the limit refuses): closing the socket over unread bytes would
+                // reset the connection, and a client could lose the close frame with it. A
+                // moment lets it read the frame and close first.
+                tokio::time::sleep(TOO_BIG_LINGER).await;
+            }
             let _ = conn.sink.close().await;
         }
     }
+}
+
+/// How long a connection closed for an oversized message stays open after its close frame.
+const TOO_BIG_LINGER: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Whether a read failed because a message or frame was over the limit (tungstenite's
+/// `Error::Capacity`, which axum wraps without naming it).
+fn too_big(e: &axum::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if c.to_string().starts_with("Space limit exceeded") {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 fn invalid(what: impl std::fmt::Display) -> End {

@@ -790,14 +790,8 @@ async fn connections_and_streams_are_bounded() {
             .expect("upgrade")
             .0
     };
-    let close_of = |mut s: tokio_tungstenite::WebSocketStream<_>| async move {
-        loop {
-            match s.next().await {
-                Some(Ok(Message::Close(f))) => return f.map(|f| u16::from(f.code)),
-                Some(Ok(_)) => continue,
-                _ => return None,
-            }
-        }
+    let close_of = |s: tokio_tungstenite::WebSocketStream<_>| async move {
+        close_frame_of(s).await.map(|(code, _)| code)
     };
     let mut anon = ws().await;
     anon.send(Message::Text(
@@ -806,15 +800,75 @@ async fn connections_and_streams_are_bounded() {
     .await
     .expect("send");
     assert_eq!(close_of(anon).await, Some(4403));
-    let mut big = ws().await;
-    let _ = big
-        .send(Message::Text("x".repeat(1024 * 1024).into()))
-        .await;
-    let code = close_of(big).await;
+    // An oversized message is refused with 1009 and a reason, not a dropped connection (1006),
+    // whatever it is: a 1 MiB text, a 10 MB `connection_init`, a 1.9 MiB `subscribe` of 50,000
+    // subjects after an accepted init. The client writes while it reads, as clients do.
+    let init = json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {}", app.member("acme")), "pad": "x".repeat(10_000_000) } });
+    let subjects: Vec<String> = (0..50_000).map(|i| format!("rsv_{i:032x}")).collect();
+    let subscribe = json!({ "id": "1", "type": "subscribe", "payload": {
+        "query": "subscription($s: [String!]) { events(subjects: $s) { id } }", "variables": { "s": subjects } } });
+    let token = app.member("acme");
+    for (case, after_init, message) in [
+        ("a 1 MiB message", false, "x".repeat(1024 * 1024)),
+        ("a 10 MB connection_init", false, init.to_string()),
+        ("a 1.9 MiB subscribe", true, subscribe.to_string()),
+    ] {
+        let mut s = ws().await;
+        if after_init {
+            s.send(Message::Text(
+                json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } })
+                    .to_string()
+                    .into(),
+            ))
+            .await
+            .expect("init");
+            match s.next().await {
+                Some(Ok(Message::Text(t))) => assert!(t.contains("connection_ack"), "{t}"),
+                other => panic!("{case}: no ack: {other:?}"),
+            }
+        }
+        let (mut tx, rx) = s.split();
+        let writer = tokio::spawn(async move {
+            let _ = tx.send(Message::Text(message.into())).await;
+        });
+        let frame = close_frame_of(rx).await;
+        writer.abort();
+        let (code, reason) =
+            frame.unwrap_or_else(|| panic!("{case}: dropped without a close frame"));
+        assert_eq!(code, 1009, "{case}: {reason}");
+        assert!(reason.contains("at most 65536 bytes"), "{case}: {reason}");
+    }
+    let metrics = app.metrics().await;
     assert!(
-        code.is_none() || code == Some(1009),
-        "a 1 MiB message closes the connection (1009 or a reset): {code:?}"
+        metrics
+            .lines()
+            .any(|l| l.contains("reason=\"ws_message_bytes\"") && l.ends_with(" 3")),
+        "three oversized messages counted: {}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("refusals"))
+            .collect::<Vec<_>>()
+            .join("\n")
     );
+}
+
+/// The close frame a WebSocket ends with: its code and reason, or `None` when it ended without
+/// one (a reset, an abrupt end).
+async fn close_frame_of<S, E>(mut s: S) -> Option<(u16, String)>
+where
+    S: futures_util::Stream<Item = Result<tokio_tungstenite::tungstenite::Message, E>> + Unpin,
+{
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+    loop {
+        match s.next().await {
+            Some(Ok(Message::Close(f))) => {
+                return f.map(|f| (u16::from(f.code), f.reason.to_string()));
+            }
+            Some(Ok(_)) => continue,
+            _ => return None,
+        }
+    }
 }
 
 #[tokio::test]
