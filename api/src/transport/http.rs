@@ -154,15 +154,15 @@ pub async fn post(State(app): State<AppState>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let peer = peer_of(&parts.extensions);
     let headers = parts.headers;
-    let body = match read_body(body).await {
+    let body = match read_body(&app, body).await {
         Ok(b) => b,
-        Err(message) => {
-            return error_response(
-                StatusCode::PAYLOAD_TOO_LARGE,
+        Err(e) => {
+            return e.finish(error_response(
+                e.status(),
                 MediaType::Json,
-                BAD_REQUEST,
-                &message,
-            );
+                e.code(),
+                e.message(),
+            ));
         }
     };
     if crate::transport::sse::wants_event_stream(&headers) {

@@ -72,11 +72,75 @@ pub fn has_json_body(headers: &HeaderMap) -> bool {
 /// The largest request body any transport reads.
 pub const MAX_BODY: usize = 2 * 1024 * 1024;
 
-/// Reads a request body of at most [`MAX_BODY`] bytes, or says why not.
-pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, String> {
-    axum::body::to_bytes(body, MAX_BODY)
-        .await
-        .map_err(|_| format!("the body is larger than {} MiB", MAX_BODY / (1024 * 1024)))
+/// Why a request body was not read.
+#[derive(Debug)]
+pub enum BodyError {
+    /// Over [`MAX_BODY`]: `413`, `BAD_REQUEST`.
+    TooLarge(String),
+    /// Not all there within the request deadline: `408`, `TIMEOUT`, and the connection closes.
+    TooSlow(String),
+}
+
+impl BodyError {
+    /// The HTTP status of the refusal.
+    pub fn status(&self) -> axum::http::StatusCode {
+        match self {
+            BodyError::TooLarge(_) => axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            BodyError::TooSlow(_) => axum::http::StatusCode::REQUEST_TIMEOUT,
+        }
+    }
+
+    /// Its `extensions.code`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            BodyError::TooLarge(_) => BAD_REQUEST,
+            BodyError::TooSlow(_) => crate::codes::TransportCode::Timeout.as_str(),
+        }
+    }
+
+    /// What it says.
+    pub fn message(&self) -> &str {
+        match self {
+            BodyError::TooLarge(m) | BodyError::TooSlow(m) => m,
+        }
+    }
+
+    /// `response` with `Connection: close` when the body was too slow: the rest of it is not
+    /// read, and the connection is not kept for another request.
+    pub fn finish(&self, mut response: axum::response::Response) -> axum::response::Response {
+        if matches!(self, BodyError::TooSlow(_)) {
+            response.headers_mut().insert(
+                header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        response
+    }
+}
+
+/// Reads a request body of at most [`MAX_BODY`] bytes within the request deadline
+/// ([`crate::limits::Limits::request_timeout`], counted from the end of the headers, which
+/// [`crate::limits::Limits::header_timeout`] bounds), or says why not. A body sent a byte at a
+/// time cannot hold a connection longer than that.
+pub async fn read_body(
+    app: &AppState,
+    body: axum::body::Body,
+) -> Result<axum::body::Bytes, BodyError> {
+    let deadline = app.limits.request_timeout;
+    match tokio::time::timeout(deadline, axum::body::to_bytes(body, MAX_BODY)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(_)) => Err(BodyError::TooLarge(format!(
+            "the body is larger than {} MiB",
+            MAX_BODY / (1024 * 1024)
+        ))),
+        Err(_) => {
+            app.metrics.record_refusal("body_timeout");
+            Err(BodyError::TooSlow(format!(
+                "the request body did not arrive within {} s",
+                deadline.as_secs_f64()
+            )))
+        }
+    }
 }
 
 /// The peer address the server put in the request, if it did.

@@ -46,9 +46,9 @@ pub fn wants_event_stream(headers: &HeaderMap) -> bool {
 pub async fn post(State(app): State<AppState>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let peer = crate::transport::peer_of(&parts.extensions);
-    match crate::transport::read_body(body).await {
+    match crate::transport::read_body(&app, body).await {
         Ok(body) => respond_to_post(app, peer, &parts.headers, &body).await,
-        Err(message) => failed(StatusCode::PAYLOAD_TOO_LARGE, BAD_REQUEST, &message),
+        Err(e) => e.finish(failed(e.status(), e.code(), e.message())),
     }
 }
 

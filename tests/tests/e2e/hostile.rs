@@ -716,6 +716,78 @@ async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> 
 }
 
 #[tokio::test]
+async fn a_body_sent_slowly_is_cut_at_the_request_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = compute_tests::TestApp::builder()
+        .limits(Limits {
+            request_timeout: Duration::from_secs(2),
+            ..Limits::default()
+        })
+        .start()
+        .await;
+    let token = app.member("acme");
+    for path in ["/graphql", "/graphql/stream"] {
+        // Headers at once, then a byte of the body every 300 ms: the request never completes.
+        let mut slow = tokio::net::TcpStream::connect(app.addr)
+            .await
+            .expect("connect");
+        let started = std::time::Instant::now();
+        slow.write_all(
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
+                 Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n\
+                 Content-Length: 1000\r\n\r\n{{"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("headers");
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            tokio::select! {
+                read = slow.read(&mut buf) => match read {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => answer.extend_from_slice(&buf[..n]),
+                },
+                () = tokio::time::sleep(Duration::from_millis(300)) => {
+                    if slow.write_all(b" ").await.is_err() {
+                        break;
+                    }
+                }
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(8),
+                "{path}: still open after 8 s: {}",
+                String::from_utf8_lossy(&answer)
+            );
+        }
+        let elapsed = started.elapsed();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{path}: {answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("connection: close"),
+            "{path}: {answer}"
+        );
+        assert!(answer.contains("TIMEOUT"), "{path}: {answer}");
+        assert!(
+            elapsed >= Duration::from_secs(2) && elapsed < Duration::from_secs(4),
+            "{path}: cut after {elapsed:?}, the deadline is 2 s"
+        );
+    }
+    // The server serves the next caller as ever.
+    let (status, body) = app.graphql("{ serverTime }", json!({}), Some(&token)).await;
+    assert_eq!(status, 200, "{body}");
+    let metrics = app.metrics().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("reason=\"body_timeout\"") && l.ends_with(" 2")),
+        "both counted"
+    );
+}
+
+#[tokio::test]
 async fn connections_and_streams_are_bounded() {
     use tokio::io::AsyncWriteExt;
     let app = compute_tests::TestApp::builder()
