@@ -1,8 +1,8 @@
--- The current definition, as migrations/0029_expire_in_one_call.sql left it. Change it with a new migration
+-- The current definition, as migrations/0031_activation_before_any_end.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE FUNCTION compute_expire_reservation(p_id text, p_from text[], p_to text, p_event text)
+CREATE OR REPLACE FUNCTION compute_expire_reservation(p_id text, p_from text[], p_to text, p_event text)
     RETURNS text
     LANGUAGE plpgsql
     AS $fn$
@@ -47,6 +47,9 @@ BEGIN
     UPDATE node_resources r SET allocated = r.allocated - b.amount FROM back b, locked l
      WHERE r.node_id = l.node_id AND r.resource = l.resource AND b.node_id = l.node_id AND b.res = l.resource;
 
+    -- A window that ran without the reconciler activating it was read as active: its activation
+    -- is recorded first (compute_record_activation).
+    PERFORM compute_record_activation(p_id);
     UPDATE reservations r SET state = p_to, next_attempt_at = NULL, ended_at = r.ends_at,
            version = r.version + 1, updated_at = compute_now()
      WHERE r.id = p_id;

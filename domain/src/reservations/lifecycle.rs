@@ -84,13 +84,19 @@ async fn close_out(
     record_end(conn, rsv, to, conditions).await
 }
 
-/// The reservation's terminal state, its conditions and its event.
+/// The reservation's terminal state, its conditions and its event. A reservation whose window
+/// started while its stored state was still `scheduled` (a reader saw it active) first records
+/// that activation and its `reservation.active` event (`compute_record_activation`, migration
+/// 0031), so the events tell the story the reads told.
 async fn record_end(
     conn: &mut PgConnection,
     rsv: &Reservation,
     to: State,
     conditions: Option<Vec<Condition>>,
 ) -> Result<Reservation> {
+    sqlx::query_scalar!("SELECT compute_record_activation($1)", rsv.id.as_str())
+        .fetch_one(&mut *conn)
+        .await?;
     let rsv = query_reservations!(
         "UPDATE reservations r SET state = $2, next_attempt_at = NULL,
            ended_at = CASE WHEN $2 = 'expired' THEN r.ends_at ELSE compute_now() END,

@@ -1595,3 +1595,118 @@ async fn a_deadlock_inside_placement_fails_the_call_when_contention_is_not_retri
         compute_domain::reservations::state::State::Pending
     );
 }
+
+/// The events tell the story the reads told: a scheduled reservation whose window has started
+/// reads `ACTIVE` before the reconciler activates it; released (or expired) before the reconciler
+/// came, its events are still `scheduled`, `active`, then the end, in that order, the activation's
+/// payload saying `active`. One the reconciler did activate gets one `reservation.active`, not two.
+#[tokio::test]
+async fn a_reservation_read_as_active_has_its_active_event_whatever_ends_it() {
+    use compute_domain::reservations::reconcile;
+    let (app, p, member) = setup().await;
+    let create = |key: &str, start: &str, end: &str| {
+        json!({ "i": { "poolId": p.pool, "startsAt": start, "endsAt": end, "idempotencyKey": key,
+            "allocations": [{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1 }] } })
+    };
+    let id_of = |d: &Value| d["createReservation"]["reservation"]["id"].clone();
+    let released = id_of(
+        &app.ok(
+            &member,
+            CREATE,
+            create("r", "2031-01-01T00:01:00Z", "2031-01-01T01:00:00Z"),
+        )
+        .await,
+    );
+    let expired = id_of(
+        &app.ok(
+            &member,
+            CREATE,
+            create("e", "2031-01-01T00:01:00Z", "2031-01-01T00:05:00Z"),
+        )
+        .await,
+    );
+    let activated = id_of(
+        &app.ok(
+            &member,
+            CREATE,
+            create("a", "2031-01-01T00:01:00Z", "2031-01-01T01:00:00Z"),
+        )
+        .await,
+    );
+    assert_eq!(state_of(&app, &released).await, "SCHEDULED");
+    app.db.advance_clock(120).await;
+    // No reconciler has run: the reads already say ACTIVE.
+    for id in [&released, &expired, &activated] {
+        assert_eq!(state_of(&app, id).await, "ACTIVE");
+    }
+    let d = app
+        .ok(&member, RELEASE, json!({ "i": { "id": released } }))
+        .await;
+    assert_eq!(d["releaseReservation"]["reservation"]["state"], "RELEASED");
+    // The reconciler activates the third (its step for that one reservation); then expiry comes
+    // for the short one, which no reconciler ever activated.
+    let rid = |v: &Value| {
+        compute_domain::ids::ReservationId::parse("rsv", v.as_str().expect("id")).expect("an id")
+    };
+    let (step, _) = reconcile::reconcile_one(&app.db.db, &rid(&activated))
+        .await
+        .expect("reconcile");
+    assert_eq!(step, reconcile::Step::Started);
+    let stored: String = sqlx::query_scalar("SELECT state FROM reservations WHERE id = $1")
+        .bind(expired.as_str())
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("state");
+    assert_eq!(
+        stored, "scheduled",
+        "the short one is still stored scheduled"
+    );
+    app.db.advance_clock(600).await;
+    assert_eq!(
+        reconcile::expire_due(&app.db.db).await.expect("expire"),
+        1,
+        "the short one expired"
+    );
+    let events = |id: Value| {
+        let pool = app.db.db.pool().clone();
+        async move {
+            sqlx::query_as::<_, (String, String)>(
+                "SELECT type, data->'reservation'->>'state' FROM outbox WHERE subject = $1 ORDER BY txid, seq",
+            )
+            .bind(id.as_str())
+            .fetch_all(&pool)
+            .await
+            .expect("events")
+        }
+    };
+    let pair = |t: &str, s: &str| (t.to_owned(), s.to_owned());
+    assert_eq!(
+        events(released).await,
+        vec![
+            pair("reservation.scheduled", "scheduled"),
+            pair("reservation.active", "active"),
+            pair("reservation.released", "released")
+        ]
+    );
+    assert_eq!(
+        events(expired).await,
+        vec![
+            pair("reservation.scheduled", "scheduled"),
+            pair("reservation.active", "active"),
+            pair("reservation.expired", "expired")
+        ]
+    );
+    let activated_events: Vec<String> = events(activated)
+        .await
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    assert_eq!(
+        activated_events
+            .iter()
+            .filter(|t| *t == "reservation.active")
+            .count(),
+        1,
+        "{activated_events:?}"
+    );
+}
