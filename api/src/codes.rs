@@ -100,7 +100,7 @@ impl Code {
     }
 }
 
-/// A refusal at a published limit (`extensions.limit`, and the `api_refusals_total` reason).
+/// A refusal at a published limit (`extensions.limit`, and the `compute_api_refusals_total` reason).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Limit {
     DocumentBytes,

@@ -17,19 +17,16 @@ use compute_domain::metrics::{Registry, Sampled, latency_histogram};
 
 use crate::tailer::Tailer;
 
-/// A request's labels. The route is the router's pattern (`/console/{*path}`, never the path
-/// asked for) and the method one of the standard ones or `OTHER`, so no caller can make new
-/// series; both are static strings for every request the router knows (no allocation).
+/// A request's labels, OpenTelemetry's HTTP server attributes in Prometheus form
+/// (`http.route`, `http.request.method`, `http.response.status_code`). The route is the router's
+/// pattern (`/console/{*path}`, never the path asked for; empty when no route matched) and the
+/// method one of the standard ones or `_OTHER`, so no caller can make new series; both are
+/// static strings for every request the router knows (no allocation).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
-    route: Cow<'static, str>,
-    method: &'static str,
-    status: u16,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RouteLabels {
-    route: Cow<'static, str>,
+    http_route: Cow<'static, str>,
+    http_request_method: &'static str,
+    http_response_status_code: u16,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -48,8 +45,7 @@ type StreamMetric = (&'static str, &'static str, Sampled, fn(&Tailer) -> f64);
 /// The API's own metrics (the handles its middleware and transports record into).
 #[derive(Clone, Debug)]
 pub struct Metrics {
-    requests: Family<RequestLabels, Counter>,
-    latency: Family<RouteLabels, Histogram, fn() -> Histogram>,
+    requests: Family<RequestLabels, Histogram, fn() -> Histogram>,
     graphql_errors: Family<CodeLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
     /// The router's paths (`crate::server::routes::ALL`, handed in by the server): a request's
@@ -68,38 +64,34 @@ impl Metrics {
         routes: &'static [&'static str],
     ) -> Metrics {
         let metrics = Metrics {
-            requests: Family::default(),
-            latency: Family::new_with_constructor(latency_histogram),
+            requests: Family::new_with_constructor(latency_histogram),
             graphql_errors: Family::default(),
             refusals: Family::default(),
             routes,
         };
         registry.register(
-            "api_refusals",
+            "compute_api_refusals",
             "Requests and connections refused at a published limit, by reason (cost, rate_limited, \
              aliases, root_fields, directives, selections, errors, nul_character, timeout, \
              streams, token_lifetime, connections).",
             metrics.refusals.clone(),
         );
         registry.register(
-            "http_requests",
-            "HTTP requests by route (the router's pattern, or unmatched), method (a standard \
-             method, or OTHER) and status.",
+            "compute_http_server_request_duration_seconds",
+            "HTTP requests and their duration (OpenTelemetry's http.server.request.duration), by \
+             http_route (the router's pattern; empty when none matched), http_request_method (a \
+             standard method, or _OTHER) and http_response_status_code. A WebSocket or SSE \
+             request ends when its response starts.",
             metrics.requests.clone(),
         );
         registry.register(
-            "http_request_duration_seconds",
-            "HTTP request latency by route.",
-            metrics.latency.clone(),
-        );
-        registry.register(
-            "graphql_errors",
+            "compute_graphql_errors",
             "GraphQL errors by extensions.code.",
             metrics.graphql_errors.clone(),
         );
         let pool = db.clone();
         registry.sample(
-            "db_pool_connections",
+            "compute_db_pool_connections",
             "Connections of the database pool by state.",
             Sampled::Gauge,
             Some("state"),
@@ -113,7 +105,7 @@ impl Metrics {
         );
         let pool = db.clone();
         registry.sample(
-            "db_pool_max_connections",
+            "compute_db_pool_max_connections",
             "The pool's connection limit.",
             Sampled::Gauge,
             None,
@@ -199,16 +191,12 @@ impl Metrics {
         status: u16,
         elapsed: Duration,
     ) {
-        let route = route_label(self.routes, route);
         self.requests
             .get_or_create(&RequestLabels {
-                route: route.clone(),
-                method: method_label(method),
-                status,
+                http_route: route_label(self.routes, route),
+                http_request_method: method_label(method),
+                http_response_status_code: status,
             })
-            .inc();
-        self.latency
-            .get_or_create(&RouteLabels { route })
             .observe(elapsed.as_secs_f64());
     }
 
@@ -227,10 +215,10 @@ impl Metrics {
 
 /// The `route` label of a matched route's pattern: the router's own static string from
 /// `routes`; a pattern outside that list (a route added without naming it there) is copied.
-/// `unmatched` when no route matched.
+/// Empty when no route matched (OpenTelemetry sets no `http.route` then).
 fn route_label(routes: &'static [&'static str], route: Option<&str>) -> Cow<'static, str> {
     let Some(route) = route else {
-        return Cow::Borrowed("unmatched");
+        return Cow::Borrowed("");
     };
     routes
         .iter()
@@ -238,8 +226,8 @@ fn route_label(routes: &'static [&'static str], route: Option<&str>) -> Cow<'sta
         .map_or_else(|| Cow::Owned(route.to_owned()), |r| Cow::Borrowed(*r))
 }
 
-/// The `method` label: a standard method's name, `OTHER` for any other (a caller cannot make new
-/// series by inventing methods).
+/// The `http_request_method` label: a standard method's name, `_OTHER` for any other (a caller
+/// cannot make new series by inventing methods).
 fn method_label(method: &axum::http::Method) -> &'static str {
     use axum::http::Method;
     match *method {
@@ -252,7 +240,7 @@ fn method_label(method: &axum::http::Method) -> &'static str {
         Method::PATCH => "PATCH",
         Method::CONNECT => "CONNECT",
         Method::TRACE => "TRACE",
-        _ => "OTHER",
+        _ => "_OTHER",
     }
 }
 
@@ -273,9 +261,9 @@ mod tests {
             Cow::Borrowed("/console/{*path}")
         ));
         assert_eq!(route_label(Some("/not/a/route")), "/not/a/route");
-        assert_eq!(route_label(None), "unmatched");
+        assert_eq!(route_label(None), "");
         assert_eq!(method_label(&axum::http::Method::POST), "POST");
         let invented = axum::http::Method::from_bytes(b"FOO1").expect("a token");
-        assert_eq!(method_label(&invented), "OTHER");
+        assert_eq!(method_label(&invented), "_OTHER");
     }
 }

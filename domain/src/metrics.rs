@@ -55,20 +55,27 @@ impl Registry {
     /// Declares a value read at each scrape (a counter or gauge its owner keeps in atomics, or a
     /// reading such as the pool's connections): `series` gives, for each label value of `label`
     /// (none when `label` is `None`), the current value.
-    pub fn sample(
+    pub fn sample<L>(
         &self,
         name: &'static str,
         help: &'static str,
         kind: Sampled,
         label: Option<&'static str>,
-        series: impl Fn() -> Vec<(&'static str, f64)> + Send + Sync + 'static,
-    ) {
+        series: impl Fn() -> Vec<(L, f64)> + Send + Sync + 'static,
+    ) where
+        L: Into<std::borrow::Cow<'static, str>>,
+    {
         self.lock().register_collector(Box::new(SampledCollector {
             name,
             help,
             kind,
             label,
-            series: Box::new(series),
+            series: Box::new(move || {
+                series()
+                    .into_iter()
+                    .map(|(label, value)| (label.into(), value))
+                    .collect()
+            }),
         }));
     }
 
@@ -90,7 +97,8 @@ pub enum Sampled {
     Gauge,
 }
 
-type Series = Box<dyn Fn() -> Vec<(&'static str, f64)> + Send + Sync>;
+/// A sampled family's series: each label value (static, or made at the scrape) and its value.
+type Series = Box<dyn Fn() -> Vec<(std::borrow::Cow<'static, str>, f64)> + Send + Sync>;
 
 struct SampledCollector {
     name: &'static str,
@@ -134,7 +142,7 @@ impl prometheus_client::collector::Collector for SampledCollector {
             }
             Some(label) => {
                 for (value_label, value) in values {
-                    let labels = [(label, value_label)];
+                    let labels = [(label, value_label.as_ref())];
                     encode(family.encode_family(&labels)?, value)?;
                 }
             }
@@ -157,11 +165,19 @@ pub struct TxErrorLabels {
     pub code: &'static str,
 }
 
-/// The metrics of `Db::tx`: every transaction's latency, and its failures by code.
+/// Labels of a reservation create's outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+/// The metrics of `Db::tx`: every transaction's latency, and its failures by code; and what
+/// the reservation creates made of their requests (placement's outcomes).
 #[derive(Clone, Debug)]
 pub struct TxMetrics {
     pub seconds: Family<TxLabels, Histogram, fn() -> Histogram>,
     pub errors: Family<TxErrorLabels, Counter>,
+    pub creates: Family<OutcomeLabels, Counter>,
 }
 
 impl Default for TxMetrics {
@@ -169,6 +185,7 @@ impl Default for TxMetrics {
         TxMetrics {
             seconds: Family::new_with_constructor(latency_histogram),
             errors: Family::default(),
+            creates: Family::default(),
         }
     }
 }
@@ -185,6 +202,13 @@ impl TxMetrics {
             "compute_db_transaction_errors",
             "Named database transactions that ended in an error, by the error's code.",
             self.errors.clone(),
+        );
+        registry.register(
+            "compute_reservation_creates",
+            "createReservation calls by outcome: placed (scheduled or active), pending (no \
+             capacity now: Unschedulable), replayed (an idempotency key's stored answer), \
+             quota_exceeded, or refused (any other error).",
+            self.creates.clone(),
         );
     }
 }

@@ -595,7 +595,7 @@ pub struct TestApp {
 }
 
 /// The value of `series` (a metric's name and labels as `/metrics` writes them, such as
-/// `compute_subscriptions_open` or `api_refusals_total{reason="cost"}`) in the text of
+/// `compute_subscriptions_open` or `compute_api_refusals_total{reason="cost"}`) in the text of
 /// [`TestApp::metrics`]; panics when it has no such series.
 pub fn metric(text: &str, series: &str) -> f64 {
     text.lines()

@@ -29,6 +29,7 @@
 pub mod cli;
 pub mod dispatch;
 pub mod egress;
+pub mod gauges;
 pub mod http;
 pub mod queue;
 pub mod usage;
@@ -395,6 +396,13 @@ pub async fn run(db: Db, options: Options, stop: impl Future<Output = ()> + Send
         tasks.push(tokio::spawn(
             meter.run(options.usage_every, stopped(stop_rx.clone())),
         ));
+        if let Some(registry) = &options.metrics {
+            let gauges = gauges::FleetGauges::default();
+            gauges.register(registry);
+            tasks.push(tokio::spawn(
+                gauges.run(db.clone(), stopped(stop_rx.clone())),
+            ));
+        }
     }
     if outbox {
         tasks.push(tokio::spawn(dispatcher.run(stopped(stop_rx.clone()))));

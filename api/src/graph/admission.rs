@@ -76,7 +76,7 @@ pub fn identity_key(viewer: Option<&Viewer>, peer: Option<Peer>) -> String {
     }
 }
 
-/// Reports a refusal by reason (the metrics' `api_refusals` counter).
+/// Reports a refusal by reason (the metrics' `compute_api_refusals_total` counter).
 pub type OnRefusal = Arc<dyn Fn(&'static str) + Send + Sync>;
 
 /// The door: one per server, shared by every request.

@@ -261,6 +261,14 @@ impl Db {
         self.metrics.register(registry);
     }
 
+    /// Counts one `createReservation` by its outcome (`compute_reservation_creates_total`).
+    pub(crate) fn count_create(&self, outcome: &'static str) {
+        self.metrics
+            .creates
+            .get_or_create(&crate::metrics::OutcomeLabels { outcome })
+            .inc();
+    }
+
     /// The underlying pool, for metrics and for tests.
     pub fn pool(&self) -> &PgPool {
         &self.pool

@@ -8,6 +8,7 @@
 pub mod changes;
 pub mod demo;
 pub mod enrollment;
+pub mod gauges;
 pub mod model;
 mod payload;
 pub mod state;

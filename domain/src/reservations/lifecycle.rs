@@ -171,7 +171,7 @@ pub async fn create_reservation(
     let scope = actor.idempotency_scope();
     let retry_contention = db.retries_contention();
     let lock_timeout_ms = TxKind::Write.lock_timeout().as_millis() as i32;
-    db.statement("create_reservation", TxKind::Write, |conn| {
+    let created = db.statement("create_reservation", TxKind::Write, |conn| {
         let (actor, key, fingerprint, req, rsv_id, allocations, tenant, scope) = (
             actor.clone(),
             key.clone(),
@@ -239,7 +239,16 @@ pub async fn create_reservation(
             })
         })
     })
-    .await?
+    .await;
+    let outcome = match &created {
+        Ok(Ok((o, _))) if o.replayed => "replayed",
+        Ok(Ok((o, _))) if o.value.state == State::Pending => "pending",
+        Ok(Ok(_)) => "placed",
+        Ok(Err(e)) | Err(e) if e.code() == crate::ErrorCode::QuotaExceeded => "quota_exceeded",
+        _ => "refused",
+    };
+    db.count_create(outcome);
+    created?
 }
 
 /// Cancels the create's statement when the request is dropped before its answer (its client

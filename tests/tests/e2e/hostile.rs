@@ -385,7 +385,9 @@ async fn documents_built_to_explode_are_refused_before_they_cost_anything() {
         "root_fields",
     ] {
         assert!(
-            metrics.contains(&format!("api_refusals_total{{reason=\"{reason}\"}} 1")),
+            metrics.contains(&format!(
+                "compute_api_refusals_total{{reason=\"{reason}\"}} 1"
+            )),
             "/metrics counts the {reason} refusal"
         );
     }

@@ -19,6 +19,7 @@ mod hostile;
 mod instances;
 mod leases;
 mod node_agent;
+mod operations;
 mod outbox;
 mod outbox_reader;
 mod reservations;
