@@ -359,6 +359,34 @@ async fn run_shard(
     // Every transaction of the items checks the lease first: a shard lost mid-item writes
     // nothing more, even before `bound` notices.
     let fenced = db.fenced(lease.fence());
+    // The batch's reservations due to expire go in one transaction (issue 36, goal 4): their
+    // reconcile is done (expired is terminal, nothing is due again). The others, and all of
+    // them if the batch call fails, are reconciled one by one below.
+    let expired: std::collections::HashSet<String> = if kind == WorkKind::Reservation {
+        let ids: Vec<ReservationId> = items
+            .iter()
+            .filter_map(|i| ReservationId::from_trusted(&i.key))
+            .collect();
+        match lease
+            .bound(compute_domain::reservations::reconcile::expire_batch(
+                &fenced, &ids,
+            ))
+            .await
+        {
+            Bound::Done(Ok(done)) => done.iter().map(|id| id.as_str().to_owned()).collect(),
+            Bound::Done(Err(e)) if matches!(e, Error::LeaseLost(_)) => return Err(e),
+            Bound::Done(Err(e)) => {
+                warn!(error = %e, "expiring a batch failed; its reservations are reconciled one by one");
+                Default::default()
+            }
+            Bound::LeaseLost => {
+                stats.lease_losses.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::LeaseLost(format!("{} lost mid-batch", lease.name())));
+            }
+        }
+    } else {
+        Default::default()
+    };
     // A batch's keys are distinct subjects, so its items run a few at a time, as items of
     // several worker processes do: each is its own transactions, taking its locks in the one
     // lock order (docs/database-locks.md). Their round trips to the database overlap.
@@ -371,7 +399,13 @@ async fn run_shard(
     >;
     let runs: Vec<ItemRun<'_>> = items
         .iter()
-        .map(|item| Box::pin(lease.bound(run_item(&fenced, kind, &item.key))) as ItemRun<'_>)
+        .map(|item| {
+            if expired.contains(&item.key) {
+                Box::pin(std::future::ready(Bound::Done(Ok(None)))) as ItemRun<'_>
+            } else {
+                Box::pin(lease.bound(run_item(&fenced, kind, &item.key))) as ItemRun<'_>
+            }
+        })
         .collect();
     // Reservation reconciles and node command dispatches overlap (each item is its own
     // reservation or node). Dispatches overlapping once showed a command's `command.dispatched`

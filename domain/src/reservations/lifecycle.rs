@@ -531,6 +531,36 @@ pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
     .await
 }
 
+/// Expires every reservation among `ids` that is due to expire, in one transaction and one call
+/// of `compute_expire_reservations` (migration 0032): [`expire`]'s writes summed over the batch
+/// and taken in the same lock order. Returns the ids it expired; the others (not due, or ended
+/// otherwise meanwhile) are untouched.
+#[tracing::instrument(level = "debug", skip_all, fields(reservations = ids.len()))]
+pub(crate) async fn expire_batch(db: &Db, ids: &[ReservationId]) -> Result<Vec<ReservationId>> {
+    let ids: Vec<String> = ids.iter().map(|id| id.as_str().to_owned()).collect();
+    let expired = db
+        .tx("expire_reservations", TxKind::Maintenance, |conn| {
+            let ids = ids.clone();
+            Box::pin(async move {
+                let from = states(Action::Expire);
+                Ok(sqlx::query_scalar!(
+                    r#"SELECT compute_expire_reservations($1, $2, $3, $4) AS "expired!""#,
+                    &ids,
+                    &from as &[&str],
+                    State::Expired.as_str(),
+                    EventType::of_reservation(State::Expired).as_str(),
+                )
+                .fetch_one(&mut *conn)
+                .await?)
+            })
+        })
+        .await?;
+    Ok(expired
+        .iter()
+        .filter_map(|id| ReservationId::from_trusted(id))
+        .collect())
+}
+
 /// Locks a reservation that may fail now (scheduled or active), or says it cannot.
 async fn lock_to_fail(conn: &mut PgConnection, id: &ReservationId) -> Result<Reservation> {
     let from = states(Action::Fail);

@@ -164,6 +164,13 @@ pub async fn reconcile_one(
     Ok((step, next))
 }
 
+/// Expires, in one transaction, every reservation among `ids` that is due to expire (a worker's
+/// claimed batch); returns those it expired, whose reconcile is then done (expired is terminal).
+/// The rest are for [`reconcile_one`].
+pub async fn expire_batch(db: &Db, ids: &[ReservationId]) -> Result<Vec<ReservationId>> {
+    lifecycle::expire_batch(db, ids).await
+}
+
 /// Whether a step's error only says the reservation moved on without it (a conflict), as
 /// opposed to this worker having lost its lease, which ends the pass.
 fn moved_by_someone_else(e: &Error) -> bool {

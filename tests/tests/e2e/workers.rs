@@ -1788,3 +1788,130 @@ async fn a_poke_wakes_a_caught_up_webhook_sink() {
     )
     .await;
 }
+
+/// A worker's claimed batch expires its due reservations in one transaction: several tenants'
+/// quota and the nodes' scalars come back exactly, each expired reservation gets its one
+/// `reservation.expired` (after its `reservation.active` when no reconciler activated it), and
+/// the batch's reservations that are not due are left as they were.
+#[tokio::test]
+async fn a_batch_of_expiries_gives_back_exactly_what_each_held() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = pool(&app).await;
+    let op = app.operator();
+    app.ok(
+        &op,
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "beta", "scopeId": p.pool, "gpus": 8, "vcpu": 64 } }),
+    )
+    .await;
+    let mut ids = Vec::new();
+    for (tenant, key, start, end) in [
+        ("acme", "a1", None, "2031-01-01T00:10:00Z"),
+        ("acme", "a2", None, "2031-01-01T00:10:00Z"),
+        ("beta", "b1", None, "2031-01-01T00:10:00Z"),
+        // Starts at 00:01, never activated: read as active, then expired.
+        (
+            "beta",
+            "b2",
+            Some("2031-01-01T00:01:00Z"),
+            "2031-01-01T00:10:00Z",
+        ),
+        // Not due when the others are; the pool's four slots are taken, so it waits, pending,
+        // holding its quota and no scalars.
+        ("acme", "later", None, "2031-01-01T05:00:00Z"),
+    ] {
+        let mut i = json!({ "i": { "poolId": p.pool, "endsAt": end, "idempotencyKey": key,
+            "allocations": [{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1, "vcpu": 2 }] } });
+        if let Some(s) = start {
+            i["i"]["startsAt"] = json!(s);
+        }
+        let d = app.ok(&app.member(tenant), CREATE, i).await;
+        ids.push(
+            d["createReservation"]["reservation"]["id"]
+                .as_str()
+                .expect("id")
+                .to_owned(),
+        );
+    }
+    let used = |tenant: &'static str| {
+        let pool = app.db.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, f64>(
+                "SELECT coalesce(sum(used), 0)::float8 FROM quota_usage WHERE tenant_id = $1 AND resource = 'gpu'",
+            )
+            .bind(tenant)
+            .fetch_one(&pool)
+            .await
+            .expect("used")
+        }
+    };
+    assert_eq!(used("acme").await, 0.75);
+    assert_eq!(used("beta").await, 0.5);
+    let allocated_vcpu = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT coalesce(sum(allocated), 0)::bigint FROM node_resources WHERE resource = 'vcpu'",
+        )
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("vcpu")
+    };
+    assert_eq!(
+        allocated_vcpu().await,
+        8,
+        "four placed reservations of 2 vCPU"
+    );
+    app.db.advance_clock(3600).await;
+    let expired = compute_domain::reservations::reconcile::expire_batch(
+        &app.db.db,
+        &ids.iter()
+            .map(|i| compute_domain::ids::ReservationId::parse("rsv", i).expect("id"))
+            .collect::<Vec<_>>(),
+    )
+    .await
+    .expect("a batch");
+    assert_eq!(expired.len(), 4, "the four due ones: {expired:?}");
+    assert!(
+        !expired.iter().any(|e| e.as_str() == ids[4]),
+        "the later one is not due"
+    );
+    assert_eq!(
+        used("acme").await,
+        0.25,
+        "acme keeps the pending one's quarter"
+    );
+    assert_eq!(used("beta").await, 0.0);
+    assert_eq!(
+        allocated_vcpu().await,
+        0,
+        "every placed one's vCPU came back"
+    );
+    for (n, id) in ids.iter().enumerate() {
+        let types: Vec<String> =
+            sqlx::query_scalar("SELECT type FROM outbox WHERE subject = $1 ORDER BY txid, seq")
+                .bind(id)
+                .fetch_all(app.db.db.pool())
+                .await
+                .expect("events");
+        let expected: &[&str] = match n {
+            0..=2 => &["reservation.active", "reservation.expired"],
+            3 => &[
+                "reservation.scheduled",
+                "reservation.active",
+                "reservation.expired",
+            ],
+            _ => &["reservation.pending"],
+        };
+        assert_eq!(types, expected, "reservation {n}");
+    }
+    // Again: nothing is due any more.
+    let again = compute_domain::reservations::reconcile::expire_batch(
+        &app.db.db,
+        &ids.iter()
+            .map(|i| compute_domain::ids::ReservationId::parse("rsv", i).expect("id"))
+            .collect::<Vec<_>>(),
+    )
+    .await
+    .expect("a batch");
+    assert!(again.is_empty());
+}
