@@ -197,6 +197,53 @@ impl Authz {
         self.0.state.read().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// How long ago the feed was last read successfully.
+    pub fn age(&self) -> Duration {
+        self.0
+            .fresh
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed()
+    }
+
+    /// Declares the projection's figures in `registry`, read at each scrape.
+    pub fn register_metrics(&self, registry: &compute_domain::metrics::Registry) {
+        use compute_domain::metrics::Sampled;
+        type Reading = fn(&Authz) -> f64;
+        let figures: [(&'static str, &'static str, Sampled, Reading); 4] = [
+            (
+                "compute_authz_feed_reads",
+                "Reads of the authz_changes feed by this process's projection.",
+                Sampled::Counter,
+                |a| a.stats().reads.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "compute_authz_principal_reloads",
+                "Principals the projection re-read because a change named them.",
+                Sampled::Counter,
+                |a| a.stats().reloads.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "compute_authz_stale_refusals",
+                "Requests answered UNAVAILABLE because the projection had not been read for longer \
+                 than it is trusted (10 s).",
+                Sampled::Counter,
+                |a| a.stats().stale.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "compute_authz_projection_age_seconds",
+                "Seconds since the projection last read the authz_changes feed (about 0.1 normally; \
+                 past 10 every decision is UNAVAILABLE).",
+                Sampled::Gauge,
+                |a| a.age().as_secs_f64(),
+            ),
+        ];
+        for (name, help, kind, read) in figures {
+            let authz = self.clone();
+            registry.sample(name, help, kind, None, move || vec![("", read(&authz))]);
+        }
+    }
+
     fn trusted(&self) -> bool {
         let trust = Duration::from_millis(self.0.trust_ms.load(Ordering::Relaxed));
         self.0

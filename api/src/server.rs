@@ -252,6 +252,7 @@ impl Server {
         let verifier = verifier.on_business_time(&clock);
         let (shutdown_tx, shutdown) = watch::channel(false);
         let authz = crate::authz::Authz::load(db.clone(), clock.clone()).await?;
+        authz.register_metrics(&registry);
         let tailer = Tailer::new(db.clone(), stream);
         let metrics = Metrics::new(&registry, &db, &clock, &tailer, &routes::ALL);
         let schema = graph::build(Some((

@@ -868,6 +868,24 @@ async fn with_the_database_unreachable_old_grants_are_trusted_briefly_then_refus
         refused["errors"][0]["extensions"]["retryable"], true,
         "{refused}"
     );
+    // `/metrics` says why: the projection's age past its trust, and the refusals counted.
+    let metrics = app.metrics().await;
+    let figure = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{name} is exported: {metrics}"))
+    };
+    assert!(
+        figure("compute_authz_projection_age_seconds") >= 1.0,
+        "{metrics}"
+    );
+    assert!(
+        figure("compute_authz_stale_refusals_total") >= 1.0,
+        "{metrics}"
+    );
+    assert!(figure("compute_authz_feed_reads_total") >= 1.0, "{metrics}");
     pg.start_again(&options)
         .await
         .expect("the database is back");
