@@ -165,8 +165,14 @@ impl Authz {
         }
     }
 
-    /// One read of the feed: re-reads the principals it names and tells the streams.
+    /// One read of the feed: re-reads the principals it names and tells the streams. After a
+    /// spell without a successful read (past the trust), it reads every principal again from
+    /// the head instead: the feed keeps a day (`authz::prune`), and a process cut off that long
+    /// may have missed rows pruned since.
     pub async fn step(&self) -> compute_domain::Result<()> {
+        if !self.trusted() {
+            return self.reload().await;
+        }
         let after = self.read().cursor;
         self.0.stats.reads.fetch_add(1, Ordering::Relaxed);
         let (changed, next) = authz::changes_after(&self.0.db, after).await?;
@@ -188,6 +194,39 @@ impl Authz {
         }
         *self.0.fresh.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         for p in changed {
+            let _ = self.0.changes.send(p);
+        }
+        Ok(())
+    }
+
+    /// Reads every principal again, from the feed's head (as at start), and tells the streams
+    /// of every principal whose rows it held or now holds.
+    async fn reload(&self) -> compute_domain::Result<()> {
+        let cursor = authz::head(&self.0.db).await?;
+        let principals = authz::load(&self.0.db, None).await?;
+        self.0.stats.reads.fetch_add(1, Ordering::Relaxed);
+        self.0
+            .stats
+            .reloads
+            .fetch_add(principals.len() as u64, Ordering::Relaxed);
+        let touched: Vec<Principal> = {
+            let mut state = self.0.state.write().unwrap_or_else(|p| p.into_inner());
+            let mut touched: Vec<Principal> = state.principals.keys().cloned().collect();
+            touched.extend(principals.keys().cloned());
+            state.principals.clear();
+            state.tokens.clear();
+            for (p, rows) in principals {
+                state.put(p, rows);
+            }
+            state.cursor = state.cursor.max(cursor);
+            touched
+        };
+        *self.0.fresh.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        info!(
+            principals = touched.len(),
+            "authorization projection read again in full after a spell without reads"
+        );
+        for p in touched {
             let _ = self.0.changes.send(p);
         }
         Ok(())

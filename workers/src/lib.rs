@@ -11,7 +11,7 @@
 //!   reservation whose time has come however it was missed (a lost queue row only costs time),
 //!   every 5 minutes it enqueues every pool for its rollup check, every node with a waiting
 //!   command for dispatch and every instance with a step to take for its workflow, and hourly
-//!   it prunes idempotency keys and the outbox.
+//!   it prunes idempotency keys, the outbox and the authorization feed (`authz_changes`, a day).
 //! - Command dispatch (`--role dispatch`): a second [`queue::QueueWorker`] over the
 //!   `node_commands` shards, sharing them among the dispatch processes
 //!   (`compute_domain::node_commands::dispatch_node`, `docs/commands.md`).
@@ -221,6 +221,10 @@ impl Reconciler {
                         match compute_domain::sinks::prune_outbox(db, compute_domain::outbox::RETENTION, HARD_MAX_AGE).await {
                             Ok(n) => info!(outbox.pruned = n, "outbox events past the retention window pruned"),
                             Err(e) => warn!(error = %e, "pruning the outbox failed"),
+                        }
+                        match compute_domain::authz::prune(db).await {
+                            Ok(n) => info!(authz_changes.pruned = n, "authorization changes past a day pruned"),
+                            Err(e) => warn!(error = %e, "pruning the authorization feed failed"),
                         }
                     }
                 }

@@ -826,6 +826,25 @@ pub struct AccountAuth {
 }
 
 /// The feed's head: after the last change no running transaction can still precede. Read it
+/// How long the `authz_changes` feed keeps a change: far past the projection's trust (10 s),
+/// after which a process that could not read re-reads every principal instead of the feed.
+pub const FEED_RETENTION_HOURS: i32 = 24;
+
+/// Deletes the feed's changes older than [`FEED_RETENTION_HOURS`], only below the snapshot's
+/// xmin (as the outbox's pruning: a row a reader could still be about to pass is kept). The
+/// grants themselves are the rows of `authz_grants`; the feed only names who changed.
+pub async fn prune(db: &Db) -> Result<u64> {
+    let done = sqlx::query!(
+        "DELETE FROM authz_changes
+          WHERE at < compute_now() - make_interval(hours => $1)
+            AND txid < pg_snapshot_xmin(pg_current_snapshot())",
+        FEED_RETENTION_HOURS,
+    )
+    .execute(db.pool())
+    .await?;
+    Ok(done.rows_affected())
+}
+
 /// before [`load`] reads the rows, so the rows are at least as new as the cursor.
 pub async fn head(db: &Db) -> Result<FeedCursor> {
     let row = sqlx::query!(

@@ -898,3 +898,59 @@ async fn with_the_database_unreachable_old_grants_are_trusted_briefly_then_refus
     pg.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The feed keeps a day: older changes are pruned (the grants stay, they are their own rows),
+/// newer ones and the projection's decisions are untouched.
+#[tokio::test]
+async fn the_feed_is_pruned_after_a_day_and_the_grants_stay() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let admin = admin(&app);
+    app.ok(
+        &admin,
+        GRANT,
+        json!({ "input": { "subject": "old", "role": "MEMBER", "tenantId": "acme" } }),
+    )
+    .await;
+    // The projection has read the change (it polls every 100 ms) before a day passes.
+    let old = app.token("old", Some("beta"), &[Role::Member]);
+    eventually("old's grant is felt", WAIT, || async {
+        (viewer(&app, &old).await["tenantId"] == "acme").then_some(())
+    })
+    .await;
+    app.db.advance_clock(25 * 3600).await;
+    let admin = self::admin(&app);
+    app.ok(
+        &admin,
+        GRANT,
+        json!({ "input": { "subject": "new", "role": "MEMBER", "tenantId": "beta" } }),
+    )
+    .await;
+    let feed = || async {
+        sqlx::query_scalar::<_, String>("SELECT subject FROM authz_changes ORDER BY txid, seq")
+            .fetch_all(app.db.db.pool())
+            .await
+            .expect("feed")
+    };
+    assert_eq!(feed().await, ["old", "new"]);
+    let pruned = compute_domain::authz::prune(&app.db.db)
+        .await
+        .expect("prune");
+    assert_eq!(pruned, 1);
+    assert_eq!(
+        feed().await,
+        ["new"],
+        "only the change older than a day went"
+    );
+    assert_eq!(
+        app.count("authz_grants WHERE subject = 'old'").await,
+        1,
+        "its grant stays"
+    );
+    let old = app.token("old", Some("beta"), &[Role::Member]);
+    assert_eq!(
+        viewer(&app, &old).await["tenantId"],
+        "acme",
+        "decided by its grant"
+    );
+}
