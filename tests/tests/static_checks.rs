@@ -1012,6 +1012,20 @@ fn current_sql_functions() -> std::collections::BTreeMap<String, (String, String
             .into_owned();
         let text = std::fs::read_to_string(path).expect("read");
         for stmt in sql_statements(&text) {
+            // A dropped function has no current definition (and so no file).
+            if let Some(rest) = stmt.trim_start().strip_prefix("DROP FUNCTION ") {
+                let name = rest
+                    .trim_start_matches("IF EXISTS ")
+                    .split(['(', ' ', ';'])
+                    .next()
+                    .unwrap_or("")
+                    .to_owned();
+                assert!(
+                    current.remove(&name).is_some(),
+                    "{file}: DROP FUNCTION {name}, which no migration defined"
+                );
+                continue;
+            }
             match function_statement(&stmt) {
                 Some((true, name)) => {
                     current.insert(name, (file.clone(), stmt + "\n"));

@@ -504,61 +504,55 @@ async fn finish(
 }
 
 /// Expires a reservation whose window has ended (the reconciler's step): quota first, then scalars
-/// come back; its bookings already end at its end. One call of `compute_expire_reservation`
-/// (migration 0029), which does [`close_out`]'s writes in the same lock order; a `CONFLICT` when
-/// the reservation is not due to expire (ended otherwise, or its end moved later).
+/// come back; its bookings already end at its end. A batch of one ([`expire_in`]); a `CONFLICT`
+/// when the reservation is not due to expire (ended otherwise, or its end moved later).
 #[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
 pub(crate) async fn expire(db: &Db, id: &ReservationId) -> Result<()> {
-    db.tx("expire_reservation", TxKind::Maintenance, |conn| {
-        let id = id.clone();
-        Box::pin(async move {
-            let from = states(Action::Expire);
-            let event = sqlx::query_scalar!(
-                "SELECT compute_expire_reservation($1, $2, $3, $4)",
-                id.as_str(),
-                &from as &[&str],
-                State::Expired.as_str(),
-                EventType::of_reservation(State::Expired).as_str(),
-            )
-            .fetch_one(&mut *conn)
-            .await?;
-            match event {
-                Some(_) => Ok(()),
-                None => Err(conflict(format!("reservation {id} is not due to expire"))),
-            }
+    let ids = vec![id.as_str().to_owned()];
+    let expired = db
+        .tx("expire_reservation", TxKind::Maintenance, |conn| {
+            let ids = ids.clone();
+            Box::pin(async move { expire_in(conn, &ids).await })
         })
-    })
-    .await
+        .await?;
+    if expired.is_empty() {
+        return Err(conflict(format!("reservation {id} is not due to expire")));
+    }
+    Ok(())
 }
 
-/// Expires every reservation among `ids` that is due to expire, in one transaction and one call
-/// of `compute_expire_reservations` (migration 0032): [`expire`]'s writes summed over the batch
-/// and taken in the same lock order. Returns the ids it expired; the others (not due, or ended
-/// otherwise meanwhile) are untouched.
+/// Expires every reservation among `ids` that is due to expire, in one transaction
+/// ([`expire_in`]). Returns the ids it expired; the others (not due, or ended otherwise
+/// meanwhile) are untouched.
 #[tracing::instrument(level = "debug", skip_all, fields(reservations = ids.len()))]
 pub(crate) async fn expire_batch(db: &Db, ids: &[ReservationId]) -> Result<Vec<ReservationId>> {
     let ids: Vec<String> = ids.iter().map(|id| id.as_str().to_owned()).collect();
     let expired = db
         .tx("expire_reservations", TxKind::Maintenance, |conn| {
             let ids = ids.clone();
-            Box::pin(async move {
-                let from = states(Action::Expire);
-                Ok(sqlx::query_scalar!(
-                    r#"SELECT compute_expire_reservations($1, $2, $3, $4) AS "expired!""#,
-                    &ids,
-                    &from as &[&str],
-                    State::Expired.as_str(),
-                    EventType::of_reservation(State::Expired).as_str(),
-                )
-                .fetch_one(&mut *conn)
-                .await?)
-            })
+            Box::pin(async move { expire_in(conn, &ids).await })
         })
         .await?;
     Ok(expired
         .iter()
         .filter_map(|id| ReservationId::from_trusted(id))
         .collect())
+}
+
+/// One call of `compute_expire_reservations` (migration 0032): [`close_out`]'s writes for every
+/// due reservation among `ids`, summed per row over them and taken in the lock order. The ids
+/// it expired.
+async fn expire_in(conn: &mut PgConnection, ids: &[String]) -> Result<Vec<String>> {
+    let from = states(Action::Expire);
+    Ok(sqlx::query_scalar!(
+        r#"SELECT compute_expire_reservations($1, $2, $3, $4) AS "expired!""#,
+        ids,
+        &from as &[&str],
+        State::Expired.as_str(),
+        EventType::of_reservation(State::Expired).as_str(),
+    )
+    .fetch_one(&mut *conn)
+    .await?)
 }
 
 /// Locks a reservation that may fail now (scheduled or active), or says it cannot.
