@@ -7,7 +7,11 @@
 -- (tenant, scope kind, scope id, resource), the bookings, the `node_resources` rows in (node,
 -- resource) order, then each reservation's missed activation (compute_record_activation), its
 -- state and its event, in id order. The ids it expired are returned; the others of the batch
--- (not due, or ended otherwise meanwhile) are left to the one-by-one reconcile.
+-- (not due, or ended otherwise meanwhile) are left to the one-by-one reconcile. A single
+-- expiry (`lifecycle::expire`) is a batch of one, so the single-reservation function of
+-- migration 0029 is dropped: an expiry's writes and their lock order are written once.
+DROP FUNCTION compute_expire_reservation(text, text[], text, text);
+
 CREATE FUNCTION compute_expire_reservations(p_ids text[], p_from text[], p_to text, p_event text)
     RETURNS text[]
     LANGUAGE plpgsql

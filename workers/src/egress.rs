@@ -16,7 +16,7 @@
 
 use std::error::Error as StdError;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 
@@ -68,21 +68,16 @@ impl Resolve for GuardedResolver {
     }
 }
 
-/// Why `url` may not be posted to before anything is resolved: credentials in it, or a literal
-/// address the policy does not allow.
+/// Why `url` may not be posted to before anything is resolved: credentials in it, or a host the
+/// address rule refuses as written (a literal address that is not public, in any spelling, or
+/// `localhost`: `compute_domain::sinks::egress::check_target`, the rule sink creation applies).
 pub fn refusal(url: &reqwest::Url, allow_private: bool) -> Option<&'static str> {
     if !url.username().is_empty() || url.password().is_some() {
         return Some("refused: the URL carries credentials");
     }
-    // The URL parser has already read any decimal, octal, hex or short IPv4 form as the address
-    // it names, and writes it back canonically.
-    let host = url.host_str()?;
-    let literal: IpAddr = host
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .parse()
-        .ok()?;
-    (!allow_private && !is_public(literal)).then_some(REFUSED)
+    compute_domain::sinks::egress::check_target(url.as_str(), allow_private)
+        .err()
+        .map(|_| REFUSED)
 }
 
 /// The coarse category of a failed request, for the sink's `lastError`.
