@@ -306,6 +306,7 @@ impl Agent {
                 args,
                 retry_safe,
                 attempt,
+                ..
             } => self.on_command(command_id, kind, args, retry_safe, attempt),
             ToDaemon::Proceed { command_id } => {
                 self.on_proceed(&command_id);

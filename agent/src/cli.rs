@@ -220,20 +220,6 @@ fn prepare_state_dir(dir: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
-fn init_logs(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false);
-    let _ = if format == "json" {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
-    };
-}
-
 /// The agent's `/metrics` and `/healthz`.
 async fn serve_ops(listener: tokio::net::TcpListener, agent: Agent) {
     use axum::routing::get;
@@ -261,7 +247,25 @@ async fn serve_ops(listener: tokio::net::TcpListener, agent: Agent) {
 /// Runs the agent until SIGTERM or SIGINT (or prints the inventory, or joins first).
 pub async fn main() -> ExitCode {
     let args = Args::parse();
-    init_logs(&args.log_format);
+    let format = if args.log_format == "json" {
+        compute_telemetry::LogFormat::Json
+    } else {
+        compute_telemetry::LogFormat::Pretty
+    };
+    // Only the daemon itself traces; `inventory` and `join` are short commands.
+    let telemetry = if args.command.is_none() {
+        compute_telemetry::init("compute-agent", format, "info")
+    } else {
+        compute_telemetry::init_logs(format, "info");
+        Ok(compute_telemetry::Telemetry::off())
+    };
+    let telemetry = match telemetry {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("compute-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let outcome = match &args.command {
         Some(Command::Inventory) => print_inventory(&args),
         Some(Command::Join { token, pool }) => {
@@ -273,6 +277,7 @@ pub async fn main() -> ExitCode {
         }
         None => run(args).await,
     };
+    telemetry.shutdown().await;
     match outcome {
         Ok(code) => code,
         Err(Refusal { message, code }) => {

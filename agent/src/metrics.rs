@@ -19,6 +19,11 @@ pub struct StateLabels {
     pub state: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
 /// The metrics, registered once.
 pub struct Metrics {
     pub registry: Registry,
@@ -28,6 +33,10 @@ pub struct Metrics {
     pub sessions: Counter,
     pub exits: Counter,
     pub journal_errors: Counter,
+    /// The trace exporter's counters (`compute_telemetry::stats`), brought up to date at each
+    /// scrape ([`Metrics::sample_traces`]).
+    pub spans_exported: Counter,
+    pub spans_dropped: Family<ReasonLabels, Counter>,
 }
 
 impl Metrics {
@@ -69,6 +78,18 @@ impl Metrics {
             "Journal reads or writes that failed (a full or broken disk)",
             journal_errors.clone(),
         );
+        let spans_exported = Counter::default();
+        registry.register(
+            "trace_spans_exported",
+            "Spans the OpenTelemetry collector accepted from this agent",
+            spans_exported.clone(),
+        );
+        let spans_dropped = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "trace_spans_dropped",
+            "Spans this agent dropped instead of exporting, by reason: queue_full or export_failed",
+            spans_dropped.clone(),
+        );
         Metrics {
             registry,
             commands,
@@ -77,6 +98,29 @@ impl Metrics {
             sessions,
             exits,
             journal_errors,
+            spans_exported,
+            spans_dropped,
+        }
+    }
+
+    /// Brings the trace counters up to the exporter's.
+    pub fn sample_traces(&self) {
+        let s = compute_telemetry::stats();
+        let catch_up = |c: &Counter, to: u64| {
+            let now = c.get();
+            if to > now {
+                c.inc_by(to - now);
+            }
+        };
+        catch_up(&self.spans_exported, s.exported);
+        for (reason, n) in [
+            ("queue_full", s.dropped_queue_full),
+            ("export_failed", s.dropped_export_failed),
+        ] {
+            catch_up(
+                &self.spans_dropped.get_or_create(&ReasonLabels { reason }),
+                n,
+            );
         }
     }
 

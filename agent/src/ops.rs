@@ -27,6 +27,7 @@ fn count_workloads(agent: &Agent) -> Result<[i64; 5], String> {
 
 pub fn metrics(agent: &Agent) -> Response {
     let m = agent.metrics();
+    m.sample_traces();
     match count_workloads(agent) {
         Ok(counts) => {
             for (state, n) in STATES.iter().zip(counts) {

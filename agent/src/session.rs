@@ -152,6 +152,8 @@ async fn session(
             return Ok(Some(c));
         }
     }
+    // The trace context of each command in progress, handed back with its result.
+    let mut traces: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let mut ticker =
         tokio::time::interval(Duration::from_secs_f64(welcome.heartbeat_seconds.max(0.2)));
     ticker.tick().await;
@@ -168,6 +170,7 @@ async fn session(
                 }
             }
             Some(m) = outgoing.recv() => {
+                let m = with_trace(m, &mut traces);
                 if let Err(c) = send(agent, &mut ws, &m).await {
                     return Ok(Some(c));
                 }
@@ -176,6 +179,8 @@ async fn session(
                 let replies = match r {
                     Err(c) => return Ok(Some(c)),
                     Ok(Received::Message(m)) => {
+                        let span = command_span(&m, &mut traces);
+                        let _entered = span.enter();
                         if let compute_protocol::ToDaemon::Command { command_id, args, .. } = &m
                             && args.to_string().len() > MAX_OBJECT_BYTES
                         {
@@ -191,12 +196,62 @@ async fn session(
                     }
                 };
                 for m in replies {
+                    let m = with_trace(m, &mut traces);
                     if let Err(c) = send(agent, &mut ws, &m).await {
                         return Ok(Some(c));
                     }
                 }
             }
         }
+    }
+}
+
+/// The span in which a `command` is received (journaled, acknowledged or answered): the child
+/// of the dispatch's `traceparent`, whose context the command's result carries back
+/// ([`with_trace`]). Any other message gets no span.
+fn command_span(
+    m: &compute_protocol::ToDaemon,
+    traces: &mut std::collections::HashMap<String, String>,
+) -> tracing::Span {
+    let compute_protocol::ToDaemon::Command {
+        command_id,
+        kind,
+        traceparent,
+        ..
+    } = m
+    else {
+        return tracing::Span::none();
+    };
+    let span = tracing::info_span!(
+        "command",
+        otel.name = %format_args!("receive {}", kind.as_str()),
+        otel.kind = "consumer",
+        command.id = %command_id,
+    );
+    let received = traceparent
+        .as_deref()
+        .and_then(compute_telemetry::TraceParent::parse);
+    if let Some(parent) = &received {
+        compute_telemetry::context::continue_from(&span, parent);
+    }
+    if let Some(tp) = compute_telemetry::context::of_span(&span).or(received) {
+        // Bounded: a gateway dispatches a node's commands a batch at a time.
+        if traces.len() >= 4096 {
+            traces.clear();
+        }
+        traces.insert(command_id.clone(), tp.to_string());
+    }
+    span
+}
+
+/// A `result` with the trace context of its command, when the command came with one.
+fn with_trace(m: FromDaemon, traces: &mut std::collections::HashMap<String, String>) -> FromDaemon {
+    match &m {
+        FromDaemon::Result { command_id, .. } => {
+            let tp = traces.remove(command_id);
+            m.with_traceparent(tp)
+        }
+        _ => m,
     }
 }
 

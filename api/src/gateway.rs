@@ -105,6 +105,7 @@ pub fn command_message(c: &Command) -> ToDaemon {
         args: c.args.0.clone(),
         retry_safe: c.retry_safe,
         attempt: c.attempts,
+        traceparent: c.traceparent.clone(),
     }
 }
 

@@ -24,4 +24,5 @@ pub mod server;
 pub mod share;
 pub mod state;
 pub mod tailer;
+pub mod trace;
 pub mod transport;

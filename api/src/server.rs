@@ -102,6 +102,13 @@ pub fn router(app: AppState) -> Router {
                     header::CONTENT_TYPE,
                     header::ACCEPT,
                     header::HeaderName::from_static("last-event-id"),
+                    // A browser's own tracing continues its trace here.
+                    header::HeaderName::from_static(crate::trace::TRACEPARENT),
+                ])
+                // So a page can show the trace id a user quotes.
+                .expose_headers([
+                    header::HeaderName::from_static(crate::trace::TRACE_ID_HEADER),
+                    header::HeaderName::from_static("traceresponse"),
                 ])
                 .max_age(Duration::from_secs(600)),
         )

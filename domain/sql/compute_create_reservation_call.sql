@@ -1,13 +1,13 @@
--- The current definition, as migrations/0026_create_reservation_one_statement.sql left it. Change it with a new migration
+-- The current definition, as migrations/0033_trace_context.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE OR REPLACE FUNCTION compute_create_reservation_call(
+CREATE FUNCTION compute_create_reservation_call(
     p_scope text, p_subject text, p_key text, p_fingerprint jsonb,
     p_tenant text, p_created_by text, p_id text,
     p_pool text, p_starts_at timestamptz, p_ends_at timestamptz, p_grace_seconds integer,
     p_allocations jsonb, p_gpu_charge numeric, p_retry_seconds integer, p_shards integer, p_sample integer,
-    p_lock_timeout_ms integer, p_contention_retry boolean)
+    p_lock_timeout_ms integer, p_contention_retry boolean, p_traceparent text)
     RETURNS jsonb
     LANGUAGE plpgsql
     AS $fn$
@@ -21,6 +21,7 @@ BEGIN
     END IF;
     PERFORM set_config('lock_timeout', p_lock_timeout_ms || 'ms', true),
             set_config('compute.contention_retry', CASE WHEN p_contention_retry THEN 'on' ELSE 'off' END, true),
+            set_config('compute.traceparent', coalesce(p_traceparent, ''), true),
             set_config('application_name', 'compute create ' || p_id, true);
     v_outcome := compute_create_reservation(p_scope, p_subject, p_key, p_fingerprint, p_tenant, p_created_by, p_id,
                                             p_pool, p_starts_at, p_ends_at, p_grace_seconds, p_allocations, p_gpu_charge,

@@ -1,4 +1,4 @@
--- The current definition, as migrations/0015_reservation_hot_path.sql left it. Change it with a new migration
+-- The current definition, as migrations/0033_trace_context.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -16,7 +16,8 @@ BEGIN
          WHERE k.key IS NOT NULL
          ORDER BY k.key
         ON CONFLICT (kind, key) DO UPDATE
-           SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), updated_at = compute_now()
+           SET gen = w.gen + 1, not_before = least(w.not_before, EXCLUDED.not_before), updated_at = compute_now(),
+               traceparent = coalesce(EXCLUDED.traceparent, w.traceparent)
         RETURNING 1)
     SELECT count(*)::integer INTO v_count FROM up;
     RETURN v_count;

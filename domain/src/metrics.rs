@@ -88,6 +88,33 @@ impl Registry {
     }
 }
 
+/// Registers the process's trace export (`compute_telemetry::stats`):
+/// `compute_trace_spans_exported_total` and `compute_trace_spans_dropped_total{reason}`
+/// (`queue_full`: the collector was slower than the process; `export_failed`: it was down or
+/// refused). Both stay 0 when tracing is off.
+pub fn register_trace_metrics(registry: &Registry) {
+    registry.sample(
+        "compute_trace_spans_exported",
+        "Spans the OpenTelemetry collector accepted from this process",
+        Sampled::Counter,
+        None,
+        || vec![("", compute_telemetry::stats().exported as f64)],
+    );
+    registry.sample(
+        "compute_trace_spans_dropped",
+        "Spans this process dropped instead of exporting, by reason: queue_full (the collector slower than the process) or export_failed (the collector down or refusing)",
+        Sampled::Counter,
+        Some("reason"),
+        || {
+            let s = compute_telemetry::stats();
+            vec![
+                ("queue_full", s.dropped_queue_full as f64),
+                ("export_failed", s.dropped_export_failed as f64),
+            ]
+        },
+    );
+}
+
 /// What a sampled value is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sampled {

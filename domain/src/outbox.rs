@@ -239,6 +239,10 @@ pub struct Event {
     pub subject: String,
     pub data: Value,
     pub time: chrono::DateTime<chrono::Utc>,
+    /// The W3C trace context of the transaction that wrote it (migration 0033), which a
+    /// webhook delivery continues. Read by [`read_after`] (what deliveries read); the tailer's
+    /// [`read_all_after`] leaves it out (subscriptions do not use it).
+    pub traceparent: Option<String>,
 }
 
 /// What a reader may see.
@@ -315,7 +319,7 @@ pub async fn read_after(
 ) -> crate::Result<Vec<Event>> {
     let rows = sqlx::query!(
         r#"SELECT o.id AS "id: EventId", o.type AS event_type, o.tenant_id AS "tenant_id: TenantId", o.subject,
-                  o.data, o.time, o.txid::text::bigint AS "txid!", o.seq
+                  o.data, o.time, o.txid::text::bigint AS "txid!", o.seq, o.traceparent
            FROM outbox o
           WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot())
             AND (o.txid, o.seq) > ($1::text::xid8, $2)
@@ -345,6 +349,7 @@ pub async fn read_after(
             subject: r.subject,
             data: r.data,
             time: r.time,
+            traceparent: r.traceparent,
         })
         .collect())
 }
@@ -424,6 +429,7 @@ pub async fn read_all_after(
                 subject: r.subject?,
                 data: r.data?,
                 time: r.time?,
+                traceparent: None,
             })
         })
         .collect();

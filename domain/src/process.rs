@@ -34,41 +34,26 @@ impl std::str::FromStr for Secret {
     }
 }
 
-/// How a process writes its log lines (`--log-format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogFormat {
-    /// For a person: one line an event, coloured at a terminal.
-    Pretty,
-    /// For a log shipper: one JSON object a line, the event's fields at the top level.
-    Json,
-}
-
-impl std::str::FromStr for LogFormat {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<LogFormat, String> {
-        match s {
-            "pretty" => Ok(LogFormat::Pretty),
-            "json" => Ok(LogFormat::Json),
-            other => Err(format!("unknown log format `{other}`: use pretty or json")),
-        }
-    }
-}
+pub use compute_telemetry::LogFormat;
 
 /// Sets up logging once for the process, the same way in every binary: to stderr, filtered by
-/// `RUST_LOG` (default `info,sqlx=warn`), colours only for a person at a terminal (a file,
-/// journald or a log shipper gets plain text, with no escape codes in every span and line).
+/// `RUST_LOG` (default `info,sqlx=warn`), colours only for a person at a terminal. Logs only:
+/// a serving process calls [`init_telemetry`] instead.
 pub fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Pretty => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-    };
+    compute_telemetry::init_logs(format, DEFAULT_LOG);
+}
+
+/// The log filter when `RUST_LOG` is not set.
+pub const DEFAULT_LOG: &str = "info,sqlx=warn";
+
+/// Sets up logging and, when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, trace export for a serving
+/// process named `service` (`compute_telemetry::init`). A configuration it cannot honour (a
+/// gRPC endpoint, say) is an error to stop on.
+pub fn init_telemetry(
+    service: &'static str,
+    format: LogFormat,
+) -> std::result::Result<compute_telemetry::Telemetry, String> {
+    compute_telemetry::init(service, format, DEFAULT_LOG)
 }
 
 /// This machine's host name (`/etc/hostname`), or `unknown`: part of the names processes take

@@ -19,6 +19,9 @@ pub struct Item {
     #[sqlx(rename = "gen")]
     pub generation: i64,
     pub attempts: i32,
+    /// The trace context of the transaction that last enqueued it (migration 0033), which its
+    /// run continues.
+    pub traceparent: Option<String>,
 }
 
 /// How many shards each kind of work is split into; a worker holds the lease
@@ -111,7 +114,7 @@ pub async fn claim(
                     AND (claimed_until IS NULL OR claimed_until < compute_now())
                   ORDER BY not_before, key LIMIT $3 FOR UPDATE SKIP LOCKED) due
           WHERE w.kind = due.kind AND w.key = due.key
-         RETURNING w.kind AS "kind: _", w.key, w.gen AS generation, w.attempts"#,
+         RETURNING w.kind AS "kind: _", w.key, w.gen AS generation, w.attempts, w.traceparent"#,
         kind as _,
         shards,
         limit,

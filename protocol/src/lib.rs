@@ -66,6 +66,10 @@ pub enum FromDaemon {
         error_code: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error_message: Option<String>,
+        /// W3C trace context: the command's `traceparent` as the daemon continued it (its own
+        /// span's, or the one it received), so the gateway records the result in the trace.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        traceparent: Option<String>,
     },
     /// An instance's workload ended without being asked to (it exited, or a signal killed
     /// it). Sent until the gateway answers `exitRecorded`, in this session or a later one.
@@ -205,6 +209,10 @@ pub enum ToDaemon {
         args: Value,
         retry_safe: bool,
         attempt: i32,
+        /// W3C trace context of the dispatch, when the control plane traces it: the daemon's
+        /// work on the command continues it, and its `result` carries it back.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        traceparent: Option<String>,
     },
     /// In answer to `ack`: run it now.
     #[serde(rename_all = "camelCase")]
@@ -367,7 +375,16 @@ impl FromDaemon {
             output,
             error_code: None,
             error_message: None,
+            traceparent: None,
         }
+    }
+
+    /// This message with `traceparent` when it is a `result` (any other is returned as it is).
+    pub fn with_traceparent(mut self, tp: Option<String>) -> FromDaemon {
+        if let FromDaemon::Result { traceparent, .. } = &mut self {
+            *traceparent = tp;
+        }
+        self
     }
 
     /// A `result` that failed with `code` and `message`.
@@ -382,6 +399,7 @@ impl FromDaemon {
             output: empty_object(),
             error_code: Some(code.into()),
             error_message: Some(message.into()),
+            traceparent: None,
         }
     }
 }
@@ -441,6 +459,7 @@ mod tests {
             args: json!({}),
             retry_safe: false,
             attempt: 1,
+            traceparent: None,
         };
         let v: Value = serde_json::from_str(&c.to_text()).expect("json");
         assert_eq!(

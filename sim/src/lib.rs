@@ -245,9 +245,33 @@ impl Daemon {
     }
 
     fn run(&mut self, id: &str, command: &ToDaemon) -> Vec<FromDaemon> {
-        let ToDaemon::Command { kind, args, .. } = command else {
+        let ToDaemon::Command {
+            kind,
+            args,
+            traceparent,
+            ..
+        } = command
+        else {
             return vec![];
         };
+        // The command's run on the node, in the dispatch's trace; the result carries it back.
+        let span = tracing::info_span!(
+            "command",
+            otel.name = %format_args!("run {}", kind.as_str()),
+            otel.kind = "consumer",
+            command.id = id,
+            command.kind = kind.as_str(),
+        );
+        let received = traceparent
+            .as_deref()
+            .and_then(compute_telemetry::TraceParent::parse);
+        if let Some(parent) = &received {
+            compute_telemetry::context::continue_from(&span, parent);
+        }
+        let _entered = span.enter();
+        let traceparent = compute_telemetry::context::of_span(&span)
+            .or(received)
+            .map(|t| t.to_string());
         let mut out = Vec::new();
         if args["progress"] == json!(true) {
             out.push(FromDaemon::Progress {
@@ -301,7 +325,8 @@ impl Daemon {
         let result = match outcome {
             Ok(output) => FromDaemon::succeeded(id, output),
             Err((code, message)) => FromDaemon::failed(id, code, message),
-        };
+        }
+        .with_traceparent(traceparent);
         let entry = j.entries.entry(id.to_owned()).or_default();
         entry.executions += 1;
         entry.result = Some(result.clone());

@@ -53,9 +53,17 @@ struct Args {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .try_init();
+    let telemetry = match compute_telemetry::init(
+        "compute-sim",
+        compute_telemetry::LogFormat::Pretty,
+        "info",
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("compute-sim: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     let text = match std::fs::read_to_string(&args.nodes_file) {
         Ok(t) => t,
         Err(e) => {
@@ -123,5 +131,6 @@ async fn main() -> std::process::ExitCode {
     let _ = stop_tx.send(true);
     while daemons.join_next().await.is_some() {}
     report.abort();
+    telemetry.shutdown().await;
     std::process::ExitCode::SUCCESS
 }

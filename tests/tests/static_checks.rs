@@ -122,6 +122,7 @@ fn sources_under(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
 const API_ROOMS: &[(&str, u8)] = &[
     ("codes", 0),
     ("share", 0),
+    ("trace", 0),
     ("auth", 1),
     ("tailer", 1),
     ("limits", 1),

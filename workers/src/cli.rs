@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use compute_domain::db::{Db, PoolSettings};
-use compute_domain::process::{LogFormat, Secret, init_logging};
+use compute_domain::process::{LogFormat, Secret};
 use compute_domain::work_queue::WorkKind;
 
 use crate::{Options, Role};
@@ -110,7 +110,14 @@ pub fn owner() -> String {
 /// The binary's `main`.
 pub async fn main() -> ExitCode {
     let args = Args::parse();
-    init_logging(args.log_format);
+    let telemetry = match compute_domain::process::init_telemetry("compute-worker", args.log_format)
+    {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("compute-worker: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let db = match Db::connect(
         args.database_url.expose(),
         &PoolSettings {
@@ -212,5 +219,6 @@ pub async fn main() -> ExitCode {
         let _ = server.await;
     });
     crate::run(db, options, compute_domain::process::stop_signal()).await;
+    telemetry.shutdown().await;
     ExitCode::SUCCESS
 }

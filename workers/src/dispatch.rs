@@ -33,7 +33,7 @@ use compute_domain::sinks;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::sync::watch;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use compute_domain::leases::{Bound, HeldLease};
 
@@ -495,13 +495,53 @@ fn target(http: &Webhooks, url: &str) -> Result<reqwest::Url, String> {
 }
 
 async fn post(http: &Webhooks, url: &str, secret: &str, event: &Event) -> Result<(), String> {
-    let request = http
+    let target = target(http, url)?;
+    let (span, traceparent) = post_span(&target, std::slice::from_ref(event));
+    let mut request = http
         .client
-        .post(target(http, url)?)
+        .post(target)
         .header("Compute-Event-Id", event.id.as_str())
         .header("Compute-Event-Type", &event.event_type)
         .header("Idempotency-Key", idempotency_key(event));
-    send(request, secret, body_of(event)).await
+    if let Some(tp) = traceparent {
+        request = request.header("traceparent", tp);
+    }
+    send(request, secret, body_of(event), &span)
+        .instrument(span.clone())
+        .await
+}
+
+/// The span of one delivery POST (an HTTP client span, OpenTelemetry's conventions): the child
+/// of the first delivered event's trace, linked to the others' of a batch; and the
+/// `traceparent` the receiver gets (the span's, or, when this worker does not trace, the
+/// event's own, so the receiver still joins the trace).
+fn post_span(target: &reqwest::Url, events: &[Event]) -> (tracing::Span, Option<String>) {
+    let span = tracing::info_span!(
+        "webhook POST",
+        otel.name = "POST",
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = "POST",
+        server.address = target.host_str().unwrap_or(""),
+        server.port = target.port_or_known_default().unwrap_or(0),
+        http.response.status_code = tracing::field::Empty,
+        events = events.len(),
+    );
+    let mut traced = events
+        .iter()
+        .filter_map(|e| e.traceparent.as_deref())
+        .filter_map(compute_telemetry::TraceParent::parse);
+    let first = traced.next();
+    if let Some(first) = &first {
+        compute_telemetry::context::continue_from(&span, first);
+        for other in traced {
+            compute_telemetry::context::link(&span, &other);
+        }
+    }
+    let header = compute_telemetry::context::of_span(&span)
+        .or(first)
+        .map(|t| t.to_string());
+    (span, header)
 }
 
 async fn post_batch(
@@ -510,16 +550,29 @@ async fn post_batch(
     secret: &str,
     events: &[Event],
 ) -> Result<(), String> {
-    let request = http
+    let target = target(http, url)?;
+    let (span, traceparent) = post_span(&target, events);
+    let mut request = http
         .client
-        .post(target(http, url)?)
+        .post(target)
         .header("Compute-Batch-Size", events.len().to_string())
         .header("Idempotency-Key", batch_key(events));
-    send(request, secret, batch_body_of(events)).await
+    if let Some(tp) = traceparent {
+        request = request.header("traceparent", tp);
+    }
+    send(request, secret, batch_body_of(events), &span)
+        .instrument(span.clone())
+        .await
 }
 
-/// Signs and sends a delivery: `Ok` on a 2xx answer, else what went wrong in words.
-async fn send(request: reqwest::RequestBuilder, secret: &str, body: Vec<u8>) -> Result<(), String> {
+/// Signs and sends a delivery: `Ok` on a 2xx answer, else what went wrong in words; the answer's
+/// status is recorded on `span`.
+async fn send(
+    request: reqwest::RequestBuilder,
+    secret: &str,
+    body: Vec<u8>,
+    span: &tracing::Span,
+) -> Result<(), String> {
     let timestamp = chrono::Utc::now().timestamp();
     let response = request
         .header("Content-Type", "application/json")
@@ -530,9 +583,14 @@ async fn send(request: reqwest::RequestBuilder, secret: &str, body: Vec<u8>) -> 
         .await
         .map_err(|e| {
             debug!(error = %e, "a webhook request failed");
+            span.record("otel.status_code", "ERROR");
             crate::egress::category(&e).to_owned()
         })?;
     let status = response.status();
+    span.record("http.response.status_code", status.as_u16());
+    if !status.is_success() {
+        span.record("otel.status_code", "ERROR");
+    }
     if status.is_success() {
         Ok(())
     } else {

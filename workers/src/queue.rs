@@ -19,7 +19,7 @@ use compute_domain::ids::{PoolId, ReservationId};
 use compute_domain::work_queue::{self, Item, SHARDS, WorkKind};
 use compute_domain::{Error, Result};
 use futures_util::StreamExt;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use compute_domain::leases::{Bound, HeldLease};
 
@@ -337,6 +337,54 @@ impl QueueWorker {
     }
 }
 
+/// The span of one item's run: a consumer of the work queue, the child of the transaction that
+/// enqueued it when that one was traced (its `traceparent`), so a request's trace goes on into
+/// its reconcile. An item without one is not traced on its own (`compute_telemetry`'s sampler).
+fn item_span(item: &Item) -> tracing::Span {
+    let span = tracing::info_span!(
+        "reconcile",
+        otel.name = %format_args!(
+            "{} {}",
+            if item.kind == WorkKind::NodeCommands { "dispatch" } else { "reconcile" },
+            item.kind
+        ),
+        otel.kind = "consumer",
+        work.kind = %item.kind,
+        work.key = %item.key,
+        work.attempt = item.attempts + 1,
+    );
+    if let Some(parent) = item
+        .traceparent
+        .as_deref()
+        .and_then(compute_telemetry::TraceParent::parse)
+    {
+        compute_telemetry::context::continue_from(&span, &parent);
+    }
+    span
+}
+
+/// The span of a batch expiry, which serves several traces at once: the child of the first
+/// traced item's, linked to every other's (docs/operations.md, "Traces").
+fn batch_span(items: &[Item]) -> tracing::Span {
+    let span = tracing::info_span!(
+        "expire reservations",
+        otel.kind = "consumer",
+        work.kind = "reservation",
+        work.items = items.len(),
+    );
+    let mut traced = items
+        .iter()
+        .filter_map(|i| i.traceparent.as_deref())
+        .filter_map(compute_telemetry::TraceParent::parse);
+    if let Some(first) = traced.next() {
+        compute_telemetry::context::continue_from(&span, &first);
+        for other in traced {
+            compute_telemetry::context::link(&span, &other);
+        }
+    }
+    span
+}
+
 /// Claims, runs and finishes one batch of one shard under its lease.
 #[tracing::instrument(level = "debug", skip_all, fields(kind = %kind, shard, lease = %lease.fence().name, epoch = lease.fence().epoch))]
 async fn run_shard(
@@ -371,6 +419,7 @@ async fn run_shard(
             .bound(compute_domain::reservations::reconcile::expire_batch(
                 &fenced, &ids,
             ))
+            .instrument(batch_span(&items))
             .await
         {
             Bound::Done(Ok(done)) => done.iter().map(|id| id.as_str().to_owned()).collect(),
@@ -403,7 +452,12 @@ async fn run_shard(
             if expired.contains(&item.key) {
                 Box::pin(std::future::ready(Bound::Done(Ok(None)))) as ItemRun<'_>
             } else {
-                Box::pin(lease.bound(run_item(&fenced, kind, &item.key))) as ItemRun<'_>
+                let span = item_span(item);
+                Box::pin(
+                    lease
+                        .bound(run_item(&fenced, kind, &item.key))
+                        .instrument(span),
+                ) as ItemRun<'_>
             }
         })
         .collect();

@@ -606,7 +606,9 @@ async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
 
 /// `compute-api serve`.
 pub async fn serve(args: ServeArgs) -> Result<()> {
-    init_logging(args.database.log_format);
+    let telemetry =
+        compute_domain::process::init_telemetry("compute-api", args.database.log_format)
+            .map_err(|e| Error::bad_input("otel", e))?;
     let verifier = verifier_from(&args.jwt)?
         .with_max_lifetime(Duration::from_secs(args.limits.max_token_lifetime_seconds));
     let database = open_database(&args.database, args.database.db_max_connections).await?;
@@ -671,6 +673,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     .await
     .map_err(Error::internal)?;
     drop(database);
+    telemetry.shutdown().await;
     Ok(())
 }
 

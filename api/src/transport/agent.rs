@@ -23,7 +23,7 @@ use compute_domain::node_commands::{self, AckAnswer, Report};
 use compute_domain::node_sessions::{self, CloseReason, Hello, Label};
 use futures_util::SinkExt;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::auth::Role;
 use crate::state::AppState;
@@ -447,12 +447,13 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                             Err(e) => break end_of(&e),
                         }
                     }
-                    Ok(FromDaemon::Result { command_id, outcome, output, error_code, error_message }) => {
+                    Ok(FromDaemon::Result { command_id, outcome, output, error_code, error_message, traceparent }) => {
                         let Ok(id) = CommandId::parse("commandId", &command_id) else {
                             break End::new(4400, "commandId is not a command id", CloseReason::ProtocolError);
                         };
+                        let span = result_span(&id, traceparent.as_deref());
                         let finished = match Report::parse(outcome == Outcome::Succeeded, output, error_code, error_message) {
-                            Ok(report) => node_commands::finish(&db, &node, epoch, &id, &report).await,
+                            Ok(report) => node_commands::finish(&db, &node, epoch, &id, &report).instrument(span).await,
                             Err(e) => Err(e),
                         };
                         let reply = match finished {
@@ -572,4 +573,19 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
     } else {
         let _ = socket.close().await;
     }
+}
+
+/// The span in which a command's result is recorded: the child of the daemon's `traceparent`
+/// (its run of the command, in the dispatch's trace), so the trace of a request reaches the
+/// machine and comes back. A result without one is not traced on its own.
+fn result_span(id: &CommandId, traceparent: Option<&str>) -> tracing::Span {
+    let span = tracing::info_span!(
+        "command result",
+        otel.kind = "consumer",
+        command.id = %id,
+    );
+    if let Some(parent) = traceparent.and_then(compute_telemetry::TraceParent::parse) {
+        compute_telemetry::context::continue_from(&span, &parent);
+    }
+    span
 }

@@ -106,9 +106,14 @@ fn accepts_html(headers: &HeaderMap) -> bool {
         .is_some_and(|a| a.contains("text/html"))
 }
 
-/// A response carrying only errors, with one `extensions.code`.
+/// A response carrying only errors, with one `extensions.code` (and the request's
+/// `extensions.traceId`).
 fn error_response(status: StatusCode, media: MediaType, code: &str, message: &str) -> Response {
-    let body = json!({ "errors": [{ "message": message, "extensions": { "code": code } }] });
+    let mut extensions = json!({ "code": code });
+    if let Some(trace) = crate::trace::current() {
+        extensions["traceId"] = trace.hex().into();
+    }
+    let body = json!({ "errors": [{ "message": message, "extensions": extensions }] });
     (
         status,
         [(header::CONTENT_TYPE, media.content_type())],
@@ -245,12 +250,16 @@ async fn execute(
     mut request: async_graphql::Request,
     is_get: bool,
 ) -> Response {
-    match operation_type(app, &mut request) {
+    let kind = match operation_type(app, &mut request) {
         Err(mut e) => {
             // A document over the size limit comes coded; anything else did not parse.
             if crate::transport::code_of(&e).is_none() {
                 set_code(&mut e, PARSE_FAILED);
             }
+            crate::trace::stamp(
+                std::slice::from_mut(&mut e),
+                crate::trace::current().as_ref(),
+            );
             let code = crate::transport::code_of(&e).unwrap_or_default();
             app.metrics
                 .record_graphql_error(crate::transport::static_code(Some(&code)));
@@ -291,13 +300,16 @@ async fn execute(
                  (Accept: text/event-stream, or /graphql/stream)",
             );
         }
-        Ok(_) => {}
-    }
+        Ok(Some(OperationType::Query)) => Some("query"),
+        Ok(Some(OperationType::Mutation)) => Some("mutation"),
+        Ok(None) => None,
+    };
     let admission = match app.admission.admit(&mut request, viewer.as_ref(), peer) {
         Ok(a) => a,
         Err(e) => return render(app, media, async_graphql::Response::from_errors(vec![e])),
     };
-    let span = super::request_span("http", &request, viewer.as_ref());
+    let trace = crate::trace::current().unwrap_or_else(|| crate::trace::Trace::continuing(None));
+    let (span, _) = super::request_span("http", &request, viewer.as_ref(), kind, trace);
     if let Some(viewer) = viewer {
         request = request.data(viewer);
     }

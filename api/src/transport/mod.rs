@@ -363,18 +363,51 @@ pub fn execute_streaming(
 /// value; an anonymous caller's span has no empty `subject=""`), every field is given at
 /// creation (a field recorded later makes the JSON formatter parse and rewrite what it wrote),
 /// and the id is written as one string ([`RequestId`]).
+///
+/// It belongs to `trace` (its parent is the trace's, when there is one) and names the trace's id
+/// (`trace_id`), so a quoted id finds the request's log lines. With tracing on, its attributes
+/// follow OpenTelemetry's GraphQL conventions (`graphql.operation.name`, `.type`). A trace with
+/// no parent (a WebSocket operation whose client sent no `traceparent`) takes the span's own
+/// trace id when tracing is on; the trace the operation belongs to is returned.
 pub fn request_span(
     transport: &'static str,
     request: &async_graphql::Request,
     viewer: Option<&crate::auth::Viewer>,
-) -> tracing::Span {
-    tracing::info_span!(
+    operation_type: Option<&'static str>,
+    mut trace: crate::trace::Trace,
+) -> (tracing::Span, crate::trace::Trace) {
+    if !compute_telemetry::enabled() {
+        // Only what the log lines show: no OpenTelemetry field is formatted for every request.
+        let span = tracing::info_span!(
+            "graphql",
+            request.id = %RequestId::next(),
+            trace_id = %trace.hex(),
+            transport,
+            operation = request.operation_name.as_deref(),
+            subject = viewer.map(|v| v.subject.as_str()),
+        );
+        return (span, trace);
+    }
+    let started_anew = trace.parent.is_none();
+    let span = tracing::info_span!(
         "graphql",
+        otel.name = %format_args!("{} {}", operation_type.unwrap_or("graphql"), request.operation_name.as_deref().unwrap_or("anonymous")),
+        // A WebSocket operation is where its request enters.
+        otel.kind = if transport == "websocket" { "server" } else { "internal" },
         request.id = %RequestId::next(),
+        trace_id = (!started_anew).then(|| trace.hex()),
         transport,
-        operation = request.operation_name.as_deref(),
+        graphql.operation.name = request.operation_name.as_deref(),
+        graphql.operation.type = operation_type,
         subject = viewer.map(|v| v.subject.as_str()),
-    )
+    );
+    if let Some(parent) = &trace.parent {
+        compute_telemetry::context::continue_from(&span, parent);
+    } else if let Some(own) = compute_telemetry::context::of_span(&span) {
+        trace = crate::trace::Trace::continuing(Some(own));
+        span.record("trace_id", trace.hex());
+    }
+    (span, trace)
 }
 
 /// A request's id in the logs: `req_` and 32 hex digits, this process's random 64 bits then a
@@ -431,11 +464,12 @@ pub fn code_of(e: &ServerError) -> Option<String> {
     }
 }
 
-/// Gives every error of `response` a code,
+/// Gives every error of `response` a code and the request's trace id (`extensions.traceId`),
 /// counts them, and says whether it is a request error: no `data`, because the document did not
 /// parse or validate or the operation could not start.
 pub fn prepare(app: &AppState, response: &mut async_graphql::Response) -> bool {
     let request_error = crate::graph::admission::is_request_error(response);
+    crate::trace::stamp(&mut response.errors, crate::trace::current().as_ref());
     for e in &mut response.errors {
         if !has_code(e) {
             if request_error {

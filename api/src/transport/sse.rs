@@ -161,7 +161,8 @@ async fn respond(
     };
     let keep_alive = app.tailer.config().keep_alive;
     let (tx, mut rx) = mpsc::channel::<SseEvent>(16);
-    tokio::spawn(run(app, request, viewer, peer, tx, place));
+    let trace = crate::trace::current().unwrap_or_else(|| crate::trace::Trace::continuing(None));
+    tokio::spawn(run(app, request, viewer, peer, tx, place, trace));
     let events = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok::<_, Infallible>);
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(keep_alive))
@@ -177,9 +178,10 @@ async fn run(
     peer: Option<Peer>,
     tx: mpsc::Sender<SseEvent>,
     place: StreamGuard,
+    trace: crate::trace::Trace,
 ) {
-    let span = super::request_span("sse", &request, viewer.as_ref());
-    stream_events(app, request, viewer, peer, tx)
+    let (span, trace) = super::request_span("sse", &request, viewer.as_ref(), None, trace);
+    crate::trace::scope(trace, stream_events(app, request, viewer, peer, tx))
         .instrument(span)
         .await;
     drop(place);

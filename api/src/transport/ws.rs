@@ -97,6 +97,11 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
         Ok(v) => v,
         Err(why) => return (StatusCode::UNAUTHORIZED, why).into_response(),
     };
+    let traceparent = parts
+        .headers
+        .get(crate::trace::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(compute_telemetry::TraceParent::parse);
     let ws = match WebSocketUpgrade::from_request_parts(parts, &()).await {
         Ok(ws) => ws,
         Err(rejection) => return rejection.into_response(),
@@ -113,7 +118,7 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
         // tungstenite's default would take a 64 MiB message from anyone who connects.
         .max_message_size(max)
         .max_frame_size(max)
-        .on_upgrade(move |socket| serve(app, socket, protocol, header_viewer))
+        .on_upgrade(move |socket| serve(app, socket, protocol, header_viewer, traceparent))
 }
 
 /// How many queued messages a connection writes in one go, at most.
@@ -158,6 +163,9 @@ struct Conn {
     revoked: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
     /// The connection's place among its identity's streams, from the acknowledgement on.
     stream: Option<crate::limits::StreamGuard>,
+    /// What every operation's trace continues: the `traceparent` of `connection_init`'s
+    /// payload, else the upgrade request's header.
+    traceparent: Option<compute_telemetry::TraceParent>,
 }
 
 /// Ends when `viewer`'s token stops being valid, by business time; never without a token.
@@ -175,7 +183,13 @@ fn expiry_of(
     }
 }
 
-async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Option<Viewer>) {
+async fn serve(
+    app: AppState,
+    socket: WebSocket,
+    protocol: Protocol,
+    viewer: Option<Viewer>,
+    traceparent: Option<compute_telemetry::TraceParent>,
+) {
     let (sink, mut stream) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<(String, Out)>(16);
     let config = app.tailer.config().clone();
@@ -191,6 +205,7 @@ async fn serve(app: AppState, socket: WebSocket, protocol: Protocol, viewer: Opt
         stream: None,
         ops: HashMap::new(),
         out_tx,
+        traceparent,
     };
     let init_deadline = tokio::time::sleep(config.init_timeout);
     tokio::pin!(init_deadline);
@@ -419,6 +434,15 @@ impl Conn {
                 .transpose()?,
             Some(_) => return Err(invalid("the `connection_init` payload is not an object")),
         };
+        // W3C trace context, as an HTTP header would carry it; an invalid one is ignored, as
+        // the specification asks of a header.
+        if let Some(tp) = payload
+            .and_then(|p| p.get(crate::trace::TRACEPARENT))
+            .and_then(Value::as_str)
+            .and_then(compute_telemetry::TraceParent::parse)
+        {
+            self.traceparent = Some(tp);
+        }
         if token.is_none() && self.viewer.is_none() {
             // A connection without a token could only hold a socket open: nothing to subscribe
             // to needs no token.
@@ -536,6 +560,7 @@ impl Conn {
             request,
             self.viewer.clone(),
             self.out_tx.clone(),
+            self.traceparent,
         ));
         self.ops.insert(id, handle.abort_handle());
         Ok(())
@@ -556,9 +581,16 @@ async fn run_operation(
     request: async_graphql::Request,
     viewer: Option<Viewer>,
     out: mpsc::Sender<(String, Out)>,
+    traceparent: Option<compute_telemetry::TraceParent>,
 ) {
-    let span = super::request_span("websocket", &request, viewer.as_ref());
-    operation(app, id, request, viewer, out)
+    let (span, trace) = super::request_span(
+        "websocket",
+        &request,
+        viewer.as_ref(),
+        None,
+        crate::trace::Trace::continuing(traceparent),
+    );
+    crate::trace::scope(trace, operation(app, id, request, viewer, out))
         .instrument(span)
         .await;
 }

@@ -259,6 +259,8 @@ impl Db {
     /// Registers the transaction metrics (latency and errors by transaction name) in `registry`.
     pub fn register_metrics(&self, registry: &crate::metrics::Registry) {
         self.metrics.register(registry);
+        // Every process that serves with a database traces the same way.
+        crate::metrics::register_trace_metrics(registry);
     }
 
     /// Counts one `createReservation` by its outcome (`compute_reservation_creates_total`).
@@ -420,7 +422,17 @@ impl Db {
         T: Send,
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T> + Send,
     {
-        let span = tracing::debug_span!("tx", tx.name = name, tx.kind = kind.label());
+        // OpenTelemetry's database conventions: the system, and the transaction's name as the
+        // query's summary (never a statement's text).
+        let span = tracing::debug_span!(
+            "tx",
+            otel.name = name,
+            otel.kind = "client",
+            tx.name = name,
+            tx.kind = kind.label(),
+            db.system.name = "postgresql",
+            db.query.summary = name,
+        );
         let started = std::time::Instant::now();
         let result = self
             .run_in_span(name, kind, mode, body)
@@ -520,12 +532,15 @@ impl Db {
         F: for<'c> FnMut(&'c mut PgConnection) -> TxFuture<'c, T>,
     {
         let mut conn = Abandonable::new(self.pool.acquire().await?);
+        let mut begin = kind.begin_statement_retrying(self.retry_contention);
+        if let Some(tp) = sampled_traceparent() {
+            // Hex digits and dashes only (`TraceParent`'s `Display`): nothing to quote.
+            begin.push_str("; SET LOCAL compute.traceparent = '");
+            begin.push_str(&tp);
+            begin.push('\'');
+        }
         let ran = async {
-            let mut tx = sqlx::Connection::begin_with(
-                conn.get(),
-                kind.begin_statement_retrying(self.retry_contention),
-            )
-            .await?;
+            let mut tx = sqlx::Connection::begin_with(conn.get(), begin).await?;
             if let Some(fence) = fence {
                 fence::check(&mut tx, fence).await?;
             }
@@ -606,6 +621,15 @@ impl Db {
             .await?;
         Ok(())
     }
+}
+
+/// The W3C `traceparent` of the current span when it is traced and sampled: what a transaction
+/// names in `compute.traceparent` (migration 0033), so the outbox events, work-queue items and
+/// commands it writes carry the trace on to the processes that act on them.
+pub fn sampled_traceparent() -> Option<String> {
+    compute_telemetry::context::current()
+        .filter(|t| t.sampled)
+        .map(|t| t.to_string())
 }
 
 /// A pooled connection that is closed, not returned to the pool, when the future using it is

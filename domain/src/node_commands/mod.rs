@@ -80,13 +80,17 @@ pub struct Command {
     pub started_at: Option<DateTime<Utc>>,
     pub finished_at: Option<DateTime<Utc>>,
     pub version: i64,
+    /// W3C trace context: of the transaction that made it, then of its dispatch (migration
+    /// 0033); the daemon continues it.
+    pub traceparent: Option<String>,
 }
 
 /// The columns of [`Command`], of `commands c`, for the listing's dynamic builder; the same
 /// columns as [`query_commands!`] (a static test compares them).
 const COLS: &str = "c.id, c.node_id, c.kind, c.args, c.min_generation, c.retry_safe, c.idempotency_key, \
      c.state, c.attempts, c.progress, c.result, c.error_code, c.error_message, c.session_epoch, c.journal_id, \
-     c.gateway, c.created_by, c.workflow_id, c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version";
+     c.gateway, c.created_by, c.workflow_id, c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version, \
+     c.traceparent";
 
 /// A checked `query_as!` of [`Command`]s: `$head` + the columns of `commands c` + `$tail`. The
 /// `guarded:` form puts the session guard first: `s` is the node's open session at `$2`
@@ -110,7 +114,8 @@ macro_rules! query_commands {
                      c.min_generation, c.retry_safe, c.idempotency_key, c.state AS "state: _", c.attempts,
                      c.progress AS "progress: _", c.result AS "result: _", c.error_code, c.error_message,
                      c.session_epoch, c.journal_id, c.gateway AS "gateway: _", c.created_by, c.workflow_id,
-                     c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version "#
+                     c.created_at, c.updated_at, c.dispatched_at, c.started_at, c.finished_at, c.version,
+                     c.traceparent "#
                 + $tail
             $(, $arg)*
         )
@@ -594,7 +599,7 @@ pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
             }
             let sent = query_commands!(
                 "UPDATE commands AS c SET state = 'dispatched', session_epoch = $2, journal_id = $3, gateway = $4, \
-                        attempts = c.attempts + 1, dispatched_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
+                        traceparent = coalesce(compute_traceparent(), c.traceparent), attempts = c.attempts + 1, dispatched_at = compute_now(), version = c.version + 1, updated_at = compute_now() \
                   WHERE c.id IN (SELECT p.id FROM commands p \
                                   WHERE p.node_id = $1 AND p.state = 'pending' AND p.min_generation <= $5 \
                                   ORDER BY p.id LIMIT $6 FOR UPDATE) \

@@ -183,11 +183,12 @@ pub async fn create_reservation(
             scope.clone(),
         );
         let cancel = CancelOnDrop::new(db, &rsv_id);
+        let traceparent = crate::db::sampled_traceparent();
         Box::pin(async move {
             let mut cancel = cancel;
             let answer: std::result::Result<Value, sqlx::Error> = sqlx::query_scalar!(
                 r#"SELECT compute_create_reservation_call($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
-                                                         $13::float8::numeric, $14, $15, $16, $17, $18) AS "answer!""#,
+                                                         $13::float8::numeric, $14, $15, $16, $17, $18, $19) AS "answer!""#,
                 scope,
                 actor.subject,
                 key,
@@ -206,6 +207,7 @@ pub async fn create_reservation(
                 super::placement::SAMPLE,
                 lock_timeout_ms,
                 retry_contention,
+                traceparent,
             )
             .fetch_one(&mut *conn)
             .await;

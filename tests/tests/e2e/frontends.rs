@@ -18,7 +18,7 @@ async fn preflight(app: &TestApp, origin: &str) -> reqwest::Response {
         .header("Access-Control-Request-Method", "POST")
         .header(
             "Access-Control-Request-Headers",
-            "authorization,content-type",
+            "authorization,content-type,traceparent",
         )
         .send()
         .await
@@ -52,7 +52,9 @@ async fn cors_answers_the_listed_origins_only() {
         .unwrap_or_default()
         .to_ascii_lowercase();
     assert!(
-        headers.contains("authorization") && headers.contains("content-type"),
+        headers.contains("authorization")
+            && headers.contains("content-type")
+            && headers.contains("traceparent"),
         "{headers}"
     );
     assert_eq!(
@@ -88,6 +90,13 @@ async fn cors_answers_the_listed_origins_only() {
             allowed,
             "{origin}"
         );
+        // The page may read the trace id a user quotes.
+        if allowed {
+            let exposed = header(&res, "access-control-expose-headers")
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            assert!(exposed.contains("x-trace-id"), "{exposed}");
+        }
     }
 
     // Without --cors-origin no origin is allowed.

@@ -456,9 +456,12 @@ async fn a_document_sent_again_is_answered_as_the_first_time() {
     let broken = json!({ "query": "{\n  __typename\n  oops(" }).to_string();
     let (first_status, _, first) = post(&app, Some(GQL), &broken).await;
     let (again_status, _, again) = post(&app, Some(GQL), &broken).await;
-    let (first, again) = (parse(&first), parse(&again));
+    let (mut first, mut again) = (parse(&first), parse(&again));
     assert_eq!((first_status, again_status), (400, 400), "{first} {again}");
     assert_eq!(first["errors"][0]["locations"][0]["line"], 3, "{first}");
+    // Two requests, two traces; the rest of the errors is the same.
+    let trace = |v: &mut Value| v["errors"][0]["extensions"]["traceId"].take();
+    assert_ne!(trace(&mut first), trace(&mut again));
     assert_eq!(first["errors"], again["errors"]);
     assert_eq!(series(parsed).await - parsed_before, 3.0);
 }

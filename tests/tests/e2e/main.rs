@@ -28,6 +28,7 @@ mod scale_out;
 mod statements;
 mod subscriptions;
 mod torture;
+mod traces;
 mod transactions;
 mod usage;
 mod websocket;
