@@ -17,8 +17,8 @@ use compute_embedded_pg::{EmbeddedOptions, EmbeddedPostgres};
 use tracing::info;
 
 use super::{
-    DatabaseArgs, EMBEDDED_DATABASE, LogFormat, bind, cors_origins, data_dir_key, init_logging,
-    open_database, shutdown_signal,
+    DatabaseArgs, EMBEDDED_DATABASE, LogFormat, bind, cors_origins, data_dir_key, open_database,
+    shutdown_signal,
 };
 use crate::auth::{self, Role, Secret, Verifier};
 use crate::server::Server;
@@ -56,7 +56,9 @@ pub struct DevArgs {
 
 /// `compute-api dev`.
 pub async fn dev(args: DevArgs) -> Result<()> {
-    init_logging(args.log_format);
+    // The API, the workers and the simulated daemons of one process: one service, `compute-dev`.
+    let telemetry = compute_domain::process::init_telemetry("compute-dev", args.log_format)
+        .map_err(|e| Error::bad_input("otel", e))?;
     let started = Instant::now();
     let database = open_database(
         &DatabaseArgs {
@@ -180,6 +182,7 @@ pub async fn dev(args: DevArgs) -> Result<()> {
     served.map_err(Error::internal)?;
     drop(database);
     info!("stopped");
+    telemetry.shutdown().await;
     Ok(())
 }
 
