@@ -280,3 +280,89 @@ impl opentelemetry_http::HttpClient for Client {
         Ok(answer.body(body)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::{Span as _, Tracer, TracerProvider};
+
+    /// An exporter that holds every export until it is let go, then fails or succeeds.
+    #[derive(Debug)]
+    struct Gate {
+        open: Arc<(Mutex<bool>, std::sync::Condvar)>,
+        fail: bool,
+    }
+
+    impl SpanExporter for Gate {
+        async fn export(&self, _batch: Vec<SpanData>) -> OTelSdkResult {
+            let (lock, cv) = &*self.open;
+            let mut open = lock.lock().unwrap_or_else(|p| p.into_inner());
+            while !*open {
+                open = cv.wait(open).unwrap_or_else(|p| p.into_inner());
+            }
+            if self.fail {
+                Err(OTelSdkError::InternalFailure(
+                    "the collector is down".into(),
+                ))
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    use std::sync::Arc;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_full_queue_and_a_failed_export_drop_spans_and_count_them() {
+        let before = stats();
+        let open = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let batcher = Batcher::start(
+            Gate {
+                open: open.clone(),
+                fail: true,
+            },
+            &Resource::builder_empty().build(),
+            QueueSettings {
+                max_queue: 4,
+                delay: Duration::from_millis(10),
+                max_batch: 1,
+            },
+            tokio::runtime::Handle::current(),
+        )
+        .expect("start");
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+            .with_span_processor(batcher)
+            .build();
+        let tracer = provider.tracer("test");
+        // The thread takes the first span and waits at the gate; four more fill the queue; the
+        // other fifteen are dropped at once, without waiting.
+        tracer.start("first").end();
+        std::thread::sleep(Duration::from_millis(100));
+        let started = Instant::now();
+        for _ in 0..19 {
+            tracer.start("span").end();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "on_end never waits"
+        );
+        let after = stats();
+        assert_eq!(after.dropped_queue_full - before.dropped_queue_full, 15);
+        // The collector answers: every span that was queued fails to export and is counted.
+        {
+            let (lock, cv) = &*open;
+            *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            cv.notify_all();
+        }
+        tokio::task::spawn_blocking(move || provider.shutdown())
+            .await
+            .expect("join")
+            .expect("shutdown");
+        let after = stats();
+        assert_eq!(
+            after.dropped_export_failed - before.dropped_export_failed,
+            5
+        );
+        assert_eq!(after.exported, before.exported);
+    }
+}
