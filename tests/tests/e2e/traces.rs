@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use compute_tests::{TEST_AUDIENCE, TEST_ISSUER, TEST_SECRET, eventually};
+use compute_tests::eventually;
 use serde_json::{Value, json};
 
 use crate::instances::CREATE_INSTANCE;
@@ -156,33 +156,13 @@ async fn start_api(
     app: &compute_tests::TestApp,
     endpoint: &str,
 ) -> (tokio::process::Child, String) {
-    let port = free_port();
-    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_test-api"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--webhooks-allow-private",
-        ])
-        .envs(app.db.process_env())
-        .envs(otel_env(endpoint))
-        .env("COMPUTE_JWT_HS256_SECRET", TEST_SECRET)
-        .env("COMPUTE_SECRETS_KEY", compute_tests::SECRETS_KEY)
-        .env("COMPUTE_JWT_ISSUER", TEST_ISSUER)
-        .env("COMPUTE_JWT_AUDIENCE", TEST_AUDIENCE)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the API");
-    let base = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::new();
-    eventually("the API process is ready", Duration::from_secs(60), || {
-        let req = http.get(format!("{base}/readyz")).send();
-        async move { req.await.ok().filter(|r| r.status().is_success()) }
-    })
-    .await;
-    (child, base)
+    let env: Vec<_> = app
+        .db
+        .process_env()
+        .into_iter()
+        .chain(otel_env(endpoint))
+        .collect();
+    crate::crash::start_api_with(&env, &["--webhooks-allow-private"]).await
 }
 
 /// A request to `base` with the caller's `traceparent`: the body and the `X-Trace-Id` header.
