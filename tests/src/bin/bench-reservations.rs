@@ -421,16 +421,32 @@ async fn database_stats(db: &compute_domain::db::Db) -> (i64, i64, i64) {
 
 #[tokio::main]
 async fn main() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::registry()
-        .with(tracing_subscriber::fmt::layer().with_filter(filter))
-        .with(
-            CountStatements.with_filter(tracing_subscriber::filter::dynamic_filter_fn(
-                |meta, _| meta.target() == "sqlx::query" && COUNTING.load(Ordering::Relaxed),
-            )),
-        )
-        .init();
+    // With `OTEL_EXPORTER_OTLP_ENDPOINT` set, the in-process API traces as `compute-api` does
+    // (what tracing costs; docs/performance.md), and statements are not counted.
+    let telemetry =
+        match compute_telemetry::trace_config() {
+            Ok(compute_telemetry::TraceConfig::Otlp { .. }) => Some(
+                compute_telemetry::init(
+                    "bench-reservations",
+                    compute_telemetry::LogFormat::Pretty,
+                    "warn",
+                )
+                .expect("tracing"),
+            ),
+            _ => {
+                let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+                tracing_subscriber::registry()
+                    .with(tracing_subscriber::fmt::layer().with_filter(filter))
+                    .with(CountStatements.with_filter(
+                        tracing_subscriber::filter::dynamic_filter_fn(|meta, _| {
+                            meta.target() == "sqlx::query" && COUNTING.load(Ordering::Relaxed)
+                        }),
+                    ))
+                    .init();
+                None
+            }
+        };
     let args: Vec<String> = std::env::args().collect();
     let requests: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3000);
     let scale_out = args.iter().any(|a| a == "scale-out");
@@ -658,11 +674,18 @@ async fn main() {
     COUNTING.store(false, Ordering::Relaxed);
 
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(
-        out,
-        "SQL statements per request (sent by the client; BEGIN and COMMIT included): graphql {graphql_statements:.1}, \
-         reference {reference_statements:.1}, random-node {random_statements:.1}"
-    );
+    if telemetry.is_some() {
+        let _ = writeln!(
+            out,
+            "tracing is on (OTEL_EXPORTER_OTLP_ENDPOINT): the API's spans are exported; statements are not counted"
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "SQL statements per request (sent by the client; BEGIN and COMMIT included): graphql {graphql_statements:.1}, \
+             reference {reference_statements:.1}, random-node {random_statements:.1}"
+        );
+    }
     drop(out);
     if args.iter().any(|a| a == "profile") {
         profile(&db, postmaster, "graphql", graphql(2001), graphql(2000)).await;
@@ -799,6 +822,17 @@ async fn main() {
             .expect("synchronous_commit back");
     }
     let pool_id = pools[0].clone();
+    if let Some(t) = telemetry {
+        let s = compute_telemetry::stats();
+        let _ = writeln!(
+            std::io::stdout().lock(),
+            "spans exported {}, dropped: queue full {}, export failed {}",
+            s.exported,
+            s.dropped_queue_full,
+            s.dropped_export_failed
+        );
+        t.shutdown().await;
+    }
     if !scale_out {
         return;
     }
