@@ -184,8 +184,27 @@ async fn traced(base: &str, token: &str, query: &str, variables: Value) -> (Valu
     (res.json().await.expect("JSON"), trace_id)
 }
 
+/// The node daemon of the traced test.
+#[derive(Clone, Copy, PartialEq)]
+enum NodeDaemon {
+    /// `compute-sim`'s daemon in this process (not exporting: its result carries the dispatch's
+    /// context back as it came).
+    Simulator,
+    /// A real `compute-agent` process, exporting its own spans.
+    Agent,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_callers_trace_runs_through_the_request_the_worker_the_node_and_the_webhook() {
+    traced_end_to_end(NodeDaemon::Simulator).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_agent_continues_the_trace_and_hands_it_back_with_its_result() {
+    traced_end_to_end(NodeDaemon::Agent).await;
+}
+
+async fn traced_end_to_end(daemon: NodeDaemon) {
     let app = compute_tests::spawn_app().await;
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let p = pool(&app).await;
@@ -243,21 +262,46 @@ async fn a_callers_trace_runs_through_the_request_the_worker_the_node_and_the_we
         .to_owned();
 
     // The node's daemon, connected to the traced API's gateway.
+    let agent_url = format!("{}/agent", base.replace("http://", "ws://"));
     let (_stop, stopped) = tokio::sync::watch::channel(false);
-    let config = compute_sim::DaemonConfig {
-        url: format!("{}/agent", base.replace("http://", "ws://")),
-        token: app.node_token(&node),
-        node_id: node.clone(),
-        daemon_version: "sim/1".into(),
-        journal_id: "j-traced".into(),
-        observed_generation: 1,
+    let state = std::env::temp_dir().join(format!("compute-traced-agent-{}", std::process::id()));
+    let _agent = match daemon {
+        NodeDaemon::Simulator => {
+            let config = compute_sim::DaemonConfig {
+                url: agent_url,
+                token: app.node_token(&node),
+                node_id: node.clone(),
+                daemon_version: "sim/1".into(),
+                journal_id: "j-traced".into(),
+                observed_generation: 1,
+            };
+            tokio::spawn(compute_sim::run_daemon(
+                config,
+                compute_sim::Behaviour::default(),
+                stopped,
+                |_, _| {},
+            ));
+            None
+        }
+        NodeDaemon::Agent => {
+            let _ = std::fs::remove_dir_all(&state);
+            Some(
+                tokio::process::Command::new(env!("CARGO_BIN_EXE_test-agent"))
+                    .args(["--url", &agent_url, "--node-id", &node])
+                    .arg("--state-dir")
+                    .arg(&state)
+                    .args(["--listen", "127.0.0.1:0", "--stop-grace-seconds", "1"])
+                    .env("COMPUTE_AGENT_TOKEN", app.node_token(&node))
+                    .envs(otel_env(&endpoint))
+                    .env("RUST_LOG", "warn")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .kill_on_drop(true)
+                    .spawn()
+                    .expect("compute-agent starts"),
+            )
+        }
     };
-    tokio::spawn(compute_sim::run_daemon(
-        config,
-        compute_sim::Behaviour::default(),
-        stopped,
-        |_, _| {},
-    ));
 
     // An instance on it, in the same trace: its workflow's command goes to the node and back.
     let (body, _) = traced(
@@ -265,7 +309,7 @@ async fn a_callers_trace_runs_through_the_request_the_worker_the_node_and_the_we
         &acme,
         CREATE_INSTANCE,
         json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1",
-                       "command": ["python", "train.py"], "idempotencyKey": "traced-i" } }),
+                       "command": ["/bin/sh", "-c", "sleep 10"], "idempotencyKey": "traced-i" } }),
     )
     .await;
     let instance = body["data"]["createInstance"]["instance"]["id"]
@@ -370,6 +414,44 @@ async fn a_callers_trace_runs_through_the_request_the_worker_the_node_and_the_we
         assert!(
             ids.contains(s.parent.as_str()),
             "{what} ({name}) has its parent in the trace: {s:#?}"
+        );
+    }
+    // The real agent exports its own span for the command, in the trace, and hands its context
+    // back: the result is recorded as its child.
+    if daemon == NodeDaemon::Agent {
+        let received = eventually(
+            "the agent's span reaches the collector",
+            Duration::from_secs(30),
+            || {
+                let got = got.clone();
+                async move {
+                    got.lock()
+                        .expect("lock")
+                        .spans
+                        .iter()
+                        .find(|s| s.service == "compute-agent" && s.name == "receive run_instance")
+                        .cloned()
+                }
+            },
+        )
+        .await;
+        assert_eq!(received.trace_id, TRACE, "{received:#?}");
+        assert!(
+            ids.contains(received.parent.as_str()),
+            "the agent's span is the child of the dispatch: {received:#?}"
+        );
+        let result = got
+            .lock()
+            .expect("lock")
+            .spans
+            .iter()
+            .filter(|s| s.name == "command result" && s.trace_id == TRACE)
+            .map(|s| s.parent.clone())
+            .collect::<Vec<_>>();
+        assert!(
+            result.contains(&received.span_id),
+            "the result is the child of the agent's span: {result:?}, agent {}",
+            received.span_id
         );
     }
     // The webhook receiver was handed the trace.
