@@ -334,18 +334,14 @@ mod tests {
             .with_span_processor(batcher)
             .build();
         let tracer = provider.tracer("test");
-        // The thread takes the first span and waits at the gate; four more fill the queue; the
-        // other fifteen are dropped at once, without waiting.
+        // The thread takes the first span and waits at the gate, which stays closed: an `on_end`
+        // that waited for room would never return. Four more fill the queue; the other fifteen
+        // are dropped at once.
         tracer.start("first").end();
         std::thread::sleep(Duration::from_millis(100));
-        let started = Instant::now();
         for _ in 0..19 {
             tracer.start("span").end();
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(1),
-            "on_end never waits"
-        );
         let after = stats();
         assert_eq!(after.dropped_queue_full - before.dropped_queue_full, 15);
         // The collector answers: every span that was queued fails to export and is counted.
