@@ -133,6 +133,25 @@ async fn receiver() -> (String, Arc<Mutex<Received>>) {
     (format!("http://{addr}"), got)
 }
 
+/// The first span the receiver got that `matches`, once it arrives.
+async fn arrived(got: &Arc<Mutex<Received>>, what: &str, matches: impl Fn(&Span) -> bool) -> Span {
+    eventually(
+        &format!("{what} reaches the collector"),
+        Duration::from_secs(30),
+        || {
+            let found = got
+                .lock()
+                .expect("lock")
+                .spans
+                .iter()
+                .find(|s| matches(s))
+                .cloned();
+            async move { found }
+        },
+    )
+    .await
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -419,21 +438,9 @@ async fn traced_end_to_end(daemon: NodeDaemon) {
     // The real agent exports its own span for the command, in the trace, and hands its context
     // back: the result is recorded as its child.
     if daemon == NodeDaemon::Agent {
-        let received = eventually(
-            "the agent's span reaches the collector",
-            Duration::from_secs(30),
-            || {
-                let got = got.clone();
-                async move {
-                    got.lock()
-                        .expect("lock")
-                        .spans
-                        .iter()
-                        .find(|s| s.service == "compute-agent" && s.name == "receive run_instance")
-                        .cloned()
-                }
-            },
-        )
+        let received = arrived(&got, "the agent's span", |s| {
+            s.service == "compute-agent" && s.name == "receive run_instance"
+        })
         .await;
         assert_eq!(received.trace_id, TRACE, "{received:#?}");
         assert!(
@@ -593,22 +600,7 @@ async fn a_websocket_operation_continues_the_trace_of_connection_init() {
     }
     let error = error.expect("the bad operation's error");
     assert_eq!(error[0]["extensions"]["traceId"], TRACE, "{error}");
-    let span = eventually(
-        "the operation's span reaches the collector",
-        Duration::from_secs(30),
-        || {
-            let got = got.clone();
-            async move {
-                got.lock()
-                    .expect("lock")
-                    .spans
-                    .iter()
-                    .find(|s| s.name == "graphql Now")
-                    .cloned()
-            }
-        },
-    )
-    .await;
+    let span = arrived(&got, "the operation's span", |s| s.name == "graphql Now").await;
     assert_eq!(span.trace_id, TRACE, "{span:#?}");
     assert_eq!(span.parent, CALLER_SPAN, "{span:#?}");
     assert_eq!(span.attributes["graphql.operation.name"], "Now");
