@@ -253,6 +253,13 @@ impl Slot {
         hit
     }
 
+    /// The payload stored for this shape at `cursor`, counted as shared when there is one.
+    pub fn stored(&self, cursor: Cursor) -> Option<Arc<str>> {
+        let text = self.frames.get(self.shape, cursor)?;
+        self.frames.shared.fetch_add(1, Ordering::Relaxed);
+        Some(text)
+    }
+
     /// The payload of a prepared `response` to this subscription's last item: the stored one,
     /// or `render()`'s, stored for the others when the item was an event and the response has
     /// no errors.

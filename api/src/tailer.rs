@@ -419,12 +419,19 @@ impl Feed {
                 // cursor the ring still covers gets everything from memory. Once per catch-up:
                 // the pages after the first start past the cursor just checked.
                 if self.check_front {
-                    outbox::check_not_expired(self.tailer.db(), self.cursor).await?;
+                    // Boxed, as the read below: the database's futures are large, and a feed
+                    // that keeps up (nearly all of them) should not carry their room in every
+                    // wait for the next event.
+                    Box::pin(outbox::check_not_expired(self.tailer.db(), self.cursor)).await?;
                     self.check_front = false;
                 }
-                let events =
-                    outbox::read_after(self.tailer.db(), self.cursor, &self.filter, CATCH_UP_BATCH)
-                        .await?;
+                let events = Box::pin(outbox::read_after(
+                    self.tailer.db(),
+                    self.cursor,
+                    &self.filter,
+                    CATCH_UP_BATCH,
+                ))
+                .await?;
                 // A short page means the database had nothing more below its horizon, which is
                 // at or past everything the tailer has published: the channel has the rest.
                 self.catching_up = events.len() as i64 == CATCH_UP_BATCH;

@@ -16,7 +16,7 @@ use async_graphql::{Context, ID, Json, Object, Subscription};
 use chrono::{DateTime, Utc};
 use compute_domain::ids::{CommandId, InstanceId, NodeId, PoolId, ReservationId, TenantId};
 use compute_domain::outbox::{self, Cursor, Event, EventFilter};
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 
 use crate::graph::common::gql_id;
 use crate::graph::{GqlError, GqlResult, actor, db, gql_error, viewer};
@@ -45,15 +45,109 @@ pub struct Streaming {
     position: StreamPosition,
     replay: crate::graph::ReplayFlag,
     slot: Option<Arc<share::Slot>>,
+    /// Where the `events` resolver hands its feed to a transport that serves stored payloads
+    /// itself ([`Direct`]); `None` unless the transport asked for it.
+    handover: Option<tokio::sync::oneshot::Receiver<Direct>>,
 }
+
+/// An `events` subscription's feed, handed to the transport that runs it: the transport reads
+/// each event, sends the payload another subscription of the same shape stored for it as it
+/// is, and hands only the others to the resolver's stream (`render`) to be resolved and
+/// serialized by async-graphql, in order, one at a time. An event of a shape that a thousand
+/// subscribers share is then rendered once and costs the others a lookup and a write, not an
+/// execution of their operation each.
+pub struct Direct {
+    /// The subscription's events, filtered as the resolver's arguments say.
+    pub feed: Feed,
+    slot: Arc<share::Slot>,
+    render: Sender,
+}
+
+/// The transport's end of a [`Mailbox`].
+struct Sender(Arc<Mailbox>);
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        // The feed is gone: the stream ends once it has rendered what it was handed.
+        self.0
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.0.ready.notify_one();
+    }
+}
+
+/// One event at a time from a transport to the resolver's stream: a slot and a wake-up, a
+/// hundred bytes for every open subscription where a channel would hold a block of them.
+#[derive(Default)]
+struct Mailbox {
+    item: Mutex<Option<Rendered>>,
+    ready: tokio::sync::Notify,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Mailbox {
+    /// The next item, or `None` once the transport dropped its [`Direct`] and nothing is left.
+    async fn recv(&self) -> Option<Rendered> {
+        loop {
+            // Created before the checks: a `notify_one` between them is kept as a permit.
+            let ready = self.ready.notified();
+            if let Some(item) = self.item.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                return Some(item);
+            }
+            if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+                return None;
+            }
+            ready.await;
+        }
+    }
+}
+
+impl Direct {
+    /// The payload stored for the event at `cursor` in this subscription's shape, if another
+    /// subscription rendered it ([`share`]).
+    pub fn stored(&self, cursor: Option<Cursor>) -> Option<Arc<str>> {
+        self.slot.stored(cursor?)
+    }
+
+    /// Hands `event` (or the feed's error, which ends the subscription with it) to the
+    /// resolver's stream, whose next response is its rendering. `false` when the operation's
+    /// stream is gone, or still has the last event handed to it (a transport hands one at a
+    /// time, and waits for its response).
+    pub fn render(&self, event: compute_domain::Result<Arc<Event>>) -> bool {
+        // The stream holds the mailbox while it runs: alone, the transport's is the last.
+        let mailbox = &self.render.0;
+        if Arc::strong_count(mailbox) < 2 {
+            return false;
+        }
+        let mut item = mailbox.item.lock().unwrap_or_else(|p| p.into_inner());
+        if item.is_some() {
+            return false;
+        }
+        *item = Some(event.map_err(Box::new));
+        drop(item);
+        mailbox.ready.notify_one();
+        true
+    }
+}
+
+/// What a transport hands back to be rendered: a pointer's size, since the channel holds a
+/// block of them for every open subscription.
+type Rendered = Result<Arc<Event>, Box<compute_domain::Error>>;
+
+/// The sending half of a [`Streaming`]'s handover, in the request's data.
+struct Handover(Mutex<Option<tokio::sync::oneshot::Sender<Direct>>>);
 
 impl Streaming {
     /// Attaches the caller, a [`StreamPosition`], a replay flag and, for a subscription, its
     /// [`share::Slot`] in `frames` to `request`.
+    ///
+    /// With `direct`, an `events` subscription of a shape hands its feed to the transport
+    /// ([`Streaming::handover`]).
     pub fn attach(
         mut request: async_graphql::Request,
         viewer: Option<crate::auth::Viewer>,
         frames: &Arc<share::Frames>,
+        direct: bool,
     ) -> (async_graphql::Request, Streaming) {
         let visibility = viewer.as_ref().map(|v| {
             let tenant = v.tenant.as_ref().map(TenantId::as_str);
@@ -67,13 +161,26 @@ impl Streaming {
         if let Some(slot) = &slot {
             request = request.data(slot.clone());
         }
+        let mut handover = None;
+        if direct && slot.is_some() {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            request = request.data(Arc::new(Handover(Mutex::new(Some(tx)))));
+            handover = Some(rx);
+        }
         let s = Streaming {
             position: StreamPosition::default(),
             replay: crate::graph::ReplayFlag::default(),
             slot,
+            handover,
         };
         let request = request.data(s.position.clone()).data(s.replay.clone());
         (request, s)
+    }
+
+    /// Where the `events` resolver will hand its feed, once: a receiver that gets the
+    /// [`Direct`] when the subscription has started (and is closed for any other operation).
+    pub fn handover(&mut self) -> Option<tokio::sync::oneshot::Receiver<Direct>> {
+        self.handover.take()
     }
 
     /// The JSON text of a decorated, prepared `response`: the payload stored for its event and
@@ -259,6 +366,47 @@ where
     })
 }
 
+/// The items of an `events` subscription whose feed a transport runs ([`Direct`]): the events
+/// it hands back, each mapped by `item` at its position; an error ends the stream with it.
+fn rendered<F>(
+    rx: Arc<Mailbox>,
+    position: Option<StreamPosition>,
+    item: F,
+) -> impl Stream<Item = async_graphql::Result<EventItem>> + use<F>
+where
+    F: FnMut(Arc<Event>) -> EventItem + Send + 'static,
+{
+    futures_util::stream::unfold((rx, item, false), move |(rx, mut item, done)| {
+        let position = position.clone();
+        async move {
+            if done {
+                return None;
+            }
+            match rx.recv().await? {
+                Ok(event) => {
+                    if let Some(p) = &position {
+                        p.set(event.cursor);
+                    }
+                    let next = item(event);
+                    Some((Ok(next), (rx, item, false)))
+                }
+                Err(e) => Some((Err(gql_error(*e).into()), (rx, item, true))),
+            }
+        }
+    })
+}
+
+/// An `events` item for an event: [`EventItem::Stored`] when `slot` has its payload.
+fn item_of(slot: Option<Arc<share::Slot>>) -> impl FnMut(Arc<Event>) -> EventItem + Send + 'static {
+    move |e| {
+        if slot.as_ref().is_some_and(|s| s.lookup(e.cursor)) {
+            EventItem::Stored
+        } else {
+            EventItem::Fresh(EventObj(e))
+        }
+    }
+}
+
 /// The event stream's queries.
 #[derive(Default)]
 pub struct EventsQuery;
@@ -313,20 +461,34 @@ impl SubscriptionRoot {
         )?;
         let feed = tailer(ctx)?.feed(cursor, filter);
         let slot = ctx.data_opt::<Arc<share::Slot>>().cloned();
-        Ok(follow(
-            feed,
-            ctx.data_opt::<StreamPosition>().cloned(),
-            move |e| {
-                let stored = slot.as_ref().is_some_and(|s| s.lookup(e.cursor));
-                async move {
-                    Ok(Some(if stored {
-                        EventItem::Stored
-                    } else {
-                        EventItem::Fresh(EventObj(e))
-                    }))
+        let position = ctx.data_opt::<StreamPosition>().cloned();
+        // A transport that serves stored payloads itself takes the feed, and this stream
+        // renders what it hands back.
+        let handover = ctx
+            .data_opt::<Arc<Handover>>()
+            .and_then(|h| h.0.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let feed = match (handover, &slot) {
+            (Some(tx), Some(shared)) => {
+                let rx = Arc::new(Mailbox::default());
+                let direct = Direct {
+                    feed,
+                    slot: shared.clone(),
+                    render: Sender(rx.clone()),
+                };
+                match tx.send(direct) {
+                    Ok(()) => return Ok(rendered(rx, position, item_of(slot)).right_stream()),
+                    // The transport's operation is gone: serve it here (it ends soon).
+                    Err(direct) => direct.feed,
                 }
-            },
-        ))
+            }
+            _ => feed,
+        };
+        let mut item = item_of(slot);
+        Ok(follow(feed, position, move |e| {
+            let item = item(e);
+            async move { Ok(Some(item)) }
+        })
+        .left_stream())
     }
 
     /// A reservation as it is after each change (another tenant's is `NOT_FOUND`).

@@ -199,7 +199,7 @@ async fn stream_events(
     let revoked = app.authz.shrinks(viewer.as_ref());
     let mut request = crate::graph::with_loaders(request, &app.db);
     let admitted = app.admission.admit(&mut request, viewer.as_ref(), peer);
-    let (request, streaming) = Streaming::attach(request, viewer, app.tailer.frames());
+    let (request, streaming) = Streaming::attach(request, viewer, app.tailer.frames(), false);
     let mut responses = crate::transport::execute_streaming(&app, request, admitted);
     let expiry = {
         let clock = app.clock.clone();

@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use tracing::{Instrument, debug};
 
 use crate::auth::{Viewer, bearer};
-use crate::graph::events::Streaming;
+use crate::graph::events::{Direct, Streaming};
 use crate::state::AppState;
 use crate::transport::build_request;
 use crate::transport::prepare;
@@ -218,31 +218,17 @@ async fn serve(
     tokio::pin!(stopping);
     // Grows only for a connection that falls behind (an idle one holds nothing).
     let mut queued = Vec::new();
+    // Output batches written since anything else was looked at: output comes first (a frame
+    // then costs one poll, not one of every branch), but every `FAIR` batches the other
+    // branches get a turn, so a busy stream never starves the client's messages, the token's
+    // expiry or shutdown.
+    let mut burst = 0u32;
+    const FAIR: u32 = 16;
     let end = loop {
         tokio::select! {
-            message = stream.next() => {
-                let text = match message {
-                    Some(Err(e)) if too_big(&e) => {
-                        app.metrics.record_refusal("ws_message_bytes");
-                        break End::Close(
-                            1009,
-                            format!("Message too big: at most {} bytes", app.limits.max_ws_message),
-                        );
-                    }
-                    None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break End::Gone,
-                    Some(Ok(Message::Text(t))) => t.as_str().to_owned(),
-                    Some(Ok(Message::Binary(b))) => match String::from_utf8(b.to_vec()) {
-                        Ok(t) => t,
-                        Err(_) => break End::Close(4400, "Invalid message received: not UTF-8".into()),
-                    },
-                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
-                };
-                match conn.handle(&text).await {
-                    Ok(()) => {}
-                    Err(end) => break end,
-                }
-            }
-            Some(first) = out_rx.recv() => {
+            biased;
+            Some(first) = out_rx.recv(), if burst < FAIR => {
+                burst += 1;
                 // Everything already queued goes out in one write: a connection that fell
                 // behind catches up with one system call for many frames, not one each.
                 queued.push(first);
@@ -264,6 +250,29 @@ async fn serve(
                 }
                 if written.is_err() || conn.sink.flush().await.is_err() {
                     break End::Gone;
+                }
+            }
+            message = stream.next() => {
+                burst = 0;
+                let text = match message {
+                    Some(Err(e)) if too_big(&e) => {
+                        app.metrics.record_refusal("ws_message_bytes");
+                        break End::Close(
+                            1009,
+                            format!("Message too big: at most {} bytes", app.limits.max_ws_message),
+                        );
+                    }
+                    None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break End::Gone,
+                    Some(Ok(Message::Text(t))) => t.as_str().to_owned(),
+                    Some(Ok(Message::Binary(b))) => match String::from_utf8(b.to_vec()) {
+                        Ok(t) => t,
+                        Err(_) => break End::Close(4400, "Invalid message received: not UTF-8".into()),
+                    },
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+                };
+                match conn.handle(&text).await {
+                    Ok(()) => {}
+                    Err(end) => break end,
                 }
             }
             () = &mut init_deadline, if !conn.init_received => {
@@ -297,6 +306,8 @@ async fn serve(
                 }
                 break End::Close(1001, "server shutting down".into());
             }
+            // The others had their turn and had nothing: back to the output.
+            () = std::future::ready(()), if burst >= FAIR => burst = 0,
         }
     };
     for (_, op) in conn.ops.drain() {
@@ -363,8 +374,16 @@ impl Conn {
                     Protocol::TransportWs => "next",
                     Protocol::Legacy => "data",
                 };
-                let id = Value::from(id);
-                format!(r#"{{"id":{id},"type":"{kind}","payload":{payload}}}"#)
+                // One allocation of the frame's size: this runs once per delivery.
+                let mut text = String::with_capacity(payload.len() + id.len() + 40);
+                text.push_str(r#"{"id":"#);
+                push_json_string(&mut text, id);
+                text.push_str(r#","type":""#);
+                text.push_str(kind);
+                text.push_str(r#"","payload":"#);
+                text.push_str(&payload);
+                text.push('}');
+                text
             }
             (_, Out::Error(p)) => json!({ "id": id, "type": "error", "payload": p }).to_string(),
             (_, Out::Complete) => json!({ "id": id, "type": "complete" }).to_string(),
@@ -567,6 +586,17 @@ impl Conn {
     }
 }
 
+/// Appends `s` as a JSON string.
+fn push_json_string(out: &mut String, s: &str) {
+    if s.chars().all(|c| c != '"' && c != '\\' && !c.is_control()) {
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else {
+        out.push_str(&Value::from(s).to_string());
+    }
+}
+
 fn op_id(message: &Value) -> Result<String, End> {
     match message.get("id").and_then(Value::as_str) {
         Some(id) if !id.is_empty() => Ok(id.to_owned()),
@@ -610,23 +640,77 @@ async fn operation(
         .admission
         .parse(&mut request)
         .and_then(|()| app.admission.admit(&mut request, viewer.as_ref(), None));
-    let (request, streaming) = Streaming::attach(request, viewer, app.tailer.frames());
+    let (request, mut streaming) = Streaming::attach(request, viewer, app.tailer.frames(), true);
+    // An `events` subscription hands its feed over once it has started: from then on this
+    // loop reads the events, sends each payload another subscriber of the same shape stored as
+    // it is, and has the operation's stream render only the others ([`Direct`]).
+    let mut handover = streaming.handover();
+    let mut direct: Option<Direct> = None;
+    // An event handed back to be rendered: the next one waits for its response, so frames
+    // leave in the feed's order.
+    let mut rendering = false;
     let mut responses = super::execute_streaming(&app, request, admitted);
     let mut first = true;
-    while let Some(mut response) = responses.next().await {
-        let request_error = prepare(&app, &mut response);
-        if first && response.data == async_graphql::Value::Null && !response.errors.is_empty() {
-            let errors = serde_json::to_value(&response.errors).unwrap_or(Value::Null);
-            let _ = out.send((id, Out::Error(errors))).await;
-            return;
-        }
-        first = false;
-        streaming.decorate(&mut response);
-        let payload = streaming.payload(&response, || {
-            crate::transport::response_json(&response, request_error).text()
-        });
-        if out.send((id.clone(), Out::Next(payload))).await.is_err() {
-            return;
+    loop {
+        tokio::select! {
+            biased;
+            // The operation's stream has something to say only before the handover, or when
+            // it was handed an event to render: polling it otherwise would run async-graphql's
+            // stream machinery for every shared frame.
+            response = responses.next(), if direct.is_none() || rendering => {
+                let Some(mut response) = response else { break };
+                rendering = false;
+                let request_error = prepare(&app, &mut response);
+                if first && response.data == async_graphql::Value::Null && !response.errors.is_empty() {
+                    let errors = serde_json::to_value(&response.errors).unwrap_or(Value::Null);
+                    let _ = out.send((id, Out::Error(errors))).await;
+                    return;
+                }
+                first = false;
+                streaming.decorate(&mut response);
+                let payload = streaming.payload(&response, || {
+                    crate::transport::response_json(&response, request_error).text()
+                });
+                if out.send((id.clone(), Out::Next(payload))).await.is_err() {
+                    return;
+                }
+            }
+            handed = async { handover.as_mut().expect("checked").await }, if handover.is_some() => {
+                handover = None;
+                direct = handed.ok();
+                // The subscription has started: what follows, errors included, is `next`.
+                if direct.is_some() {
+                    first = false;
+                }
+            }
+            event = async { direct.as_mut().expect("checked").feed.next().await }, if direct.is_some() && !rendering => {
+                let Some(d) = &direct else { continue };
+                match event {
+                    Ok(Some(event)) => match d.stored(event.cursor) {
+                        Some(payload) => {
+                            if out.send((id.clone(), Out::Next(payload))).await.is_err() {
+                                return;
+                            }
+                        }
+                        // Not rendered yet: the stream renders it (and stores it for the others
+                        // of its shape); the feed waits for that response.
+                        None => {
+                            if !d.render(Ok(event)) {
+                                return;
+                            }
+                            rendering = true;
+                        }
+                    },
+                    // The server is shutting down: dropping the feed ends the stream, and with
+                    // it the operation.
+                    Ok(None) => direct = None,
+                    // The stream reports it and ends.
+                    Err(e) => {
+                        rendering = d.render(Err(e));
+                        direct = None;
+                    }
+                }
+            }
         }
     }
     let _ = out.send((id, Out::Complete)).await;
