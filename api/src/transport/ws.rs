@@ -25,6 +25,7 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use axum::extract::FromRequestParts;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
@@ -34,7 +35,6 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{Instrument, debug};
 
@@ -112,8 +112,8 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
     let max = app.limits.max_ws_message;
     ws.protocols([protocol.name()])
         .read_buffer_size(4 * 1024)
-        // Frames queued together are written together (the connection loop flushes after a
-        // batch); the buffer grows only as far as one batch needs.
+        // Each message is flushed as it is written; the buffer grows only as far as one
+        // message needs.
         .write_buffer_size(WRITE_BUFFER)
         // tungstenite's default would take a 64 MiB message from anyone who connects.
         .max_message_size(max)
@@ -121,12 +121,12 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
         .on_upgrade(move |socket| serve(app, socket, protocol, header_viewer, traceparent))
 }
 
-/// How many queued messages a connection writes in one go, at most.
-const COALESCE: usize = 64;
 /// How many bytes of frames a connection gathers before it writes them, without a flush.
 const WRITE_BUFFER: usize = 16 * 1024;
+/// How many frames an operation queues, at most, before it writes them.
+const COALESCE: usize = 64;
 
-/// What an operation's task hands to the connection.
+/// What an operation says to its client.
 enum Out {
     /// The payload, as JSON text (serialized once, where the response lies).
     Next(std::sync::Arc<str>),
@@ -143,17 +143,110 @@ enum End {
     Close(u16, String),
 }
 
-type Sink = SplitSink<WebSocket, Message>;
+/// The connection's writing half, shared by its loop and its operations' tasks: an operation
+/// writes its own messages, so a frame costs one task's wake-up, not a hop through the
+/// connection's task as well. The lock is fair (first come, first served), which is what makes
+/// "abort, then take the lock" mean that an aborted operation writes nothing more.
+#[derive(Clone)]
+struct Writer {
+    sink: Arc<tokio::sync::Mutex<SplitSink<WebSocket, Message>>>,
+    protocol: Protocol,
+}
+
+impl Writer {
+    async fn send(&self, message: Message) -> Result<(), axum::Error> {
+        self.sink.lock().await.send(message).await
+    }
+
+    /// The message of an operation's output.
+    fn message_of(&self, id: &str, out: Out) -> Message {
+        let text = match (self.protocol, out) {
+            // The payload is already JSON: the frame is written around it, not parsed again.
+            (protocol, Out::Next(payload)) => {
+                let kind = match protocol {
+                    Protocol::TransportWs => "next",
+                    Protocol::Legacy => "data",
+                };
+                // One allocation of the frame's size: this runs once per delivery.
+                let mut text = String::with_capacity(payload.len() + id.len() + 40);
+                text.push_str(r#"{"id":"#);
+                push_json_string(&mut text, id);
+                text.push_str(r#","type":""#);
+                text.push_str(kind);
+                text.push_str(r#"","payload":"#);
+                text.push_str(&payload);
+                text.push('}');
+                text
+            }
+            (_, Out::Error(p)) => json!({ "id": id, "type": "error", "payload": p }).to_string(),
+            (_, Out::Complete) => json!({ "id": id, "type": "complete" }).to_string(),
+        };
+        Message::Text(text.into())
+    }
+}
+
+/// The operations running on one connection, by id: the connection adds and aborts them, and
+/// an operation that ends removes itself before it writes its last message, so a client that
+/// has read `complete` (or `error`) may reuse the id at once.
+type Ops = Arc<std::sync::Mutex<HashMap<String, Op>>>;
+
+struct Op {
+    /// Tells this operation from a later one with the same id.
+    generation: u64,
+    /// `None` for the moment between its entry and its task's start.
+    abort: Option<tokio::task::AbortHandle>,
+}
+
+fn ops_of(ops: &Ops) -> std::sync::MutexGuard<'_, HashMap<String, Op>> {
+    ops.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Where one operation writes.
+struct Output {
+    id: String,
+    generation: u64,
+    writer: Writer,
+    ops: Ops,
+}
+
+impl Output {
+    /// Queues a `next` without flushing it; `false` when the connection is gone.
+    async fn feed(&self, payload: Arc<str>) -> bool {
+        let message = self.writer.message_of(&self.id, Out::Next(payload));
+        self.writer.sink.lock().await.feed(message).await.is_ok()
+    }
+
+    /// Writes what was queued; `false` when the connection is gone.
+    async fn flush(&self) -> bool {
+        self.writer.sink.lock().await.flush().await.is_ok()
+    }
+
+    /// Sends the operation's last message, after it has left the connection's operations.
+    async fn end(self, out: Out) {
+        let message = self.writer.message_of(&self.id, out);
+        let mut sink = self.writer.sink.lock().await;
+        {
+            let mut ops = ops_of(&self.ops);
+            if ops
+                .get(&self.id)
+                .is_some_and(|op| op.generation == self.generation)
+            {
+                ops.remove(&self.id);
+            }
+        }
+        let _ = sink.send(message).await;
+    }
+}
 
 struct Conn {
     app: AppState,
-    protocol: Protocol,
-    sink: Sink,
+    writer: Writer,
     viewer: Option<Viewer>,
     init_received: bool,
     acked: bool,
-    ops: HashMap<String, tokio::task::AbortHandle>,
-    out_tx: mpsc::Sender<(String, Out)>,
+    ops: Ops,
+    /// The generation of the next operation.
+    generation: u64,
     /// Ends when the token expires, by business time ([`Clock::sleep_until`]).
     ///
     /// [`Clock::sleep_until`]: compute_domain::clock::Clock::sleep_until
@@ -191,20 +284,21 @@ async fn serve(
     traceparent: Option<compute_telemetry::TraceParent>,
 ) {
     let (sink, mut stream) = socket.split();
-    let (out_tx, mut out_rx) = mpsc::channel::<(String, Out)>(16);
     let config = app.tailer.config().clone();
     let mut conn = Conn {
         expiry: expiry_of(&app, viewer.as_ref()),
         revoked: app.authz.shrinks(viewer.as_ref()),
         app: app.clone(),
-        protocol,
-        sink,
+        writer: Writer {
+            sink: Arc::new(tokio::sync::Mutex::new(sink)),
+            protocol,
+        },
         viewer,
         init_received: false,
         acked: false,
         stream: None,
-        ops: HashMap::new(),
-        out_tx,
+        ops: Ops::default(),
+        generation: 0,
         traceparent,
     };
     let init_deadline = tokio::time::sleep(config.init_timeout);
@@ -216,44 +310,11 @@ async fn serve(
         let _ = shutdown.wait_for(|stopping| *stopping).await;
     };
     tokio::pin!(stopping);
-    // Grows only for a connection that falls behind (an idle one holds nothing).
-    let mut queued = Vec::new();
-    // Output batches written since anything else was looked at: output comes first (a frame
-    // then costs one poll, not one of every branch), but every `FAIR` batches the other
-    // branches get a turn, so a busy stream never starves the client's messages, the token's
-    // expiry or shutdown.
-    let mut burst = 0u32;
-    const FAIR: u32 = 16;
+    // The operations write their own messages ([`Writer`]): this loop wakes only for the
+    // client's messages, its timers and shutdown.
     let end = loop {
         tokio::select! {
-            biased;
-            Some(first) = out_rx.recv(), if burst < FAIR => {
-                burst += 1;
-                // Everything already queued goes out in one write: a connection that fell
-                // behind catches up with one system call for many frames, not one each.
-                queued.push(first);
-                while queued.len() < COALESCE {
-                    match out_rx.try_recv() {
-                        Ok(more) => queued.push(more),
-                        Err(_) => break,
-                    }
-                }
-                let mut written = Ok(());
-                for (id, out) in queued.drain(..) {
-                    if written.is_err() || !conn.ops.contains_key(&id) {
-                        continue; // gone, or the client completed it: drop what was still queued
-                    }
-                    if matches!(out, Out::Error(_) | Out::Complete) {
-                        conn.ops.remove(&id);
-                    }
-                    written = conn.feed_out(&id, out).await;
-                }
-                if written.is_err() || conn.sink.flush().await.is_err() {
-                    break End::Gone;
-                }
-            }
             message = stream.next() => {
-                burst = 0;
                 let text = match message {
                     Some(Err(e)) if too_big(&e) => {
                         app.metrics.record_refusal("ws_message_bytes");
@@ -300,27 +361,25 @@ async fn serve(
                 break End::Close(4403, "Forbidden: your access was revoked".into());
             }
             () = &mut stopping => {
-                let ids: Vec<String> = conn.ops.keys().cloned().collect();
+                // Aborted first, then `complete` for each: the lock is fair, so an operation
+                // that was writing finishes its message and writes nothing after.
+                let ids = conn.abort_all();
                 for id in ids {
                     let _ = conn.send_out(&id, Out::Complete).await;
                 }
                 break End::Close(1001, "server shutting down".into());
             }
-            // The others had their turn and had nothing: back to the output.
-            () = std::future::ready(()), if burst >= FAIR => burst = 0,
         }
     };
-    for (_, op) in conn.ops.drain() {
-        op.abort();
-    }
+    conn.abort_all();
+    let mut sink = conn.writer.sink.lock().await;
     match end {
         End::Gone => {
-            let _ = conn.sink.close().await;
+            let _ = sink.close().await;
         }
         End::Close(code, reason) => {
             debug!(code, reason = %reason, "closing a GraphQL WebSocket");
-            let _ = conn
-                .sink
+            let _ = sink
                 .send(Message::Close(Some(CloseFrame {
                     code,
                     reason: super::fit_reason(&reason).into(),
@@ -333,7 +392,7 @@ async fn serve(
                 // moment lets it read the frame and close first.
                 tokio::time::sleep(TOO_BIG_LINGER).await;
             }
-            let _ = conn.sink.close().await;
+            let _ = sink.close().await;
         }
     }
 }
@@ -360,46 +419,38 @@ fn invalid(what: impl std::fmt::Display) -> End {
 
 impl Conn {
     async fn send(&mut self, message: Value) -> Result<(), axum::Error> {
-        self.sink
+        self.writer
             .send(Message::Text(message.to_string().into()))
             .await
     }
 
-    /// The message of an operation's output.
-    fn message_of(&self, id: &str, out: Out) -> Message {
-        let text = match (self.protocol, out) {
-            // The payload is already JSON: the frame is written around it, not parsed again.
-            (protocol, Out::Next(payload)) => {
-                let kind = match protocol {
-                    Protocol::TransportWs => "next",
-                    Protocol::Legacy => "data",
-                };
-                // One allocation of the frame's size: this runs once per delivery.
-                let mut text = String::with_capacity(payload.len() + id.len() + 40);
-                text.push_str(r#"{"id":"#);
-                push_json_string(&mut text, id);
-                text.push_str(r#","type":""#);
-                text.push_str(kind);
-                text.push_str(r#"","payload":"#);
-                text.push_str(&payload);
-                text.push('}');
-                text
-            }
-            (_, Out::Error(p)) => json!({ "id": id, "type": "error", "payload": p }).to_string(),
-            (_, Out::Complete) => json!({ "id": id, "type": "complete" }).to_string(),
-        };
-        Message::Text(text.into())
-    }
-
     async fn send_out(&mut self, id: &str, out: Out) -> Result<(), axum::Error> {
-        let message = self.message_of(id, out);
-        self.sink.send(message).await
+        let message = self.writer.message_of(id, out);
+        self.writer.send(message).await
     }
 
-    /// Queues an operation's output without flushing it.
-    async fn feed_out(&mut self, id: &str, out: Out) -> Result<(), axum::Error> {
-        let message = self.message_of(id, out);
-        self.sink.feed(message).await
+    /// Aborts the operation `id`, if it runs; once this returns it writes nothing more.
+    async fn abort(&mut self, id: &str) {
+        let op = ops_of(&self.ops).remove(id);
+        if let Some(abort) = op.and_then(|op| op.abort) {
+            abort.abort();
+            // Waits for a message it may be writing now (the lock is fair, so it cannot take
+            // it again before this has had it).
+            drop(self.writer.sink.lock().await);
+        }
+    }
+
+    /// Aborts every operation; returns their ids.
+    fn abort_all(&mut self) -> Vec<String> {
+        let ops = std::mem::take(&mut *ops_of(&self.ops));
+        ops.into_iter()
+            .map(|(id, op)| {
+                if let Some(abort) = op.abort {
+                    abort.abort();
+                }
+                id
+            })
+            .collect()
     }
 
     /// Handles one client message; `Err` ends the connection.
@@ -408,7 +459,7 @@ impl Conn {
         let Some(kind) = message.get("type").and_then(Value::as_str) else {
             return Err(invalid("no `type`"));
         };
-        match (self.protocol, kind) {
+        match (self.writer.protocol, kind) {
             (_, "connection_init") => self.init(message.get("payload")).await,
             (Protocol::TransportWs, "ping") => {
                 let mut pong = json!({ "type": "pong" });
@@ -423,9 +474,7 @@ impl Conn {
             }
             (Protocol::TransportWs, "complete") | (Protocol::Legacy, "stop") => {
                 let id = op_id(&message)?;
-                if let Some(op) = self.ops.remove(&id) {
-                    op.abort();
-                }
+                self.abort(&id).await;
                 Ok(())
             }
             (Protocol::Legacy, "connection_terminate") => {
@@ -487,7 +536,7 @@ impl Conn {
             Some(guard) => self.stream = Some(guard),
             None => {
                 self.app.metrics.record_refusal("streams");
-                if self.protocol == Protocol::Legacy {
+                if self.writer.protocol == Protocol::Legacy {
                     let _ = self
                         .send(json!({ "type": "connection_error", "payload": { "message": "too many streams" } }))
                         .await;
@@ -502,7 +551,7 @@ impl Conn {
         self.send(json!({ "type": "connection_ack" }))
             .await
             .map_err(|_| End::Gone)?;
-        if self.protocol == Protocol::Legacy {
+        if self.writer.protocol == Protocol::Legacy {
             self.send(json!({ "type": "ka" }))
                 .await
                 .map_err(|_| End::Gone)?;
@@ -513,7 +562,7 @@ impl Conn {
     /// Refuses the connection's credentials: `4403`, after `connection_error` on the legacy
     /// protocol.
     async fn forbid(&mut self, why: &str) -> End {
-        if self.protocol == Protocol::Legacy {
+        if self.writer.protocol == Protocol::Legacy {
             let _ = self
                 .send(json!({ "type": "connection_error", "payload": { "message": why } }))
                 .await;
@@ -529,8 +578,9 @@ impl Conn {
         let Some(payload) = message.get("payload").and_then(Value::as_object) else {
             return Err(invalid("the subscribe message has no payload object"));
         };
-        if self.ops.contains_key(&id) {
-            match self.protocol {
+        let running = ops_of(&self.ops).contains_key(&id);
+        if running {
+            match self.writer.protocol {
                 Protocol::TransportWs => {
                     return Err(End::Close(
                         4409,
@@ -538,11 +588,7 @@ impl Conn {
                     ));
                 }
                 // subscriptions-transport-ws replaces the operation with the same id.
-                Protocol::Legacy => {
-                    if let Some(op) = self.ops.remove(&id) {
-                        op.abort();
-                    }
-                }
+                Protocol::Legacy => self.abort(&id).await,
             }
         }
         let request = match build_request(
@@ -563,7 +609,8 @@ impl Conn {
                     .map_err(|_| End::Gone);
             }
         };
-        if self.ops.len() >= self.app.tailer.config().max_operations {
+        let running = ops_of(&self.ops).len();
+        if running >= self.app.tailer.config().max_operations {
             let errors = json!([{
                 "message": format!("at most {} operations may run at once on one connection", self.app.tailer.config().max_operations),
                 "extensions": { "code": compute_domain::ErrorCode::RateLimited.as_str() }
@@ -573,15 +620,34 @@ impl Conn {
                 .await
                 .map_err(|_| End::Gone);
         }
+        // Entered before its task starts, so the task finds itself when it ends, however soon.
+        let generation = self.generation;
+        self.generation += 1;
+        ops_of(&self.ops).insert(
+            id.clone(),
+            Op {
+                generation,
+                abort: None,
+            },
+        );
+        let output = Output {
+            id: id.clone(),
+            generation,
+            writer: self.writer.clone(),
+            ops: self.ops.clone(),
+        };
         let handle = tokio::spawn(run_operation(
             self.app.clone(),
-            id.clone(),
             request,
             self.viewer.clone(),
-            self.out_tx.clone(),
+            output,
             self.traceparent,
         ));
-        self.ops.insert(id, handle.abort_handle());
+        if let Some(op) = ops_of(&self.ops).get_mut(&id)
+            && op.generation == generation
+        {
+            op.abort = Some(handle.abort_handle());
+        }
         Ok(())
     }
 }
@@ -607,10 +673,9 @@ fn op_id(message: &Value) -> Result<String, End> {
 /// Runs one operation and hands its messages to the connection, in the operation's span.
 async fn run_operation(
     app: AppState,
-    id: String,
     request: async_graphql::Request,
     viewer: Option<Viewer>,
-    out: mpsc::Sender<(String, Out)>,
+    out: Output,
     traceparent: Option<compute_telemetry::TraceParent>,
 ) {
     let (span, trace) = super::request_span(
@@ -620,17 +685,16 @@ async fn run_operation(
         None,
         crate::trace::Trace::continuing(traceparent),
     );
-    crate::trace::scope(trace, operation(app, id, request, viewer, out))
+    crate::trace::scope(trace, operation(app, request, viewer, out))
         .instrument(span)
         .await;
 }
 
 async fn operation(
     app: AppState,
-    id: String,
     request: async_graphql::Request,
     viewer: Option<Viewer>,
-    out: mpsc::Sender<(String, Out)>,
+    out: Output,
 ) {
     let mut request = crate::graph::with_loaders(request, &app.db);
     // No peer: every operation here has a viewer (`connection_init` refuses a connection
@@ -651,7 +715,17 @@ async fn operation(
     let mut rendering = false;
     let mut responses = super::execute_streaming(&app, request, admitted);
     let mut first = true;
+    // Frames queued and not written yet. A frame is written once nothing else is ready, so an
+    // operation that fell behind writes the frames it has at hand with one system call, and a
+    // backlog costs less per frame rather than more.
+    let mut unflushed = 0usize;
     loop {
+        if unflushed >= COALESCE {
+            if !out.flush().await {
+                return;
+            }
+            unflushed = 0;
+        }
         tokio::select! {
             biased;
             // The operation's stream has something to say only before the handover, or when
@@ -663,7 +737,7 @@ async fn operation(
                 let request_error = prepare(&app, &mut response);
                 if first && response.data == async_graphql::Value::Null && !response.errors.is_empty() {
                     let errors = serde_json::to_value(&response.errors).unwrap_or(Value::Null);
-                    let _ = out.send((id, Out::Error(errors))).await;
+                    out.end(Out::Error(errors)).await;
                     return;
                 }
                 first = false;
@@ -671,9 +745,10 @@ async fn operation(
                 let payload = streaming.payload(&response, || {
                     crate::transport::response_json(&response, request_error).text()
                 });
-                if out.send((id.clone(), Out::Next(payload))).await.is_err() {
+                if !out.feed(payload).await {
                     return;
                 }
+                unflushed += 1;
             }
             handed = async { handover.as_mut().expect("checked").await }, if handover.is_some() => {
                 handover = None;
@@ -688,9 +763,10 @@ async fn operation(
                 match event {
                     Ok(Some(event)) => match d.stored(event.cursor) {
                         Some(payload) => {
-                            if out.send((id.clone(), Out::Next(payload))).await.is_err() {
+                            if !out.feed(payload).await {
                                 return;
                             }
+                            unflushed += 1;
                         }
                         // Not rendered yet: the stream renders it (and stores it for the others
                         // of its shape); the feed waits for that response.
@@ -711,7 +787,14 @@ async fn operation(
                     }
                 }
             }
+            // Nothing else is ready: what was queued goes out now.
+            written = out.flush(), if unflushed > 0 => {
+                if !written {
+                    return;
+                }
+                unflushed = 0;
+            }
         }
     }
-    let _ = out.send((id, Out::Complete)).await;
+    out.end(Out::Complete).await;
 }

@@ -22,10 +22,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use compute_api::auth::Role;
-use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
-use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -60,13 +58,122 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 }
 
 /// The event number in a `next` message (`"subject":"e<n>"`), without parsing all of it.
-fn event_number(text: &str) -> Option<usize> {
-    let at = text.find("\"subject\":\"e")? + "\"subject\":\"e".len();
-    let digits: String = text[at..]
-        .chars()
-        .take_while(char::is_ascii_digit)
-        .collect();
-    digits.parse().ok()
+fn event_number(text: &[u8]) -> Option<usize> {
+    const KEY: &[u8] = b"\"subject\":\"e";
+    let at = text.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
+    let digits = text[at..].iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&text[at..at + digits])
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// A WebSocket client that does only what this benchmark needs: the upgrade, masked text
+/// frames out, and server frames read from one reused buffer. tungstenite's client cost the
+/// benchmark a buffer's zeroing, a split of its buffer and an owned message per frame, on the
+/// same two cores the API is measured on; this reads each frame where it lies.
+struct Client {
+    stream: tokio::net::TcpStream,
+    buf: Vec<u8>,
+    /// Where the next frame starts in `buf`.
+    at: usize,
+}
+
+impl Client {
+    async fn connect(addr: std::net::SocketAddr) -> Client {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        let request = format!(
+            "GET /graphql HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+             Sec-WebSocket-Protocol: graphql-transport-ws\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await.expect("upgrade");
+        let mut buf = Vec::with_capacity(4096);
+        let end = loop {
+            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break end + 4;
+            }
+            assert!(
+                stream.read_buf(&mut buf).await.expect("read") > 0,
+                "closed during the upgrade"
+            );
+        };
+        assert!(
+            buf.starts_with(b"HTTP/1.1 101"),
+            "the upgrade was refused: {}",
+            String::from_utf8_lossy(&buf[..end])
+        );
+        Client {
+            stream,
+            buf,
+            at: end,
+        }
+    }
+
+    /// Sends a text frame, masked (with a zero key, which leaves the payload as it is).
+    async fn send_text(&mut self, text: &str) {
+        let mut frame = vec![0x81u8];
+        match text.len() {
+            n if n < 126 => frame.push(0x80 | n as u8),
+            n if n <= usize::from(u16::MAX) => {
+                frame.push(0x80 | 126);
+                frame.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+            n => {
+                frame.push(0x80 | 127);
+                frame.extend_from_slice(&(n as u64).to_be_bytes());
+            }
+        }
+        frame.extend_from_slice(&[0, 0, 0, 0]);
+        frame.extend_from_slice(text.as_bytes());
+        self.stream.write_all(&frame).await.expect("send");
+    }
+
+    /// The next text message's bytes; `None` once the server closed. Answers pings.
+    async fn next_text(&mut self) -> Option<&[u8]> {
+        loop {
+            if let Some((opcode, start, end)) = self.frame() {
+                self.at = end;
+                match opcode {
+                    0x1 => return Some(&self.buf[start..end]),
+                    0x8 => return None,
+                    0x9 => {
+                        let payload = self.buf[start..end].to_vec();
+                        let mut pong = vec![0x8a, 0x80 | payload.len() as u8, 0, 0, 0, 0];
+                        pong.extend_from_slice(&payload);
+                        self.stream.write_all(&pong).await.ok()?;
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+            // Keep the unread part of a frame; read after it, into spare room (not zeroed).
+            self.buf.drain(..self.at);
+            self.at = 0;
+            if self.buf.capacity() - self.buf.len() < 1024 {
+                self.buf.reserve(4096);
+            }
+            if self.stream.read_buf(&mut self.buf).await.ok()? == 0 {
+                return None;
+            }
+        }
+    }
+
+    /// The opcode and payload range of a whole frame at `at`, if one is there (server frames
+    /// are unmasked and, from this server, never fragmented).
+    fn frame(&self) -> Option<(u8, usize, usize)> {
+        let b = &self.buf[self.at..];
+        let (len, header) = match *b.get(1)? & 0x7f {
+            126 => (usize::from(u16::from_be_bytes([*b.get(2)?, *b.get(3)?])), 4),
+            127 => (
+                usize::try_from(u64::from_be_bytes(b.get(2..10)?.try_into().ok()?)).ok()?,
+                10,
+            ),
+            n => (usize::from(n), 2),
+        };
+        (b.len() >= header + len).then(|| (b[0] & 0x0f, self.at + header, self.at + header + len))
+    }
 }
 
 #[tokio::main]
@@ -167,47 +274,34 @@ async fn main() {
         let cursor = cursor.clone();
         readers.push(tokio::spawn(async move {
             let permit = gate.acquire_owned().await.expect("gate");
-            let mut req = format!("ws://{addr}/graphql").into_client_request().expect("req");
-            req.headers_mut().insert(
-                "Sec-WebSocket-Protocol",
-                "graphql-transport-ws".parse().expect("header"),
+            let mut ws = Client::connect(addr).await;
+            ws.send_text(
+                &json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } })
+                    .to_string(),
+            )
+            .await;
+            assert!(
+                ws.next_text()
+                    .await
+                    .is_some_and(|t| t.windows(14).any(|w| w == b"connection_ack")),
+                "no connection_ack"
             );
-            // tungstenite's default read buffer (128 KiB) is zeroed on every read: with 100,000
-            // frames a second that alone took two thirds of the clients' CPU, on the cores the
-            // API is measured on. A client reading frames of a few hundred bytes needs 4 KiB.
-            let config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
-                .read_buffer_size(4 * 1024);
-            let (mut ws, _) = tokio_tungstenite::connect_async_with_config(req, Some(config), true)
-                .await
-                .expect("connect");
-            ws.send(Message::Text(
-                json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } })
-                    .to_string()
-                    .into(),
-            ))
-            .await
-            .expect("init");
-            ws.next().await.expect("ack").expect("ack");
-            ws.send(Message::Text(
-                json!({ "id": "1", "type": "subscribe", "payload": {
+            ws.send_text(
+                &json!({ "id": "1", "type": "subscribe", "payload": {
                     "query": "subscription($a: String) { events(after: $a, types: [\"bench.tick\"]) { id subject } }",
                     "variables": { "a": cursor } } })
-                .to_string()
-                .into(),
-            ))
-            .await
-            .expect("subscribe");
+                .to_string(),
+            )
+            .await;
             connected.fetch_add(1, Ordering::Relaxed);
             drop(permit);
             let mut latencies = Vec::new();
-            while let Some(Ok(msg)) = ws.next().await {
-                if let Message::Text(t) = msg {
-                    let now = start.elapsed().as_micros() as u64;
-                    if let Some(n) = event_number(t.as_str()) {
-                        let sent = sent_at[n].load(Ordering::Relaxed);
-                        latencies.push((n, now.saturating_sub(sent)));
-                        received.fetch_add(1, Ordering::Relaxed);
-                    }
+            while let Some(text) = ws.next_text().await {
+                let now = start.elapsed().as_micros() as u64;
+                if let Some(n) = event_number(text) {
+                    let sent = sent_at[n].load(Ordering::Relaxed);
+                    latencies.push((n, now.saturating_sub(sent)));
+                    received.fetch_add(1, Ordering::Relaxed);
                 }
             }
             latencies

@@ -335,6 +335,47 @@ async fn pings_pongs_keep_alive_and_operation_errors() {
     );
 }
 
+/// An operation's task writes its own messages and leaves the connection's operations before it
+/// writes its last one: a client that reuses an id the moment it reads `complete` (or `error`)
+/// is never told the id is still running (4409), and every run gets its own answer.
+#[tokio::test]
+async fn an_id_is_free_the_moment_its_last_message_is_read() {
+    let app = spawn_app().await;
+    let member = app.member("acme");
+    let mut ws = connect(&app, "graphql-transport-ws").await;
+    init(&mut ws, &member).await;
+    for n in 0..100 {
+        let query = if n % 2 == 0 {
+            "{ viewer { subject } }"
+        } else {
+            "subscription { nope }"
+        };
+        send(
+            &mut ws,
+            json!({ "id": "same", "type": "subscribe", "payload": { "query": query } }),
+        )
+        .await;
+        let msg = next_msg(&mut ws).await;
+        assert_eq!(msg["id"], "same", "run {n}: {msg}");
+        if n % 2 == 0 {
+            assert_eq!(
+                msg["payload"]["data"]["viewer"]["subject"], "alice@acme",
+                "run {n}"
+            );
+            assert_eq!(
+                next_msg(&mut ws).await,
+                json!({ "id": "same", "type": "complete" }),
+                "run {n}"
+            );
+        } else {
+            assert_eq!(msg["type"], "error", "run {n}: {msg}");
+        }
+    }
+    // Still open: a ping is answered.
+    send(&mut ws, json!({ "type": "ping" })).await;
+    assert_eq!(next_msg(&mut ws).await, json!({ "type": "pong" }));
+}
+
 #[tokio::test]
 async fn resume_over_websocket_with_nothing_lost_or_doubled() {
     let app = spawn_app().await;
