@@ -1,4 +1,4 @@
--- The current definition, as migrations/0022_one_stored_response.sql left it. Change it with a new migration
+-- The current definition, as migrations/0034_pool_rules.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -25,6 +25,12 @@ DECLARE
     v_error    jsonb;
     v_sqlstate text;
     v_message  text;
+    v_detail   text;
+    v_hint     text;
+    v_rules    jsonb;
+    v_limit    numeric;
+    v_held     numeric;
+    v_asked    numeric;
 BEGIN
     BEGIN
         INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint)
@@ -55,7 +61,7 @@ BEGIN
     -- The effect, in a block of its own: a final error (not found, over quota) undoes it and is
     -- stored as the key's answer.
     BEGIN
-        SELECT compute_now(), p.site_id INTO v_now, v_site FROM pools p WHERE p.id = p_pool;
+        SELECT compute_now(), p.site_id, p.rules INTO v_now, v_site, v_rules FROM pools p WHERE p.id = p_pool;
         IF NOT FOUND THEN
             RAISE EXCEPTION USING ERRCODE = 'CP404', MESSAGE = format('pool %s not found', p_pool);
         END IF;
@@ -65,6 +71,35 @@ BEGIN
         END IF;
         IF p_ends_at <= v_start THEN
             RAISE EXCEPTION USING ERRCODE = 'CP400', MESSAGE = '`endsAt` must be after the start', DETAIL = 'endsAt';
+        END IF;
+
+        -- The pool's rules (migration 0034), each only where the pool sets it. A refusal names
+        -- the rule (DETAIL) and its limit (HINT, as JSON) and is stored as the key's answer.
+        v_limit := (v_rules->>'maxDurationSeconds')::numeric;
+        IF v_limit IS NOT NULL AND extract(epoch FROM p_ends_at - v_start) > v_limit THEN
+            RAISE EXCEPTION USING ERRCODE = 'CPPV0', DETAIL = 'maxDurationSeconds', HINT = v_limit::text,
+                MESSAGE = format('pool %s allows reservations of at most %s seconds; this one would last %s seconds',
+                                 p_pool, v_limit, extract(epoch FROM p_ends_at - v_start)::bigint);
+        END IF;
+        v_limit := (v_rules->>'maxLeadSeconds')::numeric;
+        IF v_limit IS NOT NULL AND extract(epoch FROM v_start - v_now) > v_limit THEN
+            RAISE EXCEPTION USING ERRCODE = 'CPPV0', DETAIL = 'maxLeadSeconds', HINT = v_limit::text,
+                MESSAGE = format('pool %s allows a reservation to start at most %s seconds ahead; this one starts %s seconds ahead',
+                                 p_pool, v_limit, extract(epoch FROM v_start - v_now)::bigint);
+        END IF;
+        v_limit := (v_rules->>'maxFutureGpuHours')::numeric;
+        IF v_limit IS NOT NULL THEN
+            -- One admission at a time per tenant and pool, so two creates cannot both fit under
+            -- the limit with room for one (docs/database-locks.md: the `gpuhours` advisory lock).
+            PERFORM pg_advisory_xact_lock(hashtextextended('gpuhours:' || p_tenant || '/' || p_pool, 0));
+            v_held := compute_future_gpu_hours(p_tenant, p_pool, NULL, v_now);
+            v_asked := p_gpu_charge * extract(epoch FROM p_ends_at - greatest(v_start, v_now)) / 3600;
+            IF v_held + v_asked > v_limit THEN
+                RAISE EXCEPTION USING ERRCODE = 'CPPV0', DETAIL = 'maxFutureGpuHours', HINT = v_limit::text,
+                    MESSAGE = format('pool %s allows a tenant at most %s GPU-hours booked ahead; tenant %s holds %s and asks %s',
+                                     p_pool, compute_amount_text(v_limit), p_tenant,
+                                     compute_amount_text(round(v_held, 3)), compute_amount_text(round(v_asked, 3)));
+            END IF;
         END IF;
         SELECT coalesce(sum((a->>'vcpu')::bigint), 0), coalesce(sum((a->>'memory_mib')::bigint), 0)
           INTO v_vcpu, v_memory FROM jsonb_array_elements(p_allocations) a;
@@ -111,9 +146,9 @@ BEGIN
         -- writes its row once; one left pending is updated after placement.
         v_state := CASE WHEN v_start <= v_now THEN 'active' ELSE 'scheduled' END;
         INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at,
-                                  charge_gpu, charge_vcpu, charge_memory_mib, charged)
+                                  charge_gpu, charge_vcpu, charge_memory_mib, charged, admitted_under)
             VALUES (p_id, p_tenant, p_created_by, p_pool, v_state, v_start, p_ends_at,
-                    p_gpu_charge, v_vcpu, v_memory, v_charged);
+                    p_gpu_charge, v_vcpu, v_memory, v_charged, v_rules);
         INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, model, profile, slots_per_gpu,
                                  vcpu, memory_mib, disk_gib, node_selector, tolerations)
             SELECT j->>'id', p_id, (o - 1)::integer, j->>'gpu_kind', (j->>'gpu_count')::integer, j->>'model', j->>'profile',
@@ -134,10 +169,16 @@ BEGIN
         UPDATE idempotency_keys SET response = jsonb_build_object('id', p_id)
          WHERE tenant_id = p_scope AND subject = p_subject AND key = p_key;
         RETURN jsonb_build_object('outcome', 'created', 'reservationId', p_id, 'replans', v_place->'replans');
-    EXCEPTION WHEN SQLSTATE 'CP404' OR SQLSTATE 'CPQE0' THEN
-        GET STACKED DIAGNOSTICS v_sqlstate = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT;
-        v_error := jsonb_build_object('code', CASE v_sqlstate WHEN 'CP404' THEN 'NOT_FOUND' ELSE 'QUOTA_EXCEEDED' END,
+    EXCEPTION WHEN SQLSTATE 'CP404' OR SQLSTATE 'CPQE0' OR SQLSTATE 'CPPV0' THEN
+        GET STACKED DIAGNOSTICS v_sqlstate = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT,
+                                v_detail = PG_EXCEPTION_DETAIL, v_hint = PG_EXCEPTION_HINT;
+        v_error := jsonb_build_object('code', CASE v_sqlstate WHEN 'CP404' THEN 'NOT_FOUND'
+                                                              WHEN 'CPQE0' THEN 'QUOTA_EXCEEDED'
+                                                              ELSE 'POLICY_VIOLATION' END,
                                       'message', v_message);
+        IF v_sqlstate = 'CPPV0' THEN
+            v_error := v_error || jsonb_build_object('rule', v_detail, 'limit', v_hint::numeric);
+        END IF;
         UPDATE idempotency_keys SET response = jsonb_build_object('error', v_error)
          WHERE tenant_id = p_scope AND subject = p_subject AND key = p_key;
         RETURN jsonb_build_object('outcome', 'refused', 'error', v_error);

@@ -25,6 +25,9 @@ pub enum ErrorCode {
     Conflict,
     /// The tenant's quota does not allow the request.
     QuotaExceeded,
+    /// A rule of the pool does not allow the request; `extensions.rule` names it and
+    /// `extensions.limit` gives its limit.
+    PolicyViolation,
     /// No capacity satisfies the request now.
     Unschedulable,
     /// An idempotency key was reused with a different request.
@@ -46,13 +49,14 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order `docs/errors.md` lists them.
-    pub const ALL: [ErrorCode; 14] = [
+    pub const ALL: [ErrorCode; 15] = [
         ErrorCode::Unauthenticated,
         ErrorCode::Forbidden,
         ErrorCode::NotFound,
         ErrorCode::BadUserInput,
         ErrorCode::Conflict,
         ErrorCode::QuotaExceeded,
+        ErrorCode::PolicyViolation,
         ErrorCode::Unschedulable,
         ErrorCode::IdempotencyKeyReused,
         ErrorCode::IdempotencyInProgress,
@@ -72,6 +76,7 @@ impl ErrorCode {
             ErrorCode::BadUserInput => "BAD_USER_INPUT",
             ErrorCode::Conflict => "CONFLICT",
             ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
+            ErrorCode::PolicyViolation => "POLICY_VIOLATION",
             ErrorCode::Unschedulable => "UNSCHEDULABLE",
             ErrorCode::IdempotencyKeyReused => "IDEMPOTENCY_KEY_REUSED",
             ErrorCode::IdempotencyInProgress => "IDEMPOTENCY_IN_PROGRESS",
@@ -157,6 +162,14 @@ pub enum Error {
     },
     #[error("{0}")]
     QuotaExceeded(String),
+    /// A rule of the pool (`rule`, such as `maxDurationSeconds`) with its `limit` refuses the
+    /// request.
+    #[error("{message}")]
+    PolicyViolation {
+        rule: String,
+        limit: serde_json::Value,
+        message: String,
+    },
     #[error("{0}")]
     Unschedulable(String),
     #[error("{0}")]
@@ -212,6 +225,7 @@ impl Error {
             | Error::IllegalTransition { .. }
             | Error::PreconditionFailed { .. } => ErrorCode::Conflict,
             Error::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
+            Error::PolicyViolation { .. } => ErrorCode::PolicyViolation,
             Error::Unschedulable(_) => ErrorCode::Unschedulable,
             Error::IdempotencyKeyReused(_) => ErrorCode::IdempotencyKeyReused,
             Error::IdempotencyInProgress(_) => ErrorCode::IdempotencyInProgress,
@@ -360,6 +374,14 @@ fn raised_by_our_sql(code: &str, err: &sqlx::Error) -> Option<Error> {
         ),
         "CP404" => Error::from_code("NOT_FOUND", message),
         "CPQE0" => Error::QuotaExceeded(message),
+        "CPPV0" => Error::PolicyViolation {
+            rule: pg.and_then(|p| p.detail()).unwrap_or("rule").to_owned(),
+            limit: pg
+                .and_then(|p| p.hint())
+                .and_then(|h| serde_json::from_str(h).ok())
+                .unwrap_or(serde_json::Value::Null),
+            message,
+        },
         "CPKR0" => Error::IdempotencyKeyReused(message),
         "CPIP0" => Error::IdempotencyInProgress(message),
         _ => return None,

@@ -74,21 +74,40 @@ pub enum Stored {
 pub struct StoredError {
     pub code: ErrorCode,
     pub message: String,
+    /// A `POLICY_VIOLATION`'s rule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    /// A `POLICY_VIOLATION`'s limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<Value>,
 }
 
 impl StoredError {
     /// The stored form of `e`.
     pub fn of(e: &Error) -> StoredError {
+        let (rule, limit) = match e {
+            Error::PolicyViolation { rule, limit, .. } => (Some(rule.clone()), Some(limit.clone())),
+            _ => (None, None),
+        };
         StoredError {
             code: e.code(),
             message: e.to_string(),
+            rule,
+            limit,
         }
     }
 }
 
 impl From<StoredError> for Error {
     fn from(e: StoredError) -> Error {
-        Error::from_code(e.code.as_str(), e.message)
+        match (e.code, e.rule) {
+            (ErrorCode::PolicyViolation, Some(rule)) => Error::PolicyViolation {
+                rule,
+                limit: e.limit.unwrap_or(Value::Null),
+                message: e.message,
+            },
+            (code, _) => Error::from_code(code.as_str(), e.message),
+        }
     }
 }
 
@@ -201,6 +220,7 @@ pub fn is_final(err: &Error) -> bool {
     matches!(
         err.code(),
         ErrorCode::QuotaExceeded
+            | ErrorCode::PolicyViolation
             | ErrorCode::Conflict
             | ErrorCode::NotFound
             | ErrorCode::Forbidden
@@ -287,6 +307,8 @@ mod tests {
             error: StoredError {
                 code: ErrorCode::QuotaExceeded,
                 message: "over".into(),
+                rule: None,
+                limit: None,
             },
         };
         let v = serde_json::to_value(&refused).expect("json");

@@ -104,6 +104,12 @@ fn coded(err: Error) -> async_graphql::Error {
             Error::BadUserInput {
                 field: Some(field), ..
             } => e.set("field", field.clone()),
+            Error::PolicyViolation { rule, limit, .. } => {
+                e.set("rule", rule.clone());
+                if let Ok(limit) = async_graphql::Value::from_json(limit.clone()) {
+                    e.set("limit", limit);
+                }
+            }
             _ => {
                 if let Some(v) = err.current_version() {
                     e.set("currentVersion", v);

@@ -286,6 +286,27 @@ children!(
     reservation_id
 );
 
+/// The pool rules that admitted a reservation (`Reservation.admittedUnder`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AdmittedUnder(pub ReservationId);
+
+impl Loader<AdmittedUnder> for FleetLoader {
+    type Value = Option<compute_domain::fleet::PoolRules>;
+    type Error = async_graphql::Error;
+
+    async fn load(
+        &self,
+        keys: &[AdmittedUnder],
+    ) -> LoadResult<AdmittedUnder, Option<compute_domain::fleet::PoolRules>> {
+        let rows =
+            compute_domain::reservations::admitted_under(&self.db, &ids(keys, |k| &k.0)).await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, rules)| (AdmittedUnder(id), rules))
+            .collect())
+    }
+}
+
 /// Groups keys that share page arguments, so each group is one statement.
 fn by_args<K, I: Clone, F: Fn(&K) -> (&I, &PageArgs)>(
     keys: &[K],

@@ -14,7 +14,7 @@ use crate::auth::Role;
 use crate::graph::common::{
     AtomKind, Condition, TaintEffect, WindowInput, conditions_of, connection, gql_id,
 };
-use crate::graph::fleet::{ComputeNodeObj, PoolObj};
+use crate::graph::fleet::{ComputeNodeObj, PoolObj, PoolRulesObj};
 use crate::graph::loaders::*;
 use crate::graph::{GqlResult, ReplayFlag, actor, db, gql_error, viewer};
 
@@ -72,6 +72,15 @@ impl ReservationObj {
     /// When it ended (released, cancelled).
     async fn ended_at(&self) -> Option<DateTime<Utc>> {
         self.0.ended_at
+    }
+    /// The pool's rules that admitted it, as they were at its creation or its latest
+    /// extension; null for one admitted before rules were recorded.
+    async fn admitted_under(&self, ctx: &Context<'_>) -> GqlResult<Option<PoolRulesObj>> {
+        Ok(loaders_of(ctx)?
+            .load_one(AdmittedUnder(self.0.id.clone()))
+            .await?
+            .flatten()
+            .map(|r| (&r).into()))
     }
     /// Conditions, such as `Unschedulable` with the reason in words.
     async fn conditions(&self) -> Vec<Condition> {

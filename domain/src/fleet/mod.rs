@@ -52,9 +52,78 @@ pub struct Pool {
     pub vcpu_ratio: f64,
     pub memory_ratio: f64,
     pub disk_ratio: f64,
+    /// Its rules against hoarding (migration 0034).
+    pub rules: Json<PoolRules>,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+/// A pool's rules against hoarding (`pools.rules`, and each reservation's `admitted_under`):
+/// each applies only where it is set. Checked where a reservation is created or extended
+/// (`compute_create_reservation`, `extend_reservation`); a refusal is `POLICY_VIOLATION` with the
+/// rule's name (the field's name here) and its limit.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolRules {
+    /// The longest a reservation may last, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_duration_seconds: Option<i64>,
+    /// How far ahead of now a reservation may start, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lead_seconds: Option<i64>,
+    /// The most GPU-hours one tenant may hold booked on the pool from now on: each live
+    /// reservation's GPU charge times what is left of its window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_future_gpu_hours: Option<f64>,
+    /// `false`: a reservation may not be extended once its window has started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extend_after_start: Option<bool>,
+}
+
+impl PoolRules {
+    /// The longest any rule may say, in seconds: ten years.
+    pub const MAX_SECONDS: i64 = 10 * 366 * 24 * 3600;
+
+    /// Rules as they enter: durations positive and at most ten years, GPU-hours positive and
+    /// finite; `extend_after_start` is kept only when it forbids (`Some(false)`).
+    pub fn parse(
+        max_duration_seconds: Option<i64>,
+        max_lead_seconds: Option<i64>,
+        max_future_gpu_hours: Option<f64>,
+        extend_after_start: Option<bool>,
+    ) -> Result<PoolRules> {
+        for (field, v) in [
+            ("rules.maxDurationSeconds", max_duration_seconds),
+            ("rules.maxLeadSeconds", max_lead_seconds),
+        ] {
+            if let Some(v) = v
+                && !(1..=Self::MAX_SECONDS).contains(&v)
+            {
+                return Err(crate::Error::bad_input(
+                    field,
+                    format!(
+                        "`{field}` must be between 1 and {} seconds",
+                        Self::MAX_SECONDS
+                    ),
+                ));
+            }
+        }
+        if let Some(h) = max_future_gpu_hours
+            && !(h.is_finite() && h > 0.0 && h <= 1e12)
+        {
+            return Err(crate::Error::bad_input(
+                "rules.maxFutureGpuHours",
+                "`rules.maxFutureGpuHours` must be a positive number of GPU-hours (at most 10^12)",
+            ));
+        }
+        Ok(PoolRules {
+            max_duration_seconds,
+            max_lead_seconds,
+            max_future_gpu_hours,
+            extend_after_start: extend_after_start.filter(|allowed| !allowed),
+        })
+    }
 }
 
 /// A machine (`ComputeNode` in GraphQL).
@@ -178,8 +247,8 @@ macro_rules! query_pools {
             $head
                 + r#" p.id AS "id: _", p.site_id AS "site_id: _", p.name, p.kind AS "kind: _",
                      extract(epoch FROM p.lost_after)::float8 AS lost_after_seconds, p.vcpu_ratio::float8 AS "vcpu_ratio!",
-                     p.memory_ratio::float8 AS "memory_ratio!", p.disk_ratio::float8 AS "disk_ratio!", p.version,
-                     p.created_at, p.updated_at "#
+                     p.memory_ratio::float8 AS "memory_ratio!", p.disk_ratio::float8 AS "disk_ratio!",
+                     p.rules AS "rules: _", p.version, p.created_at, p.updated_at "#
                 + $tail
             $(, $arg)*
         )
@@ -225,7 +294,7 @@ pub(crate) use query_devices;
 const SITE_COLS: &str = "s.id, s.name, s.region, s.version, s.created_at, s.updated_at";
 const POOL_COLS: &str = "p.id, p.site_id, p.name, p.kind, \
      extract(epoch FROM p.lost_after)::float8 AS lost_after_seconds, p.vcpu_ratio::float8 AS vcpu_ratio, \
-     p.memory_ratio::float8 AS memory_ratio, p.disk_ratio::float8 AS disk_ratio, p.version, p.created_at, p.updated_at";
+     p.memory_ratio::float8 AS memory_ratio, p.disk_ratio::float8 AS disk_ratio, p.rules, p.version, p.created_at, p.updated_at";
 pub(crate) const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.taints, n.cordoned, n.cordon_reason, \
      n.reachability, n.conditions, n.generation, n.observed_generation, n.joined_at, n.retired_at, n.lifecycle, \
      n.version, n.updated_at, n.reachability_since, n.unreachable_at, n.inventory, n.inventory_at";

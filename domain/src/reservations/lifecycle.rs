@@ -828,7 +828,34 @@ async fn extend_effect(
     id: &ReservationId,
     ends_at: DateTime<Utc>,
 ) -> Result<Outcome<Reservation>> {
+    // The pool's rules in force now judge the extension (a new request for more), and are
+    // recorded on the reservation as what admitted it. The GPU-hours rule serializes the
+    // tenant's admissions on the pool with the advisory lock `compute_create_reservation` takes,
+    // before any row lock (docs/database-locks.md).
+    let ruled = sqlx::query!(
+        r#"SELECT r.tenant_id, r.pool_id, p.rules AS "rules: Json<crate::fleet::PoolRules>", compute_now() AS "now!"
+             FROM reservations r JOIN pools p ON p.id = r.pool_id WHERE r.id = $1"#,
+        id.as_str(),
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
+    if let Some(r) = &ruled
+        && r.rules.max_future_gpu_hours.is_some()
+    {
+        sqlx::query!(
+            "SELECT pg_advisory_xact_lock(hashtextextended('gpuhours:' || $1 || '/' || $2, 0))",
+            r.tenant_id,
+            r.pool_id,
+        )
+        .execute(&mut *conn)
+        .await?;
+    }
     let rsv = lock_for(conn, actor, id, None, Action::Extend).await?;
+    // `lock_for` found it, so the read above did too.
+    let Some(ruled) = ruled else {
+        return Err(Error::internal("a locked reservation was not read before"));
+    };
+    let rules = ruled.rules.0;
     if ends_at <= rsv.ends_at {
         return Err(Error::bad_input(
             "endsAt",
@@ -846,6 +873,55 @@ async fn extend_effect(
                 super::model::MAX_DAYS
             ),
         ));
+    }
+    if rules.extend_after_start == Some(false) && rsv.starts_at <= ruled.now {
+        return Err(Error::PolicyViolation {
+            rule: "extendAfterStart".into(),
+            limit: Value::Bool(false),
+            message: format!(
+                "pool {} does not allow extending a reservation once its window has started; reservation {id} started at {}",
+                rsv.pool_id,
+                rsv.starts_at.to_rfc3339()
+            ),
+        });
+    }
+    if let Some(max) = rules.max_duration_seconds
+        && (ends_at - rsv.starts_at).num_seconds() > max
+    {
+        return Err(Error::PolicyViolation {
+            rule: "maxDurationSeconds".into(),
+            limit: json!(max),
+            message: format!(
+                "pool {} allows reservations of at most {max} seconds; extended to {} reservation {id} would last {} seconds",
+                rsv.pool_id,
+                ends_at.to_rfc3339(),
+                (ends_at - rsv.starts_at).num_seconds()
+            ),
+        });
+    }
+    if let Some(max) = rules.max_future_gpu_hours {
+        // What the tenant holds besides this reservation, and this one as extended, from now on.
+        let held = sqlx::query_scalar!(
+            r#"SELECT compute_future_gpu_hours($1, $2, $3, $4)::float8 AS "held!""#,
+            rsv.tenant_id.as_str(),
+            rsv.pool_id.as_str(),
+            id.as_str(),
+            ruled.now,
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        let left = (ends_at - rsv.starts_at.max(ruled.now)).num_milliseconds() as f64 / 3_600_000.0;
+        let asked = rsv.charge_gpu * left;
+        if held + asked > max {
+            return Err(Error::PolicyViolation {
+                rule: "maxFutureGpuHours".into(),
+                limit: json!(max),
+                message: format!(
+                    "pool {} allows a tenant at most {max} GPU-hours booked ahead; tenant {} holds {:.3} besides reservation {id}, which extended would hold {:.3}",
+                    rsv.pool_id, rsv.tenant_id, held, asked
+                ),
+            });
+        }
     }
     let blockers = sqlx::query!(
         r#"SELECT b.atom AS "atom: AtomName", b.allocation_id AS "allocation_id: AllocationId", b.reason AS "reason: BookingReason" FROM device_bookings b
@@ -893,11 +969,12 @@ async fn extend_effect(
                     _ => Error::from(e),
                 })?;
     let rsv = query_reservations!(
-        "UPDATE reservations r SET ends_at = $2, version = r.version + 1, updated_at = compute_now()
+        "UPDATE reservations r SET ends_at = $2, admitted_under = $3, version = r.version + 1, updated_at = compute_now()
          WHERE r.id = $1 RETURNING",
         "",
         id.as_str(),
         ends_at,
+        Json(&rules) as _,
     )
     .fetch_one(&mut *conn)
     .await?;

@@ -183,6 +183,24 @@ pub async fn list_reservations(
     crate::page::fetch_page(select(RSV_COLS, filter), "r.id", page, db).await
 }
 
+/// The pool rules that admitted each of these reservations (at its creation, or its latest
+/// extension); `None` for one admitted before rules were recorded (migration 0034).
+pub async fn admitted_under(
+    db: &Db,
+    ids: &[ReservationId],
+) -> Result<Vec<(ReservationId, Option<crate::fleet::PoolRules>)>> {
+    let ids: Vec<&str> = ids.iter().map(ReservationId::as_str).collect();
+    let rows: Vec<(ReservationId, Option<Json<crate::fleet::PoolRules>>)> =
+        sqlx::query_as("SELECT r.id, r.admitted_under FROM reservations r WHERE r.id = ANY($1)")
+            .bind(&ids)
+            .fetch_all(db.pool())
+            .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, r)| (id, r.map(|r| r.0)))
+        .collect())
+}
+
 /// How many reservations match.
 pub async fn count_reservations(db: &Db, filter: &ReservationFilter) -> Result<i64> {
     let (n,): (i64,) = select("count(*)", filter)

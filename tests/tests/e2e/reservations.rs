@@ -1710,3 +1710,219 @@ async fn a_reservation_read_as_active_has_its_active_event_whatever_ends_it() {
         "{activated_events:?}"
     );
 }
+
+const RULES: &str = "mutation($i: UpdatePoolInput!) { updatePool(input: $i) { pool { version \
+    rules { maxDurationSeconds maxLeadSeconds maxFutureGpuHours extendAfterStart } } } }";
+
+async fn pool_version(app: &TestApp, pool: &str) -> i64 {
+    let d = app
+        .ok(
+            &app.operator(),
+            "query($id: ID!) { node(id: $id) { ... on Pool { version } } }",
+            json!({ "id": pool }),
+        )
+        .await;
+    d["node"]["version"].as_i64().expect("version")
+}
+
+async fn admitted_under(app: &TestApp, token: &str, id: &Value) -> Value {
+    let d = app
+        .ok(
+            token,
+            "query($id: ID!) { reservation(id: $id) { admittedUnder { maxDurationSeconds maxLeadSeconds maxFutureGpuHours extendAfterStart } } }",
+            json!({ "id": id }),
+        )
+        .await;
+    d["reservation"]["admittedUnder"].clone()
+}
+
+/// A pool's rules refuse by name and limit, write nothing when they refuse, replay their refusal
+/// under the key, judge an extension by the rules in force, and leave existing reservations as
+/// they were admitted when the rules change.
+#[tokio::test]
+async fn pool_rules_refuse_by_name_and_limit_and_record_what_admitted() {
+    let (app, p, member) = setup().await;
+    let op = app.operator();
+    let version = pool_version(&app, &p.pool).await;
+    let rules = json!({ "maxDurationSeconds": 7200, "maxLeadSeconds": 86400, "maxFutureGpuHours": 6.0, "extendAfterStart": false });
+    let d = app
+        .ok(
+            &op,
+            RULES,
+            json!({ "i": { "id": p.pool, "version": version, "rules": rules } }),
+        )
+        .await;
+    assert_eq!(d["updatePool"]["pool"]["rules"], rules, "{d}");
+    // Rules are checked where they enter.
+    let (code, error) = app
+        .fails(
+            &op,
+            RULES,
+            json!({ "i": { "id": p.pool, "version": version + 1, "rules": { "maxLeadSeconds": 0 } } }),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "{error}");
+    assert_eq!(error["extensions"]["field"], "rules.maxLeadSeconds");
+
+    let window = |start: &str, end: &str, gpus: i64, key: &str| {
+        json!({ "i": { "poolId": p.pool, "startsAt": start, "endsAt": end,
+            "allocations": [{ "gpuCount": gpus, "model": "H100" }], "idempotencyKey": key } })
+    };
+    let (rows, events) = (app.count("reservations").await, app.count("outbox").await);
+    let too_long = window("2031-01-01T00:00:00Z", "2031-01-01T03:00:00Z", 1, "long");
+    for _ in 0..2 {
+        let (code, error) = app.fails(&member, CREATE, too_long.clone()).await;
+        assert_eq!(code, "POLICY_VIOLATION", "{error}");
+        assert_eq!(error["extensions"]["rule"], "maxDurationSeconds");
+        assert_eq!(error["extensions"]["limit"], 7200);
+        assert!(
+            error["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("would last 10800 seconds"),
+            "{error}"
+        );
+    }
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            window("2031-01-03T00:00:00Z", "2031-01-03T01:00:00Z", 1, "far"),
+        )
+        .await;
+    assert_eq!(
+        (
+            code.as_str(),
+            &error["extensions"]["rule"],
+            &error["extensions"]["limit"]
+        ),
+        ("POLICY_VIOLATION", &json!("maxLeadSeconds"), &json!(86400)),
+        "{error}"
+    );
+    // Nothing written by a refusal: no reservation, no event, no charge.
+    assert_eq!(
+        (app.count("reservations").await, app.count("outbox").await),
+        (rows, events)
+    );
+    assert_eq!(used(&app, "gpu").await, 0.0);
+
+    // GPU-hours booked ahead: 2 GPUs for 2 h is 4 of 6; 2 more for 1.5 h would be 7.
+    let first = app
+        .ok(
+            &member,
+            CREATE,
+            window("2031-01-01T00:00:00Z", "2031-01-01T02:00:00Z", 2, "four"),
+        )
+        .await;
+    let first_id = first["createReservation"]["reservation"]["id"].clone();
+    assert_eq!(admitted_under(&app, &member, &first_id).await, rules);
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            window("2031-01-01T00:00:00Z", "2031-01-01T01:30:00Z", 2, "seven"),
+        )
+        .await;
+    assert_eq!(code, "POLICY_VIOLATION", "{error}");
+    assert_eq!(error["extensions"]["rule"], "maxFutureGpuHours");
+    assert_eq!(error["extensions"]["limit"].as_f64(), Some(6.0));
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("holds 4 and asks 3"),
+        "{error}"
+    );
+    // Exactly at the limit is allowed (it may wait for capacity: pending counts too).
+    app.ok(
+        &member,
+        CREATE,
+        window("2031-01-01T00:00:00Z", "2031-01-01T02:00:00Z", 1, "six"),
+    )
+    .await;
+
+    // The first has started: no extension.
+    let extend = |key: &str| json!({ "i": { "id": first_id, "endsAt": "2031-01-01T02:30:00Z", "idempotencyKey": key } });
+    let (code, error) = app.fails(&member, EXTEND, extend("ext-1")).await;
+    assert_eq!(
+        (
+            code.as_str(),
+            &error["extensions"]["rule"],
+            &error["extensions"]["limit"]
+        ),
+        (
+            "POLICY_VIOLATION",
+            &json!("extendAfterStart"),
+            &json!(false)
+        ),
+        "{error}"
+    );
+
+    // Rules change: existing reservations keep what admitted them; the extension asked again
+    // (with a new key: the first answer is final) is judged by the rules now in force.
+    let version = pool_version(&app, &p.pool).await;
+    let d = app
+        .ok(
+            &op,
+            RULES,
+            json!({ "i": { "id": p.pool, "version": version, "rules": {} } }),
+        )
+        .await;
+    let none = json!({ "maxDurationSeconds": null, "maxLeadSeconds": null, "maxFutureGpuHours": null, "extendAfterStart": true });
+    assert_eq!(d["updatePool"]["pool"]["rules"], none);
+    assert_eq!(admitted_under(&app, &member, &first_id).await, rules);
+    let (code, _) = app.fails(&member, EXTEND, extend("ext-1")).await;
+    assert_eq!(code, "POLICY_VIOLATION", "replayed under its key");
+    let d = app.ok(&member, EXTEND, extend("ext-2")).await;
+    assert_eq!(
+        d["extendReservation"]["reservation"]["endsAt"],
+        "2031-01-01T02:30:00+00:00"
+    );
+    assert_eq!(admitted_under(&app, &member, &first_id).await, none);
+}
+
+/// The GPU-hours rule under concurrent creates of one tenant: a limit with room for four
+/// one-GPU-hour reservations admits exactly four of twelve sent at once, whatever their order.
+#[tokio::test]
+async fn the_gpu_hours_rule_holds_under_concurrent_creates() {
+    let (app, p, _) = setup().await;
+    let version = pool_version(&app, &p.pool).await;
+    app.ok(
+        &app.operator(),
+        RULES,
+        json!({ "i": { "id": p.pool, "version": version, "rules": { "maxFutureGpuHours": 4 } } }),
+    )
+    .await;
+    let beta = app.member("beta");
+    let calls = (0..12).map(|n| {
+        let (app, beta, pool) = (&app, &beta, &p.pool);
+        async move {
+            let (_, body) = app
+                .graphql(
+                    CREATE,
+                    json!({ "i": { "poolId": pool, "endsAt": "2031-01-01T01:00:00Z",
+                        "allocations": [{ "gpuCount": 1 }], "idempotencyKey": format!("c{n}") } }),
+                    Some(beta),
+                )
+                .await;
+            body
+        }
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    let created = answers
+        .iter()
+        .filter(|b| b["data"]["createReservation"]["reservation"]["id"].is_string())
+        .count();
+    let refused = answers
+        .iter()
+        .filter(|b| b["errors"][0]["extensions"]["rule"] == "maxFutureGpuHours")
+        .count();
+    assert_eq!((created, refused), (4, 8), "{answers:?}");
+    let (held,): (f64,) =
+        sqlx::query_as("SELECT compute_future_gpu_hours('beta', $1, NULL, compute_now())::float8")
+            .bind(&p.pool)
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("sum");
+    assert_eq!(held, 4.0);
+}

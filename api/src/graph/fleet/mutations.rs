@@ -123,6 +123,22 @@ pub struct UpdatePoolInput {
     pub clear_lost_after: bool,
     /// New ratios; lowering one below what a node already holds is `CONFLICT`.
     pub overcommit: Option<OvercommitInput>,
+    /// New rules against hoarding, all at once: a rule left out (or null) no longer applies.
+    /// Existing reservations are not touched.
+    pub rules: Option<PoolRulesInput>,
+}
+
+/// A pool's rules against hoarding; leave a rule out for no limit.
+#[derive(InputObject, Default)]
+pub struct PoolRulesInput {
+    /// The longest a reservation may last, in seconds (1 to ten years).
+    pub max_duration_seconds: Option<i64>,
+    /// How far ahead of now a reservation may start, in seconds (1 to ten years).
+    pub max_lead_seconds: Option<i64>,
+    /// The most GPU-hours one tenant may hold booked on the pool from now on.
+    pub max_future_gpu_hours: Option<f64>,
+    /// `false` forbids extending a reservation once its window has started (default `true`).
+    pub extend_after_start: Option<bool>,
 }
 
 /// Result of `updatePool`.
@@ -510,6 +526,17 @@ impl FleetMutation {
             vcpu_ratio: ratio("overcommit.vcpu", oc.vcpu)?,
             memory_ratio: ratio("overcommit.memory", oc.memory)?,
             disk_ratio: ratio("overcommit.disk", oc.disk)?,
+            rules: input
+                .rules
+                .map(|r| {
+                    compute_domain::fleet::PoolRules::parse(
+                        r.max_duration_seconds,
+                        r.max_lead_seconds,
+                        r.max_future_gpu_hours,
+                        r.extend_after_start,
+                    )
+                })
+                .transpose()?,
         };
         let pool = cmd::update_pool(db(ctx)?, &id, input.version, changes).await?;
         Ok(UpdatePoolPayload {

@@ -88,6 +88,35 @@ pub struct Overcommit {
     disk: f64,
 }
 
+/// A pool's rules against hoarding; a rule that is null does not apply. A request a rule
+/// refuses gets `POLICY_VIOLATION` with the rule's name (`extensions.rule`, one of these field
+/// names) and its limit (`extensions.limit`).
+#[derive(SimpleObject)]
+#[graphql(name = "PoolRules")]
+pub struct PoolRulesObj {
+    /// The longest a reservation may last, in seconds.
+    pub max_duration_seconds: Option<i64>,
+    /// How far ahead of now a reservation may start, in seconds.
+    pub max_lead_seconds: Option<i64>,
+    /// The most GPU-hours one tenant may hold booked on the pool from now on: the sum over its
+    /// pending, scheduled and active reservations of their GPUs times what is left of their
+    /// windows (whole GPUs count 1, a MIG instance k/7, a time-slice slot its share).
+    pub max_future_gpu_hours: Option<f64>,
+    /// Whether a reservation may be extended once its window has started.
+    pub extend_after_start: bool,
+}
+
+impl From<&fleet::PoolRules> for PoolRulesObj {
+    fn from(r: &fleet::PoolRules) -> Self {
+        PoolRulesObj {
+            max_duration_seconds: r.max_duration_seconds,
+            max_lead_seconds: r.max_lead_seconds,
+            max_future_gpu_hours: r.max_future_gpu_hours,
+            extend_after_start: r.extend_after_start != Some(false),
+        }
+    }
+}
+
 /// A pool of compute nodes in a site.
 pub struct PoolObj(pub fleet::Pool);
 
@@ -109,6 +138,12 @@ impl PoolObj {
     /// After how long unreachable a node counts as lost (provider and VPS pools only).
     async fn lost_after_seconds(&self) -> Option<i64> {
         self.0.lost_after_seconds.map(|s| s as i64)
+    }
+    /// Its rules against hoarding, checked when a reservation is created or extended. A
+    /// change applies to requests from then on: existing reservations keep the rules that
+    /// admitted them (`Reservation.admittedUnder`).
+    async fn rules(&self) -> PoolRulesObj {
+        (&self.0.rules.0).into()
     }
     /// Overcommit ratios.
     async fn overcommit(&self) -> Overcommit {

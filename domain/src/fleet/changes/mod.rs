@@ -11,8 +11,8 @@ use sqlx::types::Json;
 use super::model::{AtomSpec, Labels, Layout, PoolKind, Taint, TaintEffect};
 use super::state::{NodeAction, NodeLifecycle, allowed_from};
 use super::{
-    DEVICE_COLS, Device, NODE_COLS, Node, Pool, Site, query_devices, query_nodes, query_pools,
-    query_sites,
+    DEVICE_COLS, Device, NODE_COLS, Node, Pool, PoolRules, Site, query_devices, query_nodes,
+    query_pools, query_sites,
 };
 use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};

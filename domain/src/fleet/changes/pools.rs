@@ -103,20 +103,30 @@ pub struct PoolChanges {
     pub vcpu_ratio: Option<f64>,
     pub memory_ratio: Option<f64>,
     pub disk_ratio: Option<f64>,
+    /// Replaces every rule ([`PoolRules::parse`]); existing reservations keep the rules that
+    /// admitted them.
+    pub rules: Option<PoolRules>,
 }
 
 /// Changes a pool. New overcommit ratios apply to its nodes' resources in the same transaction;
 /// a ratio that would leave a node over-allocated is refused.
 #[tracing::instrument(level = "debug", skip_all, fields(pool = %id))]
 pub async fn update_pool(db: &Db, id: &PoolId, version: i64, changes: PoolChanges) -> Result<Pool> {
+    let rules = changes
+        .rules
+        .as_ref()
+        .map(serde_json::to_value)
+        .transpose()
+        .map_err(Error::internal)?;
     db.tx("update_pool", TxKind::Write, |conn| {
-        let (id, changes) = (id.clone(), changes.clone());
+        let (id, changes, rules) = (id.clone(), changes.clone(), rules.clone());
         Box::pin(async move {
             let pool = query_pools!(
                 "UPDATE pools AS p SET name = coalesce($3, p.name),
                    lost_after = CASE WHEN $4 THEN make_interval(secs => $5::float8) ELSE p.lost_after END,
                    vcpu_ratio = coalesce($6::float8, p.vcpu_ratio), memory_ratio = coalesce($7::float8, p.memory_ratio),
-                   disk_ratio = coalesce($8::float8, p.disk_ratio), version = p.version + 1, updated_at = compute_now()
+                   disk_ratio = coalesce($8::float8, p.disk_ratio), rules = coalesce($9::jsonb, p.rules),
+                   version = p.version + 1, updated_at = compute_now()
                  WHERE p.id = $1 AND p.version = $2 RETURNING",
                 "",
                 id.as_str(),
@@ -127,6 +137,7 @@ pub async fn update_pool(db: &Db, id: &PoolId, version: i64, changes: PoolChange
                 changes.vcpu_ratio,
                 changes.memory_ratio,
                 changes.disk_ratio,
+                rules,
             )
             .fetch_optional(&mut *conn)
             .await
