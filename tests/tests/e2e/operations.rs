@@ -164,10 +164,15 @@ async fn every_metric_of_every_binary_is_listed_and_every_listed_one_exported() 
     let port = free_port();
     let state = std::env::temp_dir().join(format!("compute-ops-agent-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&state);
+    // The daemon declares its families when it starts, whether or not a gateway answers; it is
+    // pointed at a port nothing listens on, so it keeps retrying (and serving `/metrics`). The
+    // test's gateway would refuse this unregistered node for good (`4404`), and the daemon
+    // would exit, sometimes before the scrape.
+    let nowhere = format!("ws://127.0.0.1:{}/agent", free_port());
     let _agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_test-agent"))
         .args([
             "--url",
-            &app.agent_url(),
+            &nowhere,
             "--node-id",
             "node_00000000000000000000000000000001",
         ])
