@@ -11,9 +11,30 @@ ALTER TABLE pools ADD COLUMN rules jsonb NOT NULL DEFAULT '{}'
     CONSTRAINT pools_rules_object CHECK (jsonb_typeof(rules) = 'object');
 ALTER TABLE reservations ADD COLUMN admitted_under jsonb;
 
+-- What the idle sweep reads: live reservations whose rules set an idle grace.
+CREATE INDEX reservations_idle_watch ON reservations (starts_at)
+    WHERE state IN ('scheduled', 'active') AND admitted_under ? 'idleGraceSeconds';
+
 -- What the GPU-hours rule reads: a tenant's live reservations on a pool.
 CREATE INDEX reservations_tenant_pool_live ON reservations (tenant_id, pool_id, ends_at)
     WHERE state IN ('pending', 'scheduled', 'active');
+
+-- Whether reservation `r` is idle: live and started, its rules (as admitted) set an idle grace,
+-- not marked idle yet, no live instance, and none has run since its start (or since the last
+-- one stopped) for the grace. The reconciler's sweep and the mark's guard read this one
+-- definition; the sweep repeats the first two tests so the partial index above serves it.
+CREATE OR REPLACE FUNCTION compute_reservation_idle(r reservations)
+    RETURNS boolean
+    LANGUAGE sql STABLE
+    AS $fn$
+    SELECT r.state IN ('scheduled', 'active') AND r.starts_at <= compute_now() AND r.ends_at > compute_now()
+       AND r.admitted_under ? 'idleGraceSeconds'
+       AND NOT r.conditions @> '[{"type": "Idle"}]'
+       AND NOT EXISTS (SELECT 1 FROM instances i WHERE i.reservation_id = r.id
+                        AND i.state IN ('provisioning', 'running', 'stopping'))
+       AND greatest(r.starts_at, (SELECT max(i.stopped_at) FROM instances i WHERE i.reservation_id = r.id))
+           + make_interval(secs => (r.admitted_under->>'idleGraceSeconds')::float8) <= compute_now()
+$fn$;
 
 -- The GPU-hours a tenant holds booked on a pool from `p_now` on (each live reservation's GPU
 -- charge times what is left of its window), leaving out `p_except`.

@@ -65,6 +65,7 @@ text_enum!(
         ReservationScheduled = "reservation.scheduled",
         ReservationActive = "reservation.active",
         ReservationExtended = "reservation.extended",
+        ReservationIdle = "reservation.idle",
         ReservationReleased = "reservation.released",
         ReservationCancelled = "reservation.cancelled",
         ReservationExpired = "reservation.expired",

@@ -96,6 +96,8 @@ pub struct Pass {
     pub started: u64,
     pub expired: u64,
     pub failed: u64,
+    /// Reservations found idle (marked, or released where their rules say so).
+    pub idle: u64,
     /// The liveness reconciler's part of the pass (nodes disconnected, unreachable, lost).
     pub liveness: compute_domain::node_sessions::LivenessPass,
 }
@@ -170,6 +172,7 @@ impl Reconciler {
             failed: reconcile::fail_lost(&db).await? + reconcile::fail_overlapped(&db).await?,
             placed: reconcile::retry_pending(&db).await?,
             started: reconcile::activate_due(&db).await?,
+            idle: reconcile::mark_idle(&db).await?,
         })
     }
 
@@ -201,11 +204,12 @@ impl Reconciler {
                         pass = self.pass() => pass,
                     };
                     match pass {
-                        Ok(p) if p.placed + p.started + p.expired + p.failed > 0 => info!(
+                        Ok(p) if p.placed + p.started + p.expired + p.failed + p.idle > 0 => info!(
                             reservations.placed = p.placed,
                             reservations.started = p.started,
                             reservations.expired = p.expired,
                             reservations.failed = p.failed,
+                            reservations.idle = p.idle,
                             "reconciler pass"
                         ),
                         Ok(_) => {}

@@ -557,6 +557,68 @@ async fn expire_in(conn: &mut PgConnection, ids: &[String]) -> Result<Vec<String
     .await?)
 }
 
+/// Marks a reservation idle (the reconciler's step; `compute_reservation_idle`, migration 0034,
+/// is its guard, read under the reservation's row lock): it gets the `Idle` condition and a `reservation.idle` event; where
+/// the rules that admitted it say `releaseIdle`, it is released instead, as its holder's release
+/// would (quota and scalars back, bookings and usage end now), the condition saying why.
+/// `false` when it is not idle (any more).
+#[tracing::instrument(level = "debug", skip_all, fields(reservation = %id))]
+pub(crate) async fn mark_idle(db: &Db, id: &ReservationId) -> Result<bool> {
+    db.tx("mark_reservation_idle", TxKind::Maintenance, |conn| {
+        let id = id.clone();
+        Box::pin(async move {
+            let Some(rsv) = query_reservations!(
+                "SELECT",
+                "FROM reservations r WHERE r.id = $1 AND compute_reservation_idle(r) FOR UPDATE",
+                id.as_str(),
+            )
+            .fetch_optional(&mut *conn)
+            .await?
+            else {
+                return Ok(false);
+            };
+            let rules = sqlx::query_scalar!(
+                r#"SELECT r.admitted_under AS "rules!: Json<crate::fleet::PoolRules>" FROM reservations r WHERE r.id = $1"#,
+                id.as_str(),
+            )
+            .fetch_one(&mut *conn)
+            .await?
+            .0;
+            let grace = rules.idle_grace_seconds.unwrap_or_default();
+            let release = rules.release_idle == Some(true);
+            let idle = Condition {
+                kind: "Idle".into(),
+                status: ConditionStatus::True,
+                reason: Some(if release { "ReleasedIdle" } else { "NoRunningInstance" }.into()),
+                message: Some(format!(
+                    "no instance ran on it for {grace} s, the idle grace of the pool's rules that admitted it{}",
+                    if release { ": released" } else { "" }
+                )),
+                since: None,
+                counts: Vec::new(),
+            };
+            let mut conditions = rsv.conditions.0.clone();
+            conditions.push(idle);
+            if release {
+                close_out(conn, &rsv, State::Released, Some(conditions)).await?;
+            } else {
+                let rsv = query_reservations!(
+                    "UPDATE reservations r SET conditions = $2, version = r.version + 1, updated_at = compute_now()
+                     WHERE r.id = $1 RETURNING",
+                    "",
+                    id.as_str(),
+                    Json(&conditions) as _,
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                emit(conn, &rsv, EventType::ReservationIdle).await?;
+            }
+            Ok(true)
+        })
+    })
+    .await
+}
+
 /// Locks a reservation that may fail now (scheduled or active), or says it cannot.
 async fn lock_to_fail(conn: &mut PgConnection, id: &ReservationId) -> Result<Reservation> {
     let from = states(Action::Fail);

@@ -198,6 +198,26 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
     Ok(moved)
 }
 
+/// Marks (or releases, where its rules say so) every reservation idle past the idle grace of the
+/// rules that admitted it ([`lifecycle::mark_idle`]); one transaction per reservation.
+/// Level-triggered: a crash between the sweep and a mark loses nothing.
+pub async fn mark_idle(db: &Db) -> Result<u64> {
+    let due = sqlx::query_scalar!(
+        r#"SELECT r.id AS "id: ReservationId" FROM reservations r
+            WHERE r.state IN ('scheduled', 'active') AND r.admitted_under ? 'idleGraceSeconds'
+              AND compute_reservation_idle(r) ORDER BY r.id LIMIT 500"#,
+    )
+    .fetch_all(db.pool())
+    .await?;
+    let mut marked = 0;
+    for id in due {
+        if lifecycle::mark_idle(db, &id).await? {
+            marked += 1;
+        }
+    }
+    Ok(marked)
+}
+
 /// Fails every scheduled or active reservation placed on a node that is `lost`; one
 /// transaction per reservation.
 pub async fn fail_lost(db: &Db) -> Result<u64> {

@@ -471,6 +471,27 @@ async fn every_event_payload_keeps_its_documented_shape() {
     rsv::create_reservation(db, &acme, request(None, 1, 3), "k-pending")
         .await
         .expect("pending");
+    // From here on the pool's rules report a reservation idle after 5 minutes without an
+    // instance: the one that starts in 10 minutes is idle 5 minutes after its start.
+    let version: i64 = sqlx::query_scalar("SELECT version FROM pools WHERE id = $1")
+        .bind(pool.id.as_str())
+        .fetch_one(db.pool())
+        .await
+        .expect("pool version");
+    fleet::update_pool(
+        db,
+        &pool.id,
+        version,
+        PoolChanges {
+            rules: Some(
+                compute_domain::fleet::PoolRules::parse(None, None, None, None, Some(300), None)
+                    .expect("rules"),
+            ),
+            ..PoolChanges::default()
+        },
+    )
+    .await
+    .expect("idle rules");
     rsv::create_reservation(
         db,
         &acme,
@@ -488,6 +509,10 @@ async fn every_event_payload_keeps_its_documented_shape() {
     assert!(
         reconcile::activate_due(db).await.expect("activate") >= 1,
         "the batch path writes reservation.active"
+    );
+    assert!(
+        reconcile::mark_idle(db).await.expect("mark idle") >= 1,
+        "an idle reservation writes reservation.idle"
     );
     sqlx::query("UPDATE pools SET kind = 'provider' WHERE id IN (SELECT n.pool_id FROM nodes n JOIN allocations a ON a.node_id = n.id WHERE a.reservation_id = $1)")
         .bind(&doomed.id)

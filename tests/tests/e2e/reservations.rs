@@ -1926,3 +1926,131 @@ async fn the_gpu_hours_rule_holds_under_concurrent_creates() {
             .expect("sum");
     assert_eq!(held, 4.0);
 }
+
+async fn conditions_of(app: &TestApp, token: &str, id: &Value) -> Value {
+    let d = app
+        .ok(
+            token,
+            "query($id: ID!) { reservation(id: $id) { state conditions { type reason } } }",
+            json!({ "id": id }),
+        )
+        .await;
+    d["reservation"].clone()
+}
+
+/// Idle reservations: reported once when no instance has run for the grace of the rules that
+/// admitted them, never while an instance lives, and released only where those rules say so.
+#[tokio::test]
+async fn idle_reservations_are_reported_and_released_only_where_the_rules_say() {
+    let (app, p, member) = setup().await;
+    let db = app.db.db.clone();
+    let op = app.operator();
+    let set_rules = |rules: Value| {
+        let (app, op, pool) = (&app, &op, p.pool.clone());
+        async move {
+            let version = pool_version(app, &pool).await;
+            app.ok(
+                op,
+                RULES,
+                json!({ "i": { "id": pool, "version": version, "rules": rules } }),
+            )
+            .await;
+        }
+    };
+    let create = |key: &str| {
+        let (app, member, pool) = (&app, &member, p.pool.clone());
+        let key = key.to_owned();
+        async move {
+            let d = app
+                .ok(
+                    member,
+                    CREATE,
+                    json!({ "i": { "poolId": pool, "endsAt": "2031-01-01T05:00:00Z",
+                        "allocations": [{ "gpuCount": 1, "model": "H100" }], "idempotencyKey": key } }),
+                )
+                .await;
+            d["createReservation"]["reservation"]["id"].clone()
+        }
+    };
+    let mark = || async {
+        compute_domain::reservations::reconcile::mark_idle(&db)
+            .await
+            .expect("idle sweep")
+    };
+    let (code, error) = app
+        .fails(
+            &op,
+            RULES,
+            json!({ "i": { "id": p.pool, "version": pool_version(&app, &p.pool).await, "rules": { "releaseIdle": true } } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["field"]),
+        ("BAD_USER_INPUT", &json!("rules.releaseIdle"))
+    );
+    set_rules(json!({ "idleGraceSeconds": 600 })).await;
+    let reported = create("reported").await;
+    // A second one whose instance runs: never idle while it lives.
+    let busy = create("busy").await;
+    sqlx::query(
+        "INSERT INTO instances (id, tenant_id, reservation_id, allocation_id, node_id, image, state, created_by, started_at)
+         SELECT 'ins_busy', 'acme', a.reservation_id, a.id, a.node_id, 'img', 'running', 'test', compute_now()
+           FROM allocations a WHERE a.reservation_id = $1",
+    )
+    .bind(busy.as_str())
+    .execute(db.pool())
+    .await
+    .expect("a running instance");
+    app.db.advance_clock(599).await;
+    assert_eq!(mark().await, 0, "not before the grace");
+    app.db.advance_clock(2).await;
+    assert_eq!(mark().await, 1, "the idle one, once");
+    assert_eq!(mark().await, 0, "reported once");
+    assert_eq!(
+        conditions_of(&app, &member, &reported).await,
+        json!({ "state": "ACTIVE", "conditions": [{ "type": "Idle", "reason": "NoRunningInstance" }] })
+    );
+    assert_eq!(
+        conditions_of(&app, &member, &busy).await,
+        json!({ "state": "ACTIVE", "conditions": [] })
+    );
+    let (idle_events,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM outbox WHERE type = 'reservation.idle' AND subject = $1",
+    )
+    .bind(reported.as_str())
+    .fetch_one(db.pool())
+    .await
+    .expect("events");
+    assert_eq!(idle_events, 1);
+    // Its instance stops: idle a grace after the stop, not after the start.
+    sqlx::query(
+        "UPDATE instances SET state = 'stopped', stopped_at = compute_now() WHERE id = 'ins_busy'",
+    )
+    .execute(db.pool())
+    .await
+    .expect("stop");
+    app.db.advance_clock(599).await;
+    assert_eq!(mark().await, 0, "idle only a grace after the stop");
+    app.db.advance_clock(2).await;
+    assert_eq!(mark().await, 1);
+
+    // Rules that release: only the reservations they admit; the others stay as admitted. (The
+    // second H100 is given back first, for the next one.)
+    app.ok(&member, RELEASE, json!({ "i": { "id": busy } }))
+        .await;
+    set_rules(json!({ "idleGraceSeconds": 600, "releaseIdle": true })).await;
+    let released = create("released").await;
+    let held = used(&app, "gpu").await;
+    app.db.advance_clock(601).await;
+    assert_eq!(mark().await, 1);
+    assert_eq!(
+        conditions_of(&app, &member, &released).await,
+        json!({ "state": "RELEASED", "conditions": [{ "type": "Idle", "reason": "ReleasedIdle" }] })
+    );
+    assert_eq!(used(&app, "gpu").await, held - 1.0, "its quota came back");
+    assert_eq!(
+        conditions_of(&app, &member, &reported).await["state"],
+        "ACTIVE",
+        "admitted under report-only rules"
+    );
+}

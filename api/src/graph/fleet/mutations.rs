@@ -139,6 +139,11 @@ pub struct PoolRulesInput {
     pub max_future_gpu_hours: Option<f64>,
     /// `false` forbids extending a reservation once its window has started (default `true`).
     pub extend_after_start: Option<bool>,
+    /// After how long without a live instance an active reservation is idle, in seconds.
+    pub idle_grace_seconds: Option<i64>,
+    /// `true` releases an idle reservation rather than only reporting it (needs
+    /// `idleGraceSeconds`; default `false`).
+    pub release_idle: Option<bool>,
 }
 
 /// Result of `updatePool`.
@@ -534,6 +539,8 @@ impl FleetMutation {
                         r.max_lead_seconds,
                         r.max_future_gpu_hours,
                         r.extend_after_start,
+                        r.idle_grace_seconds,
+                        r.release_idle,
                     )
                 })
                 .transpose()?,

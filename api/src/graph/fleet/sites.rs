@@ -104,6 +104,13 @@ pub struct PoolRulesObj {
     pub max_future_gpu_hours: Option<f64>,
     /// Whether a reservation may be extended once its window has started.
     pub extend_after_start: bool,
+    /// How long an active reservation may go without a live instance (provisioning, running
+    /// or stopping) before it is idle: it gets the `Idle` condition and a `reservation.idle`
+    /// event. Null: never idle.
+    pub idle_grace_seconds: Option<i64>,
+    /// Whether an idle reservation is released (its `Idle` condition, reason `ReleasedIdle`,
+    /// saying why) rather than only reported.
+    pub release_idle: bool,
 }
 
 impl From<&fleet::PoolRules> for PoolRulesObj {
@@ -113,6 +120,8 @@ impl From<&fleet::PoolRules> for PoolRulesObj {
             max_lead_seconds: r.max_lead_seconds,
             max_future_gpu_hours: r.max_future_gpu_hours,
             extend_after_start: r.extend_after_start != Some(false),
+            idle_grace_seconds: r.idle_grace_seconds,
+            release_idle: r.release_idle == Some(true),
         }
     }
 }
