@@ -492,7 +492,7 @@ mod tests {
                 "{s} is not SCREAMING_SNAKE"
             );
         }
-        assert_eq!(seen.len(), 14);
+        assert_eq!(seen.len(), 15);
     }
 
     #[test]
