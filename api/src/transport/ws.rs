@@ -112,8 +112,8 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
     let max = app.limits.max_ws_message;
     ws.protocols([protocol.name()])
         .read_buffer_size(4 * 1024)
-        // Each message is flushed as it is written; the buffer grows only as far as one
-        // message needs.
+        // An operation writes the frames it has at hand together (`COALESCE`); the buffer
+        // grows only as far as one such batch needs.
         .write_buffer_size(WRITE_BUFFER)
         // tungstenite's default would take a 64 MiB message from anyone who connects.
         .max_message_size(max)
