@@ -178,6 +178,10 @@ pub struct PoolView {
     pub kind: PoolKind,
     pub lost_after_seconds: Option<i64>,
     pub overcommit: Overcommit,
+    /// Its rules against hoarding (`{}` when it has none; absent from events written before
+    /// migration 0034).
+    #[serde(default)]
+    pub rules: crate::fleet::PoolRules,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,

@@ -135,6 +135,8 @@ pub struct PoolSnapshot {
     memory_ratio: f64,
     /// Disk overcommit ratio.
     disk_ratio: f64,
+    /// Its rules against hoarding after the change.
+    rules: crate::graph::fleet::PoolRulesObj,
     /// Its version after the change.
     version: i64,
     /// When it was created.
@@ -156,6 +158,7 @@ impl From<ev::PoolPayload> for PoolEventPayload {
                 vcpu_ratio: s.overcommit.vcpu,
                 memory_ratio: s.overcommit.memory,
                 disk_ratio: s.overcommit.disk,
+                rules: (&s.rules).into(),
                 version: s.version,
                 created_at: s.created_at,
                 updated_at: s.updated_at,

@@ -35,6 +35,7 @@ impl From<&Pool> for PoolView {
                 memory: p.memory_ratio,
                 disk: p.disk_ratio,
             },
+            rules: p.rules.0.clone(),
             version: p.version,
             created_at: p.created_at,
             updated_at: p.updated_at,
