@@ -181,7 +181,7 @@ pub struct PoolView {
     /// Its rules against hoarding (`{}` when it has none; absent from events written before
     /// migration 0034).
     #[serde(default)]
-    pub rules: crate::fleet::PoolRules,
+    pub rules: crate::fleet::model::PoolRules,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,

@@ -581,6 +581,94 @@ pub struct AtomSpec {
     pub share_den: i32,
 }
 
+/// A pool's rules against hoarding (`pools.rules`, and each reservation's `admitted_under`):
+/// each applies only where it is set. Checked where a reservation is created or extended
+/// (`compute_create_reservation`, `extend_reservation`); a refusal is `POLICY_VIOLATION` with the
+/// rule's name (the field's name here) and its limit.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolRules {
+    /// The longest a reservation may last, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_duration_seconds: Option<i64>,
+    /// How far ahead of now a reservation may start, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lead_seconds: Option<i64>,
+    /// The most GPU-hours one tenant may hold booked on the pool from now on: each live
+    /// reservation's GPU charge times what is left of its window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_future_gpu_hours: Option<f64>,
+    /// `false`: a reservation may not be extended once its window has started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extend_after_start: Option<bool>,
+    /// How long an active reservation may go without a live instance before it is idle: it
+    /// gets the `Idle` condition and a `reservation.idle` event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_grace_seconds: Option<i64>,
+    /// `true`: an idle reservation is released (with its `Idle` condition saying why), not only
+    /// reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_idle: Option<bool>,
+}
+
+impl PoolRules {
+    /// The longest any rule may say, in seconds: ten years.
+    pub const MAX_SECONDS: i64 = 10 * 366 * 24 * 3600;
+
+    /// Rules as they enter: durations positive and at most ten years, GPU-hours positive and
+    /// finite; `extend_after_start` is kept only when it forbids (`Some(false)`), `release_idle`
+    /// only when it releases, and only with a grace.
+    pub fn parse(
+        max_duration_seconds: Option<i64>,
+        max_lead_seconds: Option<i64>,
+        max_future_gpu_hours: Option<f64>,
+        extend_after_start: Option<bool>,
+        idle_grace_seconds: Option<i64>,
+        release_idle: Option<bool>,
+    ) -> Result<PoolRules> {
+        for (field, v) in [
+            ("rules.maxDurationSeconds", max_duration_seconds),
+            ("rules.maxLeadSeconds", max_lead_seconds),
+            ("rules.idleGraceSeconds", idle_grace_seconds),
+        ] {
+            if let Some(v) = v
+                && !(1..=Self::MAX_SECONDS).contains(&v)
+            {
+                return Err(crate::Error::bad_input(
+                    field,
+                    format!(
+                        "`{field}` must be between 1 and {} seconds",
+                        Self::MAX_SECONDS
+                    ),
+                ));
+            }
+        }
+        if let Some(h) = max_future_gpu_hours
+            && !(h.is_finite() && h > 0.0 && h <= 1e12)
+        {
+            return Err(crate::Error::bad_input(
+                "rules.maxFutureGpuHours",
+                "`rules.maxFutureGpuHours` must be a positive number of GPU-hours (at most 10^12)",
+            ));
+        }
+        let release_idle = release_idle.filter(|release| *release);
+        if release_idle.is_some() && idle_grace_seconds.is_none() {
+            return Err(crate::Error::bad_input(
+                "rules.releaseIdle",
+                "`rules.releaseIdle` needs `rules.idleGraceSeconds`: after how long idle to release",
+            ));
+        }
+        Ok(PoolRules {
+            max_duration_seconds,
+            max_lead_seconds,
+            max_future_gpu_hours,
+            extend_after_start: extend_after_start.filter(|allowed| !allowed),
+            idle_grace_seconds,
+            release_idle,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
