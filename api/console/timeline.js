@@ -51,7 +51,7 @@ export function timelineView(root, ctx) {
       button('−', 'Zoom out', () => zoom(1)), button('+', 'Zoom in', () => zoom(-1)),
       spanLabel, range),
     h('div', { class: 'columns' },
-      h('div', {}, h('h2', {}, 'Booked over time'), capacity, chart, h('h2', {}, 'Pending (not placed yet)'), pending),
+      h('div', {}, h('h2', {}, 'Whole GPUs booked over time'), capacity, chart, h('h2', {}, 'Pending (not placed yet)'), pending),
       h('aside', {}, h('h2', {}, 'Reserve'), form.element, h('h2', {}, 'Details'), details)));
   poolSelect.addEventListener('change', () => {
     state.poolId = poolSelect.value;
@@ -194,15 +194,19 @@ export function timelineView(root, ctx) {
       return h('div', { class: 'gantt-row' }, h('span', { class: 'gantt-label mono', title: atom.name }, atom.label), track);
     }, 560);
     clear(chart, axis, list);
-    // Booked atoms over time, from the same reservations.
-    const steps = 96;
-    const points = [];
-    for (let i = 0; i <= steps; i++) {
-      const t = from + ((to - from) * i) / steps;
-      const v = placed.filter(({ r }) => Date.parse(r.startsAt) <= t && t < Date.parse(r.endsAt)).length;
-      points.push({ t, v });
-    }
-    clear(capacity, areaChart(points, known.all ? atoms.length : known.total, from, to));
+    // Whole GPUs booked over time, as the server counts them for every tenant (capacityTimeline:
+    // counts only, so a member sees the pool's load without seeing whose).
+    const stepSeconds = Math.max(60, Math.ceil((to - from) / 96 / 1000));
+    const timeline = (await gql('ConsoleCapacity', {
+      poolId: state.poolId, from: new Date(from).toISOString(), to: new Date(to).toISOString(), stepSeconds,
+    })).capacityTimeline;
+    const points = timeline.steps.map((s) => ({ t: Date.parse(s.startsAt), v: s.booked }));
+    const total = timeline.steps.length ? timeline.steps[0].total : 0;
+    capacity.dataset.total = total;
+    capacity.dataset.maxBooked = Math.max(0, ...timeline.steps.map((s) => s.booked));
+    const nowStep = timeline.steps.find((s) => Date.parse(s.startsAt) <= Date.now() && Date.now() < Date.parse(s.startsAt) + stepSeconds * 1000);
+    capacity.title = nowStep ? `Now: ${nowStep.booked} booked, ${nowStep.free} free, ${nowStep.unavailable} unavailable of ${total} whole GPUs` : '';
+    clear(capacity, areaChart(points, total, from, to));
     const waiting = reservations.filter((r) => r.state === 'PENDING');
     clear(pending, waiting.length ? waiting.map((r) => h('div', { class: 'pending-row', dataset: { reservation: r.id } },
       h('button', { type: 'button', class: 'link', onclick: () => showDetails(r) }, r.id), ` ${fmtTime(r.startsAt)} → ${fmtTime(r.endsAt)} `,

@@ -1,4 +1,4 @@
--- The current definition, as migrations/0025_place_contention_switch.sql left it. Change it with a new migration
+-- The current definition, as migrations/0035_bookings_by_pool.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -109,8 +109,8 @@ BEGIN
                     IF v_n <> v_need THEN
                         RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU changed';
                     END IF;
-                    INSERT INTO device_bookings (atom, device_id, allocation_id, during)
-                        SELECT a.name, a.device_id, v_alloc.id, v_window FROM device_atoms a WHERE a.name = ANY(v_atoms)
+                    INSERT INTO device_bookings (atom, device_id, pool_id, allocation_id, during)
+                        SELECT a.name, a.device_id, v_pool.id, v_alloc.id, v_window FROM device_atoms a WHERE a.name = ANY(v_atoms)
                         ON CONFLICT DO NOTHING;
                     GET DIAGNOSTICS v_n = ROW_COUNT;
                     IF v_n <> v_need THEN

@@ -59,6 +59,14 @@ pub struct ConsoleReservations;
     query_path = "../api/console/operations.graphql",
     response_derives = "Debug"
 )]
+pub struct ConsoleCapacity;
+
+#[derive(GraphQLQuery)]
+#[graphql(
+    schema_path = "../schema.graphql",
+    query_path = "../api/console/operations.graphql",
+    response_derives = "Debug"
+)]
 pub struct ConsoleReservationCounts;
 
 #[derive(GraphQLQuery)]
@@ -185,6 +193,7 @@ const GENERATED: &[&str] = &[
     "ConsoleAcceptNodeInventory",
     "ConsoleSetQuota",
     "ConsoleEvents",
+    "ConsoleCapacity",
 ];
 
 #[test]

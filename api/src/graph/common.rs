@@ -134,6 +134,15 @@ pub struct ReasonCount {
     count: i64,
 }
 
+impl ReasonCount {
+    pub fn new(reason: &str, count: i64) -> ReasonCount {
+        ReasonCount {
+            reason: reason.to_owned(),
+            count,
+        }
+    }
+}
+
 /// Conditions as an event carried them (`Event.payload`), as the graph shows them.
 pub fn conditions_of_views(views: &[compute_domain::events::ConditionView]) -> Vec<Condition> {
     views

@@ -70,6 +70,16 @@ pub const RULES: &[(&str, &str, Rule)] = &[
         "allocations",
         Rule::List(compute_domain::reservations::model::MAX_ALLOCATIONS),
     ),
+    (
+        "AvailabilityWindow",
+        "placements",
+        Rule::List(compute_domain::reservations::model::MAX_ALLOCATIONS),
+    ),
+    (
+        "CapacityTimeline",
+        "steps",
+        Rule::List(compute_domain::reservations::availability::MAX_STEPS as usize),
+    ),
     ("ComputeNode", "devices", Rule::List(OPERATOR_LIST)),
     ("Device", "atoms", Rule::List(OPERATOR_LIST)),
     (
@@ -78,6 +88,14 @@ pub const RULES: &[(&str, &str, Rule)] = &[
         Rule::ArgumentLength {
             argument: "ids",
             max: 100,
+        },
+    ),
+    // Its windows: 5 when `first` is not given.
+    (
+        "Query",
+        "availability",
+        Rule::Page {
+            default: compute_domain::reservations::availability::DEFAULT_WINDOWS as i64,
         },
     ),
     // Its page is all the groups (100) when `first` is not given.

@@ -14,6 +14,7 @@ use compute_domain::db::Db;
 use crate::auth::Role;
 
 pub mod admission;
+pub mod availability;
 pub mod commands;
 pub mod common;
 pub mod context;
@@ -46,6 +47,7 @@ pub struct Query(
     fleet::FleetQuery,
     fleet::enrollment::EnrollmentQuery,
     reservations::ReservationQuery,
+    availability::AvailabilityQuery,
     events::EventsQuery,
     sinks::SinkQuery,
     commands::CommandQuery,

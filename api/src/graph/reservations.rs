@@ -350,6 +350,32 @@ pub struct AllocationInputGql {
     pub tolerations: Vec<TolerationInput>,
 }
 
+impl AllocationInputGql {
+    /// The raw domain input, parsed by `parse_allocation` where it is used.
+    pub fn to_domain(&self) -> AllocationInput {
+        AllocationInput {
+            gpu_kind: self.gpu_kind.map(Into::into),
+            gpu_count: self.gpu_count,
+            model: self.model.clone(),
+            profile: self.profile.clone(),
+            slots_per_gpu: self.slots_per_gpu,
+            vcpu: self.vcpu,
+            memory_mib: self.memory_mib,
+            disk_gib: self.disk_gib,
+            node_selector: self
+                .node_selector
+                .iter()
+                .map(|s| (s.key.clone(), s.value.clone()))
+                .collect(),
+            tolerations: self
+                .tolerations
+                .iter()
+                .map(|t| (t.key.clone(), t.value.clone(), t.effect.map(Into::into)))
+                .collect(),
+        }
+    }
+}
+
 /// Input of `createReservation`.
 #[derive(InputObject)]
 pub struct CreateReservationInput {
@@ -431,26 +457,7 @@ impl ReservationMutation {
         let allocations: Vec<AllocationInput> = input
             .allocations
             .iter()
-            .map(|a| AllocationInput {
-                gpu_kind: a.gpu_kind.map(Into::into),
-                gpu_count: a.gpu_count,
-                model: a.model.clone(),
-                profile: a.profile.clone(),
-                slots_per_gpu: a.slots_per_gpu,
-                vcpu: a.vcpu,
-                memory_mib: a.memory_mib,
-                disk_gib: a.disk_gib,
-                node_selector: a
-                    .node_selector
-                    .iter()
-                    .map(|s| (s.key.clone(), s.value.clone()))
-                    .collect(),
-                tolerations: a
-                    .tolerations
-                    .iter()
-                    .map(|t| (t.key.clone(), t.value.clone(), t.effect.map(Into::into)))
-                    .collect(),
-            })
+            .map(AllocationInputGql::to_domain)
             .collect();
         let request = parse_request(
             input.pool_id.as_str(),

@@ -3,6 +3,7 @@
 //! Durable state only. Reads are single statements on the pool, batched by id for the loaders;
 //! every change is one `Db::tx` in [`commands`].
 
+pub mod availability;
 pub mod lifecycle;
 pub mod model;
 mod payload;

@@ -167,6 +167,12 @@ async fn the_console_reserves_once_through_the_form_and_shows_it_live_in_a_real_
             .await,
         0
     );
+    // The pool's calendar above it comes from `capacityTimeline`: nothing booked yet.
+    b.wait_for(
+        "document.querySelector('#capacity-chart').dataset.maxBooked === '0'",
+        WAIT,
+    )
+    .await;
     // Two hours from now, for an hour: SCHEDULED, so it can be cancelled.
     let start = b
         .eval(
@@ -207,6 +213,16 @@ async fn the_console_reserves_once_through_the_form_and_shows_it_live_in_a_real_
         1,
         "one bar for one GPU"
     );
+    // The calendar counts it: one whole GPU booked at its peak, of the pool's total.
+    b.wait_for(
+        "document.querySelector('#capacity-chart').dataset.maxBooked === '1'",
+        WAIT,
+    )
+    .await;
+    let total = b
+        .eval("Number(document.querySelector('#capacity-chart').dataset.total)")
+        .await;
+    assert!(total.as_i64().is_some_and(|t| t > 1), "{total}");
     let after = graphql(&dev, &token, RESERVATIONS, json!({})).await;
     assert_eq!(
         after["reservations"]["totalCount"], 1,

@@ -3,6 +3,7 @@
 mod agent;
 mod auth;
 mod authz;
+mod availability;
 mod clock;
 mod command_torture;
 mod commands;

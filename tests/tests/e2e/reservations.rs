@@ -1714,7 +1714,7 @@ async fn a_reservation_read_as_active_has_its_active_event_whatever_ends_it() {
 const RULES: &str = "mutation($i: UpdatePoolInput!) { updatePool(input: $i) { pool { version \
     rules { maxDurationSeconds maxLeadSeconds maxFutureGpuHours extendAfterStart } } } }";
 
-async fn pool_version(app: &TestApp, pool: &str) -> i64 {
+pub async fn pool_version(app: &TestApp, pool: &str) -> i64 {
     let d = app
         .ok(
             &app.operator(),

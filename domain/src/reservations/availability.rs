@@ -1,0 +1,1195 @@
+//! Availability search: the earliest windows in which a whole request fits, read from the
+//! calendar that placement books into.
+//!
+//! The calendar is read in one statement ([`read_calendar`]): the pool's nodes with the static
+//! reasons that rule each one out for each allocation (the same SQL facts placement filters on:
+//! `compute_node_schedulable`, the selector, `compute_taints_tolerated`), their free vCPU, memory
+//! and disk, and every schedulable atom that matches an allocation with its bookings that overlap
+//! the searched range (an index range scan of `device_bookings_atom_until` per atom, never the
+//! fleet's history). The search itself ([`search`]) is a sweep over time in memory.
+//!
+//! **What a window is.** An atom can take a window `[s, s + d)` when no booking of it overlaps it
+//! and it existed at `s`; so the starts it can take form closed intervals, one per gap between its
+//! bookings. A request fits at `s` when every allocation finds a node with enough such atoms (and
+//! the vCPU, memory and disk it asks), allocations of one request never sharing an atom. The set
+//! of starts at which the request fits is a union of stretches; a [`Window`] is one stretch: its
+//! earliest start, where the search also says which node each allocation would take and how many
+//! atoms it would find there, and its latest start. Windows are returned earliest first.
+//!
+//! Allocations are assigned greedily in their order, tightest node first, as placement does, so a
+//! `createReservation` for a returned window finds the same fit unless someone books first.
+
+use std::collections::BTreeSet;
+
+use chrono::{DateTime, Duration, Utc};
+use serde_json::json;
+use sqlx::PgConnection;
+
+use crate::actor::Actor;
+use crate::db::{Db, TxKind};
+use crate::error::{Error, Result};
+use crate::fleet::PoolRules;
+use crate::fleet::model as m;
+use crate::ids::{NodeId, PoolId};
+
+use super::model::{AllocationInput, AllocationRequest, MAX_ALLOCATIONS, MAX_DAYS, gpu_charge};
+
+/// How many windows `first` may ask for, and its default.
+pub const MAX_WINDOWS: usize = 20;
+pub const DEFAULT_WINDOWS: usize = 5;
+/// How far past `notBefore` the search looks when `notAfter` is not given.
+pub const DEFAULT_HORIZON_DAYS: i64 = 14;
+
+/// A parsed availability question.
+#[derive(Debug, Clone)]
+pub struct AvailabilityRequest {
+    pub pool_id: PoolId,
+    pub allocations: Vec<AllocationRequest>,
+    pub duration: Duration,
+    /// The earliest start wanted; now when unset or past.
+    pub not_before: Option<DateTime<Utc>>,
+    /// The latest start wanted; `DEFAULT_HORIZON_DAYS` after `not_before` when unset.
+    pub not_after: Option<DateTime<Utc>>,
+    pub first: usize,
+}
+
+/// Parses the arguments of `availability`; field names are the GraphQL ones.
+pub fn parse_availability(
+    pool_id: &str,
+    allocations: &[AllocationInput],
+    duration_seconds: i64,
+    not_before: Option<DateTime<Utc>>,
+    not_after: Option<DateTime<Utc>>,
+    first: Option<i64>,
+) -> Result<AvailabilityRequest> {
+    let pool_id = PoolId::parse("poolId", pool_id)?;
+    let duration_seconds =
+        m::parse_count("durationSeconds", duration_seconds, 1, MAX_DAYS * 86_400)?;
+    let not_before = not_before
+        .map(|t| m::parse_time("notBefore", t))
+        .transpose()?;
+    let not_after = not_after
+        .map(|t| m::parse_time("notAfter", t))
+        .transpose()?;
+    if let (Some(a), Some(b)) = (not_before, not_after) {
+        if b < a {
+            return Err(Error::bad_input(
+                "notAfter",
+                "`notAfter` (the latest start) must not be before `notBefore`",
+            ));
+        }
+        if b - a > Duration::days(MAX_DAYS) {
+            return Err(Error::bad_input(
+                "notAfter",
+                format!("the search spans at most {MAX_DAYS} days of starts"),
+            ));
+        }
+    }
+    let first = match first {
+        None => DEFAULT_WINDOWS,
+        Some(n) => m::parse_count("first", n, 1, MAX_WINDOWS as i64)? as usize,
+    };
+    if allocations.is_empty() || allocations.len() > MAX_ALLOCATIONS {
+        return Err(Error::bad_input(
+            "allocations",
+            format!("a request has 1 to {MAX_ALLOCATIONS} allocations"),
+        ));
+    }
+    let allocations = allocations
+        .iter()
+        .enumerate()
+        .map(|(i, a)| super::model::parse_allocation(&format!("allocations[{i}]"), a))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(AvailabilityRequest {
+        pool_id,
+        allocations,
+        duration: Duration::seconds(duration_seconds),
+        not_before,
+        not_after,
+        first,
+    })
+}
+
+/// One atom of the calendar: which allocations it could serve (bit `i` for allocation `i`),
+/// since when it exists, and its bookings as `[from, to)` in microseconds since the epoch.
+#[derive(Debug, Clone)]
+pub struct CalAtom {
+    pub serves: u32,
+    pub created: i64,
+    pub busy: Vec<(i64, i64)>,
+}
+
+/// One node of the calendar.
+#[derive(Debug, Clone)]
+pub struct CalNode {
+    pub id: NodeId,
+    /// Per allocation: the reason that rules this node out whatever the time
+    /// (`NodeCordoned`, `NodeSelectorMismatch`…), or `None`.
+    pub ruled_out: Vec<Option<String>>,
+    /// What is left of each scalar; `None`: the node does not count it.
+    pub free_vcpu: Option<i64>,
+    pub free_memory_mib: Option<i64>,
+    pub free_disk_gib: Option<i64>,
+    pub atoms: Vec<CalAtom>,
+}
+
+/// What one allocation needs of a node.
+#[derive(Debug, Clone, Copy)]
+pub struct Need {
+    pub atoms: usize,
+    pub vcpu: i64,
+    pub memory_mib: i64,
+    pub disk_gib: i64,
+}
+
+impl Need {
+    pub fn of(a: &AllocationRequest) -> Need {
+        Need {
+            atoms: a.gpu_count.max(1) as usize,
+            vcpu: a.vcpu,
+            memory_mib: a.memory_mib,
+            disk_gib: a.disk_gib,
+        }
+    }
+}
+
+/// Where one allocation would go at a window's earliest start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pick {
+    pub node: NodeId,
+    /// How many matching atoms that node has free over the window (at least the count asked).
+    pub free_atoms: usize,
+}
+
+/// A stretch of starts at which the whole request fits (microseconds since the epoch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stretch {
+    pub earliest: i64,
+    pub latest: i64,
+    pub picks: Vec<Pick>,
+}
+
+/// Why no node takes an allocation, node by node: the first reason that rules each out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The allocation the counts are about.
+    pub allocation: usize,
+    pub counts: Vec<(String, i64)>,
+}
+
+/// The answer of the sweep.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    Stretches(Vec<Stretch>),
+    Nothing(Refusal),
+}
+
+/// The starts (closed, in microseconds) at which `atom` can take `[s, s + d)`, within
+/// `[from, to]`.
+fn start_intervals(atom: &CalAtom, d: i64, from: i64, to: i64) -> Vec<(i64, i64)> {
+    let mut busy = atom.busy.clone();
+    busy.sort_unstable();
+    let mut out = Vec::new();
+    let mut gap_from = from.max(atom.created);
+    for &(b_from, b_to) in &busy {
+        // Free from `gap_from` until this booking begins: starts up to `b_from - d`.
+        let last = (b_from - d).min(to);
+        if last >= gap_from {
+            out.push((gap_from, last));
+        }
+        gap_from = gap_from.max(b_to);
+        if gap_from > to {
+            return out;
+        }
+    }
+    if gap_from <= to {
+        out.push((gap_from, to));
+    }
+    out
+}
+
+/// The sweep: every atom's start intervals become `+1` and `-1` events; between two event times
+/// nothing changes, so the request's fit is decided once per event time. Per allocation, the
+/// nodes with enough matching atoms (`qualified`) are kept as counts change; a single allocation
+/// fits when that set is not empty, several when a greedy assignment with atoms not shared
+/// succeeds.
+pub fn search(
+    nodes: &[CalNode],
+    needs: &[Need],
+    duration_us: i64,
+    from: i64,
+    to: i64,
+    first: usize,
+) -> Found {
+    let n_alloc = needs.len();
+    // Which allocations each node can take, whatever the time (static reasons and scalars).
+    let open: Vec<u32> = nodes
+        .iter()
+        .map(|n| {
+            (0..n_alloc)
+                .filter(|&i| {
+                    n.ruled_out.get(i).is_none_or(Option::is_none) && scalars_fit(n, &needs[i])
+                })
+                .fold(0u32, |m, i| m | (1 << i))
+        })
+        .collect();
+    // Atoms flattened: (node, atom) with the allocations it can serve there.
+    let mut atom_node = Vec::new();
+    let mut atom_serves = Vec::new();
+    let mut events: Vec<(i64, i32, usize)> = Vec::new();
+    for (ni, node) in nodes.iter().enumerate() {
+        for atom in &node.atoms {
+            let serves = atom.serves & open[ni];
+            if serves == 0 {
+                continue;
+            }
+            let idx = atom_node.len();
+            atom_node.push(ni);
+            atom_serves.push(serves);
+            for (a, b) in start_intervals(atom, duration_us, from, to) {
+                events.push((a, 1, idx));
+                events.push((b.saturating_add(1), -1, idx));
+            }
+        }
+    }
+    events.sort_unstable();
+
+    let mut valid = vec![false; atom_node.len()];
+    // count[i][node]: atoms of `node` valid now that allocation i could use.
+    let mut count = vec![vec![0usize; nodes.len()]; n_alloc];
+    let mut best = vec![vec![0usize; nodes.len()]; n_alloc];
+    let mut qualified: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); n_alloc];
+    // Per node, its flattened atoms, for the joint check.
+    let mut node_atoms = vec![Vec::new(); nodes.len()];
+    for (idx, &ni) in atom_node.iter().enumerate() {
+        node_atoms[ni].push(idx);
+    }
+
+    let mut out: Vec<Stretch> = Vec::new();
+    let mut open_stretch: Option<Stretch> = None;
+    let mut e = 0;
+    while e < events.len() {
+        let t = events[e].0;
+        if t > to {
+            break;
+        }
+        while e < events.len() && events[e].0 == t {
+            let (_, delta, idx) = events[e];
+            valid[idx] = delta > 0;
+            let ni = atom_node[idx];
+            for (i, need) in needs.iter().enumerate() {
+                if atom_serves[idx] & (1 << i) == 0 {
+                    continue;
+                }
+                let c = &mut count[i][ni];
+                *c = if delta > 0 { *c + 1 } else { *c - 1 };
+                best[i][ni] = best[i][ni].max(*c);
+                if *c >= need.atoms {
+                    qualified[i].insert(ni);
+                } else {
+                    qualified[i].remove(&ni);
+                }
+            }
+            e += 1;
+        }
+        let fits = qualified.iter().all(|q| !q.is_empty())
+            && (n_alloc == 1
+                || assign(nodes, needs, &qualified, &node_atoms, &valid, &atom_serves).is_some());
+        match (&mut open_stretch, fits) {
+            (None, true) => {
+                let picks = assign(nodes, needs, &qualified, &node_atoms, &valid, &atom_serves)
+                    .unwrap_or_default();
+                open_stretch = Some(Stretch {
+                    earliest: t,
+                    latest: to,
+                    picks,
+                });
+            }
+            (Some(s), false) => {
+                s.latest = t - 1;
+                out.extend(open_stretch.take());
+                if out.len() >= first {
+                    return Found::Stretches(out);
+                }
+            }
+            _ => {}
+        }
+    }
+    out.extend(open_stretch);
+    if !out.is_empty() {
+        out.truncate(first);
+        return Found::Stretches(out);
+    }
+    Found::Nothing(refusal(nodes, needs, &open, &best))
+}
+
+fn scalars_fit(n: &CalNode, need: &Need) -> bool {
+    let fits = |free: Option<i64>, asked: i64| asked == 0 || free.is_none_or(|f| asked <= f);
+    fits(n.free_vcpu, need.vcpu)
+        && fits(n.free_memory_mib, need.memory_mib)
+        && fits(n.free_disk_gib, need.disk_gib)
+}
+
+/// Allocations in order, each on the qualified node with the fewest valid atoms (ties by node id)
+/// among those with enough that earlier allocations did not take and with the scalars they left:
+/// placement's rule, so that the fit found here is the one a create finds.
+fn assign(
+    nodes: &[CalNode],
+    needs: &[Need],
+    qualified: &[BTreeSet<usize>],
+    node_atoms: &[Vec<usize>],
+    valid: &[bool],
+    serves: &[u32],
+) -> Option<Vec<Pick>> {
+    let mut taken: Vec<(usize, usize)> = Vec::new(); // (node, atom) taken by earlier allocations
+    let mut used: Vec<(usize, Need)> = Vec::new();
+    let mut picks = Vec::with_capacity(needs.len());
+    for (i, need) in needs.iter().enumerate() {
+        let mut chosen: Option<(usize, Vec<usize>)> = None;
+        for &ni in &qualified[i] {
+            let free: Vec<usize> = node_atoms[ni]
+                .iter()
+                .copied()
+                .filter(|&a| valid[a] && serves[a] & (1 << i) != 0 && !taken.contains(&(ni, a)))
+                .collect();
+            if free.len() < need.atoms {
+                continue;
+            }
+            let mut left = nodes[ni].clone_scalars();
+            for (un, u) in &used {
+                if *un == ni {
+                    left.take(u);
+                }
+            }
+            if !scalars_fit(&left, need) {
+                continue;
+            }
+            let better = chosen.as_ref().is_none_or(|(cn, cf)| {
+                (free.len(), &nodes[ni].id.as_str()) < (cf.len(), &nodes[*cn].id.as_str())
+            });
+            if better {
+                chosen = Some((ni, free));
+            }
+        }
+        let (ni, free) = chosen?;
+        picks.push(Pick {
+            node: nodes[ni].id.clone(),
+            free_atoms: free.len(),
+        });
+        taken.extend(free.iter().take(need.atoms).map(|&a| (ni, a)));
+        used.push((ni, *need));
+    }
+    Some(picks)
+}
+
+impl CalNode {
+    fn clone_scalars(&self) -> CalNode {
+        CalNode {
+            id: self.id.clone(),
+            ruled_out: Vec::new(),
+            free_vcpu: self.free_vcpu,
+            free_memory_mib: self.free_memory_mib,
+            free_disk_gib: self.free_disk_gib,
+            atoms: Vec::new(),
+        }
+    }
+
+    fn take(&mut self, need: &Need) {
+        let sub = |free: &mut Option<i64>, n: i64| {
+            if let Some(f) = free {
+                *f -= n;
+            }
+        };
+        sub(&mut self.free_vcpu, need.vcpu);
+        sub(&mut self.free_memory_mib, need.memory_mib);
+        sub(&mut self.free_disk_gib, need.disk_gib);
+    }
+}
+
+/// Counts for the first allocation that no node could take on its own at any start; when each
+/// could but never all together, `AllocationsConflict` for every node.
+fn refusal(nodes: &[CalNode], needs: &[Need], open: &[u32], best: &[Vec<usize>]) -> Refusal {
+    let alone = (0..needs.len()).find(|&i| best[i].iter().all(|&b| b < needs[i].atoms));
+    let Some(i) = alone else {
+        return Refusal {
+            allocation: needs.len().saturating_sub(1),
+            counts: vec![("AllocationsConflict".into(), nodes.len() as i64)],
+        };
+    };
+    let mut counts: Vec<(String, i64)> = Vec::new();
+    for (ni, node) in nodes.iter().enumerate() {
+        let reason = if let Some(Some(r)) = node.ruled_out.get(i) {
+            r.clone()
+        } else if open[ni] & (1 << i) == 0 {
+            let need = &needs[i];
+            if need.vcpu > 0 && node.free_vcpu.is_some_and(|f| need.vcpu > f) {
+                "InsufficientVcpu".into()
+            } else if need.memory_mib > 0
+                && node.free_memory_mib.is_some_and(|f| need.memory_mib > f)
+            {
+                "InsufficientMemory".into()
+            } else {
+                "InsufficientDisk".into()
+            }
+        } else {
+            "InsufficientGpus".into()
+        };
+        match counts.iter_mut().find(|(r, _)| *r == reason) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((reason, 1)),
+        }
+    }
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Refusal {
+        allocation: i,
+        counts,
+    }
+}
+
+/// A window of the answer.
+#[derive(Debug, Clone)]
+pub struct Window {
+    /// The earliest start of the stretch, and the window's end from it.
+    pub starts_at: DateTime<Utc>,
+    pub ends_at: DateTime<Utc>,
+    /// The latest start at which the request still fits, before something booked is in the way
+    /// (or the search's last start).
+    pub latest_start: DateTime<Utc>,
+    /// Per allocation, in order: the node it would take at `starts_at`.
+    pub picks: Vec<Pick>,
+}
+
+/// Why nothing fits, as an `Unschedulable` condition would say it.
+#[derive(Debug, Clone)]
+pub struct Unfit {
+    pub allocation: usize,
+    pub counts: Vec<(String, i64)>,
+    pub message: String,
+}
+
+/// The answer of `availability`.
+#[derive(Debug, Clone)]
+pub struct Availability {
+    /// The starts searched: from `notBefore` (or now) to `notAfter`, narrowed by the pool's
+    /// `maxLeadSeconds`.
+    pub searched_from: DateTime<Utc>,
+    pub searched_to: DateTime<Utc>,
+    pub windows: Vec<Window>,
+    /// Set when no window was found.
+    pub unfit: Option<Unfit>,
+}
+
+/// What decides whether the request may be searched at all: the pool's rules and the caller's
+/// tenant's booked GPU-hours on it, read with the time.
+#[derive(sqlx::FromRow)]
+struct Gate {
+    now: DateTime<Utc>,
+    site_id: String,
+    rules: Option<sqlx::types::Json<PoolRules>>,
+    held_gpu_hours: f64,
+}
+
+/// The earliest windows in which `req` fits for the caller (its tenant's quota and the pool's
+/// rules applied as `createReservation` applies them: a request they refuse is refused here with
+/// the same code, rule and limit).
+#[tracing::instrument(level = "debug", skip_all, fields(pool = %req.pool_id))]
+pub async fn availability(
+    db: &Db,
+    actor: &Actor,
+    req: &AvailabilityRequest,
+) -> Result<Availability> {
+    let tenant = actor.tenant.as_ref().map(|t| t.as_str().to_owned());
+    let req = req.clone();
+    db.tx("availability", TxKind::Read, move |conn| {
+        let (tenant, req) = (tenant.clone(), req.clone());
+        Box::pin(async move { answer(conn, tenant.as_deref(), &req).await })
+    })
+    .await
+}
+
+async fn answer(
+    conn: &mut PgConnection,
+    tenant: Option<&str>,
+    req: &AvailabilityRequest,
+) -> Result<Availability> {
+    let gate: Option<Gate> = sqlx::query_as(
+        "SELECT compute_now() AS now, p.site_id, p.rules,
+                CASE WHEN $2::text IS NULL THEN 0
+                     ELSE compute_future_gpu_hours($2, p.id, NULL, compute_now()) END::float8 AS held_gpu_hours
+           FROM pools p WHERE p.id = $1",
+    )
+    .bind(req.pool_id.as_str())
+    .bind(tenant)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(gate) = gate else {
+        return Err(Error::NotFound {
+            kind: "pool",
+            id: req.pool_id.to_string(),
+        });
+    };
+    let rules = gate.rules.as_ref().map(|r| r.0.clone()).unwrap_or_default();
+    let secs = req.duration.num_seconds();
+    let from = req.not_before.map_or(gate.now, |t| t.max(gate.now));
+    let mut to = req
+        .not_after
+        .unwrap_or(from + Duration::days(DEFAULT_HORIZON_DAYS));
+    if let Some(max) = rules.max_duration_seconds
+        && secs > max
+    {
+        return Err(Error::PolicyViolation {
+            rule: "maxDurationSeconds".into(),
+            limit: json!(max),
+            message: format!(
+                "pool {} allows reservations of at most {max} seconds; {secs} seconds were asked",
+                req.pool_id
+            ),
+        });
+    }
+    if let Some(max) = rules.max_lead_seconds {
+        let last = gate.now + Duration::seconds(max);
+        if from > last {
+            return Err(Error::PolicyViolation {
+                rule: "maxLeadSeconds".into(),
+                limit: json!(max),
+                message: format!(
+                    "pool {} allows a reservation to start at most {max} seconds ahead; `notBefore` is {} seconds ahead",
+                    req.pool_id,
+                    (from - gate.now).num_seconds()
+                ),
+            });
+        }
+        to = to.min(last);
+    }
+    if to < from {
+        return Err(Error::bad_input(
+            "notAfter",
+            "`notAfter` (the latest start) is before now",
+        ));
+    }
+    let gpu = gpu_charge(&req.allocations);
+    if let (Some(max), Some(t)) = (rules.max_future_gpu_hours, tenant) {
+        let asked = gpu * secs as f64 / 3600.0;
+        if gate.held_gpu_hours + asked > max + 1e-9 {
+            return Err(Error::PolicyViolation {
+                rule: "maxFutureGpuHours".into(),
+                limit: json!(max),
+                message: format!(
+                    "pool {} allows a tenant at most {max} GPU-hours booked ahead; tenant {t} holds {:.3} and asks {asked:.3}",
+                    req.pool_id, gate.held_gpu_hours
+                ),
+            });
+        }
+    }
+    if let Some(t) = tenant {
+        check_quota(conn, t, req, &gate, gpu).await?;
+    }
+
+    let d = req.duration.num_microseconds().unwrap_or(i64::MAX / 4);
+    let started = std::time::Instant::now();
+    let nodes = read_calendar(conn, req, from, to + req.duration).await?;
+    let read = started.elapsed();
+    let needs: Vec<Need> = req.allocations.iter().map(Need::of).collect();
+    let from_us = from.timestamp_micros();
+    let to_us = to.timestamp_micros();
+    let at = |us: i64| DateTime::<Utc>::from_timestamp_micros(us).unwrap_or(from);
+    let found = search(&nodes, &needs, d, from_us, to_us, req.first);
+    tracing::debug!(
+        nodes = nodes.len(),
+        atoms = nodes.iter().map(|n| n.atoms.len()).sum::<usize>(),
+        bookings = nodes
+            .iter()
+            .flat_map(|n| &n.atoms)
+            .map(|a| a.busy.len())
+            .sum::<usize>(),
+        read_ms = read.as_secs_f64() * 1000.0,
+        search_ms = (started.elapsed() - read).as_secs_f64() * 1000.0,
+        "availability searched"
+    );
+    let (windows, unfit) = match found {
+        Found::Stretches(s) => (
+            s.into_iter()
+                .map(|s| Window {
+                    starts_at: at(s.earliest),
+                    ends_at: at(s.earliest) + req.duration,
+                    latest_start: at(s.latest),
+                    picks: s.picks,
+                })
+                .collect(),
+            None,
+        ),
+        Found::Nothing(r) => {
+            let what = req.allocations[r.allocation].describe();
+            let total: i64 = r.counts.iter().map(|c| c.1).sum();
+            let detail = r
+                .counts
+                .iter()
+                .map(|(reason, n)| format!("{n} {}", reason_words(reason, &what)))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let message = format!(
+                "{}no start from {} to {} in pool {} gives {} for {} seconds: 0/{total} nodes fit{}",
+                if req.allocations.len() > 1 {
+                    format!("allocation {}: ", r.allocation)
+                } else {
+                    String::new()
+                },
+                from.to_rfc3339(),
+                to.to_rfc3339(),
+                req.pool_id,
+                what,
+                secs,
+                if detail.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({detail})")
+                }
+            );
+            (
+                Vec::new(),
+                Some(Unfit {
+                    allocation: r.allocation,
+                    counts: r.counts,
+                    message,
+                }),
+            )
+        }
+    };
+    Ok(Availability {
+        searched_from: from,
+        searched_to: to,
+        windows,
+        unfit,
+    })
+}
+
+fn reason_words(reason: &str, what: &str) -> String {
+    match reason {
+        "NodeRetired" => "retired".into(),
+        "NodeCordoned" => "cordoned".into(),
+        "NodeUnreachable" => "unreachable".into(),
+        "NodeLost" => "lost".into(),
+        "NodeSelectorMismatch" => "without the labels asked for".into(),
+        "TaintNotTolerated" => "with an untolerated taint".into(),
+        "InsufficientGpus" => format!("never with {what} free for the whole window"),
+        "InsufficientVcpu" => "short of vCPU".into(),
+        "InsufficientMemory" => "short of memory".into(),
+        "InsufficientDisk" => "short of disk".into(),
+        "AllocationsConflict" => "able to take each allocation alone, never all together".into(),
+        other => other.to_owned(),
+    }
+}
+
+/// The tenant's quota rows on the pool and its site, as `createReservation` charges them: a row
+/// that this request would take past its limit refuses it now, whatever the window.
+async fn check_quota(
+    conn: &mut PgConnection,
+    tenant: &str,
+    req: &AvailabilityRequest,
+    gate: &Gate,
+    gpu: f64,
+) -> Result<()> {
+    let vcpu: i64 = req.allocations.iter().map(|a| a.vcpu).sum();
+    let memory: i64 = req.allocations.iter().map(|a| a.memory_mib).sum();
+    let rows: Vec<(String, String, String, f64, f64)> = sqlx::query_as(
+        "SELECT q.scope_kind, q.scope_id, q.resource, q.used::float8, q.max_amount::float8
+           FROM quota_usage q
+          WHERE q.tenant_id = $1 AND ((q.scope_kind = 'pool' AND q.scope_id = $2) OR (q.scope_kind = 'site' AND q.scope_id = $3))
+          ORDER BY q.scope_kind, q.scope_id, q.resource",
+    )
+    .bind(tenant)
+    .bind(req.pool_id.as_str())
+    .bind(&gate.site_id)
+    .fetch_all(&mut *conn)
+    .await?;
+    for (kind, scope, resource, used, max) in rows {
+        let (asked, words) = match resource.as_str() {
+            "gpu" => (gpu, "GPUs"),
+            "vcpu" => (vcpu as f64, "vCPU"),
+            _ => (memory as f64, "MiB of memory"),
+        };
+        if asked > 0.0 && used + asked > max + 1e-9 {
+            return Err(Error::QuotaExceeded(format!(
+                "quota exceeded: tenant {tenant} would hold {} of its {} {words} on {kind} {scope} (holds {}, asks {})",
+                amount(used + asked),
+                amount(max),
+                amount(used),
+                amount(asked)
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn amount(x: f64) -> String {
+    let s = format!("{:.6}", x);
+    s.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
+type CalRow = (
+    NodeId,
+    Vec<String>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<String>,
+    Option<i32>,
+    Option<DateTime<Utc>>,
+);
+
+/// The pool's calendar for `req`'s allocations, bookings that overlap `[from, until)`.
+///
+/// Two statements: the pool's nodes with their atoms (hash joins over the pool's rows), then the
+/// pool's bookings that overlap the range, one scan of `device_bookings_pool_during` (never the
+/// fleet's history, nor another pool's bookings; migration 0035); those of atoms the request
+/// cannot use are dropped here. An atom serves allocation `i` under the conditions `compute_free_atoms`
+/// places with (kind, model, MIG profile, slots of the GPU), on a device
+/// `compute_device_schedulable` lets through; a node's reasons are those `compute_place`
+/// counts, in its order.
+pub async fn read_calendar(
+    conn: &mut PgConnection,
+    req: &AvailabilityRequest,
+    from: DateTime<Utc>,
+    until: DateTime<Utc>,
+) -> Result<Vec<CalNode>> {
+    let allocs: Vec<serde_json::Value> = req
+        .allocations
+        .iter()
+        .map(|a| {
+            json!({
+                "gpu_kind": a.gpu_kind.as_str(),
+                "model": a.model,
+                "profile": a.profile,
+                "slots_per_gpu": a.slots_per_gpu,
+                "node_selector": a.node_selector,
+                "tolerations": a.tolerations,
+            })
+        })
+        .collect();
+    let rows: Vec<CalRow> = sqlx::query_as(
+        r#"
+WITH req AS MATERIALIZED (
+    SELECT (x.o - 1)::integer AS ord, x.j->>'gpu_kind' AS kind, x.j->>'model' AS model, x.j->>'profile' AS profile,
+           (x.j->>'slots_per_gpu')::integer AS slots, x.j->'node_selector' AS sel, x.j->'tolerations' AS tol
+      FROM jsonb_array_elements($2::jsonb) WITH ORDINALITY AS x(j, o)),
+res AS MATERIALIZED (
+    SELECT r.node_id,
+           max(floor(r.allocatable * r.ratio)::bigint - r.allocated) FILTER (WHERE r.resource = 'vcpu') AS vcpu,
+           max(floor(r.allocatable * r.ratio)::bigint - r.allocated) FILTER (WHERE r.resource = 'memory_mib') AS memory,
+           max(floor(r.allocatable * r.ratio)::bigint - r.allocated) FILTER (WHERE r.resource = 'disk_gib') AS disk
+      FROM node_resources r JOIN nodes n ON n.id = r.node_id
+     WHERE n.pool_id = $1
+     GROUP BY r.node_id),
+nd AS MATERIALIZED (
+    SELECT n.id,
+           ARRAY(SELECT CASE
+                     WHEN n.lifecycle = 'retired' THEN 'NodeRetired'
+                     WHEN n.lifecycle = 'cordoned' THEN 'NodeCordoned'
+                     WHEN n.reachability = 'unreachable' THEN 'NodeUnreachable'
+                     WHEN n.reachability = 'lost' THEN 'NodeLost'
+                     WHEN NOT compute_node_schedulable(n.lifecycle, n.reachability) THEN 'NodeUnschedulable'
+                     WHEN NOT n.labels @> r.sel THEN 'NodeSelectorMismatch'
+                     WHEN NOT (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, r.tol)) THEN 'TaintNotTolerated'
+                     ELSE '' END
+                   FROM req r ORDER BY r.ord) AS ruled_out,
+           res.vcpu, res.memory, res.disk
+      FROM nodes n LEFT JOIN res ON res.node_id = n.id
+     WHERE n.pool_id = $1),
+atoms AS MATERIALIZED (
+    SELECT d.node_id, a.name, a.created_at,
+           (SELECT coalesce(sum(1 << r.ord), 0)::integer FROM req r
+             WHERE a.kind = r.kind
+               AND (r.model IS NULL OR d.model = r.model)
+               AND (r.profile IS NULL OR a.profile = r.profile)
+               AND (r.slots IS NULL OR (d.layout->>'slots')::integer = r.slots)) AS serves
+      FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
+     WHERE n.pool_id = $1 AND compute_device_schedulable(d.health, d.quarantined)
+       AND a.kind IN (SELECT kind FROM req) AND a.created_at < $3)
+SELECT nd.id, nd.ruled_out, nd.vcpu, nd.memory, nd.disk, a.name, a.serves, a.created_at
+  FROM nd LEFT JOIN atoms a ON a.node_id = nd.id AND a.serves <> 0
+ ORDER BY nd.id"#,
+    )
+    .bind(req.pool_id.as_str())
+    .bind(serde_json::Value::Array(allocs))
+    .bind(until)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut nodes: Vec<CalNode> = Vec::new();
+    let mut index: std::collections::HashMap<String, (usize, usize)> =
+        std::collections::HashMap::with_capacity(rows.len());
+    for (id, ruled_out, vcpu, memory, disk, name, serves, created) in rows {
+        if nodes.last().is_none_or(|n| n.id != id) {
+            nodes.push(CalNode {
+                id,
+                ruled_out: ruled_out
+                    .into_iter()
+                    .map(|r| (!r.is_empty()).then_some(r))
+                    .collect(),
+                free_vcpu: vcpu,
+                free_memory_mib: memory,
+                free_disk_gib: disk,
+                atoms: Vec::new(),
+            });
+        }
+        let last = nodes.len().saturating_sub(1);
+        if let (Some(name), Some(serves), Some(created)) = (name, serves, created)
+            && let Some(node) = nodes.last_mut()
+        {
+            index.insert(name, (last, node.atoms.len()));
+            node.atoms.push(CalAtom {
+                serves: serves as u32,
+                created: created.timestamp_micros(),
+                busy: Vec::new(),
+            });
+        }
+    }
+    let bookings: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
+        "SELECT b.atom, lower(b.during), upper(b.during) FROM device_bookings b
+          WHERE b.pool_id = $1 AND b.during && tstzrange($2, $3)",
+    )
+    .bind(req.pool_id.as_str())
+    .bind(from)
+    .bind(until)
+    .fetch_all(&mut *conn)
+    .await?;
+    for (atom, lower, upper) in bookings {
+        if let Some(&(n, a)) = index.get(&atom) {
+            nodes[n].atoms[a].busy.push((
+                lower.timestamp_micros(),
+                upper.map_or(i64::MAX, |u| u.timestamp_micros()),
+            ));
+        }
+    }
+    Ok(nodes)
+}
+
+/// The most steps a capacity timeline has.
+pub const MAX_STEPS: i64 = 1_000;
+
+/// A parsed `capacityTimeline` question.
+#[derive(Debug, Clone)]
+pub struct TimelineRequest {
+    pub pool_id: PoolId,
+    pub from: DateTime<Utc>,
+    pub step: Duration,
+    pub steps: i64,
+    pub kind: m::AtomKind,
+    pub model: Option<String>,
+}
+
+/// Parses the arguments of `capacityTimeline`: at most [`MAX_STEPS`] steps of at least a minute.
+pub fn parse_timeline(
+    pool_id: &str,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    step_seconds: i64,
+    kind: Option<m::AtomKind>,
+    model: Option<&str>,
+) -> Result<TimelineRequest> {
+    let pool_id = PoolId::parse("poolId", pool_id)?;
+    let from = m::parse_time("from", from)?;
+    let to = m::parse_time("to", to)?;
+    if to <= from {
+        return Err(Error::bad_input("to", "`to` must be after `from`"));
+    }
+    let step_seconds = m::parse_count("stepSeconds", step_seconds, 60, 31 * 86_400)?;
+    let span = (to - from).num_seconds();
+    let steps = (span + step_seconds - 1) / step_seconds;
+    if steps > MAX_STEPS {
+        return Err(Error::bad_input(
+            "stepSeconds",
+            format!(
+                "{steps} steps of {step_seconds} seconds from `from` to `to`; a timeline has at most {MAX_STEPS}: take longer steps or a shorter range"
+            ),
+        ));
+    }
+    Ok(TimelineRequest {
+        pool_id,
+        from,
+        step: Duration::seconds(step_seconds),
+        steps,
+        kind: kind.unwrap_or(m::AtomKind::Gpu),
+        model: model.map(|s| m::parse_name("model", s)).transpose()?,
+    })
+}
+
+/// One step of a capacity timeline: the pool's atoms of the kind (and model) asked for.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Step {
+    pub starts_at: DateTime<Utc>,
+    pub ends_at: DateTime<Utc>,
+    /// Atoms on the pool's nodes that are not retired.
+    pub total: i64,
+    /// Atoms with a booking that overlaps the step (an allocation or a maintenance hold).
+    pub booked: i64,
+    /// Atoms free for the whole step on a schedulable node and device.
+    pub free: i64,
+    /// Atoms not booked in the step but not schedulable now (a cordoned, unreachable or lost
+    /// node, an unhealthy or quarantined device).
+    pub unavailable: i64,
+}
+
+/// Free and booked atoms per step: one statement that reads the pool's atoms and the pool's
+/// bookings that overlap the range (`device_bookings_pool_during`), each booking counted in the
+/// steps it overlaps. Nobody's bookings are named.
+#[tracing::instrument(level = "debug", skip_all, fields(pool = %req.pool_id))]
+pub async fn capacity_timeline(db: &Db, req: &TimelineRequest) -> Result<Vec<Step>> {
+    let req = req.clone();
+    db.tx("capacity_timeline", TxKind::Read, move |conn| {
+        let req = req.clone();
+        Box::pin(async move {
+            let found: Option<(i32,)> = sqlx::query_as("SELECT 1 FROM pools WHERE id = $1")
+                .bind(req.pool_id.as_str())
+                .fetch_optional(&mut *conn)
+                .await?;
+            if found.is_none() {
+                return Err(Error::NotFound {
+                    kind: "pool",
+                    id: req.pool_id.to_string(),
+                });
+            }
+            let to = req.from + req.step * req.steps as i32;
+            let steps: Vec<Step> = sqlx::query_as(
+                r#"
+WITH atoms AS MATERIALIZED (
+    SELECT a.name, compute_node_schedulable(n.lifecycle, n.reachability) AND compute_device_schedulable(d.health, d.quarantined) AS usable
+      FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
+     WHERE n.pool_id = $1 AND n.lifecycle <> 'retired' AND a.kind = $2 AND ($3::text IS NULL OR d.model = $3)),
+totals AS (SELECT count(*) AS total, count(*) FILTER (WHERE usable) AS usable FROM atoms),
+busy AS (
+    SELECT s.i, count(DISTINCT b.atom) FILTER (WHERE a.usable) AS usable, count(DISTINCT b.atom) FILTER (WHERE NOT a.usable) AS unusable
+      FROM device_bookings b
+      JOIN atoms a ON a.name = b.atom
+      CROSS JOIN LATERAL generate_series(
+            greatest(0, floor(extract(epoch FROM lower(b.during) - $4) / $6))::integer,
+            least($7 - 1, ceil(extract(epoch FROM least(coalesce(upper(b.during), $5), $5) - $4) / $6) - 1)::integer) AS s(i)
+     WHERE b.pool_id = $1 AND b.during && tstzrange($4, $5)
+     GROUP BY s.i)
+SELECT $4 + make_interval(secs => s.i * $6) AS starts_at, $4 + make_interval(secs => (s.i + 1) * $6) AS ends_at,
+       t.total, coalesce(b.usable + b.unusable, 0) AS booked, t.usable - coalesce(b.usable, 0) AS free,
+       t.total - t.usable - coalesce(b.unusable, 0) AS unavailable
+  FROM generate_series(0, $7 - 1) AS s(i)
+  CROSS JOIN totals t
+  LEFT JOIN busy b ON b.i = s.i
+ ORDER BY s.i"#,
+            )
+            .bind(req.pool_id.as_str())
+            .bind(req.kind.as_str())
+            .bind(req.model.as_deref())
+            .bind(req.from)
+            .bind(to)
+            .bind(req.step.num_seconds() as f64)
+            .bind(req.steps as i32)
+            .fetch_all(&mut *conn)
+            .await?;
+            Ok(steps)
+        })
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small deterministic generator (xorshift), so a failing case can be run again.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> i64 {
+            (self.next() % n) as i64
+        }
+    }
+
+    const MIN: i64 = 60_000_000;
+
+    fn node(i: usize, atoms: Vec<CalAtom>) -> CalNode {
+        CalNode {
+            id: NodeId::from_trusted(&format!("node_{i:032x}")).expect("id"),
+            ruled_out: vec![None; MAX_ALLOCATIONS],
+            free_vcpu: None,
+            free_memory_mib: None,
+            free_disk_gib: None,
+            atoms,
+        }
+    }
+
+    fn atom(busy: &[(i64, i64)]) -> CalAtom {
+        CalAtom {
+            serves: u32::MAX,
+            created: 0,
+            busy: busy.iter().map(|&(a, b)| (a * MIN, b * MIN)).collect(),
+        }
+    }
+
+    fn gpus(n: usize) -> Need {
+        Need {
+            atoms: n,
+            vcpu: 0,
+            memory_mib: 0,
+            disk_gib: 0,
+        }
+    }
+
+    fn stretches(found: Found) -> Vec<(i64, i64)> {
+        match found {
+            Found::Stretches(s) => s
+                .iter()
+                .map(|s| (s.earliest / MIN, s.latest / MIN))
+                .collect(),
+            Found::Nothing(_) => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_window_opens_when_enough_atoms_are_free_for_the_whole_duration() {
+        // Two atoms: one busy [10, 20), the other [15, 30). Two GPUs for 5 minutes fit at
+        // starts 0..=5 (both free until 10) and from 30 on.
+        let nodes = vec![node(0, vec![atom(&[(10, 20)]), atom(&[(15, 30)])])];
+        let found = search(&nodes, &[gpus(2)], 5 * MIN, 0, 100 * MIN, 5);
+        assert_eq!(stretches(found), vec![(0, 5), (30, 100)]);
+        // One GPU: 0..=10 on the second atom, 20.. on the first; a start between 10 and 20
+        // meets a booking on each.
+        let found = search(&nodes, &[gpus(1)], 5 * MIN, 0, 100 * MIN, 5);
+        assert_eq!(stretches(found), vec![(0, 10), (20, 100)]);
+        // At most `first` windows.
+        let found = search(&nodes, &[gpus(1)], 5 * MIN, 0, 100 * MIN, 1);
+        assert_eq!(stretches(found), vec![(0, 10)]);
+        // Three GPUs never fit: the counts say why.
+        match search(&nodes, &[gpus(3)], 5 * MIN, 0, 100 * MIN, 5) {
+            Found::Nothing(r) => assert_eq!(r.counts, vec![("InsufficientGpus".to_owned(), 1)]),
+            other => panic!("expected nothing, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_node_ruled_out_or_short_of_scalars_takes_nothing() {
+        let mut cordoned = node(0, vec![atom(&[])]);
+        cordoned.ruled_out[0] = Some("NodeCordoned".into());
+        let mut small = node(1, vec![atom(&[])]);
+        small.free_vcpu = Some(4);
+        let need = Need {
+            atoms: 1,
+            vcpu: 8,
+            memory_mib: 0,
+            disk_gib: 0,
+        };
+        match search(&[cordoned, small.clone()], &[need], MIN, 0, 10 * MIN, 5) {
+            Found::Nothing(r) => assert_eq!(
+                r.counts,
+                vec![
+                    ("InsufficientVcpu".to_owned(), 1),
+                    ("NodeCordoned".to_owned(), 1)
+                ]
+            ),
+            other => panic!("expected nothing, got {other:?}"),
+        }
+        small.free_vcpu = Some(8);
+        assert_eq!(
+            stretches(search(&[small], &[need], MIN, 0, 10 * MIN, 5)),
+            vec![(0, 10)]
+        );
+    }
+
+    /// The whole request at `s`, by brute force: every way to put each allocation on a node,
+    /// atoms counted per node and never shared.
+    fn fits_brute(nodes: &[CalNode], needs: &[Need], s: i64, d: i64) -> bool {
+        let free: Vec<usize> = nodes
+            .iter()
+            .map(|n| {
+                n.atoms
+                    .iter()
+                    .filter(|a| {
+                        a.created <= s && a.busy.iter().all(|&(b0, b1)| b1 <= s || s + d <= b0)
+                    })
+                    .count()
+            })
+            .collect();
+        fn place(i: usize, needs: &[Need], left: &mut Vec<usize>) -> bool {
+            if i == needs.len() {
+                return true;
+            }
+            for n in 0..left.len() {
+                if left[n] >= needs[i].atoms {
+                    left[n] -= needs[i].atoms;
+                    let ok = place(i + 1, needs, left);
+                    left[n] += needs[i].atoms;
+                    if ok {
+                        return true;
+                    }
+                }
+            }
+            false
+        }
+        place(0, needs, &mut free.clone())
+    }
+
+    /// Against a brute force over every minute of small random calendars: the windows returned
+    /// are exactly the stretches of minutes at which the request fits, earliest first. Bookings,
+    /// creation times and durations are whole minutes, so checking each minute checks every start.
+    #[test]
+    fn the_windows_are_the_true_stretches_of_a_random_calendar() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for case in 0..400 {
+            let n_nodes = 1 + rng.below(4) as usize;
+            let nodes: Vec<CalNode> = (0..n_nodes)
+                .map(|i| {
+                    let atoms = (0..1 + rng.below(4))
+                        .map(|_| {
+                            let mut t = rng.below(20);
+                            let mut busy = Vec::new();
+                            while t < 120 {
+                                let len = 1 + rng.below(25);
+                                busy.push((t, t + len));
+                                t += len + rng.below(30);
+                            }
+                            let mut a = atom(&busy);
+                            a.created = if rng.below(5) == 0 {
+                                rng.below(60) * MIN
+                            } else {
+                                0
+                            };
+                            a
+                        })
+                        .collect();
+                    node(i, atoms)
+                })
+                .collect();
+            let n_alloc = if rng.below(3) == 0 { 2 } else { 1 };
+            let needs: Vec<Need> = (0..n_alloc)
+                .map(|_| gpus(1 + rng.below(3) as usize))
+                .collect();
+            let d = (1 + rng.below(30)) * MIN;
+            let (from, to) = (rng.below(30) * MIN, (60 + rng.below(80)) * MIN);
+            // Starts every half minute: events fall on whole minutes (or a microsecond after), so
+            // the half minutes see every gap between two stretches.
+            const HALF: i64 = MIN / 2;
+            let mut expected = Vec::new();
+            let mut open: Option<i64> = None;
+            let mut last = from;
+            for k in from / HALF..=to / HALF {
+                let s = k * HALF;
+                match (open, fits_brute(&nodes, &needs, s, d)) {
+                    (None, true) => open = Some(s),
+                    (Some(o), false) => {
+                        expected.push((o / MIN, last / MIN));
+                        open = None;
+                    }
+                    _ => {}
+                }
+                last = s;
+            }
+            if let Some(o) = open {
+                expected.push((o / MIN, to / MIN));
+            }
+            expected.truncate(20);
+            let got = stretches(search(&nodes, &needs, d, from, to, 20));
+            assert_eq!(got, expected, "case {case}: needs {needs:?}, d {}", d / MIN);
+        }
+    }
+}

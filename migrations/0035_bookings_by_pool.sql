@@ -1,0 +1,265 @@
+-- Bookings carry their pool, so that a pool's calendar over a range (availability search, the
+-- capacity timeline) is one scan of one index, `device_bookings_pool_during`, that reads neither
+-- another pool's bookings nor any booking outside the range.
+--
+-- A booking's pool is its device's node's pool (nodes never change pool). Placement, which
+-- writes nearly every booking, names it (`compute_place`, below); the other writers (maintenance
+-- holds of mode changes and overlaps) leave it out and `compute_booking_pool` fills it, a
+-- trigger that fires only then, so the hot path pays no trigger call.
+
+ALTER TABLE device_bookings ADD COLUMN pool_id text;
+UPDATE device_bookings b SET pool_id = n.pool_id
+  FROM devices d JOIN nodes n ON n.id = d.node_id
+ WHERE d.id = b.device_id;
+ALTER TABLE device_bookings ALTER COLUMN pool_id SET NOT NULL;
+CREATE INDEX device_bookings_pool_during ON device_bookings USING gist (pool_id, during);
+
+CREATE FUNCTION compute_booking_pool() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $fn$
+BEGIN
+    SELECT n.pool_id INTO NEW.pool_id FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = NEW.device_id;
+    RETURN NEW;
+END
+$fn$;
+CREATE TRIGGER device_bookings_pool BEFORE INSERT ON device_bookings
+    FOR EACH ROW WHEN (NEW.pool_id IS NULL) EXECUTE FUNCTION compute_booking_pool();
+
+CREATE OR REPLACE FUNCTION compute_place(p_id text, p_from timestamptz, p_to timestamptz, p_sample integer, p_describe text[])
+    RETURNS jsonb
+    LANGUAGE plpgsql
+    AS $fn$
+DECLARE
+    v_pool       pools%ROWTYPE;
+    v_alloc      allocations%ROWTYPE;
+    v_window     tstzrange := tstzrange(p_from, p_to);
+    v_excluded   text[];
+    v_lost       text[];
+    v_node       text;
+    v_free       text[];
+    v_atoms      text[];
+    v_n          integer;
+    v_need       integer;
+    v_replans    integer := 0;
+    v_start      integer;
+    v_reason     text;
+    v_counts     jsonb;
+    v_message    text;
+    v_total      integer;
+    v_what       text;
+    v_cand       record;
+    v_cand_free  text[];
+    v_found      integer;
+    v_rank       record;
+    v_best       record;
+BEGIN
+    SELECT p.* INTO v_pool FROM pools p JOIN reservations r ON r.pool_id = p.id WHERE r.id = p_id;
+    BEGIN
+        FOR v_alloc IN SELECT * FROM allocations WHERE reservation_id = p_id ORDER BY ordinal LOOP
+            v_excluded := '{}';
+            v_lost := '{}';
+            LOOP
+                v_start := abs(hashtextextended(v_alloc.id || ':' || cardinality(v_lost), 0) % 1024)::integer;
+                v_node := NULL;
+                v_found := 0;
+                -- A loop over a query is a cursor, planned to return its first rows fast: the
+                -- walk reads nodes_pool_spread in order and stops early.
+                FOR v_cand IN
+                    (SELECT n.id, n.taints FROM nodes n
+                      WHERE n.pool_id = v_pool.id AND n.spread >= v_start
+                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_alloc.node_selector
+                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
+                      ORDER BY n.spread)
+                    UNION ALL
+                    (SELECT n.id, n.taints FROM nodes n
+                      WHERE n.pool_id = v_pool.id AND n.spread < v_start
+                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_alloc.node_selector
+                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
+                      ORDER BY n.spread)
+                LOOP
+                    CONTINUE WHEN v_cand.id = ANY(v_excluded);
+                    v_cand_free := compute_free_atoms(v_cand.id, v_alloc, p_from, p_to);
+                    CONTINUE WHEN coalesce(cardinality(v_cand_free), 0) < v_alloc.gpu_count;
+                    CONTINUE WHEN EXISTS (SELECT 1 FROM node_resources r
+                                   JOIN (VALUES ('vcpu', v_alloc.vcpu), ('memory_mib', v_alloc.memory_mib), ('disk_gib', v_alloc.disk_gib)) v(res, need)
+                                     ON v.res = r.resource AND v.need > 0
+                                  WHERE r.node_id = v_cand.id AND r.allocated + v.need > floor(r.allocatable * r.ratio));
+                    -- The tightest of those that fit; untolerated PreferNoSchedule taints last;
+                    -- ties by a hash of node and allocation.
+                    v_rank := ROW(v_cand.taints <> '[]'::jsonb
+                                    AND EXISTS (SELECT 1 FROM jsonb_array_elements(v_cand.taints) t WHERE t->>'effect' = 'PreferNoSchedule'
+                                                  AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(v_alloc.tolerations) o WHERE o->>'key' = t->>'key')),
+                                  cardinality(v_cand_free), md5(v_cand.id || v_alloc.id));
+                    IF v_node IS NULL OR v_rank < v_best THEN
+                        v_node := v_cand.id;
+                        v_free := v_cand_free;
+                        v_best := v_rank;
+                    END IF;
+                    v_found := v_found + 1;
+                    EXIT WHEN v_found >= greatest(p_sample, 1);
+                END LOOP;
+                IF v_node IS NULL THEN
+                    v_reason := 'none';
+                    EXIT;
+                END IF;
+                -- Which atoms: MIG instances and slots from the front (partly used GPUs fill
+                -- first); whole GPUs from an offset derived from the allocation, so concurrent
+                -- placements on one node rarely reach for the same ones.
+                v_n := cardinality(v_free);
+                v_need := v_alloc.gpu_count;
+                IF v_alloc.gpu_kind = 'gpu' AND v_n > v_need THEN
+                    v_start := abs(hashtextextended(v_alloc.id, 0) % (v_n - v_need + 1))::integer;
+                    v_atoms := v_free[v_start + 1 : v_start + v_need];
+                ELSE
+                    v_atoms := v_free[1 : v_need];
+                END IF;
+                BEGIN
+                    PERFORM 1 FROM nodes n
+                      WHERE n.id = v_node AND compute_node_schedulable(n.lifecycle, n.reachability)
+                        AND n.labels @> v_alloc.node_selector
+                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
+                      FOR SHARE;
+                    IF NOT FOUND THEN
+                        RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'the node changed';
+                    END IF;
+                    -- An atom made after the window's start (by a mode change that committed
+                    -- meanwhile) is not bookable from that start.
+                    PERFORM 1 FROM (SELECT a.name FROM device_atoms a JOIN devices d ON d.id = a.device_id
+                                     WHERE a.name = ANY(v_atoms) AND d.node_id = v_node
+                                       AND compute_device_schedulable(d.health, d.quarantined) AND a.created_at <= p_from
+                                     ORDER BY a.name FOR SHARE OF a, d) x;
+                    GET DIAGNOSTICS v_n = ROW_COUNT;
+                    IF v_n <> v_need THEN
+                        RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU changed';
+                    END IF;
+                    INSERT INTO device_bookings (atom, device_id, pool_id, allocation_id, during)
+                        SELECT a.name, a.device_id, v_pool.id, v_alloc.id, v_window FROM device_atoms a WHERE a.name = ANY(v_atoms)
+                        ON CONFLICT DO NOTHING;
+                    GET DIAGNOSTICS v_n = ROW_COUNT;
+                    IF v_n <> v_need THEN
+                        RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'an atom was booked meanwhile';
+                    END IF;
+                    -- Rows locked in resource order first (an UPDATE locks in its plan's order;
+                    -- two orders on one node deadlock); only the resources asked for.
+                    WITH want AS (SELECT * FROM (VALUES ('disk_gib', v_alloc.disk_gib), ('memory_mib', v_alloc.memory_mib), ('vcpu', v_alloc.vcpu)) v(res, need)
+                                   WHERE v.need > 0),
+                         locked AS (SELECT r.node_id, r.resource FROM node_resources r JOIN want w ON w.res = r.resource
+                                     WHERE r.node_id = v_node ORDER BY r.resource FOR UPDATE OF r)
+                    UPDATE node_resources r SET allocated = r.allocated + w.need
+                      FROM locked l, want w
+                     WHERE r.node_id = l.node_id AND r.resource = l.resource AND w.res = l.resource
+                       AND r.allocated + w.need <= floor(r.allocatable * r.ratio);
+                    GET DIAGNOSTICS v_n = ROW_COUNT;
+                    IF v_n <> (v_alloc.vcpu > 0)::int + (v_alloc.memory_mib > 0)::int + (v_alloc.disk_gib > 0)::int THEN
+                        RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'the node''s vCPU, memory or disk filled up';
+                    END IF;
+                    UPDATE allocations SET node_id = v_node, atoms = v_atoms WHERE id = v_alloc.id;
+                    v_reason := NULL;
+                EXCEPTION
+                    WHEN SQLSTATE 'CPLR0' THEN
+                        GET STACKED DIAGNOSTICS v_reason = MESSAGE_TEXT;
+                    WHEN lock_not_available OR deadlock_detected THEN
+                        -- The lock-order tests (`Db::without_contention_retry`) say so: a deadlock
+                        -- fails the call, so an inversion of the order cannot be replanned away.
+                        IF SQLSTATE = '40P01' AND current_setting('compute.contention_retry', true) = 'off' THEN
+                            RAISE;
+                        END IF;
+                        v_reason := 'a lock wait timed out';
+                END;
+                EXIT WHEN v_reason IS NULL;
+                v_replans := v_replans + 1;
+                v_lost := v_lost || v_reason;
+                v_excluded := v_excluded || v_node;
+                IF cardinality(v_lost) >= 3 THEN
+                    v_reason := 'lost';
+                    EXIT;
+                END IF;
+            END LOOP;
+            IF v_reason IS NOT NULL THEN
+                -- Nothing of this reservation stays booked: leave the block (its savepoint).
+                RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'unschedulable';
+            END IF;
+        END LOOP;
+    EXCEPTION WHEN SQLSTATE 'CPLR0' THEN
+        NULL;
+    END;
+    IF v_reason IS NULL THEN
+        RETURN jsonb_build_object('placed', true, 'replans', v_replans);
+    END IF;
+
+    v_what := coalesce(p_describe[v_alloc.ordinal + 1], v_alloc.gpu_count || ' ' || v_alloc.gpu_kind);
+    IF v_reason = 'lost' THEN
+        v_message := format('%s for %s in pool %s: 3 placement attempts lost races to concurrent changes (%s)',
+                            CASE WHEN v_alloc.ordinal > 0 OR EXISTS (SELECT 1 FROM allocations WHERE reservation_id = p_id AND ordinal > 0)
+                                 THEN 'allocation ' || v_alloc.ordinal ELSE 'placement' END,
+                            v_what, v_pool.name, array_to_string(v_lost, '; '));
+        v_counts := jsonb_build_array(jsonb_build_object('reason', 'LostRace', 'count', cardinality(v_lost)));
+        RETURN jsonb_build_object('placed', false, 'replans', v_replans,
+            'condition', jsonb_build_object('type', 'Unschedulable', 'status', 'True', 'reason', 'LostRace',
+                                            'message', v_message, 'since', compute_json_time(compute_now()), 'counts', v_counts));
+    END IF;
+
+    -- Why no node of the pool fits, node by node: the first reason that rules each one out.
+    SELECT coalesce(jsonb_agg(jsonb_build_object('reason', reason, 'count', n) ORDER BY n DESC, reason), '[]'),
+           coalesce(sum(n), 0)
+      INTO v_counts, v_total
+      FROM (SELECT reason, count(*)::integer AS n FROM (
+              SELECT CASE
+                WHEN n.id = ANY(v_excluded) THEN 'LostRace'
+                WHEN n.lifecycle = 'retired' THEN 'NodeRetired'
+                WHEN n.lifecycle = 'cordoned' THEN 'NodeCordoned'
+                WHEN n.reachability = 'unreachable' THEN 'NodeUnreachable'
+                WHEN n.reachability = 'lost' THEN 'NodeLost'
+                WHEN NOT n.labels @> v_alloc.node_selector THEN 'NodeSelectorMismatch'
+                WHEN NOT (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations)) THEN 'TaintNotTolerated'
+                WHEN coalesce(cardinality(compute_free_atoms(n.id, v_alloc, p_from, p_to)), 0)
+                      < v_alloc.gpu_count THEN 'InsufficientGpus'
+                WHEN EXISTS (SELECT 1 FROM node_resources r WHERE r.node_id = n.id AND r.resource = 'vcpu'
+                                AND v_alloc.vcpu > 0 AND r.allocated + v_alloc.vcpu > floor(r.allocatable * r.ratio)) THEN 'InsufficientVcpu'
+                WHEN EXISTS (SELECT 1 FROM node_resources r WHERE r.node_id = n.id AND r.resource = 'memory_mib'
+                                AND v_alloc.memory_mib > 0 AND r.allocated + v_alloc.memory_mib > floor(r.allocatable * r.ratio)) THEN 'InsufficientMemory'
+                WHEN EXISTS (SELECT 1 FROM node_resources r WHERE r.node_id = n.id AND r.resource = 'disk_gib'
+                                AND v_alloc.disk_gib > 0 AND r.allocated + v_alloc.disk_gib > floor(r.allocatable * r.ratio)) THEN 'InsufficientDisk'
+                ELSE 'FreedDuringSearch' END AS reason
+                FROM nodes n WHERE n.pool_id = v_pool.id) x
+            GROUP BY reason) y;
+
+    SELECT string_agg(CASE c->>'reason'
+                WHEN 'LostRace' THEN (c->>'count') || ' lost to concurrent changes'
+                WHEN 'NodeRetired' THEN (c->>'count') || ' retired'
+                WHEN 'NodeCordoned' THEN (c->>'count') || ' cordoned'
+                WHEN 'NodeUnreachable' THEN (c->>'count') || ' unreachable'
+                WHEN 'NodeLost' THEN (c->>'count') || ' lost'
+                WHEN 'NodeSelectorMismatch' THEN (c->>'count') || ' without the labels asked for'
+                WHEN 'TaintNotTolerated' THEN (c->>'count') || ' with an untolerated taint'
+                WHEN 'InsufficientGpus' THEN (c->>'count') || ' without ' || v_what || ' free over the window'
+                WHEN 'InsufficientVcpu' THEN (c->>'count') || ' short of vCPU'
+                WHEN 'InsufficientMemory' THEN (c->>'count') || ' short of memory'
+                WHEN 'InsufficientDisk' THEN (c->>'count') || ' short of disk'
+                ELSE (c->>'count') || ' freed during the search' END, ', ' ORDER BY o)
+      INTO v_message
+      FROM jsonb_array_elements(v_counts) WITH ORDINALITY AS x(c, o);
+
+    v_message := format('no schedulable node in pool %s has %s free with %s vCPU, %s MiB of memory and %s GiB of disk%s%s from %s to %s: 0/%s nodes fit%s%s',
+        v_pool.name, v_what, v_alloc.vcpu, v_alloc.memory_mib, v_alloc.disk_gib,
+        CASE WHEN v_alloc.node_selector = '{}'::jsonb THEN ''
+             ELSE ', labels ' || (SELECT string_agg(k || '=' || v, ',' ORDER BY k) FROM jsonb_each_text(v_alloc.node_selector) e(k, v)) END,
+        CASE WHEN v_alloc.tolerations = '[]'::jsonb THEN ', without tolerating taints' ELSE '' END,
+        compute_json_time(p_from), compute_json_time(p_to), v_total,
+        CASE WHEN v_message IS NULL THEN '' ELSE ' (' || v_message || ')' END,
+        CASE WHEN cardinality(v_lost) > 0
+             THEN format(' after %s lost race%s: %s', cardinality(v_lost), CASE WHEN cardinality(v_lost) = 1 THEN '' ELSE 's' END,
+                         array_to_string(v_lost, '; '))
+             ELSE '' END);
+    IF EXISTS (SELECT 1 FROM allocations WHERE reservation_id = p_id AND ordinal > 0) THEN
+        v_message := 'allocation ' || v_alloc.ordinal || ': ' || v_message;
+    END IF;
+    RETURN jsonb_build_object('placed', false, 'replans', v_replans,
+        'condition', jsonb_build_object('type', 'Unschedulable', 'status', 'True', 'reason', 'NoCapacity',
+                                        'message', v_message, 'since', compute_json_time(compute_now()), 'counts', v_counts));
+END
+$fn$;
+ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET enable_seqscan = off;
+ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET enable_sort = off;
+ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET enable_bitmapscan = off;
