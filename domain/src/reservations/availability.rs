@@ -1,12 +1,14 @@
 //! Availability search: the earliest windows in which a whole request fits, read from the
 //! calendar that placement books into.
 //!
-//! The calendar is read in one statement ([`read_calendar`]): the pool's nodes with the static
-//! reasons that rule each one out for each allocation (the same SQL facts placement filters on:
-//! `compute_node_schedulable`, the selector, `compute_taints_tolerated`), their free vCPU, memory
-//! and disk, and every schedulable atom that matches an allocation with its bookings that overlap
-//! the searched range (an index range scan of `device_bookings_atom_until` per atom, never the
-//! fleet's history). The search itself ([`search`]) is a sweep over time in memory.
+//! After the checks that do not depend on the window (the pool, its rules, the tenant's quota:
+//! [`admit`]), the calendar is read by two statements at once, on two connections: the pool's
+//! nodes with the static reasons that rule each one out for each allocation (the same SQL facts
+//! placement filters on: `compute_node_schedulable`, the selector, `compute_taints_tolerated`),
+//! their free vCPU, memory and disk, and every schedulable atom that matches an allocation
+//! ([`read_nodes`]); and the pool's bookings that overlap the searched range, one scan of
+//! `device_bookings_pool_during` ([`read_bookings`]; never the fleet's history nor another
+//! pool's). The search itself ([`search`]) is a sweep over time in memory.
 //!
 //! **What a window is.** An atom can take a window `[s, s + d)` when no booking of it overlaps it
 //! and it existed at `s`; so the starts it can take form closed intervals, one per gap between its
@@ -499,19 +501,45 @@ pub async fn availability(
     req: &AvailabilityRequest,
 ) -> Result<Availability> {
     let tenant = actor.tenant.as_ref().map(|t| t.as_str().to_owned());
-    let req = req.clone();
-    db.tx("availability", TxKind::Read, move |conn| {
+    let (from, to) = {
         let (tenant, req) = (tenant.clone(), req.clone());
-        Box::pin(async move { answer(conn, tenant.as_deref(), &req).await })
-    })
-    .await
+        db.tx("availability", TxKind::Read, move |conn| {
+            let (tenant, req) = (tenant.clone(), req.clone());
+            Box::pin(async move { admit(conn, tenant.as_deref(), &req).await })
+        })
+        .await?
+    };
+    let until = to + req.duration;
+    let started = std::time::Instant::now();
+    // The nodes and the bookings in two read transactions at once, on two connections: the
+    // database works on both (and this process decodes the bookings while the nodes are read).
+    // A booking committed between the two snapshots can only make the answer fresher; one of an
+    // atom the first did not read is dropped.
+    let (nodes, bookings) = tokio::try_join!(
+        {
+            let req = req.clone();
+            db.tx("availability_nodes", TxKind::Read, move |conn| {
+                let req = req.clone();
+                Box::pin(async move { read_nodes(conn, &req, until).await })
+            })
+        },
+        db.tx("availability_bookings", TxKind::Read, move |conn| {
+            let pool = req.pool_id.clone();
+            Box::pin(async move { read_bookings(conn, &pool, from, until).await })
+        })
+    )?;
+    let nodes = with_bookings(nodes, bookings);
+    let read = started.elapsed();
+    found_to_answer(req, from, to, nodes, read, started)
 }
 
-async fn answer(
+/// The checks a create would make that do not depend on the window (the pool, its rules, the
+/// tenant's quota), and the starts to search: `[from, to]`.
+async fn admit(
     conn: &mut PgConnection,
     tenant: Option<&str>,
     req: &AvailabilityRequest,
-) -> Result<Availability> {
+) -> Result<(DateTime<Utc>, DateTime<Utc>)> {
     let gate: Option<Gate> = sqlx::query_as(
         "SELECT compute_now() AS now, p.site_id, p.rules,
                 CASE WHEN $2::text IS NULL THEN 0
@@ -584,11 +612,19 @@ async fn answer(
     if let Some(t) = tenant {
         check_quota(conn, t, req, &gate, gpu).await?;
     }
+    Ok((from, to))
+}
 
+fn found_to_answer(
+    req: &AvailabilityRequest,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    nodes: Vec<CalNode>,
+    read: std::time::Duration,
+    started: std::time::Instant,
+) -> Result<Availability> {
+    let secs = req.duration.num_seconds();
     let d = req.duration.num_microseconds().unwrap_or(i64::MAX / 4);
-    let started = std::time::Instant::now();
-    let nodes = read_calendar(conn, req, from, to + req.duration).await?;
-    let read = started.elapsed();
     let needs: Vec<Need> = req.allocations.iter().map(Need::of).collect();
     let from_us = from.timestamp_micros();
     let to_us = to.timestamp_micros();
@@ -732,26 +768,23 @@ type CalRow = (
     Option<i64>,
     Option<i64>,
     Option<i64>,
-    Option<String>,
-    Option<i32>,
-    Option<DateTime<Utc>>,
+    Option<Vec<String>>,
+    Option<Vec<i32>>,
+    Option<Vec<DateTime<Utc>>>,
 );
 
-/// The pool's calendar for `req`'s allocations, bookings that overlap `[from, until)`.
+/// The pool's nodes for `req`'s allocations, each with the reasons that rule it out, its free
+/// scalars and the atoms that could serve an allocation (existing before `until`), in one
+/// statement of hash joins over the pool's rows, and an index from atom name to (node, atom).
 ///
-/// Two statements: the pool's nodes with their atoms (hash joins over the pool's rows), then the
-/// pool's bookings that overlap the range, one scan of `device_bookings_pool_during` (never the
-/// fleet's history, nor another pool's bookings; migration 0035); those of atoms the request
-/// cannot use are dropped here. An atom serves allocation `i` under the conditions `compute_free_atoms`
-/// places with (kind, model, MIG profile, slots of the GPU), on a device
-/// `compute_device_schedulable` lets through; a node's reasons are those `compute_place`
-/// counts, in its order.
-pub async fn read_calendar(
+/// An atom serves allocation `i` under the conditions `compute_free_atoms` places with (kind,
+/// model, MIG profile, slots of the GPU), on a device `compute_device_schedulable` lets through;
+/// a node's reasons are those `compute_place` counts, in its order.
+async fn read_nodes(
     conn: &mut PgConnection,
     req: &AvailabilityRequest,
-    from: DateTime<Utc>,
     until: DateTime<Utc>,
-) -> Result<Vec<CalNode>> {
+) -> Result<(Vec<CalNode>, AtomIndex)> {
     let allocs: Vec<serde_json::Value> = req
         .allocations
         .iter()
@@ -805,8 +838,9 @@ atoms AS MATERIALIZED (
       FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
      WHERE n.pool_id = $1 AND compute_device_schedulable(d.health, d.quarantined)
        AND a.kind IN (SELECT kind FROM req) AND a.created_at < $3)
-SELECT nd.id, nd.ruled_out, nd.vcpu, nd.memory, nd.disk, a.name, a.serves, a.created_at
-  FROM nd LEFT JOIN atoms a ON a.node_id = nd.id AND a.serves <> 0
+SELECT nd.id, nd.ruled_out, nd.vcpu, nd.memory, nd.disk, g.names, g.serves, g.created
+  FROM nd LEFT JOIN (SELECT a.node_id, array_agg(a.name) AS names, array_agg(a.serves) AS serves, array_agg(a.created_at) AS created
+                       FROM atoms a WHERE a.serves <> 0 GROUP BY a.node_id) g ON g.node_id = nd.id
  ORDER BY nd.id"#,
     )
     .bind(req.pool_id.as_str())
@@ -814,44 +848,64 @@ SELECT nd.id, nd.ruled_out, nd.vcpu, nd.memory, nd.disk, a.name, a.serves, a.cre
     .bind(until)
     .fetch_all(&mut *conn)
     .await?;
-    let mut nodes: Vec<CalNode> = Vec::new();
-    let mut index: std::collections::HashMap<String, (usize, usize)> =
-        std::collections::HashMap::with_capacity(rows.len());
-    for (id, ruled_out, vcpu, memory, disk, name, serves, created) in rows {
-        if nodes.last().is_none_or(|n| n.id != id) {
-            nodes.push(CalNode {
-                id,
-                ruled_out: ruled_out
-                    .into_iter()
-                    .map(|r| (!r.is_empty()).then_some(r))
-                    .collect(),
-                free_vcpu: vcpu,
-                free_memory_mib: memory,
-                free_disk_gib: disk,
-                atoms: Vec::new(),
-            });
+    let mut nodes: Vec<CalNode> = Vec::with_capacity(rows.len());
+    let mut index: AtomIndex = AtomIndex::with_capacity(rows.len() * 8);
+    for (id, ruled_out, vcpu, memory, disk, names, serves, created) in rows {
+        let mut atoms = Vec::new();
+        if let (Some(names), Some(serves), Some(created)) = (names, serves, created) {
+            for (k, ((name, serves), created)) in
+                names.into_iter().zip(serves).zip(created).enumerate()
+            {
+                index.insert(name, (nodes.len(), k));
+                atoms.push(CalAtom {
+                    serves: serves as u32,
+                    created: created.timestamp_micros(),
+                    busy: Vec::new(),
+                });
+            }
         }
-        let last = nodes.len().saturating_sub(1);
-        if let (Some(name), Some(serves), Some(created)) = (name, serves, created)
-            && let Some(node) = nodes.last_mut()
-        {
-            index.insert(name, (last, node.atoms.len()));
-            node.atoms.push(CalAtom {
-                serves: serves as u32,
-                created: created.timestamp_micros(),
-                busy: Vec::new(),
-            });
-        }
+        nodes.push(CalNode {
+            id,
+            ruled_out: ruled_out
+                .into_iter()
+                .map(|r| (!r.is_empty()).then_some(r))
+                .collect(),
+            free_vcpu: vcpu,
+            free_memory_mib: memory,
+            free_disk_gib: disk,
+            atoms,
+        });
     }
-    let bookings: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
+    Ok((nodes, index))
+}
+
+type AtomIndex = std::collections::HashMap<String, (usize, usize)>;
+type Booking = (String, DateTime<Utc>, Option<DateTime<Utc>>);
+
+/// The pool's bookings that overlap `[from, until)`: one scan of `device_bookings_pool_during`
+/// (migration 0035), never the fleet's history nor another pool's bookings.
+async fn read_bookings(
+    conn: &mut PgConnection,
+    pool: &PoolId,
+    from: DateTime<Utc>,
+    until: DateTime<Utc>,
+) -> Result<Vec<Booking>> {
+    Ok(sqlx::query_as(
         "SELECT b.atom, lower(b.during), upper(b.during) FROM device_bookings b
           WHERE b.pool_id = $1 AND b.during && tstzrange($2, $3)",
     )
-    .bind(req.pool_id.as_str())
+    .bind(pool.as_str())
     .bind(from)
     .bind(until)
     .fetch_all(&mut *conn)
-    .await?;
+    .await?)
+}
+
+/// Each booking on its atom, in microseconds; those of atoms the request cannot use are dropped.
+fn with_bookings(
+    (mut nodes, index): (Vec<CalNode>, AtomIndex),
+    bookings: Vec<Booking>,
+) -> Vec<CalNode> {
     for (atom, lower, upper) in bookings {
         if let Some(&(n, a)) = index.get(&atom) {
             nodes[n].atoms[a].busy.push((
@@ -860,7 +914,7 @@ SELECT nd.id, nd.ruled_out, nd.vcpu, nd.memory, nd.disk, a.name, a.serves, a.cre
             ));
         }
     }
-    Ok(nodes)
+    nodes
 }
 
 /// The most steps a capacity timeline has.
@@ -956,21 +1010,35 @@ WITH atoms AS MATERIALIZED (
       FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
      WHERE n.pool_id = $1 AND n.lifecycle <> 'retired' AND a.kind = $2 AND ($3::text IS NULL OR d.model = $3)),
 totals AS (SELECT count(*) AS total, count(*) FILTER (WHERE usable) AS usable FROM atoms),
-busy AS (
-    SELECT s.i, count(DISTINCT b.atom) FILTER (WHERE a.usable) AS usable, count(DISTINCT b.atom) FILTER (WHERE NOT a.usable) AS unusable
+-- Each booking's steps, first to last; an atom's bookings never overlap in time, so two of them
+-- share at most the steps where one ends and the next begins.
+bk AS (
+    SELECT a.usable,
+           greatest(0, floor(extract(epoch FROM lower(b.during) - $4) / $6))::integer AS i0,
+           least($7 - 1, ceil(extract(epoch FROM least(coalesce(upper(b.during), $5), $5) - $4) / $6) - 1)::integer AS i1,
+           lag(least($7 - 1, ceil(extract(epoch FROM least(coalesce(upper(b.during), $5), $5) - $4) / $6) - 1)::integer)
+               OVER (PARTITION BY b.atom ORDER BY lower(b.during)) AS prev_i1
       FROM device_bookings b
       JOIN atoms a ON a.name = b.atom
-      CROSS JOIN LATERAL generate_series(
-            greatest(0, floor(extract(epoch FROM lower(b.during) - $4) / $6))::integer,
-            least($7 - 1, ceil(extract(epoch FROM least(coalesce(upper(b.during), $5), $5) - $4) / $6) - 1)::integer) AS s(i)
-     WHERE b.pool_id = $1 AND b.during && tstzrange($4, $5)
-     GROUP BY s.i)
+     WHERE b.pool_id = $1 AND b.during && tstzrange($4, $5)),
+-- Atoms booked per step as differences: +1 where a booking's steps begin, -1 after they end, and
+-- the steps it shares with the atom's previous booking taken back once, so an atom counts once.
+d AS (
+    SELECT i0 AS i, 1 AS dv, usable FROM bk
+    UNION ALL SELECT i1 + 1, -1, usable FROM bk
+    UNION ALL SELECT i0, -1, usable FROM bk WHERE i0 <= prev_i1
+    UNION ALL SELECT prev_i1 + 1, 1, usable FROM bk WHERE i0 <= prev_i1),
+busy AS (
+    SELECT i, coalesce(sum(dv) FILTER (WHERE usable), 0) AS usable, coalesce(sum(dv) FILTER (WHERE NOT usable), 0) AS unusable
+      FROM d GROUP BY i),
+series AS (
+    SELECT s.i, sum(coalesce(b.usable, 0)) OVER w AS bu, sum(coalesce(b.unusable, 0)) OVER w AS bn
+      FROM generate_series(0, $7 - 1) AS s(i) LEFT JOIN busy b ON b.i = s.i
+    WINDOW w AS (ORDER BY s.i))
 SELECT $4 + make_interval(secs => s.i * $6) AS starts_at, $4 + make_interval(secs => (s.i + 1) * $6) AS ends_at,
-       t.total, coalesce(b.usable + b.unusable, 0) AS booked, t.usable - coalesce(b.usable, 0) AS free,
-       t.total - t.usable - coalesce(b.unusable, 0) AS unavailable
-  FROM generate_series(0, $7 - 1) AS s(i)
-  CROSS JOIN totals t
-  LEFT JOIN busy b ON b.i = s.i
+       t.total, (s.bu + s.bn)::bigint AS booked, (t.usable - s.bu)::bigint AS free,
+       (t.total - t.usable - s.bn)::bigint AS unavailable
+  FROM series s CROSS JOIN totals t
  ORDER BY s.i"#,
             )
             .bind(req.pool_id.as_str())

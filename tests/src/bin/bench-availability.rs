@@ -76,7 +76,8 @@ async fn main() {
     .await
     .expect("bookings")
     .rows_affected();
-    sqlx::query("ANALYZE device_bookings")
+    // Statistics, as a database in service has them (autovacuum would take a while).
+    sqlx::query("ANALYZE")
         .execute(db.pool())
         .await
         .expect("analyze");

@@ -285,6 +285,29 @@ async fn the_timeline_counts_free_booked_and_unavailable_atoms_per_step() {
         ),
     )
     .await;
+    // Two bookings of the same two GPUs inside one step count each GPU once.
+    for (key, from, to) in [
+        ("c", "2031-01-01T02:00:00Z", "2031-01-01T02:30:00Z"),
+        ("d", "2031-01-01T02:40:00Z", "2031-01-01T03:20:00Z"),
+    ] {
+        let d = app
+            .ok(
+                &member,
+                CREATE,
+                create(
+                    &p.pool,
+                    key,
+                    from,
+                    to,
+                    json!([{ "gpuCount": 2, "model": "H100" }]),
+                ),
+            )
+            .await;
+        assert_eq!(
+            d["createReservation"]["reservation"]["allocations"][0]["computeNodeId"],
+            p.nodes[0].as_str()
+        );
+    }
     // h100-b is cordoned: its other GPU cannot be booked now.
     app.ok(
         &op,
@@ -309,12 +332,13 @@ async fn the_timeline_counts_free_booked_and_unavailable_atoms_per_step() {
             )
         })
         .collect();
-    // 00-01: h100-a's two booked; 01-02: and h100-b's first from 01:30; 02-03: only that one;
-    // 03-04: nothing. h100-b's other GPU is unavailable throughout (its node is cordoned), and so
-    // is the first one when it is not booked.
+    // 00-01: h100-a's two booked; 01-02: and h100-b's first from 01:30; 02-03: that one and
+    // h100-a's two again (twice each, counted once); 03-04: h100-a's two until 03:20. h100-b's
+    // other GPU is unavailable throughout (its node is cordoned), and so is the first one when it
+    // is not booked.
     assert_eq!(
         steps,
-        vec![(4, 2, 0, 2), (4, 3, 0, 1), (4, 1, 2, 1), (4, 0, 2, 2)]
+        vec![(4, 2, 0, 2), (4, 3, 0, 1), (4, 3, 0, 1), (4, 2, 0, 2)]
     );
     assert_eq!(
         t["steps"][3]["startsAt"], "2031-01-01T03:00:00+00:00",
