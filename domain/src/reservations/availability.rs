@@ -145,6 +145,15 @@ pub struct Need {
 }
 
 impl Need {
+    fn plus(self, other: &Need) -> Need {
+        Need {
+            atoms: self.atoms + other.atoms,
+            vcpu: self.vcpu + other.vcpu,
+            memory_mib: self.memory_mib + other.memory_mib,
+            disk_gib: self.disk_gib + other.disk_gib,
+        }
+    }
+
     pub fn of(a: &AllocationRequest) -> Need {
         Need {
             atoms: a.gpu_count.max(1) as usize,
@@ -334,7 +343,7 @@ fn scalars_fit(n: &CalNode, need: &Need) -> bool {
 
 /// Allocations in order, each on the qualified node with the fewest valid atoms (ties by node id)
 /// among those with enough that earlier allocations did not take and with the scalars they left:
-/// placement's rule, so that the fit found here is the one a create finds.
+/// placement's rule (placement picks the tightest of a sample of the nodes that fit).
 fn assign(
     nodes: &[CalNode],
     needs: &[Need],
@@ -357,13 +366,12 @@ fn assign(
             if free.len() < need.atoms {
                 continue;
             }
-            let mut left = nodes[ni].clone_scalars();
-            for (un, u) in &used {
-                if *un == ni {
-                    left.take(u);
-                }
-            }
-            if !scalars_fit(&left, need) {
+            // This allocation's scalars with those of earlier ones on the same node.
+            let together = used
+                .iter()
+                .filter(|(un, _)| *un == ni)
+                .fold(*need, |sum, (_, u)| sum.plus(u));
+            if !scalars_fit(&nodes[ni], &together) {
                 continue;
             }
             let better = chosen.as_ref().is_none_or(|(cn, cf)| {
@@ -382,30 +390,6 @@ fn assign(
         used.push((ni, *need));
     }
     Some(picks)
-}
-
-impl CalNode {
-    fn clone_scalars(&self) -> CalNode {
-        CalNode {
-            id: self.id.clone(),
-            ruled_out: Vec::new(),
-            free_vcpu: self.free_vcpu,
-            free_memory_mib: self.free_memory_mib,
-            free_disk_gib: self.free_disk_gib,
-            atoms: Vec::new(),
-        }
-    }
-
-    fn take(&mut self, need: &Need) {
-        let sub = |free: &mut Option<i64>, n: i64| {
-            if let Some(f) = free {
-                *f -= n;
-            }
-        };
-        sub(&mut self.free_vcpu, need.vcpu);
-        sub(&mut self.free_memory_mib, need.memory_mib);
-        sub(&mut self.free_disk_gib, need.disk_gib);
-    }
 }
 
 /// Counts for the first allocation that no node could take on its own at any start; when each
@@ -542,7 +526,7 @@ async fn admit(
 ) -> Result<(DateTime<Utc>, DateTime<Utc>)> {
     let gate: Option<Gate> = sqlx::query_as(
         "SELECT compute_now() AS now, p.site_id, p.rules,
-                CASE WHEN $2::text IS NULL THEN 0
+                CASE WHEN $2::text IS NULL OR p.rules->>'maxFutureGpuHours' IS NULL THEN 0
                      ELSE compute_future_gpu_hours($2, p.id, NULL, compute_now()) END::float8 AS held_gpu_hours
            FROM pools p WHERE p.id = $1",
     )
