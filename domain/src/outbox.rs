@@ -354,11 +354,13 @@ pub async fn read_after(
         .collect())
 }
 
-/// Whether events that pass `filter` lie after `after` but are held back, committed by a
-/// transaction not older than every one still running (of any database of the cluster: xids
-/// are the cluster's). A reader that found nothing with [`read_after`] asks this to know
-/// whether to look again soon, when that transaction ends, or to idle: no commit pokes it when
-/// the transaction that held the rows back ends without writing.
+/// Whether events that pass `filter` lie after `after`. A reader that found nothing with
+/// [`read_after`] asks this to know whether to look again soon or to idle: such events were held
+/// back, committed by a transaction not older than every one still running (of any database of
+/// the cluster: xids are the cluster's), and no commit pokes the reader when the transaction
+/// that held them back ends without writing. It does not ask whether they are still held back:
+/// that transaction may have ended between the two statements, and then the events are readable
+/// now, which is a reason to look again too, not to idle.
 pub async fn held_back(
     db: &crate::db::Db,
     after: Cursor,
@@ -367,8 +369,7 @@ pub async fn held_back(
     let held = sqlx::query_scalar!(
         r#"SELECT EXISTS (
                 SELECT 1 FROM outbox o
-                 WHERE o.txid >= pg_snapshot_xmin(pg_current_snapshot())
-                   AND (o.txid, o.seq) > ($1::text::xid8, $2)
+                 WHERE (o.txid, o.seq) > ($1::text::xid8, $2)
                    AND ($3::text IS NULL OR o.tenant_id = $3)
                    AND (cardinality($4::text[]) = 0 OR o.type = ANY($4))
                    AND (cardinality($5::text[]) = 0 OR o.subject = ANY($5))) AS "held!""#,
