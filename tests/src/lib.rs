@@ -521,6 +521,87 @@ impl TestDb {
         self.resample_clocks().await;
     }
 
+    /// Waits as [`eventually`] does, while simulated time moves at the wall clock's pace: for
+    /// a test whose worker or API *processes* run on a simulated clock it does not step. A work
+    /// item that failed once is due again after a backoff measured in `compute_now()`; on a
+    /// frozen clock it would never be, and the test would stall on a retry production makes
+    /// within seconds. On timeout the panic shows the work queue, the commands and the
+    /// sessions, so a stall says where it stalled.
+    pub async fn eventually_as_time_passes<T, F, Fut>(
+        &self,
+        what: &str,
+        within: std::time::Duration,
+        mut check: F,
+    ) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        let deadline = std::time::Instant::now() + within;
+        let mut last = std::time::Instant::now();
+        loop {
+            if let Some(value) = check().await {
+                return value;
+            }
+            if std::time::Instant::now() >= deadline {
+                panic!(
+                    "{what}: not within {within:?}\n{}",
+                    self.work_report().await
+                );
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            let now = std::time::Instant::now();
+            sqlx::query("SELECT compute_advance_sim_clock(make_interval(secs => $1))")
+                .bind(now.duration_since(last).as_secs_f64())
+                .execute(self.db.pool())
+                .await
+                .expect("advance simulated time");
+            last = now;
+            self.resample_clocks().await;
+        }
+    }
+
+    /// The work queue's rows, the commands and the open sessions, as text: what a stalled
+    /// test prints.
+    pub async fn work_report(&self) -> String {
+        let rows = |sql: &'static str| async move {
+            sqlx::query_scalar::<_, String>(sql)
+                .fetch_all(self.db.pool())
+                .await
+                .map(|r| r.join("\n  "))
+                .unwrap_or_else(|e| format!("({e})"))
+        };
+        format!(
+            "compute_now(): {}\nwork queue:\n  {}\ncommands:\n  {}\nsessions:\n  {}\nbusy connections:\n  {}",
+            rows("SELECT compute_now()::text").await,
+            rows(
+                "SELECT format('%s %s gen %s attempts %s not_before %s claimed_until %s error %s', \
+                        kind, key, gen, attempts, not_before, claimed_until, last_error) \
+                   FROM work_queue ORDER BY kind, key"
+            )
+            .await,
+            rows(
+                "SELECT format('%s %s %s on %s attempts %s error %s %s', \
+                        id, kind, state, node_id, attempts, error_code, error_message) \
+                   FROM commands ORDER BY id"
+            )
+            .await,
+            rows(
+                "SELECT format('%s epoch %s gateway %s closed %s', node_id, session_epoch, gateway, closed_at) \
+                   FROM node_sessions ORDER BY node_id"
+            )
+            .await,
+            rows(
+                "SELECT format('%s [%s] %s since %s waiting on %s: %s', application_name, pid, state, \
+                        xact_start, wait_event_type || ':' || wait_event, left(query, 160)) \
+                   FROM pg_stat_activity \
+                  WHERE datname = current_database() AND pid <> pg_backend_pid() AND state <> 'idle' \
+                  ORDER BY xact_start"
+            )
+            .await,
+        )
+    }
+
     /// Re-anchors the clocks of the servers on this database to `compute_now()`.
     async fn resample_clocks(&self) {
         let clocks = self.clocks.lock().map(|c| c.clone()).unwrap_or_default();
