@@ -17,6 +17,8 @@
 //! model = "H100"            # as placement's `model` selects it
 //! memory_mib = 81559
 //! pci_bus_id = "00000000:17:00.0"
+//! numa_node = 0             # where placement's `sameNumaNode` looks
+//! nvlink_domain = "nvl-a"   # GPUs joined by NVLink share it (`sameNvlinkDomain`)
 //! mig = [{ uuid = "MIG-…", profile = "3g.40gb" }, { uuid = "MIG-…", profile = "4g.40gb" }]
 //! # What the driver would say, for a GPU that is not well (all optional):
 //! xid = [79]
@@ -130,6 +132,8 @@ struct FileGpu {
     model: String,
     memory_mib: i64,
     pci_bus_id: Option<String>,
+    numa_node: Option<i32>,
+    nvlink_domain: Option<String>,
     #[serde(default)]
     mig: Vec<FileMig>,
     #[serde(default)]
@@ -202,6 +206,8 @@ fn from_file(path: &Path, os: &Os) -> Result<Discovered, String> {
                 model: g.model,
                 memory_mib: g.memory_mib,
                 pci_bus_id: g.pci_bus_id,
+                numa_node: g.numa_node,
+                nvlink_domain: g.nvlink_domain,
                 mig_enabled: !g.mig.is_empty(),
                 mig: g
                     .mig
@@ -309,9 +315,123 @@ pub fn parse_smi_list(text: &str) -> BTreeMap<String, Vec<MigInstance>> {
     out
 }
 
+/// The NVLink domains of a machine's GPUs: `links[i]` is GPU `i`'s PCI bus id and the bus ids
+/// at the far end of its active NVLinks. GPUs linked to each other, directly or through the same
+/// NVSwitch (a far end that is no GPU of this machine), share a domain, named `nvl-` and the
+/// lowest bus id among its GPUs; a GPU without an active link has none (placement then counts
+/// it as a domain of its own).
+pub fn nvlink_domains(links: &[(String, Vec<String>)]) -> Vec<Option<String>> {
+    let norm = |b: &str| b.trim().to_ascii_lowercase();
+    // Union-find over the GPUs and the far ends that are not GPUs (switches).
+    let mut index: BTreeMap<String, usize> = links
+        .iter()
+        .enumerate()
+        .map(|(i, (bus, _))| (norm(bus), i))
+        .collect();
+    let mut parent: Vec<usize> = (0..links.len()).collect();
+    fn root(parent: &mut [usize], mut i: usize) -> usize {
+        while parent[i] != i {
+            parent[i] = parent[parent[i]];
+            i = parent[i];
+        }
+        i
+    }
+    for (i, (_, remotes)) in links.iter().enumerate() {
+        for r in remotes {
+            let key = norm(r);
+            let j = *index.entry(key).or_insert_with(|| {
+                parent.push(parent.len());
+                parent.len() - 1
+            });
+            let (a, b) = (root(&mut parent, i), root(&mut parent, j));
+            parent[a.max(b)] = a.min(b);
+        }
+    }
+    let mut names: BTreeMap<usize, String> = BTreeMap::new();
+    for (i, (bus, _)) in links.iter().enumerate() {
+        let r = root(&mut parent, i);
+        let name = names.entry(r).or_insert_with(|| norm(bus));
+        if norm(bus) < *name {
+            *name = norm(bus);
+        }
+    }
+    links
+        .iter()
+        .enumerate()
+        .map(|(i, (_, remotes))| {
+            (!remotes.is_empty()).then(|| format!("nvl-{}", names[&root(&mut parent, i)]))
+        })
+        .collect()
+}
+
+/// The NUMA node of the PCI device `bus_id` (NVML's `00000000:17:00.0`) as Linux says it under
+/// `sysfs` (`/sys`): `bus/pci/devices/0000:17:00.0/numa_node`; `None` when unknown (`-1`, or
+/// no such file).
+pub fn numa_node_of(sysfs: &Path, bus_id: &str) -> Option<i32> {
+    let bus = bus_id.trim().to_ascii_lowercase();
+    // sysfs writes the PCI domain with 4 digits, NVML with 8.
+    let (domain, rest) = bus.split_once(':')?;
+    let domain = format!("{:0>4}", domain.trim_start_matches('0'));
+    let path = sysfs
+        .join("bus/pci/devices")
+        .join(format!("{domain}:{rest}"))
+        .join("numa_node");
+    let n: i32 = std::fs::read_to_string(path).ok()?.trim().parse().ok()?;
+    (n >= 0).then_some(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpus_linked_directly_or_through_a_switch_share_a_domain() {
+        let links = vec![
+            (
+                "00000000:17:00.0".to_owned(),
+                vec!["00000000:2A:00.0".to_owned()],
+            ),
+            (
+                "00000000:2A:00.0".to_owned(),
+                vec!["00000000:17:00.0".to_owned()],
+            ),
+            // Two GPUs on one NVSwitch (its bus id is no GPU's), a third on none.
+            (
+                "00000000:9A:00.0".to_owned(),
+                vec!["00000000:E0:00.0".to_owned()],
+            ),
+            (
+                "00000000:AB:00.0".to_owned(),
+                vec!["00000000:e0:00.0".to_owned()],
+            ),
+            ("00000000:CB:00.0".to_owned(), vec![]),
+        ];
+        assert_eq!(
+            nvlink_domains(&links),
+            vec![
+                Some("nvl-00000000:17:00.0".to_owned()),
+                Some("nvl-00000000:17:00.0".to_owned()),
+                Some("nvl-00000000:9a:00.0".to_owned()),
+                Some("nvl-00000000:9a:00.0".to_owned()),
+                None,
+            ]
+        );
+    }
+
+    #[test]
+    fn the_numa_node_is_read_where_linux_writes_it() {
+        let sys = std::env::temp_dir().join(format!("compute-sysfs-{}", std::process::id()));
+        let dev = sys.join("bus/pci/devices/0000:17:00.0");
+        std::fs::create_dir_all(&dev).expect("dir");
+        std::fs::write(dev.join("numa_node"), "1\n").expect("write");
+        let none = sys.join("bus/pci/devices/0000:2a:00.0");
+        std::fs::create_dir_all(&none).expect("dir");
+        std::fs::write(none.join("numa_node"), "-1\n").expect("write");
+        assert_eq!(numa_node_of(&sys, "00000000:17:00.0"), Some(1));
+        assert_eq!(numa_node_of(&sys, "00000000:2A:00.0"), None);
+        assert_eq!(numa_node_of(&sys, "00000000:99:00.0"), None);
+        let _ = std::fs::remove_dir_all(&sys);
+    }
 
     #[test]
     fn the_health_rule_names_its_reason() {

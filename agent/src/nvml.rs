@@ -1,7 +1,8 @@
 //! GPUs through NVIDIA's NVML (`nvml-wrapper`): the library is loaded at run time
 //! (`libnvidia-ml.so.1`), so the agent starts on hosts without the driver and says so.
 //!
-//! Discovery reads each GPU's UUID, name, memory, PCI bus id and MIG mode; NVML 0.11's safe
+//! Discovery reads each GPU's UUID, name, memory, PCI bus id and MIG mode, its NVLink domain
+//! (the far ends of its active links, [`nvlink_domains`]) and its NUMA node (from `/sys`); NVML 0.11's safe
 //! wrapper has no MIG-device enumeration, so the MIG instances (UUID and profile) come from
 //! `nvidia-smi -L`. Health reads the volatile uncorrected ECC count, pages pending retirement
 //! and `GPU_IS_LOST`; XID errors arrive as NVML events, which [`watch_xids`] collects on a
@@ -19,7 +20,11 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
 use nvml_wrapper::error::NvmlError;
 
-use crate::inventory::{Health, Observations, judge, parse_smi_list};
+use crate::inventory::{Health, Observations, judge, numa_node_of, nvlink_domains, parse_smi_list};
+
+/// NVML's `NVML_NVLINK_MAX_LINKS` (nvml-wrapper-sys 0.9, not re-exported by the wrapper): the
+/// links asked of each GPU; a link a GPU does not have answers an error and is skipped.
+const NVLINK_MAX_LINKS: u32 = 18;
 
 /// XID errors seen per GPU UUID since the agent started.
 pub type Xids = Arc<Mutex<BTreeMap<String, Vec<u64>>>>;
@@ -36,6 +41,8 @@ pub fn discover(
         .map_err(|e| format!("NVML cannot count the GPUs ({e})"))?;
     let mut mig_lists = None;
     let mut gpus = Vec::new();
+    // Per GPU: its bus id and the far ends of its active NVLinks.
+    let mut links: Vec<(String, Vec<String>)> = Vec::new();
     let mut health = BTreeMap::new();
     for i in 0..count {
         let device = match nvml.device_by_index(i) {
@@ -53,6 +60,17 @@ pub fn discover(
             .map(|m| (m.total / (1024 * 1024)) as i64)
             .unwrap_or(0);
         let pci_bus_id = device.pci_info().ok().map(|p| p.bus_id);
+        let remotes: Vec<String> = (0..NVLINK_MAX_LINKS)
+            .filter_map(|l| {
+                let link = device.link_wrapper_for(l);
+                link.is_active()
+                    .ok()
+                    .filter(|a| *a)
+                    .and_then(|_| link.remote_pci_info().ok())
+                    .map(|p| p.bus_id)
+            })
+            .collect();
+        links.push((pci_bus_id.clone().unwrap_or_default(), remotes));
         let mig_enabled = device.mig_mode().is_ok_and(|m| m.current == 1);
         let mig = if mig_enabled {
             mig_lists
@@ -85,10 +103,17 @@ pub fn discover(
             vendor: "nvidia".into(),
             model,
             memory_mib,
+            numa_node: pci_bus_id
+                .as_deref()
+                .and_then(|b| numa_node_of(Path::new("/sys"), b)),
             pci_bus_id,
+            nvlink_domain: None,
             mig_enabled,
             mig,
         });
+    }
+    for (gpu, domain) in gpus.iter_mut().zip(nvlink_domains(&links)) {
+        gpu.nvlink_domain = domain;
     }
     Ok((gpus, health))
 }

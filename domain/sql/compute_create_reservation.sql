@@ -1,12 +1,13 @@
--- The current definition, as migrations/0034_pool_rules.sql left it. Change it with a new migration
+-- The current definition, as migrations/0036_topology_and_gangs.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE OR REPLACE FUNCTION compute_create_reservation(
+CREATE FUNCTION compute_create_reservation(
     p_scope text, p_subject text, p_key text, p_fingerprint jsonb,
     p_tenant text, p_created_by text, p_id text,
     p_pool text, p_starts_at timestamptz, p_ends_at timestamptz, p_grace_seconds integer,
-    p_allocations jsonb, p_gpu_charge numeric, p_retry_seconds integer, p_shards integer, p_sample integer)
+    p_allocations jsonb, p_gpu_charge numeric, p_retry_seconds integer, p_shards integer, p_sample integer,
+    p_gang jsonb)
     RETURNS jsonb
     LANGUAGE plpgsql
     AS $fn$
@@ -146,14 +147,17 @@ BEGIN
         -- writes its row once; one left pending is updated after placement.
         v_state := CASE WHEN v_start <= v_now THEN 'active' ELSE 'scheduled' END;
         INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at,
-                                  charge_gpu, charge_vcpu, charge_memory_mib, charged, admitted_under)
+                                  charge_gpu, charge_vcpu, charge_memory_mib, charged, admitted_under,
+                                  gang_colocate, gang_label, gang_spread)
             VALUES (p_id, p_tenant, p_created_by, p_pool, v_state, v_start, p_ends_at,
-                    p_gpu_charge, v_vcpu, v_memory, v_charged, v_rules);
+                    p_gpu_charge, v_vcpu, v_memory, v_charged, v_rules,
+                    p_gang->>'colocate', p_gang->>'label', coalesce((p_gang->>'spread')::boolean, false));
         INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, model, profile, slots_per_gpu,
-                                 vcpu, memory_mib, disk_gib, node_selector, tolerations)
+                                 vcpu, memory_mib, disk_gib, node_selector, tolerations, same_nvlink_domain, same_numa_node)
             SELECT j->>'id', p_id, (o - 1)::integer, j->>'gpu_kind', (j->>'gpu_count')::integer, j->>'model', j->>'profile',
                    (j->>'slots_per_gpu')::integer, (j->>'vcpu')::bigint, (j->>'memory_mib')::bigint, (j->>'disk_gib')::bigint,
-                   j->'node_selector', j->'tolerations'
+                   j->'node_selector', j->'tolerations',
+                   coalesce((j->>'same_nvlink_domain')::boolean, false), coalesce((j->>'same_numa_node')::boolean, false)
               FROM jsonb_array_elements(p_allocations) WITH ORDINALITY AS x(j, o);
 
         v_place := compute_place(p_id, v_start, p_ends_at, p_sample,
@@ -186,6 +190,6 @@ BEGIN
 END
 $fn$;
 ALTER FUNCTION compute_create_reservation(text, text, text, jsonb, text, text, text, text, timestamptz, timestamptz, integer,
-                                          jsonb, numeric, integer, integer, integer) SET plan_cache_mode = force_generic_plan;
+                                          jsonb, numeric, integer, integer, integer, jsonb) SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION compute_create_reservation(text, text, text, jsonb, text, text, text, text, timestamptz, timestamptz, integer,
-                                          jsonb, numeric, integer, integer, integer) SET enable_seqscan = off;
+                                          jsonb, numeric, integer, integer, integer, jsonb) SET enable_seqscan = off;

@@ -1,4 +1,4 @@
--- The current definition, as migrations/0035_bookings_by_pool.sql left it. Change it with a new migration
+-- The current definition, as migrations/0036_topology_and_gangs.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -7,7 +7,18 @@ CREATE OR REPLACE FUNCTION compute_place(p_id text, p_from timestamptz, p_to tim
     LANGUAGE plpgsql
     AS $fn$
 DECLARE
-    v_pool       pools%ROWTYPE;
+    v_pool_id    text;
+    v_pool_name  text;
+    v_colocate   text;
+    v_label      text;
+    v_spread     boolean;
+    v_groups     text[];
+    v_group      text;
+    v_only       text;
+    v_gang_sel   jsonb;
+    v_sel        jsonb;
+    v_gang_nodes text[];
+    v_n_alloc    integer;
     v_alloc      allocations%ROWTYPE;
     v_window     tstzrange := tstzrange(p_from, p_to);
     v_excluded   text[];
@@ -30,9 +41,36 @@ DECLARE
     v_rank       record;
     v_best       record;
 BEGIN
-    SELECT p.* INTO v_pool FROM pools p JOIN reservations r ON r.pool_id = p.id WHERE r.id = p_id;
+    SELECT p.id, p.name, r.gang_colocate, r.gang_label, r.gang_spread
+      INTO v_pool_id, v_pool_name, v_colocate, v_label, v_spread
+      FROM pools p JOIN reservations r ON r.pool_id = p.id WHERE r.id = p_id;
+    -- A gang colocated on one node or on one value of a label is tried group by group (the
+    -- nodes every allocation's selector and tolerations admit, in spread order; the label's
+    -- values in order), all its allocations in a group or none; any other reservation is one
+    -- group without a restriction.
+    IF v_colocate = 'node' THEN
+        v_groups := ARRAY(SELECT n.id FROM nodes n
+                           WHERE n.pool_id = v_pool_id AND compute_node_schedulable(n.lifecycle, n.reachability)
+                             AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.reservation_id = p_id
+                                               AND NOT (n.labels @> a.node_selector
+                                                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, a.tolerations))))
+                           ORDER BY n.spread);
+    ELSIF v_colocate = 'label' THEN
+        v_groups := ARRAY(SELECT DISTINCT n.labels->>v_label FROM nodes n
+                           WHERE n.pool_id = v_pool_id AND n.labels ? v_label
+                             AND compute_node_schedulable(n.lifecycle, n.reachability)
+                           ORDER BY 1);
+    ELSE
+        v_groups := ARRAY[NULL::text];
+    END IF;
+    v_reason := 'none';
+    FOREACH v_group IN ARRAY v_groups LOOP
+    v_only := CASE WHEN v_colocate = 'node' THEN v_group END;
+    v_gang_sel := CASE WHEN v_colocate = 'label' THEN jsonb_build_object(v_label, v_group) ELSE '{}'::jsonb END;
+    v_gang_nodes := '{}';
     BEGIN
         FOR v_alloc IN SELECT * FROM allocations WHERE reservation_id = p_id ORDER BY ordinal LOOP
+            v_sel := v_alloc.node_selector || v_gang_sel;
             v_excluded := '{}';
             v_lost := '{}';
             LOOP
@@ -41,20 +79,29 @@ BEGIN
                 v_found := 0;
                 -- A loop over a query is a cursor, planned to return its first rows fast: the
                 -- walk reads nodes_pool_spread in order and stops early.
+                -- A gang on one node reads that node alone (the third branch; the first two are
+                -- then left out by their one-time filter).
                 FOR v_cand IN
                     (SELECT n.id, n.taints FROM nodes n
-                      WHERE n.pool_id = v_pool.id AND n.spread >= v_start
-                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_alloc.node_selector
+                      WHERE v_only IS NULL AND n.pool_id = v_pool_id AND n.spread >= v_start
+                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
                         AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
                       ORDER BY n.spread)
                     UNION ALL
                     (SELECT n.id, n.taints FROM nodes n
-                      WHERE n.pool_id = v_pool.id AND n.spread < v_start
-                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_alloc.node_selector
+                      WHERE v_only IS NULL AND n.pool_id = v_pool_id AND n.spread < v_start
+                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
                         AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
                       ORDER BY n.spread)
+                    UNION ALL
+                    (SELECT n.id, n.taints FROM nodes n
+                      WHERE n.id = v_only AND n.pool_id = v_pool_id
+                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
+                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations)))
                 LOOP
                     CONTINUE WHEN v_cand.id = ANY(v_excluded);
+                    -- A spread gang: each allocation on a node none of the others took.
+                    CONTINUE WHEN v_spread AND v_cand.id = ANY(v_gang_nodes);
                     v_cand_free := compute_free_atoms(v_cand.id, v_alloc, p_from, p_to);
                     CONTINUE WHEN coalesce(cardinality(v_cand_free), 0) < v_alloc.gpu_count;
                     CONTINUE WHEN EXISTS (SELECT 1 FROM node_resources r
@@ -93,7 +140,7 @@ BEGIN
                 BEGIN
                     PERFORM 1 FROM nodes n
                       WHERE n.id = v_node AND compute_node_schedulable(n.lifecycle, n.reachability)
-                        AND n.labels @> v_alloc.node_selector
+                        AND n.labels @> v_sel
                         AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
                       FOR SHARE;
                     IF NOT FOUND THEN
@@ -110,7 +157,7 @@ BEGIN
                         RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU changed';
                     END IF;
                     INSERT INTO device_bookings (atom, device_id, pool_id, allocation_id, during)
-                        SELECT a.name, a.device_id, v_pool.id, v_alloc.id, v_window FROM device_atoms a WHERE a.name = ANY(v_atoms)
+                        SELECT a.name, a.device_id, v_pool_id, v_alloc.id, v_window FROM device_atoms a WHERE a.name = ANY(v_atoms)
                         ON CONFLICT DO NOTHING;
                     GET DIAGNOSTICS v_n = ROW_COUNT;
                     IF v_n <> v_need THEN
@@ -132,6 +179,7 @@ BEGIN
                     END IF;
                     UPDATE allocations SET node_id = v_node, atoms = v_atoms WHERE id = v_alloc.id;
                     v_reason := NULL;
+                    v_gang_nodes := v_gang_nodes || v_node;
                 EXCEPTION
                     WHEN SQLSTATE 'CPLR0' THEN
                         GET STACKED DIAGNOSTICS v_reason = MESSAGE_TEXT;
@@ -160,6 +208,8 @@ BEGIN
     EXCEPTION WHEN SQLSTATE 'CPLR0' THEN
         NULL;
     END;
+    EXIT WHEN v_reason IS NULL OR v_reason = 'lost';
+    END LOOP;
     IF v_reason IS NULL THEN
         RETURN jsonb_build_object('placed', true, 'replans', v_replans);
     END IF;
@@ -169,14 +219,19 @@ BEGIN
         v_message := format('%s for %s in pool %s: 3 placement attempts lost races to concurrent changes (%s)',
                             CASE WHEN v_alloc.ordinal > 0 OR EXISTS (SELECT 1 FROM allocations WHERE reservation_id = p_id AND ordinal > 0)
                                  THEN 'allocation ' || v_alloc.ordinal ELSE 'placement' END,
-                            v_what, v_pool.name, array_to_string(v_lost, '; '));
+                            v_what, v_pool_name, array_to_string(v_lost, '; '));
         v_counts := jsonb_build_array(jsonb_build_object('reason', 'LostRace', 'count', cardinality(v_lost)));
         RETURN jsonb_build_object('placed', false, 'replans', v_replans,
             'condition', jsonb_build_object('type', 'Unschedulable', 'status', 'True', 'reason', 'LostRace',
                                             'message', v_message, 'since', compute_json_time(compute_now()), 'counts', v_counts));
     END IF;
 
-    -- Why no node of the pool fits, node by node: the first reason that rules each one out.
+    -- Why no node of the pool fits, node by node: the first reason that rules each one out. With
+    -- several allocations, for the first that no node takes even alone; when each fits somewhere
+    -- alone, they conflict (with each other, or with the gang's rule).
+    SELECT count(*) INTO v_n_alloc FROM allocations WHERE reservation_id = p_id;
+    FOR v_alloc IN SELECT * FROM allocations a WHERE a.reservation_id = p_id
+                     AND (v_n_alloc > 1 OR a.id = v_alloc.id OR v_alloc.id IS NULL) ORDER BY a.ordinal LOOP
     SELECT coalesce(jsonb_agg(jsonb_build_object('reason', reason, 'count', n) ORDER BY n DESC, reason), '[]'),
            coalesce(sum(n), 0)
       INTO v_counts, v_total
@@ -198,8 +253,21 @@ BEGIN
                 WHEN EXISTS (SELECT 1 FROM node_resources r WHERE r.node_id = n.id AND r.resource = 'disk_gib'
                                 AND v_alloc.disk_gib > 0 AND r.allocated + v_alloc.disk_gib > floor(r.allocatable * r.ratio)) THEN 'InsufficientDisk'
                 ELSE 'FreedDuringSearch' END AS reason
-                FROM nodes n WHERE n.pool_id = v_pool.id) x
+                FROM nodes n WHERE n.pool_id = v_pool_id) x
             GROUP BY reason) y;
+    EXIT WHEN v_n_alloc = 1 OR NOT v_counts @> '[{"reason": "FreedDuringSearch"}]';
+    END LOOP;
+    v_what := coalesce(p_describe[v_alloc.ordinal + 1], v_alloc.gpu_count || ' ' || v_alloc.gpu_kind);
+    IF v_n_alloc > 1 AND v_counts @> '[{"reason": "FreedDuringSearch"}]' THEN
+        v_message := format('the %s allocations each fit on some node of pool %s from %s to %s, but never all together%s%s',
+            v_n_alloc, v_pool_name, compute_json_time(p_from), compute_json_time(p_to),
+            CASE v_colocate WHEN 'node' THEN ' on one node' WHEN 'label' THEN format(' on nodes of one %s', v_label) ELSE '' END,
+            CASE WHEN v_spread THEN ', each on a node of its own' ELSE '' END);
+        RETURN jsonb_build_object('placed', false, 'replans', v_replans,
+            'condition', jsonb_build_object('type', 'Unschedulable', 'status', 'True', 'reason', 'NoCapacity',
+                                            'message', v_message, 'since', compute_json_time(compute_now()),
+                                            'counts', jsonb_build_array(jsonb_build_object('reason', 'AllocationsConflict', 'count', v_total))));
+    END IF;
 
     SELECT string_agg(CASE c->>'reason'
                 WHEN 'LostRace' THEN (c->>'count') || ' lost to concurrent changes'
@@ -218,7 +286,7 @@ BEGIN
       FROM jsonb_array_elements(v_counts) WITH ORDINALITY AS x(c, o);
 
     v_message := format('no schedulable node in pool %s has %s free with %s vCPU, %s MiB of memory and %s GiB of disk%s%s from %s to %s: 0/%s nodes fit%s%s',
-        v_pool.name, v_what, v_alloc.vcpu, v_alloc.memory_mib, v_alloc.disk_gib,
+        v_pool_name, v_what, v_alloc.vcpu, v_alloc.memory_mib, v_alloc.disk_gib,
         CASE WHEN v_alloc.node_selector = '{}'::jsonb THEN ''
              ELSE ', labels ' || (SELECT string_agg(k || '=' || v, ',' ORDER BY k) FROM jsonb_each_text(v_alloc.node_selector) e(k, v)) END,
         CASE WHEN v_alloc.tolerations = '[]'::jsonb THEN ', without tolerating taints' ELSE '' END,

@@ -140,6 +140,12 @@ pub struct GpuInventory {
     pub memory_mib: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci_bus_id: Option<String>,
+    /// The NUMA node the GPU's PCI device is attached to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<i32>,
+    /// The GPU's NVLink domain: GPUs joined by NVLink (directly or through NVSwitches) share it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_domain: Option<String>,
     /// Whether MIG mode is on.
     #[serde(default)]
     pub mig_enabled: bool,

@@ -222,6 +222,7 @@ pub async fn gpu_fleet(
                                     model: "H100".into(),
                                     memory_mib: 81_559,
                                     layout: Layout::Exclusive,
+                                    topology: Default::default(),
                                 })
                                 .collect(),
                         },

@@ -12,7 +12,7 @@ use crate::auth::Role;
 use crate::graph::common::{AtomKind, ReasonCount, gql_id};
 use crate::graph::fleet::ComputeNodeObj;
 use crate::graph::loaders::*;
-use crate::graph::reservations::AllocationInputGql;
+use crate::graph::reservations::{AllocationInputGql, GangInput};
 use crate::graph::{GqlResult, actor, db, viewer};
 
 /// The earliest windows in which a request fits, or why none does.
@@ -184,6 +184,9 @@ impl AvailabilityQuery {
         )]
         not_after: Option<DateTime<Utc>>,
         #[graphql(desc = "How many windows at most: 1 to 20 (5 when unset).")] first: Option<i32>,
+        #[graphql(desc = "The gang's rule, as `createReservation` takes it.")] gang: Option<
+            GangInput,
+        >,
     ) -> GqlResult<AvailabilityObj> {
         let actor = actor(ctx)?;
         let allocations: Vec<AllocationInput> = allocations
@@ -197,6 +200,7 @@ impl AvailabilityQuery {
             not_before,
             not_after,
             first.map(i64::from),
+            gang.as_ref().map(GangInput::to_domain).as_ref(),
         )?;
         Ok(AvailabilityObj(
             av::availability(db(ctx)?, &actor, &req).await?,

@@ -103,6 +103,14 @@ impl ReservationObj {
     async fn next_attempt_at(&self) -> Option<DateTime<Utc>> {
         self.0.next_attempt_at
     }
+    /// The gang's rule its allocations were placed under (null: each allocation on its own).
+    async fn gang(&self) -> Option<Gang> {
+        self.0.gang().map(|g| Gang {
+            colocate: g.colocate.map(Into::into),
+            label: g.label,
+            spread: g.spread,
+        })
+    }
     /// Optimistic-concurrency version.
     async fn version(&self) -> i64 {
         self.0.version
@@ -177,6 +185,14 @@ impl AllocationObj {
     /// Disk in GiB.
     async fn disk_gib(&self) -> i64 {
         self.0.disk_gib
+    }
+    /// Whether its GPUs were asked for on one NVLink domain.
+    async fn same_nvlink_domain(&self) -> bool {
+        self.0.same_nvlink_domain
+    }
+    /// Whether its GPUs were asked for on one NUMA node.
+    async fn same_numa_node(&self) -> bool {
+        self.0.same_numa_node
     }
     /// The atoms it holds (empty while pending).
     async fn atoms(&self) -> Vec<&str> {
@@ -348,6 +364,58 @@ pub struct AllocationInputGql {
     /// Taints the allocation tolerates.
     #[graphql(default)]
     pub tolerations: Vec<TolerationInput>,
+    /// All its GPUs on one NVLink domain (GPUs joined by NVLink, `Device.nvlinkDomain`); a GPU
+    /// whose domain is unknown is a domain of its own.
+    #[graphql(default)]
+    pub same_nvlink_domain: bool,
+    /// All its GPUs on one NUMA node (`Device.numaNode`); a GPU whose NUMA node is unknown is a
+    /// NUMA node of its own.
+    #[graphql(default)]
+    pub same_numa_node: bool,
+}
+
+/// Where a gang's allocations go together.
+#[derive(Enum, Clone, Copy, PartialEq, Eq, Debug)]
+#[graphql(remote = "compute_domain::reservations::model::Colocate")]
+pub enum GangColocate {
+    /// All on one node.
+    Node,
+    /// All on nodes that share one value of `label` (one rack, one fabric).
+    Label,
+}
+
+/// A gang: the rule the allocations of one reservation are placed under, all of them in one
+/// transaction or none.
+#[derive(InputObject)]
+pub struct GangInput {
+    /// Colocate the allocations: on one node, or on nodes sharing one value of `label`.
+    pub colocate: Option<GangColocate>,
+    /// With `colocate: LABEL`: the label key whose value the nodes share, such as `rack`.
+    pub label: Option<String>,
+    /// Each allocation on a node of its own (with `colocate: LABEL`: distinct nodes of one rack).
+    pub spread: Option<bool>,
+}
+
+impl GangInput {
+    /// The raw domain input, parsed by `parse_gang` where it is used.
+    pub fn to_domain(&self) -> compute_domain::reservations::model::GangInput {
+        compute_domain::reservations::model::GangInput {
+            colocate: self.colocate.map(Into::into),
+            label: self.label.clone(),
+            spread: self.spread,
+        }
+    }
+}
+
+/// The gang's rule of a reservation.
+#[derive(SimpleObject)]
+pub struct Gang {
+    /// Where the allocations go together (null: not colocated).
+    pub colocate: Option<GangColocate>,
+    /// The label whose value they share, with `colocate: LABEL`.
+    pub label: Option<String>,
+    /// Whether each allocation is on a node of its own.
+    pub spread: bool,
 }
 
 impl AllocationInputGql {
@@ -372,6 +440,8 @@ impl AllocationInputGql {
                 .iter()
                 .map(|t| (t.key.clone(), t.value.clone(), t.effect.map(Into::into)))
                 .collect(),
+            same_nvlink_domain: self.same_nvlink_domain,
+            same_numa_node: self.same_numa_node,
         }
     }
 }
@@ -387,6 +457,9 @@ pub struct CreateReservationInput {
     pub ends_at: DateTime<Utc>,
     /// What to reserve.
     pub allocations: Vec<AllocationInputGql>,
+    /// Places the allocations as a gang, under a rule: together on one node or one rack,
+    /// or spread over distinct nodes; all of them or none.
+    pub gang: Option<GangInput>,
     /// Required: a retry with the same key and input gets the same answer, never a second
     /// reservation. 1 to 255 printable characters.
     pub idempotency_key: String,
@@ -464,6 +537,7 @@ impl ReservationMutation {
             input.starts_at,
             input.ends_at,
             &allocations,
+            input.gang.as_ref().map(GangInput::to_domain).as_ref(),
         )?;
         let (outcome, stats) =
             lifecycle::create_reservation(db(ctx)?, &actor, request, &input.idempotency_key)

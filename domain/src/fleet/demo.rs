@@ -21,6 +21,7 @@ fn gpus(model: &str, memory_mib: i64, layouts: Vec<Layout>) -> Vec<NewDevice> {
             model: model.into(),
             memory_mib,
             layout,
+            topology: Default::default(),
         })
         .collect()
 }

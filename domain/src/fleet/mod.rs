@@ -126,6 +126,10 @@ pub struct Device {
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// Its PCI bus id (`00000000:17:00.0`), NUMA node and NVLink domain (migration 0036).
+    pub pci_bus_id: Option<String>,
+    pub numa_node: Option<i32>,
+    pub nvlink_domain: Option<String>,
 }
 
 /// A bookable unit of a GPU.
@@ -217,7 +221,8 @@ macro_rules! query_devices {
                 + r#" d.id AS "id: _", d.node_id AS "node_id: _", d.uuid, d.vendor, d.model, d.memory_mib,
                      d.mode AS "mode: _", d.layout AS "layout: _", d.health AS "health: _", d.health_reason,
                      d.health_since, d.quarantined AS "quarantined!", d.operator_quarantined, d.quarantine_reason,
-                     d.inventory_mismatch, d.retired_at, d.version, d.created_at, d.updated_at "#
+                     d.inventory_mismatch, d.retired_at, d.version, d.created_at, d.updated_at,
+                     d.pci_bus_id, d.numa_node, d.nvlink_domain "#
                 + $tail
             $(, $arg)*
         )
@@ -234,7 +239,8 @@ pub(crate) const NODE_COLS: &str = "n.id, n.pool_id, n.hostname, n.labels, n.tai
      n.version, n.updated_at, n.reachability_since, n.unreachable_at, n.inventory, n.inventory_at";
 const DEVICE_COLS: &str = "d.id, d.node_id, d.uuid, d.vendor, d.model, d.memory_mib, d.mode, d.layout, \
      d.health, d.health_reason, d.health_since, d.quarantined, d.operator_quarantined, d.quarantine_reason, \
-     d.inventory_mismatch, d.retired_at, d.version, d.created_at, d.updated_at";
+     d.inventory_mismatch, d.retired_at, d.version, d.created_at, d.updated_at, \
+     d.pci_bus_id, d.numa_node, d.nvlink_domain";
 const ATOM_COLS: &str =
     "a.name, a.device_id, a.kind, a.ordinal, a.profile, a.share_num, a.share_den";
 

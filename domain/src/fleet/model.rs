@@ -274,6 +274,64 @@ pub fn parse_count(field: &str, n: i64, min: i64, max: i64) -> Result<i64> {
     Ok(n)
 }
 
+/// Where a GPU sits in its machine: what placement keeps together (`sameNvlinkDomain`,
+/// `sameNumaNode`). Unknown parts are `None`: such a GPU is a group of its own.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Topology {
+    /// The PCI bus id, as NVML writes it (`00000000:17:00.0`).
+    pub pci_bus_id: Option<String>,
+    pub numa_node: Option<i32>,
+    /// The GPUs joined by NVLink share a domain name.
+    pub nvlink_domain: Option<String>,
+}
+
+/// Parses a GPU's topology: a PCI bus id of `[0-9A-Fa-f:.]` (at most 64), a NUMA node from 0 to
+/// 1023, an NVLink domain name of 1 to 128 printable characters; `field` prefixes the errors.
+pub fn parse_topology(
+    field: &str,
+    pci_bus_id: Option<&str>,
+    numa_node: Option<i64>,
+    nvlink_domain: Option<&str>,
+) -> Result<Topology> {
+    let pci_bus_id = pci_bus_id
+        .map(|b| {
+            let b = b.trim();
+            if b.is_empty()
+                || b.len() > 64
+                || !b
+                    .chars()
+                    .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
+            {
+                return Err(Error::bad_input(
+                    format!("{field}.pciBusId"),
+                    "a PCI bus id is 1 to 64 of `0-9 A-F : .` (`00000000:17:00.0`)",
+                ));
+            }
+            Ok(b.to_ascii_uppercase())
+        })
+        .transpose()?;
+    let numa_node = numa_node
+        .map(|n| parse_count(&format!("{field}.numaNode"), n, 0, 1023).map(|n| n as i32))
+        .transpose()?;
+    let nvlink_domain = nvlink_domain
+        .map(|d| {
+            let d = d.trim();
+            if d.is_empty() || d.chars().count() > 128 || d.chars().any(char::is_control) {
+                return Err(Error::bad_input(
+                    format!("{field}.nvlinkDomain"),
+                    "an NVLink domain is named by 1 to 128 printable characters",
+                ));
+            }
+            Ok(d.to_owned())
+        })
+        .transpose()?;
+    Ok(Topology {
+        pci_bus_id,
+        numa_node,
+        nvlink_domain,
+    })
+}
+
 /// A time PostgreSQL can hold and this system can reason about: between the years 1970 and
 /// 9999. `field` names it in the error. Every time a client sends passes through here.
 pub fn parse_time(field: &str, t: DateTime<Utc>) -> Result<DateTime<Utc>> {

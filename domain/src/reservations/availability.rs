@@ -21,7 +21,7 @@
 //! Allocations are assigned greedily in their order, tightest node first, as placement does, so a
 //! `createReservation` for a returned window finds the same fit unless someone books first.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use chrono::{DateTime, Duration, Utc};
 use serde_json::json;
@@ -34,7 +34,10 @@ use crate::fleet::PoolRules;
 use crate::fleet::model as m;
 use crate::ids::{NodeId, PoolId};
 
-use super::model::{AllocationInput, AllocationRequest, MAX_ALLOCATIONS, MAX_DAYS, gpu_charge};
+use super::model::{
+    AllocationInput, AllocationRequest, Colocate, Gang, GangInput, MAX_ALLOCATIONS, MAX_DAYS,
+    gpu_charge, parse_gang,
+};
 
 /// How many windows `first` may ask for, and its default.
 pub const MAX_WINDOWS: usize = 20;
@@ -53,6 +56,8 @@ pub struct AvailabilityRequest {
     /// The latest start wanted; `DEFAULT_HORIZON_DAYS` after `not_before` when unset.
     pub not_after: Option<DateTime<Utc>>,
     pub first: usize,
+    /// The gang's rule, as `createReservation` takes it.
+    pub gang: Option<Gang>,
 }
 
 /// Parses the arguments of `availability`; field names are the GraphQL ones.
@@ -63,6 +68,7 @@ pub fn parse_availability(
     not_before: Option<DateTime<Utc>>,
     not_after: Option<DateTime<Utc>>,
     first: Option<i64>,
+    gang: Option<&GangInput>,
 ) -> Result<AvailabilityRequest> {
     let pool_id = PoolId::parse("poolId", pool_id)?;
     let duration_seconds =
@@ -109,6 +115,7 @@ pub fn parse_availability(
         not_before,
         not_after,
         first,
+        gang: gang.map(|g| parse_gang("gang", g)).transpose()?,
     })
 }
 
@@ -119,6 +126,16 @@ pub struct CalAtom {
     pub serves: u32,
     pub created: i64,
     pub busy: Vec<(i64, i64)>,
+    /// Per allocation, the group of GPUs of its node the atom belongs to for that allocation's
+    /// `sameNvlinkDomain` / `sameNumaNode` (an allocation's atoms come from one group); empty,
+    /// or 0 for an allocation that keeps nothing together: one group per node.
+    pub group: Vec<u32>,
+}
+
+impl CalAtom {
+    fn group_of(&self, i: usize) -> u32 {
+        self.group.get(i).copied().unwrap_or(0)
+    }
 }
 
 /// One node of the calendar.
@@ -133,6 +150,8 @@ pub struct CalNode {
     pub free_memory_mib: Option<i64>,
     pub free_disk_gib: Option<i64>,
     pub atoms: Vec<CalAtom>,
+    /// The value of the gang's label on this node (`colocate: LABEL`), when it has one.
+    pub label: Option<String>,
 }
 
 /// What one allocation needs of a node.
@@ -221,12 +240,15 @@ fn start_intervals(atom: &CalAtom, d: i64, from: i64, to: i64) -> Vec<(i64, i64)
 
 /// The sweep: every atom's start intervals become `+1` and `-1` events; between two event times
 /// nothing changes, so the request's fit is decided once per event time. Per allocation, the
-/// nodes with enough matching atoms (`qualified`) are kept as counts change; a single allocation
-/// fits when that set is not empty, several when a greedy assignment with atoms not shared
-/// succeeds.
+/// atoms are counted per unit (a node, or a group of GPUs of a node for an allocation that keeps
+/// its GPUs on one NVLink domain or NUMA node) and the nodes with a unit of enough atoms
+/// (`qualified`) are kept as counts change; a single allocation without a gang fits when that set
+/// is not empty, anything else when the greedy assignment of placement succeeds under the gang's
+/// rule ([`assign_gang`]).
 pub fn search(
     nodes: &[CalNode],
     needs: &[Need],
+    gang: Option<&Gang>,
     duration_us: i64,
     from: i64,
     to: i64,
@@ -244,19 +266,36 @@ pub fn search(
                 .fold(0u32, |m, i| m | (1 << i))
         })
         .collect();
-    // Atoms flattened: (node, atom) with the allocations it can serve there.
-    let mut atom_node = Vec::new();
-    let mut atom_serves = Vec::new();
+    // Atoms flattened: (node, atom) with the allocations it can serve there, and per allocation
+    // its unit (node and group), numbered per allocation.
+    let mut cal = Flat::default();
+    let mut unit_of: Vec<Vec<usize>> = vec![Vec::new(); n_alloc];
+    let mut unit_node: Vec<Vec<usize>> = vec![Vec::new(); n_alloc];
+    let mut unit_ids: Vec<HashMap<(usize, u32), usize>> = vec![HashMap::new(); n_alloc];
     let mut events: Vec<(i64, i32, usize)> = Vec::new();
     for (ni, node) in nodes.iter().enumerate() {
-        for atom in &node.atoms {
+        for (k, atom) in node.atoms.iter().enumerate() {
             let serves = atom.serves & open[ni];
             if serves == 0 {
                 continue;
             }
-            let idx = atom_node.len();
-            atom_node.push(ni);
-            atom_serves.push(serves);
+            let idx = cal.atom.len();
+            cal.atom.push((ni, k));
+            cal.serves.push(serves);
+            for i in 0..n_alloc {
+                let u = if serves & (1 << i) == 0 {
+                    usize::MAX
+                } else {
+                    let units = &mut unit_node[i];
+                    *unit_ids[i]
+                        .entry((ni, atom.group_of(i)))
+                        .or_insert_with(|| {
+                            units.push(ni);
+                            units.len() - 1
+                        })
+                };
+                unit_of[i].push(u);
+            }
             for (a, b) in start_intervals(atom, duration_us, from, to) {
                 events.push((a, 1, idx));
                 events.push((b.saturating_add(1), -1, idx));
@@ -265,16 +304,19 @@ pub fn search(
     }
     events.sort_unstable();
 
-    let mut valid = vec![false; atom_node.len()];
-    // count[i][node]: atoms of `node` valid now that allocation i could use.
-    let mut count = vec![vec![0usize; nodes.len()]; n_alloc];
+    cal.valid = vec![false; cal.atom.len()];
+    // count[i][unit]: atoms of the unit valid now that allocation i could use; units_ok[i][node]:
+    // the node's units with enough for allocation i.
+    let mut count: Vec<Vec<usize>> = unit_node.iter().map(|u| vec![0; u.len()]).collect();
+    let mut units_ok = vec![vec![0usize; nodes.len()]; n_alloc];
     let mut best = vec![vec![0usize; nodes.len()]; n_alloc];
     let mut qualified: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); n_alloc];
     // Per node, its flattened atoms, for the joint check.
-    let mut node_atoms = vec![Vec::new(); nodes.len()];
-    for (idx, &ni) in atom_node.iter().enumerate() {
-        node_atoms[ni].push(idx);
+    cal.node_atoms = vec![Vec::new(); nodes.len()];
+    for (idx, &(ni, _)) in cal.atom.iter().enumerate() {
+        cal.node_atoms[ni].push(idx);
     }
+    let alone = n_alloc == 1 && gang.is_none();
 
     let mut out: Vec<Stretch> = Vec::new();
     let mut open_stretch: Option<Stretch> = None;
@@ -286,30 +328,38 @@ pub fn search(
         }
         while e < events.len() && events[e].0 == t {
             let (_, delta, idx) = events[e];
-            valid[idx] = delta > 0;
-            let ni = atom_node[idx];
+            cal.valid[idx] = delta > 0;
             for (i, need) in needs.iter().enumerate() {
-                if atom_serves[idx] & (1 << i) == 0 {
+                let u = unit_of[i][idx];
+                if u == usize::MAX {
                     continue;
                 }
-                let c = &mut count[i][ni];
+                let ni = unit_node[i][u];
+                let c = &mut count[i][u];
+                let was = *c >= need.atoms;
                 *c = if delta > 0 { *c + 1 } else { *c - 1 };
                 best[i][ni] = best[i][ni].max(*c);
-                if *c >= need.atoms {
-                    qualified[i].insert(ni);
-                } else {
-                    qualified[i].remove(&ni);
+                let now = *c >= need.atoms;
+                if now != was {
+                    let ok = &mut units_ok[i][ni];
+                    if now {
+                        *ok += 1;
+                        qualified[i].insert(ni);
+                    } else {
+                        *ok -= 1;
+                        if *ok == 0 {
+                            qualified[i].remove(&ni);
+                        }
+                    }
                 }
             }
             e += 1;
         }
         let fits = qualified.iter().all(|q| !q.is_empty())
-            && (n_alloc == 1
-                || assign(nodes, needs, &qualified, &node_atoms, &valid, &atom_serves).is_some());
+            && (alone || assign_gang(nodes, needs, gang, &qualified, &cal).is_some());
         match (&mut open_stretch, fits) {
             (None, true) => {
-                let picks = assign(nodes, needs, &qualified, &node_atoms, &valid, &atom_serves)
-                    .unwrap_or_default();
+                let picks = assign_gang(nodes, needs, gang, &qualified, &cal).unwrap_or_default();
                 open_stretch = Some(Stretch {
                     earliest: t,
                     latest: to,
@@ -334,6 +384,19 @@ pub fn search(
     Found::Nothing(refusal(nodes, needs, &open, &best))
 }
 
+/// The calendar's atoms flattened for the sweep.
+#[derive(Default)]
+struct Flat {
+    /// Per flattened atom: its node and its index there.
+    atom: Vec<(usize, usize)>,
+    /// The allocations it can serve.
+    serves: Vec<u32>,
+    /// Whether it is free over the window at the current start.
+    valid: Vec<bool>,
+    /// Per node, its flattened atoms.
+    node_atoms: Vec<Vec<usize>>,
+}
+
 fn scalars_fit(n: &CalNode, need: &Need) -> bool {
     let fits = |free: Option<i64>, asked: i64| asked == 0 || free.is_none_or(|f| asked <= f);
     fits(n.free_vcpu, need.vcpu)
@@ -341,31 +404,84 @@ fn scalars_fit(n: &CalNode, need: &Need) -> bool {
         && fits(n.free_disk_gib, need.disk_gib)
 }
 
-/// Allocations in order, each on the qualified node with the fewest valid atoms (ties by node id)
-/// among those with enough that earlier allocations did not take and with the scalars they left:
-/// placement's rule (placement picks the tightest of a sample of the nodes that fit).
+/// The request assigned under the gang's rule, as placement tries it: colocated on one node, the
+/// nodes one by one; on one value of a label, the values one by one (with distinct nodes inside
+/// when it also spreads); spread alone, distinct nodes; no gang, anywhere.
+fn assign_gang(
+    nodes: &[CalNode],
+    needs: &[Need],
+    gang: Option<&Gang>,
+    qualified: &[BTreeSet<usize>],
+    cal: &Flat,
+) -> Option<Vec<Pick>> {
+    let Some(g) = gang else {
+        return assign(nodes, needs, qualified, cal, &|_| true, false);
+    };
+    match g.colocate {
+        None => assign(nodes, needs, qualified, cal, &|_| true, g.spread),
+        Some(Colocate::Node) => qualified[0]
+            .iter()
+            .filter(|ni| qualified.iter().all(|q| q.contains(ni)))
+            .find_map(|&only| assign(nodes, needs, qualified, cal, &|ni| ni == only, false)),
+        Some(Colocate::Label) => {
+            let values: BTreeSet<&str> = qualified[0]
+                .iter()
+                .filter_map(|&ni| nodes[ni].label.as_deref())
+                .collect();
+            values.into_iter().find_map(|v| {
+                assign(
+                    nodes,
+                    needs,
+                    qualified,
+                    cal,
+                    &|ni| nodes[ni].label.as_deref() == Some(v),
+                    g.spread,
+                )
+            })
+        }
+    }
+}
+
+/// Allocations in order, each on the qualified node (that `allowed` lets through, and one no
+/// earlier allocation took when `spread`) with the fewest free atoms in its best unit (ties by
+/// node id), among those with enough that earlier allocations did not take and with the scalars
+/// they left: placement's rule (placement picks the tightest of a sample of the nodes that fit).
+/// An allocation keeping its GPUs together takes them from the group with the fewest free that
+/// has enough, as `compute_free_atoms` does.
 fn assign(
     nodes: &[CalNode],
     needs: &[Need],
     qualified: &[BTreeSet<usize>],
-    node_atoms: &[Vec<usize>],
-    valid: &[bool],
-    serves: &[u32],
+    cal: &Flat,
+    allowed: &dyn Fn(usize) -> bool,
+    spread: bool,
 ) -> Option<Vec<Pick>> {
-    let mut taken: Vec<(usize, usize)> = Vec::new(); // (node, atom) taken by earlier allocations
+    let mut taken: Vec<usize> = Vec::new(); // flattened atoms taken by earlier allocations
     let mut used: Vec<(usize, Need)> = Vec::new();
     let mut picks = Vec::with_capacity(needs.len());
     for (i, need) in needs.iter().enumerate() {
         let mut chosen: Option<(usize, Vec<usize>)> = None;
         for &ni in &qualified[i] {
-            let free: Vec<usize> = node_atoms[ni]
-                .iter()
-                .copied()
-                .filter(|&a| valid[a] && serves[a] & (1 << i) != 0 && !taken.contains(&(ni, a)))
-                .collect();
-            if free.len() < need.atoms {
+            if !allowed(ni) || (spread && used.iter().any(|(un, _)| *un == ni)) {
                 continue;
             }
+            let mut groups: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+            for &a in &cal.node_atoms[ni] {
+                if cal.valid[a] && cal.serves[a] & (1 << i) != 0 && !taken.contains(&a) {
+                    let (n, k) = cal.atom[a];
+                    groups
+                        .entry(nodes[n].atoms[k].group_of(i))
+                        .or_default()
+                        .push(a);
+                }
+            }
+            let Some(free) = groups
+                .into_values()
+                .filter(|g| g.len() >= need.atoms)
+                .min_by_key(Vec::len)
+            else {
+                continue;
+            };
             // This allocation's scalars with those of earlier ones on the same node.
             let together = used
                 .iter()
@@ -386,7 +502,7 @@ fn assign(
             node: nodes[ni].id.clone(),
             free_atoms: free.len(),
         });
-        taken.extend(free.iter().take(need.atoms).map(|&a| (ni, a)));
+        taken.extend(free.iter().take(need.atoms));
         used.push((ni, *need));
     }
     Some(picks)
@@ -613,7 +729,15 @@ fn found_to_answer(
     let from_us = from.timestamp_micros();
     let to_us = to.timestamp_micros();
     let at = |us: i64| DateTime::<Utc>::from_timestamp_micros(us).unwrap_or(from);
-    let found = search(&nodes, &needs, d, from_us, to_us, req.first);
+    let found = search(
+        &nodes,
+        &needs,
+        req.gang.as_ref(),
+        d,
+        from_us,
+        to_us,
+        req.first,
+    );
     tracing::debug!(
         nodes = nodes.len(),
         atoms = nodes.iter().map(|n| n.atoms.len()).sum::<usize>(),
@@ -648,7 +772,7 @@ fn found_to_answer(
                 .collect::<Vec<_>>()
                 .join(", ");
             let message = format!(
-                "{}no start from {} to {} in pool {} gives {} for {} seconds: 0/{total} nodes fit{}",
+                "{}no start from {} to {} in pool {} gives {} for {} seconds{}: 0/{total} nodes fit{}",
                 if req.allocations.len() > 1 {
                     format!("allocation {}: ", r.allocation)
                 } else {
@@ -659,6 +783,10 @@ fn found_to_answer(
                 req.pool_id,
                 what,
                 secs,
+                req.gang
+                    .as_ref()
+                    .map(|g| format!(" with the gang {}", g.describe()))
+                    .unwrap_or_default(),
                 if detail.is_empty() {
                     String::new()
                 } else {
@@ -746,16 +874,24 @@ fn amount(x: f64) -> String {
     s.trim_end_matches('0').trim_end_matches('.').to_owned()
 }
 
-type CalRow = (
-    NodeId,
-    Vec<String>,
-    Option<i64>,
-    Option<i64>,
-    Option<i64>,
-    Option<Vec<String>>,
-    Option<Vec<i32>>,
-    Option<Vec<DateTime<Utc>>>,
-);
+/// A node of the calendar as read: its id, reasons, free scalars, the gang label's value, and its
+/// atoms as parallel arrays (names, allocations served, creation; with a grouping allocation,
+/// each atom's device, NVLink domain and NUMA node).
+#[derive(sqlx::FromRow)]
+struct CalRow {
+    id: NodeId,
+    ruled_out: Vec<String>,
+    vcpu: Option<i64>,
+    memory: Option<i64>,
+    disk: Option<i64>,
+    label: Option<String>,
+    names: Option<Vec<String>>,
+    serves: Option<Vec<i32>>,
+    created: Option<Vec<DateTime<Utc>>>,
+    devs: Option<Vec<String>>,
+    nvls: Option<Vec<Option<String>>>,
+    numas: Option<Vec<Option<i32>>>,
+}
 
 /// The pool's nodes for `req`'s allocations, each with the reasons that rule it out, its free
 /// scalars and the atoms that could serve an allocation (existing before `until`), in one
@@ -769,6 +905,10 @@ async fn read_nodes(
     req: &AvailabilityRequest,
     until: DateTime<Utc>,
 ) -> Result<(Vec<CalNode>, AtomIndex)> {
+    let grouped = req
+        .allocations
+        .iter()
+        .any(|a| a.same_nvlink_domain || a.same_numa_node);
     let allocs: Vec<serde_json::Value> = req
         .allocations
         .iter()
@@ -809,11 +949,11 @@ nd AS MATERIALIZED (
                      WHEN NOT (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, r.tol)) THEN 'TaintNotTolerated'
                      ELSE '' END
                    FROM req r ORDER BY r.ord) AS ruled_out,
-           res.vcpu, res.memory, res.disk
+           res.vcpu, res.memory, res.disk, n.labels->>$4 AS label
       FROM nodes n LEFT JOIN res ON res.node_id = n.id
      WHERE n.pool_id = $1),
 atoms AS MATERIALIZED (
-    SELECT d.node_id, a.name, a.created_at,
+    SELECT d.node_id, a.name, a.created_at, d.id AS dev, d.nvlink_domain AS nvl, d.numa_node AS numa,
            (SELECT coalesce(sum(1 << r.ord), 0)::integer FROM req r
              WHERE a.kind = r.kind
                AND (r.model IS NULL OR d.model = r.model)
@@ -822,45 +962,97 @@ atoms AS MATERIALIZED (
       FROM nodes n JOIN devices d ON d.node_id = n.id JOIN device_atoms a ON a.device_id = d.id
      WHERE n.pool_id = $1 AND compute_device_schedulable(d.health, d.quarantined)
        AND a.kind IN (SELECT kind FROM req) AND a.created_at < $3)
-SELECT nd.id, nd.ruled_out, nd.vcpu, nd.memory, nd.disk, g.names, g.serves, g.created
-  FROM nd LEFT JOIN (SELECT a.node_id, array_agg(a.name) AS names, array_agg(a.serves) AS serves, array_agg(a.created_at) AS created
+SELECT nd.id, nd.ruled_out, nd.vcpu, nd.memory, nd.disk, nd.label, g.names, g.serves, g.created, g.devs, g.nvls, g.numas
+  FROM nd LEFT JOIN (SELECT a.node_id, array_agg(a.name) AS names, array_agg(a.serves) AS serves, array_agg(a.created_at) AS created,
+                            array_agg(a.dev) FILTER (WHERE $5) AS devs, array_agg(a.nvl) FILTER (WHERE $5) AS nvls,
+                            array_agg(a.numa) FILTER (WHERE $5) AS numas
                        FROM atoms a WHERE a.serves <> 0 GROUP BY a.node_id) g ON g.node_id = nd.id
  ORDER BY nd.id"#,
     )
     .bind(req.pool_id.as_str())
     .bind(serde_json::Value::Array(allocs))
     .bind(until)
+    .bind(match &req.gang {
+        Some(Gang {
+            colocate: Some(Colocate::Label),
+            label,
+            ..
+        }) => label.clone(),
+        _ => None,
+    })
+    .bind(grouped)
     .fetch_all(&mut *conn)
     .await?;
     let mut nodes: Vec<CalNode> = Vec::with_capacity(rows.len());
     let mut index: AtomIndex = AtomIndex::with_capacity(rows.len() * 8);
-    for (id, ruled_out, vcpu, memory, disk, names, serves, created) in rows {
+    for row in rows {
         let mut atoms = Vec::new();
-        if let (Some(names), Some(serves), Some(created)) = (names, serves, created) {
+        if let (Some(names), Some(serves), Some(created)) = (row.names, row.serves, row.created) {
+            let devs = row.devs.unwrap_or_default();
+            let nvls = row.nvls.unwrap_or_default();
+            let numas = row.numas.unwrap_or_default();
+            // Group numbers per node, in the order the groups are met.
+            let mut groups: HashMap<String, u32> = HashMap::new();
             for (k, ((name, serves), created)) in
                 names.into_iter().zip(serves).zip(created).enumerate()
             {
+                let group = if grouped {
+                    let dev = devs.get(k).map(String::as_str).unwrap_or("");
+                    req.allocations
+                        .iter()
+                        .map(|a| {
+                            let key = group_key(
+                                a,
+                                dev,
+                                nvls.get(k).cloned().flatten().as_deref(),
+                                numas.get(k).copied().flatten(),
+                            );
+                            let n = groups.len() as u32;
+                            *groups.entry(key).or_insert(n)
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 index.insert(name, (nodes.len(), k));
                 atoms.push(CalAtom {
                     serves: serves as u32,
                     created: created.timestamp_micros(),
                     busy: Vec::new(),
+                    group,
                 });
             }
         }
         nodes.push(CalNode {
-            id,
-            ruled_out: ruled_out
+            id: row.id,
+            ruled_out: row
+                .ruled_out
                 .into_iter()
                 .map(|r| (!r.is_empty()).then_some(r))
                 .collect(),
-            free_vcpu: vcpu,
-            free_memory_mib: memory,
-            free_disk_gib: disk,
+            free_vcpu: row.vcpu,
+            free_memory_mib: row.memory,
+            free_disk_gib: row.disk,
             atoms,
+            label: row.label,
         });
     }
     Ok((nodes, index))
+}
+
+/// The group an atom of device `dev` belongs to for allocation `a`, as `compute_free_atoms`
+/// keys it: the NVLink domain and/or the NUMA node kept together, a device of unknown topology a
+/// group of its own; one group for an allocation that keeps nothing together.
+fn group_key(a: &AllocationRequest, dev: &str, nvl: Option<&str>, numa: Option<i32>) -> String {
+    let own = || format!("gpu:{dev}");
+    let mut parts = Vec::new();
+    if a.same_nvlink_domain {
+        parts.push(nvl.map_or_else(own, |d| format!("nvl:{d}")));
+    }
+    if a.same_numa_node {
+        parts.push(numa.map_or_else(own, |n| format!("numa:{n}")));
+    }
+    parts.join("/")
 }
 
 type AtomIndex = std::collections::HashMap<String, (usize, usize)>;
@@ -1068,6 +1260,7 @@ mod tests {
             free_memory_mib: None,
             free_disk_gib: None,
             atoms,
+            label: None,
         }
     }
 
@@ -1076,6 +1269,7 @@ mod tests {
             serves: u32::MAX,
             created: 0,
             busy: busy.iter().map(|&(a, b)| (a * MIN, b * MIN)).collect(),
+            group: vec![],
         }
     }
 
@@ -1103,17 +1297,17 @@ mod tests {
         // Two atoms: one busy [10, 20), the other [15, 30). Two GPUs for 5 minutes fit at
         // starts 0..=5 (both free until 10) and from 30 on.
         let nodes = vec![node(0, vec![atom(&[(10, 20)]), atom(&[(15, 30)])])];
-        let found = search(&nodes, &[gpus(2)], 5 * MIN, 0, 100 * MIN, 5);
+        let found = search(&nodes, &[gpus(2)], None, 5 * MIN, 0, 100 * MIN, 5);
         assert_eq!(stretches(found), vec![(0, 5), (30, 100)]);
         // One GPU: 0..=10 on the second atom, 20.. on the first; a start between 10 and 20
         // meets a booking on each.
-        let found = search(&nodes, &[gpus(1)], 5 * MIN, 0, 100 * MIN, 5);
+        let found = search(&nodes, &[gpus(1)], None, 5 * MIN, 0, 100 * MIN, 5);
         assert_eq!(stretches(found), vec![(0, 10), (20, 100)]);
         // At most `first` windows.
-        let found = search(&nodes, &[gpus(1)], 5 * MIN, 0, 100 * MIN, 1);
+        let found = search(&nodes, &[gpus(1)], None, 5 * MIN, 0, 100 * MIN, 1);
         assert_eq!(stretches(found), vec![(0, 10)]);
         // Three GPUs never fit: the counts say why.
-        match search(&nodes, &[gpus(3)], 5 * MIN, 0, 100 * MIN, 5) {
+        match search(&nodes, &[gpus(3)], None, 5 * MIN, 0, 100 * MIN, 5) {
             Found::Nothing(r) => assert_eq!(r.counts, vec![("InsufficientGpus".to_owned(), 1)]),
             other => panic!("expected nothing, got {other:?}"),
         }
@@ -1131,7 +1325,15 @@ mod tests {
             memory_mib: 0,
             disk_gib: 0,
         };
-        match search(&[cordoned, small.clone()], &[need], MIN, 0, 10 * MIN, 5) {
+        match search(
+            &[cordoned, small.clone()],
+            &[need],
+            None,
+            MIN,
+            0,
+            10 * MIN,
+            5,
+        ) {
             Found::Nothing(r) => assert_eq!(
                 r.counts,
                 vec![
@@ -1143,7 +1345,7 @@ mod tests {
         }
         small.free_vcpu = Some(8);
         assert_eq!(
-            stretches(search(&[small], &[need], MIN, 0, 10 * MIN, 5)),
+            stretches(search(&[small], &[need], None, MIN, 0, 10 * MIN, 5)),
             vec![(0, 10)]
         );
     }
@@ -1240,8 +1442,181 @@ mod tests {
                 expected.push((o / MIN, to / MIN));
             }
             expected.truncate(20);
-            let got = stretches(search(&nodes, &needs, d, from, to, 20));
+            let got = stretches(search(&nodes, &needs, None, d, from, to, 20));
             assert_eq!(got, expected, "case {case}: needs {needs:?}, d {}", d / MIN);
+        }
+    }
+
+    /// Free atoms of `node` over `[s, s + d)`, per group for allocation 0.
+    fn free_at(node: &CalNode, s: i64, d: i64) -> Vec<u32> {
+        node.atoms
+            .iter()
+            .filter(|a| a.created <= s && a.busy.iter().all(|&(b0, b1)| b1 <= s || s + d <= b0))
+            .map(|a| a.group.first().copied().unwrap_or(0))
+            .collect()
+    }
+
+    /// The request at `s` by brute force: one allocation keeping its GPUs in one group, or
+    /// several under a gang's rule, every way to put them on nodes.
+    fn fits_gang_brute(
+        nodes: &[CalNode],
+        needs: &[Need],
+        gang: Option<&Gang>,
+        s: i64,
+        d: i64,
+    ) -> bool {
+        let free: Vec<Vec<u32>> = nodes.iter().map(|n| free_at(n, s, d)).collect();
+        if gang.is_none() {
+            // One allocation: a group of one node with enough.
+            return free.iter().any(|f| {
+                let mut per: BTreeMap<u32, usize> = BTreeMap::new();
+                for g in f {
+                    *per.entry(*g).or_default() += 1;
+                }
+                per.values().any(|&n| n >= needs[0].atoms)
+            });
+        }
+        let g = gang.expect("a gang");
+        fn place(
+            i: usize,
+            needs: &[Need],
+            left: &mut Vec<usize>,
+            chosen: &mut Vec<usize>,
+            ok: &dyn Fn(&[usize]) -> bool,
+        ) -> bool {
+            if i == needs.len() {
+                return ok(chosen);
+            }
+            for n in 0..left.len() {
+                if left[n] >= needs[i].atoms {
+                    left[n] -= needs[i].atoms;
+                    chosen.push(n);
+                    let done = place(i + 1, needs, left, chosen, ok);
+                    chosen.pop();
+                    left[n] += needs[i].atoms;
+                    if done {
+                        return true;
+                    }
+                }
+            }
+            false
+        }
+        let rule = |chosen: &[usize]| {
+            let distinct: BTreeSet<usize> = chosen.iter().copied().collect();
+            let labels: BTreeSet<Option<&str>> =
+                chosen.iter().map(|&n| nodes[n].label.as_deref()).collect();
+            (!g.spread || distinct.len() == chosen.len())
+                && match g.colocate {
+                    Some(Colocate::Node) => distinct.len() == 1,
+                    Some(Colocate::Label) => labels.len() == 1 && !labels.contains(&None),
+                    None => true,
+                }
+        };
+        let mut left: Vec<usize> = free.iter().map(Vec::len).collect();
+        place(0, needs, &mut left, &mut Vec::new(), &rule)
+    }
+
+    /// As [`the_windows_are_the_true_stretches_of_a_random_calendar`], for an allocation that
+    /// keeps its GPUs on one group (NVLink domain or NUMA node) and for gangs colocated on one
+    /// node, on one label's value, or spread over distinct nodes (and both): the windows are the
+    /// stretches a brute force finds.
+    #[test]
+    fn groups_and_gangs_find_the_true_stretches_of_a_random_calendar() {
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let gangs = [
+            Gang {
+                colocate: Some(Colocate::Node),
+                label: None,
+                spread: false,
+            },
+            Gang {
+                colocate: None,
+                label: None,
+                spread: true,
+            },
+            Gang {
+                colocate: Some(Colocate::Label),
+                label: Some("rack".into()),
+                spread: false,
+            },
+            Gang {
+                colocate: Some(Colocate::Label),
+                label: Some("rack".into()),
+                spread: true,
+            },
+        ];
+        for case in 0..600 {
+            let n_nodes = 1 + rng.below(4) as usize;
+            let nodes: Vec<CalNode> = (0..n_nodes)
+                .map(|i| {
+                    let atoms = (0..1 + rng.below(5))
+                        .map(|_| {
+                            let mut t = rng.below(20);
+                            let mut busy = Vec::new();
+                            while t < 120 {
+                                let len = 1 + rng.below(25);
+                                busy.push((t, t + len));
+                                t += len + rng.below(30);
+                            }
+                            let mut a = atom(&busy);
+                            a.group = vec![rng.below(3) as u32];
+                            a
+                        })
+                        .collect();
+                    let mut n = node(i, atoms);
+                    n.label = (rng.below(4) != 0).then(|| format!("r{}", rng.below(2)));
+                    n
+                })
+                .collect();
+            let gang = (case % 2 == 1).then(|| gangs[(case / 2) % gangs.len()].clone());
+            let needs: Vec<Need> = if gang.is_some() {
+                (0..2 + rng.below(2))
+                    .map(|_| gpus(1 + rng.below(2) as usize))
+                    .collect()
+            } else {
+                vec![gpus(1 + rng.below(3) as usize)]
+            };
+            // Gangs here keep nothing together: one group per node for them.
+            let nodes: Vec<CalNode> = if gang.is_some() {
+                nodes
+                    .into_iter()
+                    .map(|mut n| {
+                        n.atoms.iter_mut().for_each(|a| a.group.clear());
+                        n
+                    })
+                    .collect()
+            } else {
+                nodes
+            };
+            let d = (1 + rng.below(30)) * MIN;
+            let (from, to) = (rng.below(30) * MIN, (60 + rng.below(80)) * MIN);
+            const HALF: i64 = MIN / 2;
+            let mut expected = Vec::new();
+            let mut open: Option<i64> = None;
+            let mut last = from;
+            for k in from / HALF..=to / HALF {
+                let s = k * HALF;
+                match (open, fits_gang_brute(&nodes, &needs, gang.as_ref(), s, d)) {
+                    (None, true) => open = Some(s),
+                    (Some(o), false) => {
+                        expected.push((o / MIN, last / MIN));
+                        open = None;
+                    }
+                    _ => {}
+                }
+                last = s;
+            }
+            if let Some(o) = open {
+                expected.push((o / MIN, to / MIN));
+            }
+            expected.truncate(20);
+            let got = stretches(search(&nodes, &needs, gang.as_ref(), d, from, to, 20));
+            assert_eq!(
+                got,
+                expected,
+                "case {case}: gang {gang:?}, needs {needs:?}, d {}",
+                d / MIN
+            );
         }
     }
 }

@@ -162,6 +162,8 @@ pub async fn create_reservation(
                 "disk_gib": a.disk_gib,
                 "node_selector": a.node_selector,
                 "tolerations": a.tolerations,
+                "same_nvlink_domain": a.same_nvlink_domain,
+                "same_numa_node": a.same_numa_node,
                 "describe": a.describe(),
             })
         })
@@ -184,11 +186,12 @@ pub async fn create_reservation(
         );
         let cancel = CancelOnDrop::new(db, &rsv_id);
         let traceparent = crate::db::sampled_traceparent();
+        let gang = req.gang.as_ref().map(|g| json!(g));
         Box::pin(async move {
             let mut cancel = cancel;
             let answer: std::result::Result<Value, sqlx::Error> = sqlx::query_scalar!(
                 r#"SELECT compute_create_reservation_call($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
-                                                         $13::float8::numeric, $14, $15, $16, $17, $18, $19) AS "answer!""#,
+                                                         $13::float8::numeric, $14, $15, $16, $17, $18, $19, $20) AS "answer!""#,
                 scope,
                 actor.subject,
                 key,
@@ -208,6 +211,7 @@ pub async fn create_reservation(
                 lock_timeout_ms,
                 retry_contention,
                 traceparent,
+                gang,
             )
             .fetch_one(&mut *conn)
             .await;
@@ -360,6 +364,12 @@ struct ReservationJson {
     created_at: DateTime<Utc>,
     updated_at: DateTime<Utc>,
     ended_at: Option<DateTime<Utc>>,
+    #[serde(default)]
+    gang_colocate: Option<String>,
+    #[serde(default)]
+    gang_label: Option<String>,
+    #[serde(default)]
+    gang_spread: bool,
 }
 
 impl ReservationJson {
@@ -390,6 +400,9 @@ impl ReservationJson {
             created_at: r.created_at,
             updated_at: r.updated_at,
             ended_at: r.ended_at,
+            gang_colocate: r.gang_colocate,
+            gang_label: r.gang_label,
+            gang_spread: r.gang_spread,
         })
     }
 }

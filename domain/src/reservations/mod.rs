@@ -48,6 +48,26 @@ pub struct Reservation {
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub ended_at: Option<DateTime<Utc>>,
+    /// The gang's rule (migration 0036): `node` or `label`, the label, and whether spread.
+    pub gang_colocate: Option<String>,
+    pub gang_label: Option<String>,
+    pub gang_spread: bool,
+}
+
+impl Reservation {
+    /// The gang's rule, when it has one.
+    pub fn gang(&self) -> Option<model::Gang> {
+        let colocate = match self.gang_colocate.as_deref() {
+            Some("node") => Some(model::Colocate::Node),
+            Some("label") => Some(model::Colocate::Label),
+            _ => None,
+        };
+        (colocate.is_some() || self.gang_spread).then(|| model::Gang {
+            colocate,
+            label: self.gang_label.clone(),
+            spread: self.gang_spread,
+        })
+    }
 }
 
 /// One allocation of a reservation: what it asked for and where it was placed.
@@ -68,6 +88,8 @@ pub struct Allocation {
     pub tolerations: Json<Vec<Toleration>>,
     pub node_id: Option<NodeId>,
     pub atoms: Vec<AtomName>,
+    pub same_nvlink_domain: bool,
+    pub same_numa_node: bool,
 }
 
 /// A checked `query_as!` of [`Reservation`]s: `$head` + the columns of `reservations r` + `$tail`.
@@ -84,7 +106,7 @@ macro_rules! query_reservations {
                      compute_reservation_state(r.state, r.starts_at, r.ends_at) AS "state!: _",
                      r.starts_at, r.ends_at, r.conditions AS "conditions: _", r.charge_gpu::float8 AS "charge_gpu!",
                      r.charge_vcpu, r.charge_memory_mib, r.charged AS "charged: _", r.next_attempt_at, r.version,
-                     r.created_at, r.updated_at, r.ended_at "#
+                     r.created_at, r.updated_at, r.ended_at, r.gang_colocate, r.gang_label, r.gang_spread "#
                 + $tail
             $(, $arg)*
         )
@@ -101,7 +123,7 @@ macro_rules! query_allocations {
                 + r#" a.id AS "id: _", a.reservation_id AS "reservation_id: _", a.ordinal, a.gpu_kind AS "gpu_kind: _",
                      a.gpu_count, a.model, a.profile, a.slots_per_gpu, a.vcpu, a.memory_mib, a.disk_gib,
                      a.node_selector AS "node_selector: _", a.tolerations AS "tolerations: _",
-                     a.node_id AS "node_id: _", a.atoms AS "atoms: _" "#
+                     a.node_id AS "node_id: _", a.atoms AS "atoms: _", a.same_nvlink_domain, a.same_numa_node "#
                 + $tail
             $(, $arg)*
         )
@@ -113,7 +135,7 @@ pub(crate) use query_allocations;
 const RSV_COLS: &str = "r.id, r.tenant_id, r.created_by, r.pool_id, \
      compute_reservation_state(r.state, r.starts_at, r.ends_at) AS state, r.starts_at, r.ends_at, \
      r.conditions, r.charge_gpu::float8 AS charge_gpu, r.charge_vcpu, r.charge_memory_mib, r.charged, r.next_attempt_at, \
-     r.version, r.created_at, r.updated_at, r.ended_at";
+     r.version, r.created_at, r.updated_at, r.ended_at, r.gang_colocate, r.gang_label, r.gang_spread";
 
 /// Reservations by id.
 pub async fn get_reservations(db: &Db, ids: &[ReservationId]) -> Result<Vec<Reservation>> {

@@ -30,6 +30,13 @@ pub struct AllocationRequest {
     pub disk_gib: i64,
     pub node_selector: Labels,
     pub tolerations: Vec<Toleration>,
+    /// All its GPUs on one NVLink domain (left out of the fingerprint when false, so keys
+    /// stored before the field existed replay).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub same_nvlink_domain: bool,
+    /// All its GPUs on one NUMA node.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub same_numa_node: bool,
 }
 
 impl AllocationRequest {
@@ -57,14 +64,21 @@ impl AllocationRequest {
         }
     }
 
-    /// In words, for conditions and errors: "4 H100 GPUs", "2 MIG 1g.10gb instances".
+    /// In words, for conditions and errors: "4 H100 GPUs", "2 MIG 1g.10gb instances", "8 GPUs
+    /// on one NVLink domain".
     pub fn describe(&self) -> String {
         let model = self
             .model
             .as_deref()
             .map(|m| format!("{m} "))
             .unwrap_or_default();
-        match self.gpu_kind {
+        let together = match (self.same_nvlink_domain, self.same_numa_node) {
+            (true, true) => " on one NVLink domain and one NUMA node",
+            (true, false) => " on one NVLink domain",
+            (false, true) => " on one NUMA node",
+            (false, false) => "",
+        };
+        let what = match self.gpu_kind {
             AtomKind::Gpu => format!("{} {model}GPU{}", self.gpu_count, plural(self.gpu_count)),
             AtomKind::Mig => format!(
                 "{} {model}MIG {} instance{}",
@@ -78,7 +92,8 @@ impl AllocationRequest {
                 plural(self.gpu_count),
                 self.slots_per_gpu.unwrap_or(0)
             ),
-        }
+        };
+        format!("{what}{together}")
     }
 }
 
@@ -99,6 +114,95 @@ pub struct AllocationInput {
     pub disk_gib: i64,
     pub node_selector: Vec<(String, String)>,
     pub tolerations: Vec<(String, Option<String>, Option<TaintEffect>)>,
+    pub same_nvlink_domain: bool,
+    pub same_numa_node: bool,
+}
+
+/// Where a gang's allocations go together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Colocate {
+    /// All on one node.
+    Node,
+    /// All on nodes sharing one value of a label (one rack, one fabric).
+    Label,
+}
+
+/// A gang: the rule a reservation's allocations are placed under, all of them or none
+/// (`compute_place` tries group by group).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gang {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub colocate: Option<Colocate>,
+    /// The label whose value the nodes share, with [`Colocate::Label`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// Every allocation on a node of its own.
+    pub spread: bool,
+}
+
+impl Gang {
+    /// The rule in words, for messages: "on one node", "on nodes of one rack, each on a node of
+    /// its own".
+    pub fn describe(&self) -> String {
+        let together = match (self.colocate, &self.label) {
+            (Some(Colocate::Node), _) => "on one node".to_owned(),
+            (Some(Colocate::Label), Some(l)) => format!("on nodes of one {l}"),
+            _ => String::new(),
+        };
+        match (together.is_empty(), self.spread) {
+            (true, true) => "each on a node of its own".into(),
+            (false, true) => format!("{together}, each on a node of its own"),
+            _ => together,
+        }
+    }
+}
+
+/// The raw input of a gang.
+#[derive(Debug, Clone, Default)]
+pub struct GangInput {
+    pub colocate: Option<Colocate>,
+    pub label: Option<String>,
+    pub spread: Option<bool>,
+}
+
+/// Parses a gang: a rule to colocate (on one node, or on one value of `label`), to spread, or
+/// to do both (one rack, distinct nodes); on one node and spread contradict each other.
+pub fn parse_gang(field: &str, g: &GangInput) -> Result<Gang> {
+    let spread = g.spread.unwrap_or(false);
+    let label = match (g.colocate, &g.label) {
+        (Some(Colocate::Label), Some(l)) => Some(m::parse_key(&format!("{field}.label"), l)?),
+        (Some(Colocate::Label), None) => {
+            return Err(Error::bad_input(
+                format!("{field}.label"),
+                "`colocate: LABEL` needs the `label` whose value the nodes share (such as `rack`)",
+            ));
+        }
+        (_, Some(_)) => {
+            return Err(Error::bad_input(
+                format!("{field}.label"),
+                "`label` goes with `colocate: LABEL` only",
+            ));
+        }
+        (_, None) => None,
+    };
+    if g.colocate == Some(Colocate::Node) && spread {
+        return Err(Error::bad_input(
+            format!("{field}.spread"),
+            "a gang on one node cannot also spread over distinct nodes",
+        ));
+    }
+    if g.colocate.is_none() && !spread {
+        return Err(Error::bad_input(
+            field,
+            "a gang states its rule: `colocate` (NODE or LABEL), `spread: true`, or both",
+        ));
+    }
+    Ok(Gang {
+        colocate: g.colocate,
+        label,
+        spread,
+    })
 }
 
 /// A whole reservation request.
@@ -109,6 +213,9 @@ pub struct ReservationRequest {
     pub starts_at: Option<DateTime<Utc>>,
     pub ends_at: DateTime<Utc>,
     pub allocations: Vec<AllocationRequest>,
+    /// The gang's rule, when its allocations go together or apart.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gang: Option<Gang>,
 }
 
 /// The most allocations one reservation may have.
@@ -196,6 +303,8 @@ pub fn parse_allocation(field: &str, a: &AllocationInput) -> Result<AllocationRe
         disk_gib: m::parse_count(&f("diskGib"), a.disk_gib, 0, 1 << 24)?,
         node_selector: m::parse_labels(&f("nodeSelector"), &a.node_selector)?,
         tolerations,
+        same_nvlink_domain: a.same_nvlink_domain,
+        same_numa_node: a.same_numa_node,
     })
 }
 
@@ -228,6 +337,7 @@ pub fn parse_request(
     starts_at: Option<DateTime<Utc>>,
     ends_at: DateTime<Utc>,
     allocations: &[AllocationInput],
+    gang: Option<&GangInput>,
 ) -> Result<ReservationRequest> {
     let pool_id = PoolId::parse("poolId", pool_id)?;
     let starts_at = starts_at
@@ -264,6 +374,7 @@ pub fn parse_request(
         starts_at,
         ends_at,
         allocations,
+        gang: gang.map(|g| parse_gang("gang", g)).transpose()?,
     })
 }
 

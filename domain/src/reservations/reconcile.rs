@@ -278,6 +278,8 @@ fn request_of(a: &Allocation) -> AllocationRequest {
         disk_gib: a.disk_gib,
         node_selector: a.node_selector.0.clone(),
         tolerations: a.tolerations.0.clone(),
+        same_nvlink_domain: a.same_nvlink_domain,
+        same_numa_node: a.same_numa_node,
     }
 }
 

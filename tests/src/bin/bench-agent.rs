@@ -359,6 +359,7 @@ async fn one_gpu(db: &Db, member: &Actor, pool: &PoolId, k: usize) -> Allocation
             starts_at: None,
             ends_at: chrono::Utc::now() + chrono::Duration::hours(1),
             allocations: vec![allocation],
+            gang: None,
         },
         &format!("reservation-{k}"),
     )

@@ -434,6 +434,8 @@ async fn many_joins_racing_in_the_database_register_one_node() {
                         model: "H100".into(),
                         memory_mib: 81_559,
                         pci_bus_id: None,
+                        numa_node: None,
+                        nvlink_domain: None,
                         mig_enabled: false,
                         mig: vec![],
                     }],

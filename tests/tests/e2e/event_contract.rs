@@ -190,6 +190,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
         model: "H100".into(),
         memory_mib: 81_920,
         layout,
+        topology: Default::default(),
     };
     let node_of = |host: &str, gpus: Vec<NewDevice>| NewNode {
         pool_id: pool.id.clone(),
@@ -334,6 +335,7 @@ async fn every_event_payload_keeps_its_documented_shape() {
             start,
             s + Duration::hours(hours),
             &[alloc(gpus)],
+            None,
         )
         .expect("request")
     };
@@ -560,6 +562,8 @@ async fn every_event_payload_keeps_its_documented_shape() {
             model: "H100".into(),
             memory_mib: 81_920,
             pci_bus_id: None,
+            numa_node: None,
+            nvlink_domain: None,
             mig_enabled: !mig.is_empty(),
             mig: mig
                 .iter()

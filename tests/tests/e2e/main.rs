@@ -14,6 +14,7 @@ mod enrollment;
 mod event_contract;
 mod fleet;
 mod frontends;
+mod gangs;
 mod graphql_http;
 mod health;
 mod hostile;

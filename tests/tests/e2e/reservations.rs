@@ -1545,6 +1545,7 @@ async fn a_deadlock_inside_placement_fails_the_call_when_contention_is_not_retri
             node_selector: vec![("host".into(), "h100-a".into())],
             ..AllocationInput::default()
         }],
+        None,
     )
     .expect("request");
     let deadlock = |db: compute_domain::db::Db, key: &'static str| {

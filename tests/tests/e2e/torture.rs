@@ -114,6 +114,13 @@ async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
                     model: model.into(),
                     memory_mib: memory,
                     layout,
+                    // Two NVLink pairs among the H100s, two NUMA nodes: what
+                    // `sameNvlinkDomain` and `sameNumaNode` keep together.
+                    topology: compute_domain::fleet::model::Topology {
+                        pci_bus_id: Some(format!("00000000:{:02X}:00.0", 0x17 + g)),
+                        numa_node: Some(g / 4),
+                        nvlink_domain: (g < 4).then(|| format!("nvl-{}", g / 2)),
+                    },
                 }
             })
             .collect();

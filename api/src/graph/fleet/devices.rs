@@ -51,6 +51,20 @@ impl DeviceObj {
     async fn slots(&self) -> Option<i64> {
         self.0.layout.as_ref()?.slots.map(i64::from)
     }
+    /// Its PCI bus id (`00000000:17:00.0`), as registered or as the node daemon reports it.
+    async fn pci_bus_id(&self) -> Option<&str> {
+        self.0.pci_bus_id.as_deref()
+    }
+    /// The NUMA node it is attached to; null when unknown (`sameNumaNode` then counts it as a
+    /// NUMA node of its own).
+    async fn numa_node(&self) -> Option<i32> {
+        self.0.numa_node
+    }
+    /// Its NVLink domain: GPUs joined by NVLink share it; null when it has no NVLink or it is
+    /// unknown (`sameNvlinkDomain` then counts it as a domain of its own).
+    async fn nvlink_domain(&self) -> Option<&str> {
+        self.0.nvlink_domain.as_deref()
+    }
     /// Its health: placement skips unhealthy GPUs.
     async fn health(&self) -> DeviceHealth {
         self.0.health.into()

@@ -211,6 +211,13 @@ pub struct DeviceInput {
     pub mode: DeviceMode,
     /// Its layout, for MIG, time-slice and MPS modes.
     pub layout: Option<LayoutInput>,
+    /// Its PCI bus id (`00000000:17:00.0`). The node daemon's inventory reports it too, and
+    /// its report wins.
+    pub pci_bus_id: Option<String>,
+    /// The NUMA node it is attached to (0 to 1023), for `sameNumaNode`.
+    pub numa_node: Option<i32>,
+    /// Its NVLink domain: GPUs joined by NVLink share one name, for `sameNvlinkDomain`.
+    pub nvlink_domain: Option<String>,
 }
 
 /// Input of `registerNode`.
@@ -581,6 +588,12 @@ impl FleetMutation {
                     layout.and_then(|l| l.mig_profiles.as_deref()),
                     layout.and_then(|l| l.slots),
                     memory,
+                )?,
+                topology: m::parse_topology(
+                    &field,
+                    d.pci_bus_id.as_deref(),
+                    d.numa_node.map(i64::from),
+                    d.nvlink_domain.as_deref(),
                 )?,
             });
         }

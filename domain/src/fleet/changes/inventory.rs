@@ -274,6 +274,7 @@ pub async fn report_inventory(
                 .bind(&stored)
                 .execute(&mut *conn)
                 .await?;
+            record_topology(conn, &node, &inventory).await?;
             let (gpus, scalars) = registration(conn, &node).await?;
             let d = compare(&gpus, &scalars, &inventory);
             apply(conn, &node, &gpus, &d).await?;
@@ -281,6 +282,62 @@ pub async fn report_inventory(
         })
     })
     .await
+}
+
+/// The topology a report gives its GPUs (PCI bus id, NUMA node, NVLink domain), written on the
+/// registered GPUs of the node with those UUIDs: where a GPU sits is a fact of the machine that
+/// the operator cannot know better, unlike what it is (its model, memory and layout, which a
+/// report never rewrites). A part the report leaves out keeps what was registered; an unusable
+/// value (a NUMA node out of range) is left out with a warning rather than refusing the report.
+async fn record_topology(
+    conn: &mut PgConnection,
+    node: &NodeId,
+    inventory: &Inventory,
+) -> Result<()> {
+    let mut uuids = Vec::new();
+    let mut buses = Vec::new();
+    let mut numas = Vec::new();
+    let mut domains = Vec::new();
+    for (i, g) in inventory.gpus.iter().enumerate() {
+        let parts = [
+            crate::fleet::model::parse_topology("", g.pci_bus_id.as_deref(), None, None),
+            crate::fleet::model::parse_topology("", None, g.numa_node.map(i64::from), None),
+            crate::fleet::model::parse_topology("", None, None, g.nvlink_domain.as_deref()),
+        ];
+        let [bus, numa, domain] = parts.map(|p| {
+            p.unwrap_or_else(|e| {
+                tracing::warn!(node = %node, gpu = i, error = %e, "a reported topology value is left out");
+                Default::default()
+            })
+        });
+        if bus.pci_bus_id.is_none() && numa.numa_node.is_none() && domain.nvlink_domain.is_none() {
+            continue;
+        }
+        uuids.push(g.uuid.clone());
+        buses.push(bus.pci_bus_id);
+        numas.push(numa.numa_node);
+        domains.push(domain.nvlink_domain);
+    }
+    if uuids.is_empty() {
+        return Ok(());
+    }
+    // The node's row is locked (lock order: nodes, then devices); only rows that change.
+    sqlx::query(
+        "UPDATE devices d SET pci_bus_id = coalesce(t.pci, d.pci_bus_id), numa_node = coalesce(t.numa, d.numa_node),
+                nvlink_domain = coalesce(t.nvl, d.nvlink_domain), version = d.version + 1, updated_at = compute_now()
+           FROM unnest($2::text[], $3::text[], $4::int[], $5::text[]) AS t(uuid, pci, numa, nvl)
+          WHERE d.node_id = $1 AND d.uuid = t.uuid
+            AND (d.pci_bus_id, d.numa_node, d.nvlink_domain) IS DISTINCT FROM
+                (coalesce(t.pci, d.pci_bus_id), coalesce(t.numa, d.numa_node), coalesce(t.nvl, d.nvlink_domain))",
+    )
+    .bind(node.as_str())
+    .bind(&uuids)
+    .bind(&buses)
+    .bind(&numas)
+    .bind(&domains)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// Makes node `id`'s registration what it last reported: its vCPU, memory and disk, its GPUs'
@@ -499,6 +556,8 @@ mod tests {
             model: "H100".into(),
             memory_mib: 81_559,
             pci_bus_id: None,
+            numa_node: None,
+            nvlink_domain: None,
             mig_enabled: !mig.is_empty(),
             mig: mig
                 .iter()

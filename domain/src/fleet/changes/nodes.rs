@@ -12,6 +12,8 @@ pub struct NewDevice {
     pub model: String,
     pub memory_mib: i64,
     pub layout: Layout,
+    /// Where it sits: from the registration or the daemon's inventory.
+    pub topology: crate::fleet::model::Topology,
 }
 
 /// Input of `register_node`.
@@ -480,11 +482,21 @@ pub(super) async fn insert_devices(
             .map(|d| d.layout.stored().map(|l| json!(l)))
             .collect();
         let ids: Vec<&str> = device_ids.iter().map(DeviceId::as_str).collect();
+        let buses: Vec<Option<&str>> = new
+            .iter()
+            .map(|d| d.topology.pci_bus_id.as_deref())
+            .collect();
+        let numas: Vec<Option<i32>> = new.iter().map(|d| d.topology.numa_node).collect();
+        let domains: Vec<Option<&str>> = new
+            .iter()
+            .map(|d| d.topology.nvlink_domain.as_deref())
+            .collect();
         query_devices!(
-                    "INSERT INTO devices AS d (id, node_id, uuid, vendor, model, memory_mib, mode, layout)
-                     SELECT i, $2, u, v, m, mem, mo, l
-                       FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::jsonb[])
-                         AS t(i, u, v, m, mem, mo, l)
+                    "INSERT INTO devices AS d (id, node_id, uuid, vendor, model, memory_mib, mode, layout, pci_bus_id, numa_node, nvlink_domain)
+                     SELECT i, $2, u, v, m, mem, mo, l, pci, numa, nvl
+                       FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::jsonb[],
+                                   $9::text[], $10::int[], $11::text[])
+                         AS t(i, u, v, m, mem, mo, l, pci, numa, nvl)
                      RETURNING",
                     "",
                     &ids as &[&str],
@@ -495,6 +507,9 @@ pub(super) async fn insert_devices(
                     &memory,
                     &modes as &[&str],
                     &layouts as &[Option<serde_json::Value>],
+                    &buses as &[Option<&str>],
+                    &numas as &[Option<i32>],
+                    &domains as &[Option<&str>],
                 )
                 .fetch_all(&mut *conn)
                 .await

@@ -347,6 +347,12 @@ pub fn new_node(pool_id: PoolId, labels: Labels, inventory: &Inventory) -> Resul
                 model: m::parse_name(&f("model"), &g.model)?,
                 memory_mib,
                 layout,
+                topology: m::parse_topology(
+                    &format!("inventory.gpus[{i}]"),
+                    g.pci_bus_id.as_deref(),
+                    g.numa_node.map(i64::from),
+                    g.nvlink_domain.as_deref(),
+                )?,
             })
         })
         .collect::<Result<Vec<_>>>()?;
