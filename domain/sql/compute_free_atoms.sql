@@ -38,12 +38,13 @@ BEGIN
            AND NOT EXISTS (SELECT 1 FROM device_bookings b
                             WHERE b.atom = a.name AND coalesce(upper(b.during), 'infinity'::timestamptz) >= p_from
                               AND b.during && tstzrange(p_from, p_to))),
+    -- The best group by an ordered aggregate, not ORDER BY: compute_place runs with
+    -- enable_sort off, and a Sort node's penalty would push the plan's cost past
+    -- jit_above_cost (half a second of JIT compilation per call).
     best AS (
-        SELECT grp FROM free GROUP BY grp
-         ORDER BY count(*) < p_alloc.gpu_count,
-                  CASE WHEN count(*) >= p_alloc.gpu_count THEN count(*) ELSE -count(*) END,
-                  min(dev)
-         LIMIT 1)
+        SELECT (array_agg(g.grp ORDER BY g.n < p_alloc.gpu_count,
+                                         CASE WHEN g.n >= p_alloc.gpu_count THEN g.n ELSE -g.n END, g.first))[1] AS grp
+          FROM (SELECT grp, count(*) AS n, min(dev) AS first FROM free GROUP BY grp) g)
     SELECT array_agg(f.name ORDER BY f.dev, f.ordinal) INTO v_free FROM free f JOIN best b ON b.grp = f.grp;
     RETURN v_free;
 END

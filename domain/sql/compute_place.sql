@@ -44,22 +44,45 @@ BEGIN
     SELECT p.id, p.name, r.gang_colocate, r.gang_label, r.gang_spread
       INTO v_pool_id, v_pool_name, v_colocate, v_label, v_spread
       FROM pools p JOIN reservations r ON r.pool_id = p.id WHERE r.id = p_id;
-    -- A gang colocated on one node or on one value of a label is tried group by group (the
-    -- nodes every allocation's selector and tolerations admit, in spread order; the label's
-    -- values in order), all its allocations in a group or none; any other reservation is one
-    -- group without a restriction.
+    -- A gang colocated on one node or on one value of a label is tried group by group, all its
+    -- allocations in a group or none; any other reservation is one group without a restriction.
+    -- The groups tried are those a read without locks finds room in (an attempt takes row locks
+    -- and may wait on concurrent placements): for a node, every allocation's selector,
+    -- tolerations and free GPUs alone, the gang's GPUs and scalars together, in spread order;
+    -- for a label, the values with a node that takes each allocation alone, in order. At most
+    -- 16 are tried: a gang that lost that many attempts waits for its retry.
     IF v_colocate = 'node' THEN
         v_groups := ARRAY(SELECT n.id FROM nodes n
                            WHERE n.pool_id = v_pool_id AND compute_node_schedulable(n.lifecycle, n.reachability)
                              AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.reservation_id = p_id
                                                AND NOT (n.labels @> a.node_selector
-                                                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, a.tolerations))))
-                           ORDER BY n.spread);
+                                                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, a.tolerations))
+                                                        AND coalesce(cardinality(compute_free_atoms(n.id, a, p_from, p_to)), 0) >= a.gpu_count))
+                             AND (SELECT count(DISTINCT x.atom) FROM allocations a, unnest(compute_free_atoms(n.id, a, p_from, p_to)) AS x(atom)
+                                   WHERE a.reservation_id = p_id)
+                                 >= (SELECT sum(a.gpu_count) FROM allocations a WHERE a.reservation_id = p_id)
+                             AND NOT EXISTS (SELECT 1 FROM node_resources r
+                                               JOIN (SELECT v.res, sum(v.need) AS need FROM allocations a,
+                                                            LATERAL (VALUES ('vcpu', a.vcpu), ('memory_mib', a.memory_mib), ('disk_gib', a.disk_gib)) v(res, need)
+                                                      WHERE a.reservation_id = p_id GROUP BY v.res) w ON w.res = r.resource AND w.need > 0
+                                              WHERE r.node_id = n.id AND r.allocated + w.need > floor(r.allocatable * r.ratio))
+                           ORDER BY n.spread
+                           LIMIT 16);
     ELSIF v_colocate = 'label' THEN
-        v_groups := ARRAY(SELECT DISTINCT n.labels->>v_label FROM nodes n
-                           WHERE n.pool_id = v_pool_id AND n.labels ? v_label
-                             AND compute_node_schedulable(n.lifecycle, n.reachability)
-                           ORDER BY 1);
+        -- Ordered by an aggregate, not ORDER BY (enable_sort is off here: a Sort's penalty
+        -- would cost a JIT compilation).
+        v_groups := (SELECT (array_agg(DISTINCT v.value ORDER BY v.value))[1:16]
+                       FROM (SELECT n.labels->>v_label AS value FROM nodes n
+                              WHERE n.pool_id = v_pool_id AND n.labels ? v_label
+                                AND compute_node_schedulable(n.lifecycle, n.reachability)) v
+                           WHERE NOT EXISTS (SELECT 1 FROM allocations a WHERE a.reservation_id = p_id
+                                               AND NOT EXISTS (SELECT 1 FROM nodes n
+                                                                WHERE n.pool_id = v_pool_id AND n.labels->>v_label = v.value
+                                                                  AND compute_node_schedulable(n.lifecycle, n.reachability)
+                                                                  AND n.labels @> a.node_selector
+                                                                  AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, a.tolerations))
+                                                                  AND coalesce(cardinality(compute_free_atoms(n.id, a, p_from, p_to)), 0) >= a.gpu_count)));
+        v_groups := coalesce(v_groups, '{}');
     ELSE
         v_groups := ARRAY[NULL::text];
     END IF;

@@ -398,20 +398,29 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
             };
             match roll {
                 0..=49 => {
-                    let allocations = match rng.below(4) {
+                    let mut gang = Value::Null;
+                    let allocations = match rng.below(6) {
                         0 => json!([{ "gpuCount": 1 + rng.below(4), "model": "H100", "vcpu": 1 + rng.below(8), "memoryMib": 4096 }]),
                         1 => json!([{ "gpuKind": "MIG", "profile": if rng.below(2) == 0 { "1g.10gb" } else { "3g.40gb" },
                                       "gpuCount": 1 + rng.below(2), "vcpu": 2 }]),
                         // Two MIG allocations: 3/7 + 2/7 or 1/7 + 3/7, charged as one exact sum.
                         2 => json!([{ "gpuKind": "MIG", "profile": "3g.40gb", "gpuCount": 1, "vcpu": 1 },
                                     { "gpuKind": "MIG", "profile": if rng.below(2) == 0 { "2g.20gb" } else { "1g.10gb" }, "gpuCount": 1, "vcpu": 1 }]),
-                        _ => json!([{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1 + rng.below(3), "vcpu": 1 }]),
+                        3 => json!([{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1 + rng.below(3), "vcpu": 1 }]),
+                        // A gang: two H100 allocations on one node, or on two distinct nodes.
+                        4 => {
+                            gang = if rng.below(2) == 0 { json!({ "colocate": "NODE" }) } else { json!({ "spread": true }) };
+                            json!([{ "gpuCount": 1 + rng.below(2), "model": "H100", "vcpu": 1 },
+                                   { "gpuCount": 1 + rng.below(2), "model": "H100", "vcpu": 1 }])
+                        }
+                        // Two H100 on one NVLink pair (each node has two).
+                        _ => json!([{ "gpuCount": 2, "model": "H100", "sameNvlinkDomain": true, "vcpu": 1 }]),
                     };
                     // Now, or within five minutes: most of them start while the run goes on.
                     let start = if rng.below(4) == 0 { None } else { Some(now + 1 + rng.below(300) as i64) };
                     let ends = start.unwrap_or(now) + 1800 + rng.below(5400) as i64;
                     let key = format!("op-{i}");
-                    let mut input = json!({ "i": { "poolId": pool, "endsAt": at(ends), "allocations": allocations, "idempotencyKey": key } });
+                    let mut input = json!({ "i": { "poolId": pool, "endsAt": at(ends), "allocations": allocations, "gang": gang, "idempotencyKey": key } });
                     if let Some(s) = start {
                         input["i"]["startsAt"] = json!(at(s));
                     }
@@ -969,6 +978,27 @@ pub async fn check_invariants(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>
               WHERE v.state IN ('released', 'cancelled', 'expired', 'failed') AND upper(b.during) > coalesce(v.ended_at, v.ends_at)"
         )
         .await, "a finished reservation still holds a booking");
+    // Gangs and topology: every placed gang under its rule, all of it or none of it placed, and
+    // every allocation that keeps its GPUs on one NVLink domain on one.
+    broken.check(count(
+            "SELECT count(*) FROM (SELECT r.id FROM reservations r JOIN allocations a ON a.reservation_id = r.id \
+              WHERE r.gang_colocate IS NOT NULL OR r.gang_spread \
+              GROUP BY r.id, r.gang_colocate, r.gang_spread \
+             HAVING count(a.node_id) NOT IN (0, count(*)) \
+                 OR (r.gang_colocate = 'node' AND count(DISTINCT a.node_id) > 1) \
+                 OR (r.gang_spread AND count(DISTINCT a.node_id) <> count(a.node_id))) g"
+        )
+        .await, "a gang placed in part, or against its rule");
+    broken.check(
+        count(
+            "SELECT count(*) FROM (SELECT a.id FROM allocations a, unnest(a.atoms) AS x(atom) \
+               JOIN device_atoms t ON t.name = x.atom JOIN devices d ON d.id = t.device_id \
+              WHERE a.same_nvlink_domain GROUP BY a.id \
+             HAVING count(DISTINCT coalesce(d.nvlink_domain, d.id)) > 1) s",
+        )
+        .await,
+        "an allocation's GPUs on several NVLink domains though it asked for one",
+    );
     broken.check(count(
             "SELECT count(*) FROM reservations r WHERE NOT EXISTS \
                (SELECT 1 FROM idempotency_keys k WHERE k.operation = 'createReservation' AND k.response->>'id' = r.id)"
@@ -1070,6 +1100,20 @@ pub async fn check_invariants(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>
         (
             "rollup rows equal to their atoms at the end",
             "SELECT count(*) FROM pool_capacity_rollup",
+        ),
+        (
+            "gangs placed whole under their rule (on one node or spread)",
+            "SELECT count(*) FROM reservations r WHERE (r.gang_colocate IS NOT NULL OR r.gang_spread) \
+               AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.reservation_id = r.id AND a.node_id IS NULL)",
+        ),
+        (
+            "gangs left pending whole",
+            "SELECT count(*) FROM reservations r WHERE (r.gang_colocate IS NOT NULL OR r.gang_spread) \
+               AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.reservation_id = r.id AND a.node_id IS NOT NULL)",
+        ),
+        (
+            "allocations placed on one NVLink domain as asked",
+            "SELECT count(*) FROM allocations WHERE same_nvlink_domain AND node_id IS NOT NULL",
         ),
     ] {
         looked_at.push((what.to_owned(), count(sql).await as u64));
