@@ -403,6 +403,7 @@ async fn run_shard(
     if items.is_empty() {
         return Ok(0);
     }
+    debug!(kind = %kind, shard, items = ?items.iter().map(|i| (&i.key, i.generation)).collect::<Vec<_>>(), "work claimed");
     let mut outcomes = Vec::with_capacity(items.len());
     // Every transaction of the items checks the lease first: a shard lost mid-item writes
     // nothing more, even before `bound` notices.
@@ -506,6 +507,7 @@ async fn run_shard(
         })
     })
     .await?;
+    debug!(kind = %kind, shard, items = n, "work finished");
     for outcome in &outcomes {
         match outcome {
             Ok(Some(_)) => stats.rescheduled.fetch_add(1, Ordering::Relaxed),

@@ -19,7 +19,8 @@ const REVOKE_TOKEN: &str = "mutation($i: RevokeNodeJoinTokenInput!) { revokeNode
 const TOKENS: &str = "query($p: ID) { nodeJoinTokens(poolId: $p) { totalCount edges { node { id state computeNodeId usedAt labels { key value } } } } }";
 const NODE: &str = "query($id: ID!) { computeNode: node(id: $id) { ... on ComputeNode { hostname labels { key value }
     inventoryReportedAt conditions { type status message }
-    devices { id uuid model memoryMib mode migProfiles health healthReason healthSince quarantined inventoryMismatch } } } }";
+    devices { id uuid model memoryMib mode migProfiles health healthReason healthSince quarantined inventoryMismatch \
+              pciBusId numaNode nvlinkDomain } } } }";
 const RESERVE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state allocations { atoms } } } }";
 const RETIRE: &str =
     "mutation($i: NodeActionInput!) { retireNode(input: $i) { computeNode { lifecycle } } }";
@@ -196,7 +197,7 @@ async fn a_machine_joins_with_a_fresh_token_and_no_other_token_makes_a_node() {
         &file,
         "joined-1",
         &[
-            "uuid = \"GPU-J0\"\nmodel = \"H100\"\nmemory_mib = 81559\npci_bus_id = \"00000000:17:00.0\"",
+            "uuid = \"GPU-J0\"\nmodel = \"H100\"\nmemory_mib = 81559\npci_bus_id = \"00000000:17:00.0\"\nnuma_node = 0\nnvlink_domain = \"nvl-j\"",
             "uuid = \"GPU-J1\"\nmodel = \"A100\"\nmemory_mib = 81920\nmig = [{ uuid = \"MIG-J1a\", profile = \"3g.40gb\" }, { uuid = \"MIG-J1b\", profile = \"4g.40gb\" }]",
         ],
     );
@@ -234,6 +235,15 @@ async fn a_machine_joins_with_a_fresh_token_and_no_other_token_makes_a_node() {
         .collect();
     assert_eq!(uuids.len(), 2, "{n}");
     assert_eq!(device(&n, "GPU-J0")["mode"], "EXCLUSIVE");
+    assert_eq!(
+        (
+            &device(&n, "GPU-J0")["numaNode"],
+            &device(&n, "GPU-J0")["nvlinkDomain"]
+        ),
+        (&json!(0), &json!("nvl-j")),
+        "registered with the topology the machine reported"
+    );
+    assert_eq!(device(&n, "GPU-J1")["nvlinkDomain"], Value::Null);
     assert_eq!(device(&n, "GPU-J1")["mode"], "MIG");
     assert_eq!(
         device(&n, "GPU-J1")["migProfiles"],
@@ -507,8 +517,18 @@ async fn a_gpu_lost_between_two_starts_leaves_placement_and_its_booking_stays() 
     let file = dir.join("inventory.toml");
     let inv = file.to_str().expect("path").to_owned();
     let h100a = &p.nodes[0];
-    // Both GPUs there: nothing differs. A reservation takes one of them.
-    inventory(&file, "h100-a", &[H100_A0, H100_A1]);
+    // Both GPUs there: nothing differs. The report says where they sit, which the registration
+    // did not: the topology is recorded, not compared. A reservation takes one of them.
+    let placed = |gpu: &str, bus: &str| {
+        format!(
+            "{gpu}\npci_bus_id = \"00000000:{bus}:00.0\"\nnuma_node = 1\nnvlink_domain = \"nvl-x\""
+        )
+    };
+    inventory(
+        &file,
+        "h100-a",
+        &[&placed(H100_A0, "2a"), &placed(H100_A1, "3b")],
+    );
     let state = dir.join("state");
     let first = registered_agent(&app, h100a, &state, &inv);
     let n = until_node(&app, h100a, "the first report", |n| {
@@ -516,6 +536,13 @@ async fn a_gpu_lost_between_two_starts_leaves_placement_and_its_booking_stays() 
     })
     .await;
     assert_eq!(mismatch(&n), None, "{n}");
+    let a0 = device(&n, "GPU-A0");
+    assert_eq!(
+        (&a0["pciBusId"], &a0["numaNode"], &a0["nvlinkDomain"]),
+        (&json!("00000000:2A:00.0"), &json!(1), &json!("nvl-x")),
+        "{a0}"
+    );
+    assert_eq!(device(&n, "GPU-A1")["pciBusId"], "00000000:3B:00.0");
     let (code, r) = reserve(&app, &p.pool, "k-lost-1", 1).await;
     assert_eq!(code, "", "{r}");
     let booked = r["allocations"][0]["atoms"][0]
