@@ -1383,6 +1383,33 @@ mod tests {
         place(0, needs, &mut free.clone())
     }
 
+    /// The stretches of starts in `[from, to]` at which `fits`, in minutes, the first 20: starts
+    /// every half minute, as events fall on whole minutes (or a microsecond after), so the half
+    /// minutes see every gap between two stretches.
+    fn brute_stretches(from: i64, to: i64, fits: impl Fn(i64) -> bool) -> Vec<(i64, i64)> {
+        const HALF: i64 = MIN / 2;
+        let mut expected = Vec::new();
+        let mut open: Option<i64> = None;
+        let mut last = from;
+        for k in from / HALF..=to / HALF {
+            let s = k * HALF;
+            match (open, fits(s)) {
+                (None, true) => open = Some(s),
+                (Some(o), false) => {
+                    expected.push((o / MIN, last / MIN));
+                    open = None;
+                }
+                _ => {}
+            }
+            last = s;
+        }
+        if let Some(o) = open {
+            expected.push((o / MIN, to / MIN));
+        }
+        expected.truncate(20);
+        expected
+    }
+
     /// Against a brute force over every minute of small random calendars: the windows returned
     /// are exactly the stretches of minutes at which the request fits, earliest first. Bookings,
     /// creation times and durations are whole minutes, so checking each minute checks every start.
@@ -1420,28 +1447,7 @@ mod tests {
                 .collect();
             let d = (1 + rng.below(30)) * MIN;
             let (from, to) = (rng.below(30) * MIN, (60 + rng.below(80)) * MIN);
-            // Starts every half minute: events fall on whole minutes (or a microsecond after), so
-            // the half minutes see every gap between two stretches.
-            const HALF: i64 = MIN / 2;
-            let mut expected = Vec::new();
-            let mut open: Option<i64> = None;
-            let mut last = from;
-            for k in from / HALF..=to / HALF {
-                let s = k * HALF;
-                match (open, fits_brute(&nodes, &needs, s, d)) {
-                    (None, true) => open = Some(s),
-                    (Some(o), false) => {
-                        expected.push((o / MIN, last / MIN));
-                        open = None;
-                    }
-                    _ => {}
-                }
-                last = s;
-            }
-            if let Some(o) = open {
-                expected.push((o / MIN, to / MIN));
-            }
-            expected.truncate(20);
+            let expected = brute_stretches(from, to, |s| fits_brute(&nodes, &needs, s, d));
             let got = stretches(search(&nodes, &needs, None, d, from, to, 20));
             assert_eq!(got, expected, "case {case}: needs {needs:?}, d {}", d / MIN);
         }
@@ -1590,26 +1596,9 @@ mod tests {
             };
             let d = (1 + rng.below(30)) * MIN;
             let (from, to) = (rng.below(30) * MIN, (60 + rng.below(80)) * MIN);
-            const HALF: i64 = MIN / 2;
-            let mut expected = Vec::new();
-            let mut open: Option<i64> = None;
-            let mut last = from;
-            for k in from / HALF..=to / HALF {
-                let s = k * HALF;
-                match (open, fits_gang_brute(&nodes, &needs, gang.as_ref(), s, d)) {
-                    (None, true) => open = Some(s),
-                    (Some(o), false) => {
-                        expected.push((o / MIN, last / MIN));
-                        open = None;
-                    }
-                    _ => {}
-                }
-                last = s;
-            }
-            if let Some(o) = open {
-                expected.push((o / MIN, to / MIN));
-            }
-            expected.truncate(20);
+            let expected = brute_stretches(from, to, |s| {
+                fits_gang_brute(&nodes, &needs, gang.as_ref(), s, d)
+            });
             let got = stretches(search(&nodes, &needs, gang.as_ref(), d, from, to, 20));
             assert_eq!(
                 got,
