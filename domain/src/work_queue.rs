@@ -158,49 +158,54 @@ pub async fn enqueue_all_pools(db: &crate::db::Db) -> Result<u64> {
 /// deleted, or, when `next` is given, kept and due again at `next` (a reconciler's next
 /// wake-up); if it was enqueued again, it stays, unclaimed, and runs again. Returns whether the
 /// claimed generation was the last one.
+///
+/// An enqueue may be bumping `gen` while this runs, holding the row. The claim is cleared by
+/// one `UPDATE` whose condition does not name `gen`: it waits for that enqueue, and PostgreSQL
+/// evaluates its `SET` on the row as the enqueue left it. (A condition `gen <> claimed` is
+/// checked against the statement's snapshot, where the bump is not yet visible: such a row is
+/// skipped, and the item stayed claimed until its claim expired, a minute for an instance.)
 pub async fn finish(
     conn: &mut PgConnection,
     item: &Item,
     next: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Result<bool> {
-    Ok(sqlx::query_scalar!(
-        r#"WITH gone AS (DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3 AND $4::timestamptz IS NULL RETURNING 1),
-              later AS (UPDATE work_queue SET not_before = $4, claimed_until = NULL, claimed_gen = NULL, attempts = 0,
-                               last_error = NULL, updated_at = compute_now()
-                         WHERE kind = $1 AND key = $2 AND gen = $3 AND $4::timestamptz IS NOT NULL RETURNING 1),
-              again AS (UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL, updated_at = compute_now()
-                         WHERE kind = $1 AND key = $2 AND gen <> $3 RETURNING 1)
-         SELECT EXISTS (SELECT 1 FROM gone) OR EXISTS (SELECT 1 FROM later) AS "current!""#,
+    if next.is_none() {
+        // Waits for an enqueue holding the row, then deletes only if `gen` is still the one
+        // claimed (the recheck on the newest row).
+        let deleted = sqlx::query!(
+            "DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3",
+            item.kind as _,
+            item.key,
+            item.generation,
+        )
+        .execute(&mut *conn)
+        .await?;
+        if deleted.rows_affected() == 1 {
+            return Ok(true);
+        }
+    }
+    let current = sqlx::query_scalar!(
+        r#"UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL,
+                  not_before = CASE WHEN gen = $3 AND $4::timestamptz IS NOT NULL THEN $4 ELSE not_before END,
+                  attempts = CASE WHEN gen = $3 THEN 0 ELSE attempts END,
+                  last_error = CASE WHEN gen = $3 THEN NULL ELSE last_error END,
+                  updated_at = compute_now()
+            WHERE kind = $1 AND key = $2
+        RETURNING gen = $3 AS "current!""#,
         item.kind as _,
         item.key,
         item.generation,
         next,
     )
-    .fetch_one(&mut *conn)
-    .await?)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(current.unwrap_or(false))
 }
 
 /// Marks a claimed item done: deleted only if nobody enqueued it again meanwhile; otherwise it
 /// stays, unclaimed, and runs again. Returns whether it was deleted.
 pub async fn complete(conn: &mut PgConnection, item: &Item) -> Result<bool> {
-    let deleted = sqlx::query!(
-        "DELETE FROM work_queue WHERE kind = $1 AND key = $2 AND gen = $3",
-        item.kind as _,
-        item.key,
-        item.generation,
-    )
-    .execute(&mut *conn)
-    .await?;
-    if deleted.rows_affected() == 0 {
-        sqlx::query!(
-            "UPDATE work_queue SET claimed_until = NULL, claimed_gen = NULL WHERE kind = $1 AND key = $2",
-            item.kind as _,
-            item.key,
-        )
-        .execute(&mut *conn)
-        .await?;
-    }
-    Ok(deleted.rows_affected() == 1)
+    finish(conn, item, None).await
 }
 
 /// Records a failure: the error is kept for operators and the item is due again after an

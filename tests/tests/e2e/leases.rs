@@ -293,6 +293,104 @@ async fn the_work_queue_never_loses_a_wake_up() {
     );
 }
 
+/// A run's finish racing an enqueue of the same key (the enqueue holds the row, uncommitted,
+/// while the finish waits for it): the item ends unclaimed at the enqueue's generation, whether
+/// the run asked to be deleted or to wake again later. A finish that named `gen` in its
+/// condition skipped the row (its snapshot did not see the bump) and left it claimed until the
+/// claim expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finish_racing_an_enqueue_leaves_the_item_unclaimed() {
+    let t = test_db().await;
+    t.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = t.db.clone();
+    let later: chrono::DateTime<chrono::Utc> = "2031-01-01T02:00:00Z".parse().expect("time");
+    for (key, next) in [("rsv_race_deleted", None), ("rsv_race_later", Some(later))] {
+        let mut enqueuer = sqlx::PgConnection::connect(&t.url).await.expect("connect");
+        work_queue::enqueue(
+            &mut enqueuer,
+            work_queue::WorkKind::Reservation,
+            key,
+            4,
+            Duration::ZERO,
+        )
+        .await
+        .expect("enqueue");
+        let item = db
+            .tx("race", TxKind::Maintenance, |conn| {
+                Box::pin(async move {
+                    work_queue::claim(
+                        conn,
+                        work_queue::WorkKind::Reservation,
+                        &[0, 1, 2, 3],
+                        10,
+                        Duration::from_secs(60),
+                    )
+                    .await
+                })
+            })
+            .await
+            .expect("claim")
+            .into_iter()
+            .find(|i| i.key == key)
+            .expect("claimed");
+        // Enqueued again while it runs, in a transaction that holds the row.
+        sqlx::query("BEGIN")
+            .execute(&mut enqueuer)
+            .await
+            .expect("begin");
+        work_queue::enqueue(
+            &mut enqueuer,
+            work_queue::WorkKind::Reservation,
+            key,
+            4,
+            Duration::ZERO,
+        )
+        .await
+        .expect("enqueue again");
+        let finishing = tokio::spawn({
+            let (db, item) = (db.clone(), item.clone());
+            async move {
+                db.tx("race", TxKind::Maintenance, |conn| {
+                    let item = item.clone();
+                    Box::pin(async move { work_queue::finish(conn, &item, next).await })
+                })
+                .await
+            }
+        });
+        compute_tests::eventually("the finish waits for the enqueue's row", Duration::from_secs(10), || async {
+            let (n,): (i64,) = sqlx::query_as(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(db.pool())
+            .await
+            .expect("activity");
+            (n > 0).then_some(())
+        })
+        .await;
+        sqlx::query("COMMIT")
+            .execute(&mut enqueuer)
+            .await
+            .expect("commit");
+        let last = finishing.await.expect("task").expect("finish");
+        assert!(!last, "{key}: the claimed generation was not the last");
+        let (generation, claimed, not_before): (
+            i64,
+            Option<chrono::DateTime<chrono::Utc>>,
+            chrono::DateTime<chrono::Utc>,
+        ) = sqlx::query_as("SELECT gen, claimed_until, not_before FROM work_queue WHERE key = $1")
+            .bind(key)
+            .fetch_one(db.pool())
+            .await
+            .expect("the item stays");
+        assert_eq!(generation, item.generation + 1, "{key}");
+        assert_eq!(claimed, None, "{key}: unclaimed, so it runs again at once");
+        assert!(
+            not_before < later,
+            "{key}: due now, not at the run's next wake-up"
+        );
+    }
+}
+
 /// Only the lease families the code takes exist (migration 0023): a `pool:` or `site:` lease,
 /// which no process takes, or a name of no family, is refused by the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
