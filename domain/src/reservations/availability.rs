@@ -1058,23 +1058,27 @@ fn group_key(a: &AllocationRequest, dev: &str, nvl: Option<&str>, numa: Option<i
 type AtomIndex = std::collections::HashMap<String, (usize, usize)>;
 type Booking = (String, DateTime<Utc>, Option<DateTime<Utc>>);
 
-/// The pool's bookings that overlap `[from, until)`: one scan of `device_bookings_pool_during`
-/// (migration 0035), never the fleet's history nor another pool's bookings.
+/// The statement that reads a pool's bookings overlapping `[$2, $3)` (`$1` the pool); public
+/// so that `bench-availability` prints its plan at scale.
+pub const POOL_BOOKINGS: &str =
+    "SELECT b.atom, lower(b.during), upper(b.during) FROM device_bookings b
+  WHERE b.pool_id = $1 AND b.during && tstzrange($2, $3)";
+
+/// The pool's bookings that overlap `[from, until)`: by `device_bookings_pool_during`
+/// (migration 0035) when they are a small part of the table, so neither the fleet's history nor
+/// another pool's bookings are read; a table scan when they are most of it.
 async fn read_bookings(
     conn: &mut PgConnection,
     pool: &PoolId,
     from: DateTime<Utc>,
     until: DateTime<Utc>,
 ) -> Result<Vec<Booking>> {
-    Ok(sqlx::query_as(
-        "SELECT b.atom, lower(b.during), upper(b.during) FROM device_bookings b
-          WHERE b.pool_id = $1 AND b.during && tstzrange($2, $3)",
-    )
-    .bind(pool.as_str())
-    .bind(from)
-    .bind(until)
-    .fetch_all(&mut *conn)
-    .await?)
+    Ok(sqlx::query_as(POOL_BOOKINGS)
+        .bind(pool.as_str())
+        .bind(from)
+        .bind(until)
+        .fetch_all(&mut *conn)
+        .await?)
 }
 
 /// Each booking on its atom, in microseconds; those of atoms the request cannot use are dropped.

@@ -91,6 +91,34 @@ async fn main() {
         app.ok(&member, "{ serverTime }", json!({})).await["serverTime"].clone(),
     )
     .expect("a time");
+    // What the search reads of the bookings, as PostgreSQL plans it at this scale: the scan
+    // and its index, the rows it returned and the rows in the table.
+    let plan: (Value,) = sqlx::query_as(&format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) {}",
+        compute_domain::reservations::availability::POOL_BOOKINGS
+    ))
+    .bind(&pool)
+    .bind(now)
+    .bind(now + chrono::Duration::days(14))
+    .fetch_one(db.pool())
+    .await
+    .expect("the bookings' plan");
+    let (total,): (i64,) = sqlx::query_as("SELECT count(*) FROM device_bookings")
+        .fetch_one(db.pool())
+        .await
+        .expect("count");
+    let scan = &plan.0[0]["Plan"];
+    println!(
+        "bookings read for 14 days: {} {} {}, {} rows of the table's {total}, in {:.1} ms",
+        scan["Node Type"].as_str().unwrap_or("?"),
+        scan["Index Name"]
+            .as_str()
+            .map(|i| format!("using {i}"))
+            .unwrap_or_default(),
+        scan["Index Cond"].as_str().unwrap_or(""),
+        scan["Actual Rows"],
+        plan.0[0]["Execution Time"].as_f64().unwrap_or(0.0)
+    );
     // Warm the connection pool and the plans.
     for _ in 0..5 {
         app.ok(
