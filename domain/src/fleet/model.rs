@@ -285,50 +285,58 @@ pub struct Topology {
     pub nvlink_domain: Option<String>,
 }
 
-/// Parses a GPU's topology: a PCI bus id of `[0-9A-Fa-f:.]` (at most 64), a NUMA node from 0 to
-/// 1023, an NVLink domain name of 1 to 128 printable characters; `field` prefixes the errors.
+/// A PCI bus id: 1 to 64 of `[0-9A-Fa-f:.]`, written upper-case as NVML writes it.
+pub fn parse_pci_bus_id(field: &str, bus: &str) -> Result<String> {
+    let b = bus.trim();
+    if b.is_empty()
+        || b.len() > 64
+        || !b
+            .chars()
+            .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
+    {
+        return Err(Error::bad_input(
+            field,
+            "a PCI bus id is 1 to 64 of `0-9 A-F : .` (`00000000:17:00.0`)",
+        ));
+    }
+    Ok(b.to_ascii_uppercase())
+}
+
+/// A NUMA node: 0 to 1023.
+pub fn parse_numa_node(field: &str, n: i64) -> Result<i32> {
+    parse_count(field, n, 0, 1023).map(|n| n as i32)
+}
+
+/// An NVLink domain's name: 1 to 128 printable characters.
+pub fn parse_nvlink_domain(field: &str, domain: &str) -> Result<String> {
+    let d = domain.trim();
+    if d.is_empty() || d.chars().count() > 128 || d.chars().any(char::is_control) {
+        return Err(Error::bad_input(
+            field,
+            "an NVLink domain is named by 1 to 128 printable characters",
+        ));
+    }
+    Ok(d.to_owned())
+}
+
+/// Parses a GPU's topology ([`parse_pci_bus_id`], [`parse_numa_node`],
+/// [`parse_nvlink_domain`]); `field` prefixes the errors' fields.
 pub fn parse_topology(
     field: &str,
     pci_bus_id: Option<&str>,
     numa_node: Option<i64>,
     nvlink_domain: Option<&str>,
 ) -> Result<Topology> {
-    let pci_bus_id = pci_bus_id
-        .map(|b| {
-            let b = b.trim();
-            if b.is_empty()
-                || b.len() > 64
-                || !b
-                    .chars()
-                    .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
-            {
-                return Err(Error::bad_input(
-                    format!("{field}.pciBusId"),
-                    "a PCI bus id is 1 to 64 of `0-9 A-F : .` (`00000000:17:00.0`)",
-                ));
-            }
-            Ok(b.to_ascii_uppercase())
-        })
-        .transpose()?;
-    let numa_node = numa_node
-        .map(|n| parse_count(&format!("{field}.numaNode"), n, 0, 1023).map(|n| n as i32))
-        .transpose()?;
-    let nvlink_domain = nvlink_domain
-        .map(|d| {
-            let d = d.trim();
-            if d.is_empty() || d.chars().count() > 128 || d.chars().any(char::is_control) {
-                return Err(Error::bad_input(
-                    format!("{field}.nvlinkDomain"),
-                    "an NVLink domain is named by 1 to 128 printable characters",
-                ));
-            }
-            Ok(d.to_owned())
-        })
-        .transpose()?;
     Ok(Topology {
-        pci_bus_id,
-        numa_node,
-        nvlink_domain,
+        pci_bus_id: pci_bus_id
+            .map(|b| parse_pci_bus_id(&format!("{field}.pciBusId"), b))
+            .transpose()?,
+        numa_node: numa_node
+            .map(|n| parse_numa_node(&format!("{field}.numaNode"), n))
+            .transpose()?,
+        nvlink_domain: nvlink_domain
+            .map(|d| parse_nvlink_domain(&format!("{field}.nvlinkDomain"), d))
+            .transpose()?,
     })
 }
 

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use compute_protocol::{GpuHealth, Inventory};
 
 use super::*;
-use crate::fleet::model::{DeviceMode, Health};
+use crate::fleet::model::{self as m, DeviceMode, Health};
 use crate::ids::DeviceId;
 
 /// The condition type a difference raises.
@@ -299,24 +299,25 @@ async fn record_topology(
     let mut numas = Vec::new();
     let mut domains = Vec::new();
     for (i, g) in inventory.gpus.iter().enumerate() {
-        let parts = [
-            crate::fleet::model::parse_topology("", g.pci_bus_id.as_deref(), None, None),
-            crate::fleet::model::parse_topology("", None, g.numa_node.map(i64::from), None),
-            crate::fleet::model::parse_topology("", None, None, g.nvlink_domain.as_deref()),
-        ];
-        let [bus, numa, domain] = parts.map(|p| {
-            p.unwrap_or_else(|e| {
-                tracing::warn!(node = %node, gpu = i, error = %e, "a reported topology value is left out");
-                Default::default()
-            })
-        });
-        if bus.pci_bus_id.is_none() && numa.numa_node.is_none() && domain.nvlink_domain.is_none() {
+        // Each part on its own: a bad one is left out, the others kept.
+        fn kept<T>(node: &NodeId, gpu: usize, part: Result<T>) -> Option<T> {
+            part.map_err(|e| tracing::warn!(node = %node, gpu, error = %e, "a reported topology value is left out"))
+                .ok()
+        }
+        let bus = (g.pci_bus_id.as_deref())
+            .and_then(|b| kept(node, i, m::parse_pci_bus_id("pciBusId", b)));
+        let numa = g
+            .numa_node
+            .and_then(|n| kept(node, i, m::parse_numa_node("numaNode", i64::from(n))));
+        let domain = (g.nvlink_domain.as_deref())
+            .and_then(|d| kept(node, i, m::parse_nvlink_domain("nvlinkDomain", d)));
+        if bus.is_none() && numa.is_none() && domain.is_none() {
             continue;
         }
         uuids.push(g.uuid.clone());
-        buses.push(bus.pci_bus_id);
-        numas.push(numa.numa_node);
-        domains.push(domain.nvlink_domain);
+        buses.push(bus);
+        numas.push(numa);
+        domains.push(domain);
     }
     if uuids.is_empty() {
         return Ok(());
