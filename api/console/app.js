@@ -223,6 +223,8 @@ function operatorView(root) {
             h('td', {}, h('span', { class: `badge ${n.reachability.toLowerCase()}` }, n.reachability)),
             h('td', {}, n.cordoned ? h('span', { class: 'badge cordoned', title: n.cordonReason || '' }, `cordoned${n.cordonReason ? `: ${n.cordonReason}` : ''}`) : n.lifecycle.toLowerCase()),
             h('td', {}, n.devices.map((d) => h('div', { class: 'device' }, `${d.model} ${d.mode.toLowerCase()} `,
+              d.numaNode !== null || d.nvlinkDomain ? h('span', { class: 'topology muted', title: 'NUMA node · NVLink domain' },
+                [d.numaNode !== null ? `NUMA ${d.numaNode}` : null, d.nvlinkDomain].filter(Boolean).join(' · ') + ' ') : null,
               d.health !== 'HEALTHY' ? h('span', { class: 'badge unhealthy', title: d.healthReason || '' }, `${d.health.toLowerCase()}${d.healthReason ? `: ${d.healthReason}` : ''}`) : null,
               d.inventoryMismatch
                 ? h('span', { class: 'badge mismatch', title: d.inventoryMismatch }, `out of placement: ${d.inventoryMismatch}`)

@@ -235,8 +235,10 @@ export function timelineView(root, ctx) {
         h('dt', {}, 'State'), h('dd', {}, h('span', { class: `badge ${r.state.toLowerCase()}` }, r.state)),
         h('dt', {}, 'Tenant'), h('dd', {}, r.tenantId),
         h('dt', {}, 'When'), h('dd', {}, `${fmtTime(r.startsAt)} → ${fmtTime(r.endsAt)}`),
-        h('dt', {}, 'Holds'), h('dd', {}, r.allocations.map((a) => h('div', {}, `${a.gpuCount}× ${a.model || 'any'} ${a.gpuKind}${a.profile ? ` ${a.profile}` : ''}`,
-          a.computeNode ? ` on ${a.computeNode.hostname}` : ' (not placed)')))),
+        h('dt', {}, 'Holds'), h('dd', {}, r.allocations.map((a) => h('div', { class: 'allocation' }, `${a.gpuCount}× ${a.model || 'any'} ${a.gpuKind}${a.profile ? ` ${a.profile}` : ''}`,
+          a.sameNvlinkDomain ? ' on one NVLink domain' : '', a.sameNumaNode ? ' on one NUMA node' : '',
+          a.computeNode ? ` on ${a.computeNode.hostname}` : ' (not placed)'))),
+        r.gang ? [h('dt', {}, 'Gang'), h('dd', { class: 'gang' }, gangText(r.gang))] : null),
       conditionText(r), h('div', { class: 'actions' }, actions));
   }
 
@@ -268,6 +270,13 @@ function ticks(from, to) {
     out.push(tick);
   }
   return out;
+}
+
+/// A gang's rule in words, as the server's messages say it.
+export function gangText(g) {
+  const together = g.colocate === 'NODE' ? 'on one node' : g.colocate === 'LABEL' ? `on nodes of one ${g.label}` : '';
+  if (g.spread) return together ? `${together}, each on a node of its own` : 'each on a node of its own';
+  return together;
 }
 
 /// The reservation's `Unschedulable` (or other false) condition, with its counts.

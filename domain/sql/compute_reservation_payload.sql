@@ -1,8 +1,8 @@
--- The current definition, as migrations/0015_reservation_hot_path.sql left it. Change it with a new migration
+-- The current definition, as migrations/0037_events_show_topology_and_gangs.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE FUNCTION compute_reservation_payload(p_id text) RETURNS jsonb
+CREATE OR REPLACE FUNCTION compute_reservation_payload(p_id text) RETURNS jsonb
     LANGUAGE plpgsql STABLE
     AS $fn$
 DECLARE
@@ -25,7 +25,11 @@ BEGIN
                                ORDER BY o), '[]')
                              FROM jsonb_array_elements(r.conditions) WITH ORDINALITY AS x(c, o)),
             'gpuCharge', r.charge_gpu::float8, 'vcpuCharge', r.charge_vcpu, 'memoryMibCharge', r.charge_memory_mib,
-            'nextAttemptAt', compute_json_time(r.next_attempt_at), 'version', r.version,
+            'nextAttemptAt', compute_json_time(r.next_attempt_at),
+            'gang', CASE WHEN r.gang_colocate IS NOT NULL OR r.gang_spread
+                         THEN jsonb_build_object('colocate', r.gang_colocate, 'label', r.gang_label,
+                                                 'spread', r.gang_spread) END,
+            'version', r.version,
             'createdAt', compute_json_time(r.created_at), 'updatedAt', compute_json_time(r.updated_at)),
         'allocations', (SELECT coalesce(jsonb_agg(jsonb_build_object(
                                'id', a.id, 'ordinal', a.ordinal, 'gpuKind', a.gpu_kind, 'gpuCount', a.gpu_count,
@@ -36,6 +40,7 @@ BEGIN
                                                       'key', t->'key', 'value', coalesce(t->'value', 'null'),
                                                       'effect', coalesce(t->'effect', 'null')) ORDER BY o), '[]')
                                                  FROM jsonb_array_elements(a.tolerations) WITH ORDINALITY AS y(t, o)),
+                               'sameNvlinkDomain', a.same_nvlink_domain, 'sameNumaNode', a.same_numa_node,
                                'computeNodeId', a.node_id, 'atoms', to_jsonb(a.atoms)) ORDER BY a.ordinal), '[]')
                           FROM allocations a WHERE a.reservation_id = r.id))
       INTO v FROM reservations r WHERE r.id = p_id;

@@ -26,7 +26,7 @@ use crate::ids::{
 use crate::instances::state::State as InstanceState;
 use crate::node_commands::state::{Kind as CommandKind, State as CommandState};
 use crate::quota::model::QuotaResource;
-use crate::reservations::model::Toleration;
+use crate::reservations::model::{Colocate, Toleration};
 use crate::reservations::state::State;
 use crate::sinks::model::SinkState;
 use crate::text_enum::text_enum;
@@ -315,6 +315,10 @@ pub struct DeviceView {
     pub quarantine_reason: Option<String>,
     pub inventory_mismatch: Option<String>,
     pub retired_at: Option<DateTime<Utc>>,
+    /// Topology (migration 0036), as the node's daemon reported it or the operator registered it.
+    pub pci_bus_id: Option<String>,
+    pub numa_node: Option<i32>,
+    pub nvlink_domain: Option<String>,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
@@ -368,9 +372,21 @@ pub struct ReservationView {
     pub vcpu_charge: i64,
     pub memory_mib_charge: i64,
     pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The gang's rule it was placed under; `null` for a reservation that is not a gang.
+    pub gang: Option<GangView>,
     pub version: i64,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+/// A gang's rule: its allocations on one node or on nodes sharing one value of `label`
+/// (`colocate`), and/or each on a node of its own (`spread`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GangView {
+    pub colocate: Option<Colocate>,
+    pub label: Option<String>,
+    pub spread: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -388,6 +404,9 @@ pub struct AllocationView {
     pub disk_gib: i64,
     pub node_selector: Labels,
     pub tolerations: Vec<TolerationView>,
+    /// Its GPUs on one NVLink domain, on one NUMA node (migration 0036).
+    pub same_nvlink_domain: bool,
+    pub same_numa_node: bool,
     /// Where it was placed; `null` while pending.
     pub compute_node_id: Option<NodeId>,
     pub atoms: Vec<AtomName>,

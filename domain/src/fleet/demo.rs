@@ -5,23 +5,31 @@ use crate::ids::{PoolId, ScopeId, SiteId, TenantId};
 use tracing::info;
 
 use super::changes::{self, NewDevice, NewNode, NewPool, NewSite};
-use super::model::{DeviceMode, Labels, Layout, PoolKind, Taint, TaintEffect};
+use super::model::{DeviceMode, Labels, Layout, PoolKind, Taint, TaintEffect, Topology};
 use crate::db::Db;
 use crate::error::Result;
 use crate::fleet::model::GpuUuid;
 use crate::idempotency::Actor;
 use crate::quota::{self, QuotaLimits};
 
+/// A node's GPUs, with the topology of a typical server: half on each of two NUMA nodes, and
+/// SXM GPUs all on one NVSwitch (one NVLink domain); PCIe cards have no NVLink.
 fn gpus(model: &str, memory_mib: i64, layouts: Vec<Layout>) -> Vec<NewDevice> {
+    let n = layouts.len();
     layouts
         .into_iter()
-        .map(|layout| NewDevice {
+        .enumerate()
+        .map(|(i, layout)| NewDevice {
             uuid: GpuUuid::random(),
             vendor: "nvidia".into(),
             model: model.into(),
             memory_mib,
             layout,
-            topology: Default::default(),
+            topology: Topology {
+                pci_bus_id: Some(format!("00000000:{:02X}:00.0", 0x17 + i)),
+                numa_node: Some((2 * i / n.max(1)) as i32),
+                nvlink_domain: model.contains("SXM").then(|| "nvl-0".to_owned()),
+            },
         })
         .collect()
 }

@@ -4,7 +4,7 @@
 
 use super::{Allocation, Reservation};
 use crate::events::{
-    AllocationView, ConditionView, ReservationPayload, ReservationView, TolerationView,
+    AllocationView, ConditionView, GangView, ReservationPayload, ReservationView, TolerationView,
 };
 
 impl ReservationPayload {
@@ -24,6 +24,11 @@ impl ReservationPayload {
                 vcpu_charge: r.charge_vcpu,
                 memory_mib_charge: r.charge_memory_mib,
                 next_attempt_at: r.next_attempt_at,
+                gang: r.gang().map(|g| GangView {
+                    colocate: g.colocate,
+                    label: g.label,
+                    spread: g.spread,
+                }),
                 version: r.version,
                 created_at: r.created_at,
                 updated_at: r.updated_at,
@@ -43,6 +48,8 @@ impl ReservationPayload {
                     disk_gib: a.disk_gib,
                     node_selector: a.node_selector.0.clone(),
                     tolerations: a.tolerations.iter().map(TolerationView::from).collect(),
+                    same_nvlink_domain: a.same_nvlink_domain,
+                    same_numa_node: a.same_numa_node,
                     compute_node_id: a.node_id.clone(),
                     atoms: a.atoms.clone(),
                 })

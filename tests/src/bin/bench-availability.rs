@@ -1,7 +1,9 @@
-//! Availability search at fleet scale (issue 38): one pool of `nodes` nodes × 8 H100 (default
-//! 1,250: 10,000 GPUs) with `bookings` bookings (default 50,000) over 14 days, then
-//! `availability` for whole GPUs on one node through GraphQL over HTTP, one request at a time,
-//! and `capacityTimeline` for the 14 days in hours. Prints p50, p99 and max of each question.
+//! Availability search at fleet scale (issue 38): `nodes` nodes × 8 H100 (default 1,250: 10,000
+//! GPUs) in `pools` pools of equal size (default 1) with `bookings` bookings (default 50,000)
+//! over 14 days, then `availability` for whole GPUs on one node of the first pool through
+//! GraphQL over HTTP, one request at a time, and `capacityTimeline` for the 14 days in hours.
+//! Prints p50, p99 and max of each question, and how PostgreSQL reads the pool's bookings (with
+//! several pools, an index range scan that leaves the other pools' bookings unread).
 //!
 //! The bookings are written straight into `device_bookings` (the exclusion constraint still
 //! checks each), every atom booked about `bookings / atoms` times: one booking in each of that
@@ -11,7 +13,7 @@
 //!
 //! ```sh
 //! cargo build --release -p compute-tests --bin bench-availability
-//! target/release/bench-availability [nodes] [bookings] [questions]
+//! target/release/bench-availability [nodes] [bookings] [questions] [pools]
 //! ```
 
 #![allow(clippy::print_stdout, reason = "a benchmark prints its figures")]
@@ -31,6 +33,21 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// A plan's nodes, outermost first: each node's type, its index and its index condition.
+fn describe_plan(node: &Value) -> String {
+    let mut out = node["Node Type"].as_str().unwrap_or("?").to_owned();
+    if let Some(i) = node["Index Name"].as_str() {
+        out += &format!(" using {i}");
+    }
+    if let Some(c) = node["Index Cond"].as_str() {
+        out += &format!(" on {c}");
+    }
+    for child in node["Plans"].as_array().into_iter().flatten() {
+        out += &format!(" <- {}", describe_plan(child));
+    }
+    out
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
@@ -41,15 +58,22 @@ async fn main() {
     let nodes: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1250);
     let bookings: i64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(50_000);
     let questions: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(200);
+    let pools: usize = args
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1)
+        .clamp(1, nodes.max(1));
     let app = compute_tests::TestApp::builder()
         .on(compute_tests::test_db_on_wall_clock().await)
         .start()
         .await;
     let db = app.db.db.clone();
     let started = Instant::now();
-    let pool = compute_tests::bench::gpu_fleet(&db, 1, nodes, 8).await[0].to_string();
+    let nodes = nodes / pools * pools;
+    let pool = compute_tests::bench::gpu_fleet(&db, pools, nodes / pools, 8).await[0].to_string();
     println!(
-        "fleet: 1 pool, {nodes} nodes × 8 H100 ({} GPUs), built in {:.1} s",
+        "fleet: {pools} pool(s) of {} nodes × 8 H100 ({} GPUs), built in {:.1} s; the questions ask the first pool",
+        nodes / pools,
         nodes * 8,
         started.elapsed().as_secs_f64()
     );
@@ -109,13 +133,8 @@ async fn main() {
         .expect("count");
     let scan = &plan.0[0]["Plan"];
     println!(
-        "bookings read for 14 days: {} {} {}, {} rows of the table's {total}, in {:.1} ms",
-        scan["Node Type"].as_str().unwrap_or("?"),
-        scan["Index Name"]
-            .as_str()
-            .map(|i| format!("using {i}"))
-            .unwrap_or_default(),
-        scan["Index Cond"].as_str().unwrap_or(""),
+        "the first pool's bookings read for 14 days: {}; {} rows of the table's {total}, in {:.1} ms",
+        describe_plan(scan),
         scan["Actual Rows"],
         plan.0[0]["Execution Time"].as_f64().unwrap_or(0.0)
     );
@@ -150,7 +169,10 @@ async fn main() {
         took.sort();
         println!(
             "{:<52} {:>9.1} {:>9.1} {:>9.1}   {}",
-            format!("availability: {count} GPUs on one node for {hours} h"),
+            format!(
+                "availability: {count} GPU{} on one node for {hours} h",
+                if count == 1 { "" } else { "s" }
+            ),
             ms(percentile(&took, 0.5)),
             ms(percentile(&took, 0.99)),
             ms(*took.last().expect("one")),

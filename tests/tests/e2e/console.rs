@@ -260,6 +260,74 @@ async fn the_console_reserves_once_through_the_form_and_shows_it_live_in_a_real_
     .await;
     assert_eq!(cancelled["reservation"]["state"], "CANCELLED");
 
+    // A gang on one node, one allocation of it on one NVLink domain: its details say both.
+    let pools = graphql(
+        &dev,
+        &token,
+        "query { pools(first: 20) { nodes { id name } } }",
+        json!({}),
+    )
+    .await;
+    let h100 = pools["pools"]["nodes"]
+        .as_array()
+        .expect("pools")
+        .iter()
+        .find(|p| p["name"] == "h100")
+        .expect("the demonstration's h100 pool")["id"]
+        .clone();
+    let starts = chrono::Utc::now() + chrono::Duration::hours(3);
+    let gang = graphql(
+        &dev,
+        &token,
+        "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state } } }",
+        json!({ "i": { "poolId": h100, "startsAt": starts.to_rfc3339(), "endsAt": (starts + chrono::Duration::hours(1)).to_rfc3339(),
+                       "allocations": [{ "gpuCount": 2, "sameNvlinkDomain": true }, { "gpuCount": 1 }],
+                       "gang": { "colocate": "NODE" }, "idempotencyKey": "console-gang" } }),
+    )
+    .await;
+    assert_eq!(
+        gang["createReservation"]["reservation"]["state"], "SCHEDULED",
+        "{gang}"
+    );
+    let gang = gang["createReservation"]["reservation"]["id"]
+        .as_str()
+        .expect("an id")
+        .to_owned();
+    b.eval(&format!(
+        "(() => {{ const s = document.querySelector('#timeline-pool'); s.value = {h100}; s.dispatchEvent(new Event('change')); }})()"
+    ))
+    .await;
+    b.wait_for(
+        &format!(
+            "document.querySelectorAll('#timeline [data-reservation=\"{gang}\"]').length === 3"
+        ),
+        WAIT,
+    )
+    .await;
+    b.click(&format!("#timeline [data-reservation=\"{gang}\"]"), 1)
+        .await;
+    b.wait_for(
+        "(document.querySelector('#details .gang') || {}).textContent === 'on one node'",
+        WAIT,
+    )
+    .await;
+    let held = b
+        .eval("[...document.querySelectorAll('#details .allocation')].map(e => e.textContent)")
+        .await;
+    let held = held.as_array().expect("the allocations' lines").clone();
+    assert_eq!(held.len(), 2, "{held:?}");
+    assert!(
+        held[0]
+            .as_str()
+            .is_some_and(|t| t.contains("2× any GPU on one NVLink domain on ams1-h100-01")),
+        "{held:?}"
+    );
+    assert!(
+        held[1].as_str().is_some_and(|t| !t.contains("NVLink")),
+        "{held:?}"
+    );
+    b.screenshot(&shot("3-gang")).await;
+
     // The live events, across a dropped connection: an event written while the console
     // reconnects is shown once.
     b.eval("window.location.hash = '#/events'").await;
@@ -313,6 +381,12 @@ async fn the_console_reserves_once_through_the_form_and_shows_it_live_in_a_real_
     b.eval("window.location.hash = '#/operator'").await;
     b.wait_for(
         "[...document.querySelectorAll('#operator-nodes .badge.cordoned')].some(e => e.textContent.includes('browser test'))",
+        WAIT,
+    )
+    .await;
+    // Each GPU with its topology (the demonstration's servers: two NUMA nodes).
+    b.wait_for(
+        "[...document.querySelectorAll('#operator-nodes .topology')].some(e => e.textContent.startsWith('NUMA 1'))",
         WAIT,
     )
     .await;

@@ -184,13 +184,18 @@ async fn every_event_payload_keeps_its_documented_shape() {
         81_920,
     )
     .expect("layout");
+    // A whole GPU with its topology, a MIG GPU without: the shape has both.
     let device = |uuid: &str, layout: Layout| NewDevice {
         uuid: compute_domain::fleet::model::GpuUuid::parse("uuid", uuid).expect("a GPU uuid"),
         vendor: "nvidia".into(),
         model: "H100".into(),
         memory_mib: 81_920,
+        topology: compute_domain::fleet::model::Topology {
+            pci_bus_id: matches!(layout, Layout::Exclusive).then(|| "00000000:17:00.0".into()),
+            numa_node: matches!(layout, Layout::Exclusive).then_some(0),
+            nvlink_domain: matches!(layout, Layout::Exclusive).then(|| "nvl-0".into()),
+        },
         layout,
-        topology: Default::default(),
     };
     let node_of = |host: &str, gpus: Vec<NewDevice>| NewNode {
         pool_id: pool.id.clone(),
@@ -473,6 +478,33 @@ async fn every_event_payload_keeps_its_documented_shape() {
     rsv::create_reservation(db, &acme, request(None, 1, 3), "k-pending")
         .await
         .expect("pending");
+    // A gang whose first allocation keeps its GPUs on one NVLink domain: the payload carries
+    // the rule and the allocation's flags (it stays pending: the node has too few GPUs).
+    rsv::create_reservation(
+        db,
+        &acme,
+        parse_request(
+            pool.id.as_str(),
+            None,
+            now + Duration::hours(1),
+            &[
+                AllocationInput {
+                    same_nvlink_domain: true,
+                    ..alloc(2)
+                },
+                alloc(1),
+            ],
+            Some(&compute_domain::reservations::model::GangInput {
+                colocate: Some(compute_domain::reservations::model::Colocate::Label),
+                label: Some("rack".into()),
+                spread: Some(true),
+            }),
+        )
+        .expect("a gang"),
+        "k-gang",
+    )
+    .await
+    .expect("gang");
     // From here on the pool's rules report a reservation idle after 5 minutes without an
     // instance: the one that starts in 10 minutes is idle 5 minutes after its start.
     let version: i64 = sqlx::query_scalar("SELECT version FROM pools WHERE id = $1")

@@ -129,7 +129,8 @@ async fn build_fleet(app: &TestApp) -> (String, Vec<String>, Vec<String>) {
             NewNode {
                 pool_id: pool.id.clone(),
                 hostname: format!("torture-{n}"),
-                labels: Labels::new(),
+                // Five racks of ten nodes: what a gang `colocate: LABEL` keeps together.
+                labels: Labels::from([("rack".to_owned(), format!("r{}", n % 5))]),
                 taints: vec![],
                 vcpu: 32,
                 memory_mib: 262_144,
@@ -407,9 +408,15 @@ async fn a_thousand_concurrent_operations_keep_every_invariant() {
                         2 => json!([{ "gpuKind": "MIG", "profile": "3g.40gb", "gpuCount": 1, "vcpu": 1 },
                                     { "gpuKind": "MIG", "profile": if rng.below(2) == 0 { "2g.20gb" } else { "1g.10gb" }, "gpuCount": 1, "vcpu": 1 }]),
                         3 => json!([{ "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 1 + rng.below(3), "vcpu": 1 }]),
-                        // A gang: two H100 allocations on one node, or on two distinct nodes.
+                        // A gang: two H100 allocations on one node, on two distinct nodes, in one
+                        // rack, or in one rack on two distinct nodes.
                         4 => {
-                            gang = if rng.below(2) == 0 { json!({ "colocate": "NODE" }) } else { json!({ "spread": true }) };
+                            gang = match rng.below(4) {
+                                0 => json!({ "colocate": "NODE" }),
+                                1 => json!({ "spread": true }),
+                                2 => json!({ "colocate": "LABEL", "label": "rack" }),
+                                _ => json!({ "colocate": "LABEL", "label": "rack", "spread": true }),
+                            };
                             json!([{ "gpuCount": 1 + rng.below(2), "model": "H100", "vcpu": 1 },
                                    { "gpuCount": 1 + rng.below(2), "model": "H100", "vcpu": 1 }])
                         }
@@ -982,10 +989,13 @@ pub async fn check_invariants(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>
     // every allocation that keeps its GPUs on one NVLink domain on one.
     broken.check(count(
             "SELECT count(*) FROM (SELECT r.id FROM reservations r JOIN allocations a ON a.reservation_id = r.id \
+                LEFT JOIN nodes n ON n.id = a.node_id \
               WHERE r.gang_colocate IS NOT NULL OR r.gang_spread \
               GROUP BY r.id, r.gang_colocate, r.gang_spread \
              HAVING count(a.node_id) NOT IN (0, count(*)) \
                  OR (r.gang_colocate = 'node' AND count(DISTINCT a.node_id) > 1) \
+                 OR (r.gang_colocate = 'label' AND count(a.node_id) > 0 \
+                     AND (count(DISTINCT n.labels->>r.gang_label) <> 1 OR count(n.labels->>r.gang_label) <> count(a.node_id))) \
                  OR (r.gang_spread AND count(DISTINCT a.node_id) <> count(a.node_id))) g"
         )
         .await, "a gang placed in part, or against its rule");
@@ -1102,8 +1112,13 @@ pub async fn check_invariants(app: &TestApp) -> (Vec<(String, u64)>, Vec<String>
             "SELECT count(*) FROM pool_capacity_rollup",
         ),
         (
-            "gangs placed whole under their rule (on one node or spread)",
+            "gangs placed whole under their rule (on one node, spread, in one rack)",
             "SELECT count(*) FROM reservations r WHERE (r.gang_colocate IS NOT NULL OR r.gang_spread) \
+               AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.reservation_id = r.id AND a.node_id IS NULL)",
+        ),
+        (
+            "of them, in one rack (colocate: LABEL)",
+            "SELECT count(*) FROM reservations r WHERE r.gang_colocate = 'label' \
                AND NOT EXISTS (SELECT 1 FROM allocations a WHERE a.reservation_id = r.id AND a.node_id IS NULL)",
         ),
         (
