@@ -615,19 +615,29 @@ pub async fn availability(
     // database works on both (and this process decodes the bookings while the nodes are read).
     // A booking committed between the two snapshots can only make the answer fresher; one of an
     // atom the first did not read is dropped.
-    let (nodes, bookings) = tokio::try_join!(
-        {
+    let timed = |f: std::time::Instant| f.elapsed().as_secs_f64() * 1000.0;
+    let ((nodes, nodes_ms), (bookings, bookings_ms)) = tokio::try_join!(
+        async {
             let req = req.clone();
-            db.tx("availability_nodes", TxKind::Read, move |conn| {
-                let req = req.clone();
-                Box::pin(async move { read_nodes(conn, &req, until).await })
-            })
+            let r = db
+                .tx("availability_nodes", TxKind::Read, move |conn| {
+                    let req = req.clone();
+                    Box::pin(async move { read_nodes(conn, &req, until).await })
+                })
+                .await?;
+            Ok::<_, Error>((r, timed(started)))
         },
-        db.tx("availability_bookings", TxKind::Read, move |conn| {
-            let pool = req.pool_id.clone();
-            Box::pin(async move { read_bookings(conn, &pool, from, until).await })
-        })
+        async {
+            let r = db
+                .tx("availability_bookings", TxKind::Read, move |conn| {
+                    let pool = req.pool_id.clone();
+                    Box::pin(async move { read_bookings(conn, &pool, from, until).await })
+                })
+                .await?;
+            Ok::<_, Error>((r, timed(started)))
+        }
     )?;
+    tracing::debug!(nodes_ms, bookings_ms, "availability read");
     let nodes = with_bookings(nodes, bookings);
     let read = started.elapsed();
     found_to_answer(req, from, to, nodes, read, started)
