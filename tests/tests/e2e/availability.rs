@@ -537,3 +537,108 @@ async fn the_earliest_window_is_the_true_earliest_on_a_random_calendar() {
         );
     }
 }
+
+/// An allocation's kind, MIG profile and slots decide which atoms serve it, as placement decides:
+/// two of the four 1g.10gb instances but not two 3g.40gb of one MIG GPU; three slots of a GPU in
+/// four, never of a GPU in two; and the answer names the atoms' node.
+#[tokio::test]
+async fn mig_profiles_and_slots_are_matched_as_placement_matches_them() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let op = app.operator();
+    let member = app.member("acme");
+    let (_, pool) = crate::fleet::site_with_pool(
+        &app,
+        "avail-mig-site",
+        json!({ "name": "sliced", "kind": "BARE_METAL" }),
+    )
+    .await;
+    let devices = json!([
+        { "uuid": "GPU-mig-0", "model": "A100", "memoryMib": 81920, "mode": "MIG",
+          "layout": { "migProfiles": ["3g.40gb", "1g.10gb", "1g.10gb", "1g.10gb", "1g.10gb"] } },
+        { "uuid": "GPU-ts-0", "model": "L4", "memoryMib": 23034, "mode": "TIME_SLICE", "layout": { "slots": 4 } },
+        { "uuid": "GPU-whole-0", "model": "H100", "memoryMib": 81559 }
+    ]);
+    let node = app
+        .ok(&op, REGISTER, json!({ "i": { "poolId": pool, "hostname": "sliced-0",
+            "resources": { "vcpu": 64, "memoryMib": 262144, "diskGib": 1000 }, "devices": devices } }))
+        .await["registerNode"]["computeNode"]["id"]
+        .clone();
+    app.ok(
+        &op,
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "acme", "scopeId": pool, "gpus": 20 } }),
+    )
+    .await;
+    let first = |d: &Value| d["availability"]["windows"][0].clone();
+    let mig = |profile: &str, count: i64| json!([{ "gpuKind": "MIG", "profile": profile, "gpuCount": count }]);
+    let slots = |per_gpu: i64, count: i64| json!([{ "gpuKind": "SLOT", "slotsPerGpu": per_gpu, "gpuCount": count }]);
+
+    let d = app
+        .ok(&member, AVAILABILITY, ask(&pool, mig("1g.10gb", 2), 3600))
+        .await;
+    let w = first(&d);
+    assert_eq!(w["startsAt"], "2031-01-01T00:00:00+00:00", "{d}");
+    assert_eq!(w["placements"][0]["computeNodeId"], node);
+    assert_eq!(
+        w["placements"][0]["freeAtoms"], 4,
+        "the four 1g.10gb instances, not the 3g: {d}"
+    );
+
+    let d = app
+        .ok(&member, AVAILABILITY, ask(&pool, mig("3g.40gb", 2), 3600))
+        .await;
+    assert_eq!(d["availability"]["windows"], json!([]), "{d}");
+    assert_eq!(
+        d["availability"]["unschedulable"],
+        json!([{ "reason": "InsufficientGpus", "count": 1 }])
+    );
+
+    let d = app
+        .ok(&member, AVAILABILITY, ask(&pool, slots(4, 3), 3600))
+        .await;
+    assert_eq!(first(&d)["placements"][0]["freeAtoms"], 4, "{d}");
+    let d = app
+        .ok(&member, AVAILABILITY, ask(&pool, slots(2, 1), 3600))
+        .await;
+    assert_eq!(
+        d["availability"]["windows"],
+        json!([]),
+        "no GPU in two slots: {d}"
+    );
+
+    // Whole GPUs are the H100 alone: neither the MIG GPU nor the sliced one serves them.
+    let d = app
+        .ok(
+            &member,
+            AVAILABILITY,
+            ask(&pool, json!([{ "gpuCount": 1 }]), 3600),
+        )
+        .await;
+    assert_eq!(first(&d)["placements"][0]["freeAtoms"], 1, "{d}");
+    let d = app
+        .ok(
+            &member,
+            AVAILABILITY,
+            ask(&pool, json!([{ "gpuCount": 1, "model": "A100" }]), 3600),
+        )
+        .await;
+    assert_eq!(d["availability"]["windows"], json!([]), "{d}");
+
+    // Two allocations of one request: bit by bit, each served by its own atoms.
+    let d = app
+        .ok(
+            &member,
+            AVAILABILITY,
+            ask(
+                &pool,
+                json!([{ "gpuKind": "MIG", "profile": "3g.40gb", "gpuCount": 1 },
+                              { "gpuKind": "SLOT", "slotsPerGpu": 4, "gpuCount": 2 }]),
+                3600,
+            ),
+        )
+        .await;
+    let w = first(&d);
+    assert_eq!(w["placements"][0]["freeAtoms"], 1, "{d}");
+    assert_eq!(w["placements"][1]["freeAtoms"], 4, "{d}");
+}
