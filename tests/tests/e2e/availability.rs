@@ -23,6 +23,16 @@ fn ask(pool: &str, allocations: Value, seconds: i64) -> Value {
     json!({ "p": pool, "a": allocations, "d": seconds })
 }
 
+/// An app on the simulated clock at 2031-01-01 with an empty bare-metal pool in a site of its own.
+async fn app_with_pool(site: &str, pool: &str) -> (compute_tests::TestApp, String) {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (_, pool) =
+        crate::fleet::site_with_pool(&app, site, json!({ "name": pool, "kind": "BARE_METAL" }))
+            .await;
+    (app, pool)
+}
+
 #[tokio::test]
 async fn the_earliest_windows_say_where_and_until_when_and_nothing_says_why() {
     let app = spawn_app().await;
@@ -373,16 +383,9 @@ fn rfc(t: DateTime<Utc>) -> String {
 /// (when that is searched) is not.
 #[tokio::test]
 async fn the_earliest_window_is_the_true_earliest_on_a_random_calendar() {
-    let app = spawn_app().await;
-    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (app, pool) = app_with_pool("avail-site", "calendar").await;
     let op = app.operator();
     let member = app.member("acme");
-    let (_, pool) = crate::fleet::site_with_pool(
-        &app,
-        "avail-site",
-        json!({ "name": "calendar", "kind": "BARE_METAL" }),
-    )
-    .await;
     let mut nodes = Vec::new();
     for n in 0..3 {
         let devices: Vec<Value> = (0..3)
@@ -543,16 +546,9 @@ async fn the_earliest_window_is_the_true_earliest_on_a_random_calendar() {
 /// four, never of a GPU in two; and the answer names the atoms' node.
 #[tokio::test]
 async fn mig_profiles_and_slots_are_matched_as_placement_matches_them() {
-    let app = spawn_app().await;
-    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (app, pool) = app_with_pool("avail-mig-site", "sliced").await;
     let op = app.operator();
     let member = app.member("acme");
-    let (_, pool) = crate::fleet::site_with_pool(
-        &app,
-        "avail-mig-site",
-        json!({ "name": "sliced", "kind": "BARE_METAL" }),
-    )
-    .await;
     let devices = json!([
         { "uuid": "GPU-mig-0", "model": "A100", "memoryMib": 81920, "mode": "MIG",
           "layout": { "migProfiles": ["3g.40gb", "1g.10gb", "1g.10gb", "1g.10gb", "1g.10gb"] } },
