@@ -156,10 +156,11 @@ export function timelineView(root, ctx) {
     const rows = [...atoms].sort((a, b) => (byAtom.has(b.name) ? 1 : 0) - (byAtom.has(a.name) ? 1 : 0));
     const pct = (t) => Math.max(0, Math.min(100, (100 * (t - from)) / (to - from)));
     const nowPct = pct(Date.now());
-    const inView = new Set(placed.map((p) => p.r.id)).size;
+    const count = new Set(placed.map((p) => p.r.id)).size;
+    const inView = `${count} reservation${count === 1 ? '' : 's'} in view`;
     const heading = known.all
-      ? `${atoms.length} atoms · ${inView} reservations in view`
-      : `${atoms.length} booked atoms of ${known.total}${known.nodes === null ? '' : ` (${known.nodes} nodes)`} · ${inView} reservations in view`;
+      ? `${atoms.length} atoms · ${inView}`
+      : `${atoms.length} booked atoms of ${known.total}${known.nodes === null ? '' : ` (${known.nodes} nodes)`} · ${inView}`;
     const axis = h('div', { class: 'gantt-axis' }, h('span', { class: 'gantt-label', title: known.all ? '' : 'A pool of more than 100 nodes lists the atoms booked in view; every atom is free where no row shows it.' }, heading),
       h('span', { class: 'gantt-track' }, ticks(from, to)));
     const list = virtualList(rows, ROW, (atom) => {
