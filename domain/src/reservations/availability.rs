@@ -655,12 +655,15 @@ pub async fn availability(
 /// reads with it).
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
-impl<T> AbortOnDrop<T> {
-    async fn join(mut self) -> T {
+impl<T> AbortOnDrop<Result<T>> {
+    async fn join(mut self) -> Result<T> {
         match (&mut self.0).await {
             Ok(v) => v,
-            // Aborted only by this handle's drop; a panic in the task is this process's bug.
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
+            // A panic in the task is this process's bug: it goes on as a panic here.
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Cancelled by the runtime's shutdown (this handle's own abort is never awaited):
+            // the process is going away, and the caller may ask again.
+            Err(e) => Err(Error::Unavailable(Box::new(e))),
         }
     }
 }
