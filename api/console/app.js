@@ -128,7 +128,7 @@ const views = {
     const form = reserveForm(ctx);
     clear(root, h('h1', {}, 'Reserve'), h('div', { class: 'panel narrow' }, form.element));
     if (ctx.prefs.poolId) form.setPool(ctx.prefs.poolId);
-    return {};
+    return { onEvent: form.onEvent };
   },
   events: eventsView,
   operator: operatorView,

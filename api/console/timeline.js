@@ -256,6 +256,7 @@ export function timelineView(root, ctx) {
   return {
     onEvent(event) {
       if (event.type.startsWith('reservation.')) ctx.debounce('timeline', load, 250);
+      form.onEvent(event);
     },
   };
 }
@@ -320,11 +321,14 @@ export function reserveForm(ctx, { compact = false } = {}) {
 
   let key = null;
   let inFlight = null;
+  // The answer shown under the form: `{ r, replay }`, or null.
+  let shown = null;
   const forget = () => {
     key = null;
   };
   const reset = () => {
     forget();
+    shown = null;
     clear(result);
   };
   element.addEventListener('input', forget);
@@ -379,12 +383,10 @@ export function reserveForm(ctx, { compact = false } = {}) {
       key = key || newKey();
       try {
         const payload = (await mutate('ConsoleCreateReservation', { input: input() })).createReservation;
-        const r = payload.reservation;
-        clear(result, h('div', { class: `outcome ${r.state.toLowerCase()}`, dataset: { reservation: r.id, replay: payload.idempotentReplay } },
-          h('strong', {}, r.state === 'PENDING' ? 'Pending: ' : 'Reserved: '), h('span', { class: 'mono' }, r.id),
-          ` ${r.state}`, payload.idempotentReplay ? ' (the same request again: nothing new was booked)' : '',
-          h('div', { class: 'muted' }, `${fmtTime(r.startsAt)} → ${fmtTime(r.endsAt)}`), conditionText(r)));
+        shown = { r: payload.reservation, replay: payload.idempotentReplay };
+        showOutcome();
       } catch (err) {
+        shown = null;
         clear(result, h('div', { class: 'outcome error', dataset: { code: err.code || '' } }, errorText(err)));
       } finally {
         submit.disabled = false;
@@ -394,8 +396,25 @@ export function reserveForm(ctx, { compact = false } = {}) {
     return inFlight;
   });
 
+  /// The last answer, kept current by the reservation's events (a cancel from the timeline's
+  /// details, its activation, its end), so the form never shows a state that has passed.
+  function showOutcome() {
+    const { r, replay } = shown;
+    clear(result, h('div', { class: `outcome ${r.state.toLowerCase()}`, dataset: { reservation: r.id, replay, state: r.state } },
+      h('strong', {}, r.state === 'PENDING' ? 'Pending: ' : 'Reserved: '), h('span', { class: 'mono' }, r.id),
+      ` ${r.state}`, replay ? ' (the same request again: nothing new was booked)' : '',
+      h('div', { class: 'muted' }, `${fmtTime(r.startsAt)} → ${fmtTime(r.endsAt)}`), conditionText(r)));
+  }
+
   return {
     element,
+    onEvent(event) {
+      const p = event.payload;
+      if (!shown || !p || p.__typename !== 'ReservationEventPayload' || p.reservation.id !== shown.r.id) return;
+      // The event's state replaces the answer's; its conditions are the answer's until then.
+      shown = { ...shown, r: { ...shown.r, ...p.reservation, conditions: p.reservation.state === 'PENDING' ? shown.r.conditions : [] } };
+      showOutcome();
+    },
     setPool(id) {
       if (id && f.pool.value !== id) {
         f.pool.value = id;

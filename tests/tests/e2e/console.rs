@@ -259,6 +259,15 @@ async fn the_console_reserves_once_through_the_form_and_shows_it_live_in_a_real_
     )
     .await;
     assert_eq!(cancelled["reservation"]["state"], "CANCELLED");
+    // The form's answer follows the reservation's events: it no longer says SCHEDULED.
+    b.wait_for(
+        &format!(
+            "(() => {{ const o = document.querySelector('#reserve-result .outcome'); \
+             return o && o.dataset.reservation === '{id}' && o.dataset.state === 'CANCELLED' && o.textContent.includes('CANCELLED'); }})()"
+        ),
+        WAIT,
+    )
+    .await;
 
     // A gang on one node, one allocation of it on one NVLink domain: its details say both.
     let pools = graphql(
