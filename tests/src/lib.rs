@@ -716,6 +716,25 @@ pub async fn spawn_app() -> TestApp {
     TestApp::builder().start().await
 }
 
+/// Ends this process (SIGTERM, so it shuts down as it would on a stop) when the thread that
+/// started it ends, which includes its test process dying or being killed: the test binaries
+/// (`test-api`, `test-worker`, `test-agent`) call it first, so a test run that is killed leaves
+/// no API, worker or daemon behind. A process whose parent was already gone exits at once.
+#[expect(
+    unsafe_code,
+    reason = "prctl(2) and getppid(2) have no safe wrapper in std"
+)]
+pub fn end_with_parent() {
+    // SAFETY: both calls take and return plain integers and touch no memory of this process.
+    let orphaned = unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+        libc::getppid() == 1
+    };
+    if orphaned {
+        std::process::exit(1);
+    }
+}
+
 /// Logs to the test's captured output (shown when a test fails); `RUST_LOG` filters.
 pub fn init_logging() {
     static ONCE: std::sync::Once = std::sync::Once::new();

@@ -4,5 +4,6 @@
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    compute_tests::end_with_parent();
     compute_agent::cli::main().await
 }

@@ -3,5 +3,6 @@
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    compute_tests::end_with_parent();
     compute_workers::cli::main().await
 }
