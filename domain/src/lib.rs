@@ -26,6 +26,7 @@ pub mod quota;
 pub mod reservations;
 pub mod secrets;
 pub mod sinks;
+pub mod task;
 mod text_enum;
 pub mod usage;
 pub mod work_queue;

@@ -14,6 +14,7 @@ use compute_domain::ids::{
     CommandId, DeviceId, InstanceId, NodeId, PoolId, ReservationId, ScopeId, SiteId,
 };
 use compute_domain::page::{Page, PageArgs};
+use compute_domain::task::AbortOnDrop;
 
 use crate::graph::{GqlResult, gql_error};
 
@@ -119,23 +120,14 @@ impl Batch<'_> {
         FleetLoader: Loader<K, Error = async_graphql::Error>,
     {
         let loader = self.loaders.loader().clone();
-        let mut task = AbortOnDrop(tokio::spawn(async move { loader.load(&keys).await }));
-        match (&mut task.0).await {
+        let task = AbortOnDrop::spawn(async move { loader.load(&keys).await });
+        match task.join().await {
             Ok(found) => found,
             Err(e) => Err(gql_error(compute_domain::Error::internal(format!(
                 "a loader's statement did not finish: {e}"
             )))
             .into()),
         }
-    }
-}
-
-/// A task that is aborted when its handle is dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -34,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::fleet::PoolRules;
 use crate::fleet::model as m;
 use crate::ids::{NodeId, PoolId};
+use crate::task::AbortOnDrop;
 
 use super::model::{
     AllocationInput, AllocationRequest, Colocate, Gang, GangInput, MAX_ALLOCATIONS, MAX_DAYS,
@@ -621,7 +622,7 @@ pub async fn availability(
     // nodes (on another core) rather than in turn with it; aborted if this request is dropped.
     let bookings = {
         let (db, pool) = (db.clone(), req.pool_id.clone());
-        AbortOnDrop(tokio::spawn(
+        AbortOnDrop::spawn(
             async move {
                 let r = db
                     .tx("availability_bookings", TxKind::Read, move |conn| {
@@ -632,7 +633,7 @@ pub async fn availability(
                 r.map(|r| (r, timed(started)))
             }
             .in_current_span(),
-        ))
+        )
     };
     let (nodes, nodes_ms) = {
         let req = req.clone();
@@ -644,34 +645,18 @@ pub async fn availability(
             .await?;
         (r, timed(started))
     };
-    let (bookings, bookings_ms) = bookings.join().await?;
+    let (bookings, bookings_ms) = match bookings.join().await {
+        Ok(read) => read?,
+        // A panic in the task is this process's bug: it goes on as a panic here.
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Cancelled by the runtime's shutdown: the process is going away; the caller may ask
+        // again.
+        Err(e) => return Err(Error::Unavailable(Box::new(e))),
+    };
     tracing::debug!(nodes_ms, bookings_ms, "availability read");
     let nodes = with_bookings(nodes, bookings);
     let read = started.elapsed();
     found_to_answer(req, from, to, nodes, read, started)
-}
-
-/// A spawned task that is aborted when its handle is dropped (a request that goes away takes its
-/// reads with it).
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> AbortOnDrop<Result<T>> {
-    async fn join(mut self) -> Result<T> {
-        match (&mut self.0).await {
-            Ok(v) => v,
-            // A panic in the task is this process's bug: it goes on as a panic here.
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            // Cancelled by the runtime's shutdown (this handle's own abort is never awaited):
-            // the process is going away, and the caller may ask again.
-            Err(e) => Err(Error::Unavailable(Box::new(e))),
-        }
-    }
-}
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// The checks a create would make that do not depend on the window (the pool, its rules, the
