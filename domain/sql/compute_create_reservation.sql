@@ -1,8 +1,8 @@
--- The current definition, as migrations/0036_topology_and_gangs.sql left it. Change it with a new migration
+-- The current definition, as migrations/0038_create_writes_its_answer_once.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE FUNCTION compute_create_reservation(
+CREATE OR REPLACE FUNCTION compute_create_reservation(
     p_scope text, p_subject text, p_key text, p_fingerprint jsonb,
     p_tenant text, p_created_by text, p_id text,
     p_pool text, p_starts_at timestamptz, p_ends_at timestamptz, p_grace_seconds integer,
@@ -33,9 +33,11 @@ DECLARE
     v_held     numeric;
     v_asked    numeric;
 BEGIN
+    -- The key goes in with a success's answer: no other transaction sees the row before this
+    -- one ends, and a final error below overwrites it with the error.
     BEGIN
-        INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint)
-            VALUES (p_scope, p_subject, p_key, 'createReservation', p_fingerprint)
+        INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint, response)
+            VALUES (p_scope, p_subject, p_key, 'createReservation', p_fingerprint, jsonb_build_object('id', p_id))
             ON CONFLICT DO NOTHING RETURNING true INTO v_claimed;
     EXCEPTION WHEN lock_not_available THEN
         RAISE EXCEPTION USING ERRCODE = 'CPIP0',
@@ -108,40 +110,38 @@ BEGIN
         -- Quota: every row of the tenant on the pool and its site, locked in key order, charged
         -- all or none by a guarded update (each row re-read at its latest version); a missing row
         -- means no limit there. Fewer charged than locked: over quota.
-        v_charged := '[]';
-        FOR v_row IN
-            WITH want AS (SELECT * FROM (VALUES ('pool', p_pool, 'gpu', p_gpu_charge), ('pool', p_pool, 'vcpu', v_vcpu::numeric),
-                                                ('pool', p_pool, 'memory_mib', v_memory::numeric), ('site', v_site, 'gpu', p_gpu_charge),
-                                                ('site', v_site, 'vcpu', v_vcpu::numeric), ('site', v_site, 'memory_mib', v_memory::numeric))
-                                        w(scope_kind, scope_id, resource, amount)),
-                 locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q
-                              JOIN want w USING (scope_kind, scope_id, resource)
-                             WHERE q.tenant_id = p_tenant ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q),
-                 charged AS (UPDATE quota_usage q SET used = q.used + w.amount, version = q.version + 1, updated_at = compute_now()
-                               FROM want w, locked l
-                              WHERE q.tenant_id = p_tenant AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
-                                AND w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource
-                                AND q.used + w.amount <= q.max_amount
-                          RETURNING q.scope_kind, q.scope_id, q.resource)
-            SELECT l.scope_kind, l.scope_id, l.resource, w.amount, q.used, q.max_amount, c.resource IS NOT NULL AS ok
-              FROM locked l
-              JOIN want w USING (scope_kind, scope_id, resource)
-              JOIN quota_usage q ON q.tenant_id = p_tenant AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
-              LEFT JOIN charged c ON c.scope_kind = l.scope_kind AND c.scope_id = l.scope_id AND c.resource = l.resource
-             ORDER BY l.scope_kind, l.scope_id, l.resource
-        LOOP
-            IF NOT v_row.ok THEN
-                RAISE EXCEPTION USING ERRCODE = 'CPQE0', MESSAGE = format(
-                    'quota exceeded: tenant %s would hold %s of its %s %s on %s %s (holds %s, asks %s)',
-                    p_tenant, compute_amount_text(v_row.used + v_row.amount), compute_amount_text(v_row.max_amount),
-                    CASE v_row.resource WHEN 'gpu' THEN 'GPUs' WHEN 'vcpu' THEN 'vCPU' ELSE 'MiB of memory' END,
-                    v_row.scope_kind, v_row.scope_id, compute_amount_text(v_row.used), compute_amount_text(v_row.amount));
-            END IF;
-            IF v_row.amount > 0 THEN
-                v_charged := v_charged || jsonb_build_object('scope_kind', v_row.scope_kind, 'scope_id', v_row.scope_id,
-                                                             'resource', v_row.resource, 'amount', v_row.amount::float8);
-            END IF;
-        END LOOP;
+        WITH want AS (SELECT * FROM (VALUES ('pool', p_pool, 'gpu', p_gpu_charge), ('pool', p_pool, 'vcpu', v_vcpu::numeric),
+                                            ('pool', p_pool, 'memory_mib', v_memory::numeric), ('site', v_site, 'gpu', p_gpu_charge),
+                                            ('site', v_site, 'vcpu', v_vcpu::numeric), ('site', v_site, 'memory_mib', v_memory::numeric))
+                                    w(scope_kind, scope_id, resource, amount)),
+             locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q
+                          JOIN want w USING (scope_kind, scope_id, resource)
+                         WHERE q.tenant_id = p_tenant ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q),
+             charged AS (UPDATE quota_usage q SET used = q.used + w.amount, version = q.version + 1, updated_at = compute_now()
+                           FROM want w, locked l
+                          WHERE q.tenant_id = p_tenant AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
+                            AND w.scope_kind = l.scope_kind AND w.scope_id = l.scope_id AND w.resource = l.resource
+                            AND q.used + w.amount <= q.max_amount
+                      RETURNING q.scope_kind, q.scope_id, q.resource)
+        SELECT coalesce(jsonb_agg(jsonb_build_object('scope_kind', l.scope_kind, 'scope_id', l.scope_id,
+                                                     'resource', l.resource, 'amount', w.amount::float8)
+                                  ORDER BY l.scope_kind, l.scope_id, l.resource) FILTER (WHERE w.amount > 0), '[]') AS charged,
+               (array_agg(ROW(l.scope_kind, l.scope_id, l.resource, w.amount, q.used, q.max_amount)::compute_quota_shortfall
+                          ORDER BY l.scope_kind, l.scope_id, l.resource) FILTER (WHERE c.resource IS NULL))[1] AS short
+          INTO v_row
+          FROM locked l
+          JOIN want w USING (scope_kind, scope_id, resource)
+          JOIN quota_usage q ON q.tenant_id = p_tenant AND q.scope_kind = l.scope_kind AND q.scope_id = l.scope_id AND q.resource = l.resource
+          LEFT JOIN charged c ON c.scope_kind = l.scope_kind AND c.scope_id = l.scope_id AND c.resource = l.resource;
+        IF (v_row.short).resource IS NOT NULL THEN
+            RAISE EXCEPTION USING ERRCODE = 'CPQE0', MESSAGE = format(
+                'quota exceeded: tenant %s would hold %s of its %s %s on %s %s (holds %s, asks %s)',
+                p_tenant, compute_amount_text((v_row.short).used + (v_row.short).amount), compute_amount_text((v_row.short).max_amount),
+                CASE (v_row.short).resource WHEN 'gpu' THEN 'GPUs' WHEN 'vcpu' THEN 'vCPU' ELSE 'MiB of memory' END,
+                (v_row.short).scope_kind, (v_row.short).scope_id, compute_amount_text((v_row.short).used),
+                compute_amount_text((v_row.short).amount));
+        END IF;
+        v_charged := v_row.charged;
 
         -- Written in the state it has once placed (what most creates come to), so a placed create
         -- writes its row once; one left pending is updated after placement.
@@ -169,9 +169,8 @@ BEGIN
                    next_attempt_at = compute_now() + make_interval(secs => p_retry_seconds)
              WHERE r.id = p_id;
         END IF;
-        PERFORM compute_reservation_changed(p_id, 'reservation.' || v_state, p_shards);
-        UPDATE idempotency_keys SET response = jsonb_build_object('id', p_id)
-         WHERE tenant_id = p_scope AND subject = p_subject AND key = p_key;
+        PERFORM compute_emit('reservation.' || v_state, p_tenant, p_id, compute_reservation_payload(p_id)),
+                compute_enqueue('reservation', ARRAY[p_id], p_shards);
         RETURN jsonb_build_object('outcome', 'created', 'reservationId', p_id, 'replans', v_place->'replans');
     EXCEPTION WHEN SQLSTATE 'CP404' OR SQLSTATE 'CPQE0' OR SQLSTATE 'CPPV0' THEN
         GET STACKED DIAGNOSTICS v_sqlstate = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT,
