@@ -16,6 +16,12 @@
 //!   (`bench_random_node_reserve`): handed a random node by the client, it does the writes
 //!   without any search (idempotency row, quota guard, pool and node `FOR SHARE`, a free atom of
 //!   that node, the booking, the scalars, the work-queue row, the key's response).
+//! * **floor**: the random-node function's work plus the rows a reservation must leave behind
+//!   (`bench_floor_reserve`): the reservation, its allocation, three quota rows, the event with
+//!   the product's payload, the key written once with its answer. What no implementation that
+//!   keeps `consistency.md`'s rules can avoid, given a node: graphql's CPU against it is what
+//!   placement and checking cost, its CPU against the random-node function how far issue 35's
+//!   1.25× lies below the writes.
 //!
 //! Every client count runs once with commits flushed and once with `synchronous_commit = off`
 //! for every path (`sync=on` or `sync=off` runs one), and prints, beside each path's figures,
@@ -25,7 +31,7 @@
 //! no plateau). `pools=P nodes=N` sets the fleet (default 1 pool of 1,250 nodes × 8 GPUs; the
 //! harness's are `pools=10` and `pools=10 nodes=12500` for 100,000 GPUs).
 //!
-//! The two paths run in turn, in `rounds` rounds (3 unless `rounds=N` is given) of `requests`
+//! The paths run in turn, in `rounds` rounds (3 unless `rounds=N` is given) of `requests`
 //! each (3,000 unless given), the fleet emptied before each, the order swapped every round: this
 //! machine's speed drifts by a quarter within a minute, and two paths measured one after the
 //! other would be measured on two different machines. A round is what a run was before session
@@ -43,6 +49,9 @@
 //! `compute-api serve` processes (this package's `test-api` build), the requests spread over
 //! them in turn: reservations/s with one and with two API processes.
 //!
+//! `sql=FILE` runs FILE's SQL on the benchmark's database before seeding: a function redefined
+//! there is measured without a rebuild (then written as a migration).
+//!
 //! `db-pool=N` sets the connections every path shares (the API's pool; the API's default, 16,
 //! unless given).
 //!
@@ -55,7 +64,7 @@
 //!
 //! ```sh
 //! cargo build --release -p compute-tests
-//! target/release/bench-reservations [requests per round] [clients…] [rounds=N] [pools=P] [nodes=N] [sync=on|off] [db-pool=N] [profile] [scale-out]
+//! target/release/bench-reservations [requests per round] [clients…] [rounds=N] [pools=P] [nodes=N] [sync=on|off] [db-pool=N] [sql=FILE] [profile] [scale-out]
 //! ```
 
 use std::io::Write;
@@ -198,6 +207,58 @@ END
 $$;
 ALTER FUNCTION bench_random_node_reserve(text, text, text, text, timestamptz) SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION bench_random_node_reserve(text, text, text, text, timestamptz) SET enable_seqscan = off;
+"#;
+
+/// The floor under any create that keeps `consistency.md`'s rules, given a node (issue 35): the
+/// random-node function's work plus the rows a reservation must leave behind, each written once
+/// and as simply as it can be: the key with its answer, the tenant's three quota rows of the pool
+/// (GPUs, memory, vCPU) in one guarded update, the reservation, its allocation (node and atom
+/// included, so never updated), the booking, the scalars, the event with the product's own
+/// payload (`compute_reservation_payload`) and the work-queue row. No search, no savepoints, no
+/// replans, no site quota: what no implementation can avoid, so graphql's CPU against it is the
+/// part that is placement and checking, and its CPU against the random-node function is how far
+/// below the writes issue 35's 1.25× lies.
+const FLOOR: &str = r#"
+CREATE OR REPLACE FUNCTION bench_floor_reserve(p_tenant text, p_key text, p_pool text, p_node text, p_ends timestamptz)
+    RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    v_id    text := compute_new_id('rsv');
+    v_alloc text := 'alc_' || replace(gen_random_uuid()::text, '-', '');
+    v_now   timestamptz := compute_now();
+    v_atom  record;
+    v_n     integer;
+BEGIN
+    INSERT INTO idempotency_keys (tenant_id, subject, key, operation, fingerprint, response)
+        VALUES (p_tenant, 'bench', p_key, 'floor', '{}', jsonb_build_object('id', v_id));
+    UPDATE quota_usage SET used = used + CASE resource WHEN 'gpu' THEN 1 WHEN 'vcpu' THEN 4 ELSE 8192 END, version = version + 1
+     WHERE tenant_id = p_tenant AND scope_kind = 'pool' AND scope_id = p_pool AND resource IN ('gpu', 'memory_mib', 'vcpu')
+       AND used + CASE resource WHEN 'gpu' THEN 1 WHEN 'vcpu' THEN 4 ELSE 8192 END <= max_amount;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    IF v_n <> 3 THEN RAISE EXCEPTION 'over quota'; END IF;
+    PERFORM 1 FROM pools WHERE id = p_pool FOR SHARE;
+    PERFORM 1 FROM nodes WHERE id = p_node FOR SHARE;
+    SELECT a.name, a.device_id INTO v_atom
+      FROM devices d JOIN device_atoms a ON a.device_id = d.id
+     WHERE d.node_id = p_node AND a.kind = 'gpu'
+       AND NOT EXISTS (SELECT 1 FROM device_bookings b WHERE b.atom = a.name AND b.during && tstzrange(v_now, p_ends))
+     LIMIT 1;
+    IF v_atom.name IS NULL THEN RAISE EXCEPTION 'node full'; END IF;
+    INSERT INTO reservations (id, tenant_id, created_by, pool_id, state, starts_at, ends_at, charge_gpu, charge_vcpu, charge_memory_mib, charged)
+        VALUES (v_id, p_tenant, 'bench', p_pool, 'active', v_now, p_ends, 1, 4, 8192, '[]');
+    INSERT INTO allocations (id, reservation_id, ordinal, gpu_kind, gpu_count, model, vcpu, memory_mib, disk_gib, node_id, atoms)
+        VALUES (v_alloc, v_id, 0, 'gpu', 1, 'H100', 4, 8192, 0, p_node, ARRAY[v_atom.name]);
+    INSERT INTO device_bookings (atom, device_id, pool_id, allocation_id, during)
+        VALUES (v_atom.name, v_atom.device_id, p_pool, v_alloc, tstzrange(v_now, p_ends)) ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN RAISE EXCEPTION 'node full'; END IF;
+    UPDATE node_resources SET allocated = allocated + CASE resource WHEN 'vcpu' THEN 4 ELSE 8192 END
+     WHERE node_id = p_node AND resource IN ('memory_mib', 'vcpu');
+    PERFORM compute_emit('reservation.active', p_tenant, v_id, compute_reservation_payload(v_id)),
+            compute_enqueue('reservation', ARRAY[v_id], 8);
+    RETURN v_id;
+END
+$$;
+ALTER FUNCTION bench_floor_reserve(text, text, text, text, timestamptz) SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION bench_floor_reserve(text, text, text, text, timestamptz) SET enable_seqscan = off;
 "#;
 
 const CREATE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state } } }";
@@ -485,11 +546,20 @@ async fn main() {
     let app = Arc::new(compute_tests::TestApp::builder().on(test_db).start().await);
     let db = app.db.db.clone();
     let _ = DB.set(db.clone());
-    for f in [REFERENCE, RANDOM_NODE] {
+    for f in [REFERENCE, RANDOM_NODE, FLOOR] {
         sqlx::raw_sql(f)
             .execute(db.pool())
             .await
             .expect("the reference functions");
+    }
+    // `sql=FILE`: SQL run on the benchmark's database before the fleet is seeded (a function
+    // redefined to measure a change without rebuilding the benchmark).
+    if let Some(file) = args.iter().find_map(|a| a.strip_prefix("sql=")) {
+        let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{file}: {e}"));
+        sqlx::raw_sql(&text)
+            .execute(db.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
     }
     let postmaster: u32 = sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
         .fetch_one(db.pool())
@@ -615,7 +685,8 @@ async fn main() {
             }
         }
     };
-    let random_node = {
+    // The random-node function, or (`sql` naming the floor) the floor: the same draws.
+    let on_a_drawn_node = |sql: &'static str, prefix: &'static str| {
         let (db, pools, tenants, nodes_of) =
             (db.clone(), pools.clone(), tenants.clone(), nodes_of.clone());
         move |run: usize| {
@@ -638,9 +709,9 @@ async fn main() {
                             .wrapping_add(attempt)
                             .wrapping_mul(0x9E37_79B9_7F4A_7C15);
                         let node = &nodes[(draw >> 33) as usize % nodes.len()];
-                        match sqlx::query("SELECT bench_random_node_reserve($1, $2, $3, $4, compute_now() + interval '1 hour')")
+                        match sqlx::query(sql)
                             .bind(&tenant)
-                            .bind(format!("n{run}-{i}"))
+                            .bind(format!("{prefix}{run}-{i}"))
                             .bind(&pools[k])
                             .bind(node)
                             .execute(db.pool())
@@ -648,7 +719,7 @@ async fn main() {
                         {
                             Ok(_) => return false,
                             Err(e) if e.to_string().contains("node full") => continue,
-                            Err(e) => panic!("the random-node function: {e}"),
+                            Err(e) => panic!("{sql}: {e}"),
                         }
                     }
                     panic!("64 full nodes drawn in a row")
@@ -656,6 +727,14 @@ async fn main() {
             }
         }
     };
+    let random_node = on_a_drawn_node(
+        "SELECT bench_random_node_reserve($1, $2, $3, $4, compute_now() + interval '1 hour')",
+        "n",
+    );
+    let floor = on_a_drawn_node(
+        "SELECT bench_floor_reserve($1, $2, $3, $4, compute_now() + interval '1 hour')",
+        "f",
+    );
 
     // Statements per request, counted in a short pass of each (not timed).
     reset(&db).await;
@@ -698,8 +777,8 @@ async fn main() {
         )
         .await;
     }
-    const PATHS: [&str; 3] = ["graphql", "reference", "random-node"];
-    // Each client count runs the three paths in `rounds` rounds of `requests`, in turn (the
+    const PATHS: [&str; 4] = ["graphql", "reference", "random-node", "floor"];
+    // Each client count runs the four paths in `rounds` rounds of `requests`, in turn (the
     // order rotated every round) and each on an emptied fleet: this machine's speed drifts by a
     // quarter within a minute, and paths measured one after the other would see different
     // machines. The figures are of all rounds together; each round's ratios are printed too.
@@ -721,13 +800,13 @@ async fn main() {
         );
         let mut rates: Vec<(usize, f64, f64)> = Vec::new();
         for (k, &clients) in client_counts.iter().enumerate() {
-            let mut all: [Option<Run>; 3] = [None, None, None];
+            let mut all: [Option<Run>; 4] = [None, None, None, None];
             let mut round_ratios = Vec::new();
             for round in 0..rounds {
                 let id = 1000 * m + 100 * k + round;
-                let mut this: [Option<Run>; 3] = [None, None, None];
-                for step in 0..3 {
-                    let path = (round + step) % 3;
+                let mut this: [Option<Run>; 4] = [None, None, None, None];
+                for step in 0..4 {
+                    let path = (round + step) % 4;
                     // Emptying the fleet invalidates every connection's cached plans: a few
                     // requests per client, not timed, make them again before the timed ones.
                     reset(&db).await;
@@ -741,28 +820,32 @@ async fn main() {
                             run(warm, clients, postmaster, reference(10_000 + id)).await;
                             run(requests, clients, postmaster, reference(id)).await
                         }
-                        _ => {
+                        2 => {
                             run(warm, clients, postmaster, random_node(10_000 + id)).await;
                             run(requests, clients, postmaster, random_node(id)).await
                         }
+                        _ => {
+                            run(warm, clients, postmaster, floor(10_000 + id)).await;
+                            run(requests, clients, postmaster, floor(id)).await
+                        }
                     });
                 }
-                let [g, r, n] = this.map(|x| x.expect("every path ran"));
+                let [g, r, n, f] = this.map(|x| x.expect("every path ran"));
                 round_ratios.push(format!(
                     "{:.2}/{:.2}",
                     g.rate() / r.rate(),
                     g.rate() / n.rate()
                 ));
-                for (slot, x) in all.iter_mut().zip([g, r, n]) {
+                for (slot, x) in all.iter_mut().zip([g, r, n, f]) {
                     *slot = Some(match slot.take() {
                         Some(a) => a.merge(x),
                         None => x,
                     });
                 }
             }
-            let [g, r, n] = all.map(|x| x.expect("a round"));
+            let [g, r, n, f] = all.map(|x| x.expect("a round"));
             let mut out = std::io::stdout().lock();
-            for (name, x) in PATHS.iter().zip([&g, &r, &n]) {
+            for (name, x) in PATHS.iter().zip([&g, &r, &n, &f]) {
                 let (p50, p99) = x.percentiles();
                 let _ = writeln!(
                     out,
@@ -786,6 +869,14 @@ async fn main() {
                 if clients <= 8 { "≥ 0.7" } else { "≥ 0.5" },
                 g.cpu_ms() / n.cpu_ms(),
                 round_ratios.join(", ")
+            );
+            let _ = writeln!(
+                out,
+                "{clients:>7}  the floor (the writes a create cannot avoid, on a drawn node): PostgreSQL CPU floor / random-node {:.2}×, \
+                 graphql / floor {:.2}×; rate graphql / floor {:.2}",
+                f.cpu_ms() / n.cpu_ms(),
+                g.cpu_ms() / f.cpu_ms(),
+                g.rate() / f.rate()
             );
             rates.push((clients, g.rate(), n.rate()));
         }
