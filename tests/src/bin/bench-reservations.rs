@@ -912,7 +912,6 @@ async fn main() {
             .await
             .expect("synchronous_commit back");
     }
-    let pool_id = pools[0].clone();
     if let Some(t) = telemetry {
         let s = compute_telemetry::stats();
         let _ = writeln!(
@@ -952,24 +951,27 @@ async fn main() {
         let bases = Arc::new(bases);
         for (k, &clients) in client_counts.iter().enumerate() {
             reset(&db).await;
-            let (http, bases, tokens, pool_id, ends_at) = (
+            let (http, bases, tokens, pools, ends_at) = (
                 http.clone(),
                 bases.clone(),
                 tokens.clone(),
-                pool_id.clone(),
+                pools.clone(),
                 ends_at.clone(),
             );
             let run_id = 100 * processes + k;
             let over_http = move |i: usize| {
-                let (http, bases, tokens, pool_id, ends_at) = (
+                let (http, bases, tokens, pools, ends_at) = (
                     http.clone(),
                     bases.clone(),
                     tokens.clone(),
-                    pool_id.clone(),
+                    pools.clone(),
                     ends_at.clone(),
                 );
                 async move {
-                    let vars = request(&pool_id, &ends_at, &format!("p{run_id}-{i}"));
+                    // The pools in turn, as the in-process paths do (with `pools=10`, one pool
+                    // alone would fill after a tenth of the requests and leave the rest pending).
+                    let vars =
+                        request(&pools[i % pools.len()], &ends_at, &format!("p{run_id}-{i}"));
                     let body: serde_json::Value = http
                         .post(&bases[i % bases.len()])
                         .bearer_auth(&tokens[i % TENANTS])
