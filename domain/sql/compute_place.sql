@@ -1,4 +1,4 @@
--- The current definition, as migrations/0036_topology_and_gangs.sql left it. Change it with a new migration
+-- The current definition, as migrations/0039_placement_locks_in_key_order.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -40,6 +40,9 @@ DECLARE
     v_found      integer;
     v_rank       record;
     v_best       record;
+    v_plan       jsonb;
+    v_taken      text[];
+    v_planned    text[];
 BEGIN
     SELECT p.id, p.name, r.gang_colocate, r.gang_label, r.gang_spread
       INTO v_pool_id, v_pool_name, v_colocate, v_label, v_spread
@@ -86,151 +89,187 @@ BEGIN
     ELSE
         v_groups := ARRAY[NULL::text];
     END IF;
+    -- Each group is tried in two steps, so that an attempt takes its locks in key order
+    -- (docs/database-locks.md) however many allocations and nodes it has: first a plan, without
+    -- locks: each allocation in turn gets a node and atoms, the atoms and scalars the plan
+    -- already took counted as used; then one attempt for the whole plan, in a block of its own:
+    -- the nodes `FOR SHARE` in id order, the atoms and devices in atom order, the bookings, the
+    -- `node_resources` rows in (node, resource) order. An attempt that loses (a node, GPU or
+    -- counter changed, an atom was booked meanwhile, a lock wait timed out) is rolled back to
+    -- its block and planned again without its nodes, at most three times.
     v_reason := 'none';
     FOREACH v_group IN ARRAY v_groups LOOP
     v_only := CASE WHEN v_colocate = 'node' THEN v_group END;
     v_gang_sel := CASE WHEN v_colocate = 'label' THEN jsonb_build_object(v_label, v_group) ELSE '{}'::jsonb END;
-    v_gang_nodes := '{}';
-    BEGIN
+    v_excluded := '{}';
+    v_lost := '{}';
+    LOOP
+        v_plan := '[]';
+        v_taken := '{}';
+        v_gang_nodes := '{}';
+        v_reason := NULL;
         FOR v_alloc IN SELECT * FROM allocations WHERE reservation_id = p_id ORDER BY ordinal LOOP
             v_sel := v_alloc.node_selector || v_gang_sel;
-            v_excluded := '{}';
-            v_lost := '{}';
+            v_start := abs(hashtextextended(v_alloc.id || ':' || cardinality(v_lost), 0) % 1024)::integer;
+            v_node := NULL;
+            v_found := 0;
+            -- A loop over a query is a cursor, planned to return its first rows fast: the
+            -- walk reads nodes_pool_spread in order and stops early.
+            -- A gang on one node reads that node alone (the third branch; the first two are
+            -- then left out by their one-time filter).
+            FOR v_cand IN
+                (SELECT n.id, n.taints FROM nodes n
+                  WHERE v_only IS NULL AND n.pool_id = v_pool_id AND n.spread >= v_start
+                    AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
+                    AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
+                  ORDER BY n.spread)
+                UNION ALL
+                (SELECT n.id, n.taints FROM nodes n
+                  WHERE v_only IS NULL AND n.pool_id = v_pool_id AND n.spread < v_start
+                    AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
+                    AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
+                  ORDER BY n.spread)
+                UNION ALL
+                (SELECT n.id, n.taints FROM nodes n
+                  WHERE n.id = v_only AND n.pool_id = v_pool_id
+                    AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
+                    AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations)))
             LOOP
-                v_start := abs(hashtextextended(v_alloc.id || ':' || cardinality(v_lost), 0) % 1024)::integer;
-                v_node := NULL;
-                v_found := 0;
-                -- A loop over a query is a cursor, planned to return its first rows fast: the
-                -- walk reads nodes_pool_spread in order and stops early.
-                -- A gang on one node reads that node alone (the third branch; the first two are
-                -- then left out by their one-time filter).
-                FOR v_cand IN
-                    (SELECT n.id, n.taints FROM nodes n
-                      WHERE v_only IS NULL AND n.pool_id = v_pool_id AND n.spread >= v_start
-                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
-                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
-                      ORDER BY n.spread)
-                    UNION ALL
-                    (SELECT n.id, n.taints FROM nodes n
-                      WHERE v_only IS NULL AND n.pool_id = v_pool_id AND n.spread < v_start
-                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
-                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
-                      ORDER BY n.spread)
-                    UNION ALL
-                    (SELECT n.id, n.taints FROM nodes n
-                      WHERE n.id = v_only AND n.pool_id = v_pool_id
-                        AND compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> v_sel
-                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations)))
-                LOOP
-                    CONTINUE WHEN v_cand.id = ANY(v_excluded);
-                    -- A spread gang: each allocation on a node none of the others took.
-                    CONTINUE WHEN v_spread AND v_cand.id = ANY(v_gang_nodes);
-                    v_cand_free := compute_free_atoms(v_cand.id, v_alloc, p_from, p_to);
-                    CONTINUE WHEN coalesce(cardinality(v_cand_free), 0) < v_alloc.gpu_count;
-                    CONTINUE WHEN EXISTS (SELECT 1 FROM node_resources r
-                                   JOIN (VALUES ('vcpu', v_alloc.vcpu), ('memory_mib', v_alloc.memory_mib), ('disk_gib', v_alloc.disk_gib)) v(res, need)
-                                     ON v.res = r.resource AND v.need > 0
-                                  WHERE r.node_id = v_cand.id AND r.allocated + v.need > floor(r.allocatable * r.ratio));
-                    -- The tightest of those that fit; untolerated PreferNoSchedule taints last;
-                    -- ties by a hash of node and allocation.
-                    v_rank := ROW(v_cand.taints <> '[]'::jsonb
-                                    AND EXISTS (SELECT 1 FROM jsonb_array_elements(v_cand.taints) t WHERE t->>'effect' = 'PreferNoSchedule'
-                                                  AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(v_alloc.tolerations) o WHERE o->>'key' = t->>'key')),
-                                  cardinality(v_cand_free), md5(v_cand.id || v_alloc.id));
-                    IF v_node IS NULL OR v_rank < v_best THEN
-                        v_node := v_cand.id;
-                        v_free := v_cand_free;
-                        v_best := v_rank;
-                    END IF;
-                    v_found := v_found + 1;
-                    EXIT WHEN v_found >= greatest(p_sample, 1);
-                END LOOP;
-                IF v_node IS NULL THEN
-                    v_reason := 'none';
-                    EXIT;
+                CONTINUE WHEN v_cand.id = ANY(v_excluded);
+                -- A spread gang: each allocation on a node none of the others took.
+                CONTINUE WHEN v_spread AND v_cand.id = ANY(v_gang_nodes);
+                v_cand_free := compute_free_atoms(v_cand.id, v_alloc, p_from, p_to);
+                IF cardinality(v_taken) > 0 THEN
+                    -- Not the atoms the plan already gave another allocation.
+                    v_cand_free := (SELECT array_agg(u.atom ORDER BY u.o) FROM unnest(v_cand_free) WITH ORDINALITY u(atom, o)
+                                     WHERE u.atom <> ALL(v_taken));
                 END IF;
-                -- Which atoms: MIG instances and slots from the front (partly used GPUs fill
-                -- first); whole GPUs from an offset derived from the allocation, so concurrent
-                -- placements on one node rarely reach for the same ones.
-                v_n := cardinality(v_free);
-                v_need := v_alloc.gpu_count;
-                IF v_alloc.gpu_kind = 'gpu' AND v_n > v_need THEN
-                    v_start := abs(hashtextextended(v_alloc.id, 0) % (v_n - v_need + 1))::integer;
-                    v_atoms := v_free[v_start + 1 : v_start + v_need];
-                ELSE
-                    v_atoms := v_free[1 : v_need];
+                CONTINUE WHEN coalesce(cardinality(v_cand_free), 0) < v_alloc.gpu_count;
+                -- The scalars, with what the plan already put on this node.
+                CONTINUE WHEN EXISTS (SELECT 1 FROM node_resources r
+                               JOIN (VALUES ('vcpu', v_alloc.vcpu), ('memory_mib', v_alloc.memory_mib), ('disk_gib', v_alloc.disk_gib)) v(res, need)
+                                 ON v.res = r.resource AND v.need > 0
+                              WHERE r.node_id = v_cand.id
+                                AND r.allocated + v.need
+                                    + (SELECT coalesce(sum((p->>v.res)::bigint), 0) FROM jsonb_array_elements(v_plan) p
+                                        WHERE p->>'node' = v_cand.id)
+                                    > floor(r.allocatable * r.ratio));
+                -- The tightest of those that fit; untolerated PreferNoSchedule taints last;
+                -- ties by a hash of node and allocation.
+                v_rank := ROW(v_cand.taints <> '[]'::jsonb
+                                AND EXISTS (SELECT 1 FROM jsonb_array_elements(v_cand.taints) t WHERE t->>'effect' = 'PreferNoSchedule'
+                                              AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(v_alloc.tolerations) o WHERE o->>'key' = t->>'key')),
+                              cardinality(v_cand_free), md5(v_cand.id || v_alloc.id));
+                IF v_node IS NULL OR v_rank < v_best THEN
+                    v_node := v_cand.id;
+                    v_free := v_cand_free;
+                    v_best := v_rank;
                 END IF;
-                BEGIN
-                    PERFORM 1 FROM nodes n
-                      WHERE n.id = v_node AND compute_node_schedulable(n.lifecycle, n.reachability)
-                        AND n.labels @> v_sel
-                        AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, v_alloc.tolerations))
-                      FOR SHARE;
-                    IF NOT FOUND THEN
-                        RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'the node changed';
-                    END IF;
-                    -- An atom made after the window's start (by a mode change that committed
-                    -- meanwhile) is not bookable from that start.
-                    PERFORM 1 FROM (SELECT a.name FROM device_atoms a JOIN devices d ON d.id = a.device_id
-                                     WHERE a.name = ANY(v_atoms) AND d.node_id = v_node
-                                       AND compute_device_schedulable(d.health, d.quarantined) AND a.created_at <= p_from
-                                     ORDER BY a.name FOR SHARE OF a, d) x;
-                    GET DIAGNOSTICS v_n = ROW_COUNT;
-                    IF v_n <> v_need THEN
-                        RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU changed';
-                    END IF;
-                    INSERT INTO device_bookings (atom, device_id, pool_id, allocation_id, during)
-                        SELECT a.name, a.device_id, v_pool_id, v_alloc.id, v_window FROM device_atoms a WHERE a.name = ANY(v_atoms)
-                        ON CONFLICT DO NOTHING;
-                    GET DIAGNOSTICS v_n = ROW_COUNT;
-                    IF v_n <> v_need THEN
-                        RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'an atom was booked meanwhile';
-                    END IF;
-                    -- Rows locked in resource order first (an UPDATE locks in its plan's order;
-                    -- two orders on one node deadlock); only the resources asked for.
-                    WITH want AS (SELECT * FROM (VALUES ('disk_gib', v_alloc.disk_gib), ('memory_mib', v_alloc.memory_mib), ('vcpu', v_alloc.vcpu)) v(res, need)
-                                   WHERE v.need > 0),
-                         locked AS (SELECT r.node_id, r.resource FROM node_resources r JOIN want w ON w.res = r.resource
-                                     WHERE r.node_id = v_node ORDER BY r.resource FOR UPDATE OF r)
-                    UPDATE node_resources r SET allocated = r.allocated + w.need
-                      FROM locked l, want w
-                     WHERE r.node_id = l.node_id AND r.resource = l.resource AND w.res = l.resource
-                       AND r.allocated + w.need <= floor(r.allocatable * r.ratio);
-                    GET DIAGNOSTICS v_n = ROW_COUNT;
-                    IF v_n <> (v_alloc.vcpu > 0)::int + (v_alloc.memory_mib > 0)::int + (v_alloc.disk_gib > 0)::int THEN
-                        RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'the node''s vCPU, memory or disk filled up';
-                    END IF;
-                    UPDATE allocations SET node_id = v_node, atoms = v_atoms WHERE id = v_alloc.id;
-                    v_reason := NULL;
-                    v_gang_nodes := v_gang_nodes || v_node;
-                EXCEPTION
-                    WHEN SQLSTATE 'CPLR0' THEN
-                        GET STACKED DIAGNOSTICS v_reason = MESSAGE_TEXT;
-                    WHEN lock_not_available OR deadlock_detected THEN
-                        -- The lock-order tests (`Db::without_contention_retry`) say so: a deadlock
-                        -- fails the call, so an inversion of the order cannot be replanned away.
-                        IF SQLSTATE = '40P01' AND current_setting('compute.contention_retry', true) = 'off' THEN
-                            RAISE;
-                        END IF;
-                        v_reason := 'a lock wait timed out';
-                END;
-                EXIT WHEN v_reason IS NULL;
-                v_replans := v_replans + 1;
-                v_lost := v_lost || v_reason;
-                v_excluded := v_excluded || v_node;
-                IF cardinality(v_lost) >= 3 THEN
-                    v_reason := 'lost';
-                    EXIT;
-                END IF;
+                v_found := v_found + 1;
+                EXIT WHEN v_found >= greatest(p_sample, 1);
             END LOOP;
-            IF v_reason IS NOT NULL THEN
-                -- Nothing of this reservation stays booked: leave the block (its savepoint).
-                RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'unschedulable';
+            IF v_node IS NULL THEN
+                v_reason := 'none';
+                EXIT;
             END IF;
+            -- Which atoms: MIG instances and slots from the front (partly used GPUs fill
+            -- first); whole GPUs from an offset derived from the allocation, so concurrent
+            -- placements on one node rarely reach for the same ones.
+            v_n := cardinality(v_free);
+            v_need := v_alloc.gpu_count;
+            IF v_alloc.gpu_kind = 'gpu' AND v_n > v_need THEN
+                v_start := abs(hashtextextended(v_alloc.id, 0) % (v_n - v_need + 1))::integer;
+                v_atoms := v_free[v_start + 1 : v_start + v_need];
+            ELSE
+                v_atoms := v_free[1 : v_need];
+            END IF;
+            v_plan := v_plan || jsonb_build_object('alloc', v_alloc.id, 'node', v_node, 'atoms', to_jsonb(v_atoms),
+                                                   'sel', v_sel, 'tolerations', v_alloc.tolerations,
+                                                   'vcpu', v_alloc.vcpu, 'memory_mib', v_alloc.memory_mib, 'disk_gib', v_alloc.disk_gib);
+            v_taken := v_taken || v_atoms;
+            v_gang_nodes := v_gang_nodes || v_node;
         END LOOP;
-    EXCEPTION WHEN SQLSTATE 'CPLR0' THEN
-        NULL;
-    END;
+        -- No node for an allocation: this group cannot take the reservation.
+        EXIT WHEN v_reason IS NOT NULL;
+        v_planned := ARRAY(SELECT DISTINCT p->>'node' FROM jsonb_array_elements(v_plan) p);
+        BEGIN
+            PERFORM 1 FROM nodes n WHERE n.id = ANY(v_planned) ORDER BY n.id FOR SHARE;
+            IF EXISTS (SELECT 1 FROM jsonb_array_elements(v_plan) p JOIN nodes n ON n.id = p->>'node'
+                        WHERE NOT (compute_node_schedulable(n.lifecycle, n.reachability) AND n.labels @> (p->'sel')
+                                   AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, p->'tolerations')))) THEN
+                RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'the node changed';
+            END IF;
+            -- An atom made after the window's start (by a mode change that committed
+            -- meanwhile) is not bookable from that start.
+            PERFORM 1 FROM (SELECT a.name FROM device_atoms a JOIN devices d ON d.id = a.device_id
+                              JOIN (SELECT p->>'node' AS node, x.atom FROM jsonb_array_elements(v_plan) p,
+                                           jsonb_array_elements_text(p->'atoms') x(atom)) m ON m.atom = a.name AND m.node = d.node_id
+                             WHERE a.name = ANY(v_taken)
+                               AND compute_device_schedulable(d.health, d.quarantined) AND a.created_at <= p_from
+                             ORDER BY a.name FOR SHARE OF a, d) x;
+            GET DIAGNOSTICS v_n = ROW_COUNT;
+            IF v_n <> cardinality(v_taken) THEN
+                RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU changed';
+            END IF;
+            INSERT INTO device_bookings (atom, device_id, pool_id, allocation_id, during)
+                SELECT a.name, a.device_id, v_pool_id, m.alloc, v_window
+                  FROM device_atoms a
+                  JOIN (SELECT p->>'alloc' AS alloc, x.atom FROM jsonb_array_elements(v_plan) p,
+                               jsonb_array_elements_text(p->'atoms') x(atom)) m ON m.atom = a.name
+                 WHERE a.name = ANY(v_taken)
+                ON CONFLICT DO NOTHING;
+            GET DIAGNOSTICS v_n = ROW_COUNT;
+            IF v_n <> cardinality(v_taken) THEN
+                RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'an atom was booked meanwhile';
+            END IF;
+            -- Rows locked in (node, resource) order first (an UPDATE locks in its plan's
+            -- order; two orders deadlock); only the resources asked for.
+            WITH want AS (SELECT p->>'node' AS node_id, v.res, sum(v.need) AS need
+                            FROM jsonb_array_elements(v_plan) p,
+                                 LATERAL (VALUES ('disk_gib', (p->>'disk_gib')::bigint), ('memory_mib', (p->>'memory_mib')::bigint),
+                                                 ('vcpu', (p->>'vcpu')::bigint)) v(res, need)
+                           WHERE v.need > 0
+                           GROUP BY p->>'node', v.res),
+                 -- Read by the key (`node_id = ANY`), not joined: a join's generic plan reads
+                 -- every node's rows.
+                 locked AS (SELECT r.node_id, r.resource FROM node_resources r
+                             WHERE r.node_id = ANY(v_planned) AND (r.node_id, r.resource) IN (SELECT w.node_id, w.res FROM want w)
+                             ORDER BY r.node_id, r.resource FOR UPDATE OF r)
+            UPDATE node_resources r SET allocated = r.allocated + w.need
+              FROM locked l, want w
+             WHERE r.node_id = ANY(v_planned)
+               AND r.node_id = l.node_id AND r.resource = l.resource AND w.node_id = l.node_id AND w.res = l.resource
+               AND r.allocated + w.need <= floor(r.allocatable * r.ratio);
+            GET DIAGNOSTICS v_n = ROW_COUNT;
+            IF v_n <> (SELECT count(*) FROM (SELECT DISTINCT p->>'node', v.res FROM jsonb_array_elements(v_plan) p,
+                                                    LATERAL (VALUES ('disk_gib', (p->>'disk_gib')::bigint), ('memory_mib', (p->>'memory_mib')::bigint),
+                                                                    ('vcpu', (p->>'vcpu')::bigint)) v(res, need)
+                                              WHERE v.need > 0) w) THEN
+                RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'the node''s vCPU, memory or disk filled up';
+            END IF;
+            UPDATE allocations a SET node_id = p->>'node', atoms = ARRAY(SELECT jsonb_array_elements_text(p->'atoms'))
+              FROM jsonb_array_elements(v_plan) p
+             WHERE a.reservation_id = p_id AND a.id = p->>'alloc';
+        EXCEPTION
+            WHEN SQLSTATE 'CPLR0' THEN
+                GET STACKED DIAGNOSTICS v_reason = MESSAGE_TEXT;
+            WHEN lock_not_available OR deadlock_detected THEN
+                -- The lock-order tests (`Db::without_contention_retry`) say so: a deadlock
+                -- fails the call, so an inversion of the order cannot be replanned away.
+                IF SQLSTATE = '40P01' AND current_setting('compute.contention_retry', true) = 'off' THEN
+                    RAISE;
+                END IF;
+                v_reason := 'a lock wait timed out';
+        END;
+        EXIT WHEN v_reason IS NULL;
+        v_replans := v_replans + 1;
+        v_lost := v_lost || v_reason;
+        v_excluded := v_excluded || v_planned;
+        IF cardinality(v_lost) >= 3 THEN
+            v_reason := 'lost';
+            EXIT;
+        END IF;
+    END LOOP;
     EXIT WHEN v_reason IS NULL OR v_reason = 'lost';
     END LOOP;
     IF v_reason IS NULL THEN
@@ -331,3 +370,4 @@ ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SE
 ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET enable_seqscan = off;
 ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET enable_sort = off;
 ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET enable_bitmapscan = off;
+ALTER FUNCTION compute_place(text, timestamptz, timestamptz, integer, text[]) SET jit = off;

@@ -1597,6 +1597,89 @@ async fn a_deadlock_inside_placement_fails_the_call_when_contention_is_not_retri
     );
 }
 
+/// A placement of several allocations takes its locks in key order, whatever order its
+/// allocations name the nodes in (migration 0039). Two allocations pinned by their selectors:
+/// the first to the node with the greater id, the second to the other. A second transaction, in
+/// the documented order, holds the lower node's counters, waits until the placement waits on
+/// them, then asks for the higher node's. Placing allocation by allocation, as before, the
+/// placement held the higher node's counters (its first allocation's) while waiting on the
+/// lower's: a deadlock, which the lock-order tests' mode (`Db::without_contention_retry`)
+/// reports as 40P01. In key order the placement asks for the lower node's counters first and
+/// holds nothing the second transaction wants: it waits, then places both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placement_of_several_allocations_locks_its_nodes_in_key_order() {
+    use compute_domain::fleet::model::TaintEffect;
+    use compute_domain::idempotency::Actor;
+    use compute_domain::reservations::lifecycle::create_reservation;
+    use compute_domain::reservations::model::{AllocationInput, parse_request};
+    let app = spawn_app().await;
+    let p = pool(&app).await;
+    // h100-a and h100-b (tainted, tolerated below), ordered by id.
+    let (a, b) = (p.nodes[0].clone(), p.nodes[1].clone());
+    let ((lo, lo_host), (hi, hi_host)) = if a < b {
+        ((a, "h100-a"), (b, "h100-b"))
+    } else {
+        ((b, "h100-b"), (a, "h100-a"))
+    };
+    let on = |host: &str| AllocationInput {
+        gpu_count: 1,
+        vcpu: 1,
+        node_selector: vec![("host".into(), host.into())],
+        tolerations: vec![(
+            "dedicated".into(),
+            Some("train".into()),
+            Some(TaintEffect::NoSchedule),
+        )],
+        ..AllocationInput::default()
+    };
+    let now = app.db.db.compute_now().await.expect("now");
+    let request = parse_request(
+        &p.pool,
+        None,
+        now + chrono::Duration::hours(1),
+        &[on(hi_host), on(lo_host)],
+        None,
+    )
+    .expect("request");
+    let acme = Actor::member("alice", compute_tests::tenant("acme"));
+    let db = app.db.db.clone().without_contention_retry();
+    let mut side = app
+        .db
+        .db
+        .pool()
+        .begin()
+        .await
+        .expect("a second transaction");
+    sqlx::query("SELECT 1 FROM node_resources WHERE node_id = $1 ORDER BY resource FOR UPDATE")
+        .bind(&lo)
+        .execute(&mut *side)
+        .await
+        .expect("hold the lower node's counters");
+    let placing =
+        tokio::spawn(async move { create_reservation(&db, &acme, request, "key-order").await });
+    app.until_lock_waiters(1).await;
+    sqlx::query("SELECT 1 FROM node_resources WHERE node_id = $1 ORDER BY resource FOR UPDATE")
+        .bind(&hi)
+        .execute(&mut *side)
+        .await
+        .expect("the higher node's counters: the placement holds none of them while it waits");
+    side.rollback().await.expect("let go");
+    let (made, stats) = placing.await.expect("join").expect("placed, no deadlock");
+    assert_eq!(stats.replans, 0);
+    let nodes: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT node_id FROM allocations WHERE reservation_id = $1 ORDER BY ordinal",
+    )
+    .bind(made.value.id.as_str())
+    .fetch_all(app.db.db.pool())
+    .await
+    .expect("allocations");
+    assert_eq!(
+        nodes,
+        vec![Some(hi), Some(lo)],
+        "each allocation on its node"
+    );
+}
+
 /// The events tell the story the reads told: a scheduled reservation whose window has started
 /// reads `ACTIVE` before the reconciler activates it; released (or expired) before the reconciler
 /// came, its events are still `scheduled`, `active`, then the end, in that order, the activation's
