@@ -1,9 +1,10 @@
 -- Placement takes its locks in key order however many allocations it places (a torture
--- run of session 40 found a deadlock, retried away, between two placements of several allocations:
--- each locked its nodes, atoms and `node_resources` rows allocation by allocation, so two of
--- them, or one and a release or liveness pass taking several nodes in id order, could wait on
--- each other). `compute_place` now plans every allocation of a group first, without locks (the
--- atoms and scalars the plan took counted as used), then attempts the whole plan in one block:
+-- run of session 40 counted a deadlock inside a placement attempt, retried away). A placement of
+-- several allocations locked its nodes, atoms and `node_resources` rows allocation by
+-- allocation, so two of them, or one and an expiry batch (which takes several nodes' counters
+-- in key order), could wait on each other. `compute_place` now plans every allocation of a
+-- group first, without locks (the atoms and scalars the plan took counted as used), then
+-- attempts the whole plan in one block:
 -- nodes `FOR SHARE` in id order, atoms and devices in atom order, the bookings, the
 -- `node_resources` rows in (node, resource) order, the allocations. A lost attempt is planned
 -- again without its nodes, at most three times, as one allocation's was. One block per attempt
