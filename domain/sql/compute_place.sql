@@ -43,6 +43,7 @@ DECLARE
     v_plan       jsonb;
     v_taken      text[];
     v_planned    text[];
+    v_fits       boolean;
 BEGIN
     SELECT p.id, p.name, r.gang_colocate, r.gang_label, r.gang_spread
       INTO v_pool_id, v_pool_name, v_colocate, v_label, v_spread
@@ -223,7 +224,8 @@ BEGIN
                 RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'an atom was booked meanwhile';
             END IF;
             -- Rows locked in (node, resource) order first (an UPDATE locks in its plan's
-            -- order; two orders deadlock); only the resources asked for.
+            -- order; two orders deadlock); only the resources asked for. Every row wanted must
+            -- be updated under its guard.
             WITH want AS (SELECT p->>'node' AS node_id, v.res, sum(v.need) AS need
                             FROM jsonb_array_elements(v_plan) p,
                                  LATERAL (VALUES ('disk_gib', (p->>'disk_gib')::bigint), ('memory_mib', (p->>'memory_mib')::bigint),
@@ -234,17 +236,15 @@ BEGIN
                  -- every node's rows.
                  locked AS (SELECT r.node_id, r.resource FROM node_resources r
                              WHERE r.node_id = ANY(v_planned) AND (r.node_id, r.resource) IN (SELECT w.node_id, w.res FROM want w)
-                             ORDER BY r.node_id, r.resource FOR UPDATE OF r)
-            UPDATE node_resources r SET allocated = r.allocated + w.need
-              FROM locked l, want w
-             WHERE r.node_id = ANY(v_planned)
-               AND r.node_id = l.node_id AND r.resource = l.resource AND w.node_id = l.node_id AND w.res = l.resource
-               AND r.allocated + w.need <= floor(r.allocatable * r.ratio);
-            GET DIAGNOSTICS v_n = ROW_COUNT;
-            IF v_n <> (SELECT count(*) FROM (SELECT DISTINCT p->>'node', v.res FROM jsonb_array_elements(v_plan) p,
-                                                    LATERAL (VALUES ('disk_gib', (p->>'disk_gib')::bigint), ('memory_mib', (p->>'memory_mib')::bigint),
-                                                                    ('vcpu', (p->>'vcpu')::bigint)) v(res, need)
-                                              WHERE v.need > 0) w) THEN
+                             ORDER BY r.node_id, r.resource FOR UPDATE OF r),
+                 updated AS (UPDATE node_resources r SET allocated = r.allocated + w.need
+                               FROM locked l, want w
+                              WHERE r.node_id = ANY(v_planned)
+                                AND r.node_id = l.node_id AND r.resource = l.resource AND w.node_id = l.node_id AND w.res = l.resource
+                                AND r.allocated + w.need <= floor(r.allocatable * r.ratio)
+                             RETURNING 1)
+            SELECT (SELECT count(*) FROM updated) = (SELECT count(*) FROM want) INTO v_fits;
+            IF NOT v_fits THEN
                 RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'the node''s vCPU, memory or disk filled up';
             END IF;
             UPDATE allocations a SET node_id = p->>'node', atoms = ARRAY(SELECT jsonb_array_elements_text(p->'atoms'))
