@@ -72,8 +72,9 @@ impl Metrics {
         registry.register(
             "compute_api_refusals",
             "Requests and connections refused at a published limit, by reason (cost, rate_limited, \
-             aliases, root_fields, directives, selections, errors, nul_character, timeout, \
-             streams, token_lifetime, connections).",
+             document_bytes, aliases, root_fields, directives, selections, errors, nul_character, \
+             list_items, timeout, body_timeout, ws_message_bytes, streams, anonymous_stream, \
+             connections).",
             metrics.refusals.clone(),
         );
         registry.register(

@@ -35,8 +35,9 @@ pub struct Args {
     /// Address of the worker's own `/healthz` and `/metrics`.
     #[arg(long, env = "COMPUTE_WORKER_LISTEN", default_value = "127.0.0.1:9091")]
     pub listen: SocketAddr,
-    /// Seconds between two resync passes of the reservation reconciler (1 to 86400).
-    #[arg(long, env = "COMPUTE_RESYNC_EVERY", default_value = "60", value_parser = seconds(1.0, 86_400.0))]
+    /// Seconds between two passes of the reservation reconciler (liveness, activation, expiry,
+    /// retries; 1 to 5): at most 5, because the pass also renews its lease every 5 s.
+    #[arg(long, env = "COMPUTE_RESYNC_EVERY", default_value = "5", value_parser = seconds(1.0, 5.0))]
     pub resync_seconds: Duration,
     /// The work-queue kinds this process runs (comma-separated); `noop` is for benchmarks.
     #[arg(

@@ -78,9 +78,6 @@ pub const HARD_MAX_AGE: Duration = Duration::from_secs(30 * 24 * 3600);
 /// command for dispatch and every unsettled instance for its workflow, whatever was enqueued.
 pub const ROLLUP_RESYNC_EVERY: Duration = compute_domain::work_queue::RESYNC_EVERY;
 
-/// How often the reservation resync runs by default.
-pub const RESYNC_EVERY: Duration = Duration::from_secs(60);
-
 /// How long a dispatcher's claim keeps other claimers off a node's `node_commands` row.
 pub const DISPATCH_CLAIM: Duration = Duration::from_secs(10);
 

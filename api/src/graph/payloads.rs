@@ -167,13 +167,16 @@ impl From<ev::PoolPayload> for PoolEventPayload {
     }
 }
 
-/// `node.*`: the node after the change; `node.registered` also carries its devices,
-/// `node.drained` what still holds it.
+/// `node.*`: the node after the change; `node.registered` and the `node.updated` of an
+/// accepted inventory also carry its devices, `node.drained` what still holds it.
 #[derive(SimpleObject)]
 pub struct NodeEventPayload {
     /// The node.
     node: NodeSnapshot,
-    /// Its devices (`node.registered` only; null otherwise).
+    /// Its devices: all of them on `node.registered` and on the `node.updated` of an accepted
+    /// inventory (`acceptNodeInventory`); on `node.inventory_mismatch` and
+    /// `node.inventory_matched`, those whose mismatch changed (null when none did); null
+    /// otherwise.
     devices: Option<Vec<DeviceSnapshot>>,
     /// What still holds its atoms (`node.drained` only; null otherwise).
     remaining: Option<Vec<HolderSnapshot>>,
