@@ -1,4 +1,4 @@
--- The current definition, as migrations/0038_create_writes_its_answer_once.sql left it. Change it with a new migration
+-- The current definition, as migrations/0040_reservation_length_without_start.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -74,6 +74,11 @@ BEGIN
         END IF;
         IF p_ends_at <= v_start THEN
             RAISE EXCEPTION USING ERRCODE = 'CP400', MESSAGE = '`endsAt` must be after the start', DETAIL = 'endsAt';
+        END IF;
+        -- The longest window (`reservations::model::MAX_DAYS`), measured from the start the
+        -- reservation gets: the API checks it when `startsAt` is given; without it, only here.
+        IF p_ends_at - v_start > interval '366 days' THEN
+            RAISE EXCEPTION USING ERRCODE = 'CP400', MESSAGE = 'a reservation lasts at most 366 days', DETAIL = 'endsAt';
         END IF;
 
         -- The pool's rules (migration 0034), each only where the pool sets it. A refusal names

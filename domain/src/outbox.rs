@@ -482,6 +482,28 @@ pub async fn check_not_expired(db: &crate::db::Db, after: Cursor) -> crate::Resu
     check_against(pruned_through(db).await?, after)
 }
 
+/// `BAD_USER_INPUT` when `after` is past every event the outbox can hold: its transaction id is
+/// at or past the database's next one (every event's `txid` is an id already assigned, or the
+/// subject's latest event's). Such a cursor was never one of this database's (forged, or saved
+/// from a deployment whose database was made again), and a feed after it would wait for events
+/// that never come. One query: callers ask only for a cursor ahead of what they have seen.
+pub async fn check_not_ahead(db: &crate::db::Db, after: Cursor) -> crate::Result<()> {
+    let next: i64 =
+        sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+            .fetch_one(db.pool())
+            .await?;
+    if after.txid >= next {
+        return Err(crate::Error::bad_input(
+            "after",
+            format!(
+                "the cursor {} is ahead of every event of this stream (it is not one of this deployment's cursors); resubscribe without `after`",
+                after.encode()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// `CURSOR_EXPIRED` when `after` is before `front`, the pruned front of the outbox.
 pub fn check_against(front: Cursor, after: Cursor) -> crate::Result<()> {
     if after < front {

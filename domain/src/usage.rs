@@ -266,6 +266,8 @@ impl ReportQuery {
         to: DateTime<Utc>,
         group_by: Vec<GroupBy>,
     ) -> Result<ReportQuery> {
+        let from = crate::fleet::model::parse_time("from", from)?;
+        let to = crate::fleet::model::parse_time("to", to)?;
         if to <= from {
             return Err(Error::bad_input("to", "`to` must be later than `from`"));
         }

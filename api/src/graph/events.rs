@@ -319,8 +319,13 @@ async fn start(ctx: &Context<'_>, after: Option<String>) -> GqlResult<Cursor> {
     let tailer = tailer(ctx)?;
     match given {
         Some(c) => {
-            tailer.present().await;
+            let present = tailer.present().await;
             tailer.check_not_expired(c)?;
+            // Ahead of what this process has seen: another process's newer event, or a cursor
+            // no event has (which would wait forever): the database tells them apart.
+            if c > present {
+                compute_domain::outbox::check_not_ahead(tailer.db(), c).await?;
+            }
             Ok(c)
         }
         None => Ok(tailer.present().await),

@@ -175,7 +175,9 @@ impl UsageReport {
             None => 0,
             Some(c) => decode_cursor("after", &c)?
                 .parse::<i64>()
-                .map_err(|_| {
+                .ok()
+                .filter(|n| *n >= 0)
+                .ok_or_else(|| {
                     gql_error(Error::bad_input("after", "not a cursor of this connection"))
                 })?
                 .saturating_add(1),

@@ -428,8 +428,11 @@ pub async fn grant(
                     }
                 }
                 let made = async {
-                    lock_principal(conn, &spec.principal, &actor.subject).await?;
+                    // The account row before the principal's, as its revocation takes them
+                    // (docs/database-locks.md): the other way round, a grant holding the
+                    // principal and a revocation holding the account waited on each other.
                     check_service_account(conn, &spec.principal).await?;
+                    lock_principal(conn, &spec.principal, &actor.subject).await?;
                     let (grant, new) = insert_grant(conn, &spec, &actor.subject).await?;
                     changed(conn, &spec.principal).await?;
                     if new {

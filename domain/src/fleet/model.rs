@@ -56,6 +56,18 @@ pub fn parse_name(field: &str, value: &str) -> Result<String> {
     Ok(v.to_owned())
 }
 
+/// A GPU's vendor: 1 to 50 printable characters (the `devices_vendor_length` check).
+pub fn parse_vendor(field: &str, value: &str) -> Result<String> {
+    let v = value.trim();
+    if v.is_empty() || v.chars().count() > 50 || v.chars().any(char::is_control) {
+        return Err(Error::bad_input(
+            field,
+            format!("`{field}` must be 1 to 50 printable characters"),
+        ));
+    }
+    Ok(v.to_owned())
+}
+
 /// A label or taint key: 1 to 63 of `[A-Za-z0-9._/-]`, starting with a letter or digit.
 pub fn parse_key(field: &str, key: &str) -> Result<String> {
     let ok = !key.is_empty()
@@ -219,13 +231,16 @@ impl std::fmt::Display for GpuUuid {
     }
 }
 
-/// How long a node of a provider or VPS pool may be unreachable before it counts as lost: a
-/// positive number of seconds.
+/// The longest a node may be unreachable before it counts as lost: a year (366 days).
+pub const MAX_LOST_AFTER_SECONDS: i64 = 366 * 86_400;
+
+/// How long a node of a provider or VPS pool may be unreachable before it counts as lost: 1 to
+/// [`MAX_LOST_AFTER_SECONDS`] seconds.
 pub fn parse_lost_after(field: &str, seconds: i64) -> Result<i64> {
-    if seconds <= 0 {
+    if !(1..=MAX_LOST_AFTER_SECONDS).contains(&seconds) {
         return Err(Error::bad_input(
             field,
-            format!("`{field}` must be positive"),
+            format!("`{field}` must be 1 to {MAX_LOST_AFTER_SECONDS} seconds (366 days)"),
         ));
     }
     Ok(seconds)

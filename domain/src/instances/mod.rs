@@ -84,6 +84,11 @@ macro_rules! query_instances {
     };
 }
 
+/// The most the image, command and env of an instance take together as JSON: the run command's
+/// `args` limit less room for up to 64 atoms' names (a GPU's UUID of up to 80 characters and a
+/// suffix, quoted: 96 bytes each).
+pub const RUN_ARGS_BYTES: usize = cmds::MAX_OBJECT_BYTES - 64 * 96;
+
 /// What a tenant asks for with `createInstance`, checked: only [`InstanceRequest::parse`] makes
 /// one, so a value that exists is valid.
 #[derive(Debug, Clone, Serialize)]
@@ -156,8 +161,27 @@ impl InstanceRequest {
                 "env is at most 64 variables named [A-Za-z_][A-Za-z0-9_]* (at most 128), values of at most 4096 characters without NUL",
             ));
         }
-        if json!(self.env).to_string().len() > cmds::MAX_OBJECT_BYTES {
+        if cmds::jsonb_text_len(&json!(self.env)) > cmds::MAX_OBJECT_BYTES {
             return Err(Error::bad_input("env", "env is larger than 16384 bytes"));
+        }
+        // The run command carries the image, command and env together, with the instance's id
+        // and its GPUs' atoms, in one `args` object of at most MAX_OBJECT_BYTES: checked here,
+        // or the instance would be created and its run command refused (INTERNAL, retried
+        // without end) by the worker.
+        let run = json!({
+            "instanceId": "ins_00000000000000000000000000000000",
+            "image": self.image,
+            "command": self.command,
+            "env": self.env,
+        });
+        if cmds::jsonb_text_len(&run) > RUN_ARGS_BYTES {
+            return Err(Error::bad_input(
+                "command",
+                format!(
+                    "image, command and env take at most {RUN_ARGS_BYTES} bytes together (as JSON); the run command's arguments, with the GPUs', are at most {} bytes",
+                    cmds::MAX_OBJECT_BYTES
+                ),
+            ));
         }
         Ok(())
     }

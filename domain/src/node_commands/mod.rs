@@ -47,8 +47,29 @@ pub use state::{Kind, State};
 pub const NOTIFY_CHANNEL: &str = "compute_agent_commands";
 /// How many commands of one node one dispatch transaction sends at most.
 pub const DISPATCH_BATCH: i64 = 100;
-/// The largest `args`, `output` or `progress` object, serialized.
+/// The largest `args`, `output` or `progress` object, serialized as PostgreSQL prints `jsonb`
+/// (the `commands_args` check measures `args::text`; [`jsonb_text_len`]).
 pub const MAX_OBJECT_BYTES: usize = 16 * 1024;
+
+/// The length of `value` as PostgreSQL prints it as `jsonb` text: serde's compact form with a
+/// space after each `:` and `,` (`{"a": 1, "b": [1, 2]}`), which is what the database's size
+/// checks (`octet_length(x::text)`) measure. Compact JSON is shorter, so checking it let an
+/// object the database refuses through as an `INTERNAL` error.
+pub fn jsonb_text_len(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => {
+            2 + items.iter().map(jsonb_text_len).sum::<usize>() + 2 * items.len().saturating_sub(1)
+        }
+        Value::Object(members) => {
+            2 + members
+                .iter()
+                .map(|(k, v)| Value::String(k.clone()).to_string().len() + 2 + jsonb_text_len(v))
+                .sum::<usize>()
+                + 2 * members.len().saturating_sub(1)
+        }
+        scalar => scalar.to_string().len(),
+    }
+}
 /// Who the control plane's own commands are created by.
 pub const CONTROL_PLANE: &str = "control-plane";
 
@@ -143,7 +164,7 @@ pub fn check_object(field: &str, value: &Value) -> Result<()> {
             format!("`{field}` must be a JSON object"),
         ));
     }
-    if value.to_string().len() > MAX_OBJECT_BYTES {
+    if jsonb_text_len(value) > MAX_OBJECT_BYTES {
         return Err(Error::bad_input(
             field,
             format!("`{field}` is larger than {MAX_OBJECT_BYTES} bytes"),

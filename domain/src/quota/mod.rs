@@ -94,12 +94,16 @@ pub async fn set_quota(
             "give at least one of `gpus`, `vcpu`, `memoryMib`",
         ));
     }
+    // Upserted in key order (gpu, memory_mib, vcpu), as every charge and refund locks them
+    // (docs/database-locks.md): in the order given, `vcpu` came before `memory_mib` and a create
+    // holding one while waiting for the other closed a cycle.
+    rows.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
     let subject = actor.subject.clone();
     db.tx("set_quota", TxKind::Write, move |conn| {
         let (tenant, scope, rows, subject) = (tenant.clone(), scope.clone(), rows.clone(), subject.clone());
         Box::pin(async move {
-            // Lock order: quota_usage first, then the scope's row (FOR KEY SHARE: it must exist
-            // and stay).
+            // Lock order: quota_usage first, its rows in key order (the INSERT takes them in
+            // `unnest`'s order), then the scope's row (FOR KEY SHARE: it must exist and stay).
             let resources: Vec<&str> = rows.iter().map(|(r, _)| r.as_str()).collect();
             let amounts: Vec<f64> = rows.iter().map(|(_, a)| *a).collect();
             let quotas = sqlx::query_as!(

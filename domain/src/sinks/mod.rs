@@ -533,17 +533,24 @@ pub async fn save_progress(
     cursor: Cursor,
     delivered: i64,
 ) -> Result<()> {
-    sqlx::query!(
-        "WITH c AS (UPDATE outbox_cursors SET txid = $2::text::xid8, seq = $3, delivered = delivered + $4, updated_at = compute_now() \
-                     WHERE sink_id = $1 AND ($2::text::xid8, $3) >= (txid, seq)) \
-         UPDATE event_sinks SET failures = 0, next_attempt_at = NULL, last_success_at = compute_now(), \
+    // The sink's row, then its cursor (docs/database-locks.md), as a deletion (the cursor by
+    // cascade) and the pruning that marks a sink `behind` take them.
+    sqlx::query(
+        "UPDATE event_sinks SET failures = 0, next_attempt_at = NULL, last_success_at = compute_now(), \
                 state = CASE WHEN state = 'behind' THEN 'behind' ELSE 'healthy' END, updated_at = compute_now() \
           WHERE id = $1",
-        id.as_str(),
-        cursor.txid.to_string(),
-        cursor.seq,
-        delivered,
     )
+    .bind(id.as_str())
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "UPDATE outbox_cursors SET txid = $2::text::xid8, seq = $3, delivered = delivered + $4, updated_at = compute_now() \
+          WHERE sink_id = $1 AND ($2::text::xid8, $3) >= (txid, seq)",
+    )
+    .bind(id.as_str())
+    .bind(cursor.txid.to_string())
+    .bind(cursor.seq)
+    .bind(delivered)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -571,6 +578,7 @@ pub async fn record_failure(conn: &mut PgConnection, id: &SinkId, error: &str) -
 /// Prunes the outbox: events past `retention` that every active sink has passed, and events
 /// past `hard_max_age` whatever the sinks; a sink left before the pruned front is moved to it
 /// and marked `behind`. Returns how many events were deleted.
+#[tracing::instrument(level = "debug", skip_all, fields(retention_seconds = retention.as_secs()))]
 pub async fn prune_outbox(
     db: &Db,
     retention: std::time::Duration,
@@ -601,17 +609,32 @@ pub async fn prune_outbox(
             break;
         }
     }
-    let behind = sqlx::query!(
-        "WITH f AS (SELECT pruned_txid, pruned_seq FROM outbox_retention WHERE singleton), \
-              moved AS (UPDATE outbox_cursors c SET txid = f.pruned_txid, seq = f.pruned_seq, updated_at = compute_now() \
-                          FROM f WHERE (c.txid, c.seq) < (f.pruned_txid, f.pruned_seq) RETURNING c.sink_id) \
-         UPDATE event_sinks s SET state = 'behind', \
-                last_error = 'events this sink had not received were pruned past the outbox''s hard maximum age', \
-                last_error_at = compute_now(), updated_at = compute_now() \
-           FROM moved m WHERE s.id = m.sink_id",
-    )
-    .execute(db.pool())
-    .await?;
+    // The sinks before their cursors, in id order, as a save (the dispatcher's) and a deletion
+    // take them (docs/database-locks.md): moving the cursors first waited in a cycle with them.
+    let behind = db
+        .tx("mark_sinks_behind", TxKind::Write, |conn| {
+            Box::pin(async move {
+                sqlx::query(
+                    "SELECT 1 FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id \
+                       JOIN outbox_retention f ON f.singleton \
+                      WHERE (c.txid, c.seq) < (f.pruned_txid, f.pruned_seq) ORDER BY s.id FOR UPDATE OF s",
+                )
+                .execute(&mut *conn)
+                .await?;
+                Ok(sqlx::query!(
+                    "WITH f AS (SELECT pruned_txid, pruned_seq FROM outbox_retention WHERE singleton), \
+                          moved AS (UPDATE outbox_cursors c SET txid = f.pruned_txid, seq = f.pruned_seq, updated_at = compute_now() \
+                                      FROM f WHERE (c.txid, c.seq) < (f.pruned_txid, f.pruned_seq) RETURNING c.sink_id) \
+                     UPDATE event_sinks s SET state = 'behind', \
+                            last_error = 'events this sink had not received were pruned past the outbox''s hard maximum age', \
+                            last_error_at = compute_now(), updated_at = compute_now() \
+                       FROM moved m WHERE s.id = m.sink_id",
+                )
+                .execute(&mut *conn)
+                .await?)
+            })
+        })
+        .await?;
     if behind.rows_affected() > 0 {
         tracing::warn!(
             sinks = behind.rows_affected(),

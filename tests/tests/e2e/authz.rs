@@ -954,3 +954,53 @@ async fn the_feed_is_pruned_after_a_day_and_the_grants_stay() {
         "decided by its grant"
     );
 }
+
+/// A grant to a service account takes the account's row before the principal's, as revoking
+/// the account does: a transaction that holds the account `FOR UPDATE` and then the principal
+/// (the revocation's order) makes the grant wait, holding nothing; the other way round the two
+/// waited on each other.
+#[tokio::test]
+async fn a_grant_to_a_service_account_locks_the_account_before_the_principal() {
+    use compute_domain::authz::{GrantRole, GrantSpec, Principal, create_service_account, grant};
+    use compute_domain::idempotency::Actor;
+    let app = spawn_app().await;
+    let admin = Actor::operator("root");
+    let (account, _, _) = create_service_account(&app.db.db, &admin, "ci", 3600, None)
+        .await
+        .expect("an account");
+    let principal = Principal::service_account(&account.id);
+    let mut side = app
+        .db
+        .db
+        .pool()
+        .begin()
+        .await
+        .expect("a second transaction");
+    sqlx::query("SELECT 1 FROM service_accounts WHERE id = $1 FOR UPDATE")
+        .bind(account.id.as_str())
+        .execute(&mut *side)
+        .await
+        .expect("hold the account, as its revocation does");
+    let db = app.db.db.clone().without_contention_retry();
+    let spec = GrantSpec {
+        principal: principal.clone(),
+        role: GrantRole::Member,
+        tenant_id: Some(compute_tests::tenant("acme")),
+        scope_id: None,
+    };
+    let granting = tokio::spawn(async move { grant(&db, &admin, spec, None).await });
+    app.until_lock_waiters(1).await;
+    sqlx::query(
+        "INSERT INTO authz_principals AS a (issuer, subject, managed_by) VALUES ($1, $2, 'root')
+         ON CONFLICT (issuer, subject) DO UPDATE SET managed_by = a.managed_by",
+    )
+    .bind(&principal.issuer)
+    .bind(&principal.subject)
+    .execute(&mut *side)
+    .await
+    .expect("the principal: the grant holds no row while it waits");
+    side.rollback().await.expect("let go");
+    let made = granting.await.expect("join").expect("granted, no deadlock");
+    assert_eq!(made.value.subject, principal.subject);
+    assert_eq!(made.value.role, GrantRole::Member);
+}

@@ -1050,3 +1050,164 @@ fn rand_suffix() -> u32 {
     static N: AtomicU32 = AtomicU32::new(0);
     N.fetch_add(1, Ordering::Relaxed)
 }
+
+/// Values a check at the door let through to a database check (an `INTERNAL` error) or past
+/// every check (an effect nobody wanted): each is now refused where it enters, with the field
+/// it is about, and nothing is written.
+#[tokio::test]
+async fn values_only_the_database_refused_are_refused_where_they_enter() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = crate::reservations::pool(&app).await;
+    let (op, member) = (app.operator(), app.member("acme"));
+    let field_of = |e: &Value| {
+        e["extensions"]["field"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+
+    // A reservation that starts now (no `startsAt`) and ends 400 days later: it held GPUs and
+    // quota for as long as `endsAt` said. 365 days is a reservation.
+    let create = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id } } }";
+    let long = |key: &str, ends: &str| json!({ "i": { "poolId": p.pool, "endsAt": ends, "idempotencyKey": key, "allocations": [{ "gpuCount": 1 }] } });
+    let (code, error) = app
+        .fails(&member, create, long("long", "2032-02-05T00:00:00Z"))
+        .await;
+    assert_eq!(
+        (code.as_str(), field_of(&error).as_str()),
+        ("BAD_USER_INPUT", "endsAt"),
+        "{error}"
+    );
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("366 days"),
+        "{error}"
+    );
+    assert_eq!(app.count("reservations").await, 0);
+    assert_eq!(app.count("idempotency_keys").await, 0, "no key kept");
+    app.ok(&member, create, long("year", "2031-12-31T00:00:00Z"))
+        .await;
+    assert_eq!(app.count("reservations").await, 1);
+
+    // A pool's `lostAfterSeconds` past PostgreSQL's interval (it wrapped to a negative one).
+    let (code, error) = app
+        .fails(
+            &op,
+            crate::fleet::CREATE_POOL,
+            json!({ "i": { "siteId": p.site, "name": "far", "kind": "PROVIDER", "lostAfterSeconds": 10_000_000_000_000_i64 } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), field_of(&error).as_str()),
+        ("BAD_USER_INPUT", "lostAfterSeconds"),
+        "{error}"
+    );
+
+    // A GPU vendor of 60 characters (the column holds 50).
+    let (code, error) = app
+        .fails(
+            &op,
+            crate::fleet::REGISTER,
+            json!({ "i": { "poolId": p.pool, "hostname": "vendor-node", "resources": { "vcpu": 8, "memoryMib": 65536, "diskGib": 100 },
+                "devices": [{ "uuid": "GPU-vendor-0", "vendor": "v".repeat(60), "model": "H100", "memoryMib": 81559 }] } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), field_of(&error).as_str()),
+        ("BAD_USER_INPUT", "devices[0].vendor"),
+        "{error}"
+    );
+
+    // Command arguments of 16,301 bytes as compact JSON and 16,500 as PostgreSQL prints them:
+    // the database's check measures the latter.
+    let args: serde_json::Map<String, Value> = (0..100)
+        .map(|i| (format!("k{i:02}"), Value::String("x".repeat(154))))
+        .collect();
+    let commands = app.count("commands").await;
+    let (code, error) = app
+        .fails(
+            &op,
+            "mutation($i: RunCommandInput!) { runCommand(input: $i) { command { id } } }",
+            json!({ "i": { "computeNodeId": p.nodes[0], "kind": "NOOP", "args": args, "idempotencyKey": "big-args" } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), field_of(&error).as_str()),
+        ("BAD_USER_INPUT", "args"),
+        "{error}"
+    );
+    assert_eq!(app.count("commands").await, commands);
+
+    // An instance whose command fits argument by argument but not in its run command.
+    let (code, error) = app
+        .fails(
+            &member,
+            "mutation($i: CreateInstanceInput!) { createInstance(input: $i) { instance { id } } }",
+            json!({ "i": { "allocationId": format!("alc_{}", "0".repeat(32)), "image": "busybox", "idempotencyKey": "long-command",
+                "command": vec!["y".repeat(4000); 5] } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), field_of(&error).as_str()),
+        ("BAD_USER_INPUT", "command"),
+        "{error}"
+    );
+    assert_eq!(app.count("instances").await, 0);
+
+    // A usage page cursor made by hand (offset -4), and a range before the year 1970.
+    let groups = "query($a: String, $f: DateTime!, $t: DateTime!) { usage(from: $f, to: $t) { groups(first: 1, after: $a) { edges { cursor } } } }";
+    let (code, error) = app
+        .fails(
+            &op,
+            groups,
+            json!({ "a": compute_domain::page::encode_cursor("-5"), "f": "2031-01-01T00:00:00Z", "t": "2031-01-02T00:00:00Z" }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), field_of(&error).as_str()),
+        ("BAD_USER_INPUT", "after"),
+        "{error}"
+    );
+    let (code, error) = app
+        .fails(
+            &op,
+            groups,
+            json!({ "a": null, "f": "-5000-01-01T00:00:00Z", "t": "-5000-02-01T00:00:00Z" }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), field_of(&error).as_str()),
+        ("BAD_USER_INPUT", "from"),
+        "{error}"
+    );
+
+    // An event cursor past every event this database can hold: the stream waited for ever.
+    let ahead = compute_domain::outbox::Cursor {
+        txid: i64::MAX / 2,
+        seq: 0,
+    }
+    .encode();
+    let res = app
+        .http
+        .post(app.url("/graphql/stream"))
+        .header("Accept", "text/event-stream")
+        .bearer_auth(&member)
+        .json(&json!({
+            "query": "subscription($a: String) { events(after: $a) { id } }",
+            "variables": { "a": ahead },
+        }))
+        .send()
+        .await
+        .expect("POST");
+    let text = tokio::time::timeout(Duration::from_secs(10), res.text())
+        .await
+        .expect("the stream ends with its error")
+        .expect("body");
+    assert!(
+        text.contains("BAD_USER_INPUT") && text.contains("ahead of every event"),
+        "{text}"
+    );
+}

@@ -1411,6 +1411,8 @@ async fn a_create_answers_with_the_reservation_as_its_row_reads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_contested_placement_replans_elsewhere_and_gives_up_after_three_attempts() {
     let app = spawn_app().await;
+    // `reservations::input` ends at 2031-01-01T02:00Z: a reservation of two hours, not years.
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let op = app.operator();
     let site = app
         .ok(&op, CREATE_SITE, json!({ "i": { "name": "replan" } }))
@@ -1677,6 +1679,70 @@ async fn a_placement_of_several_allocations_locks_its_nodes_in_key_order() {
         nodes,
         vec![Some(hi), Some(lo)],
         "each allocation on its node"
+    );
+}
+
+/// Setting a quota takes the tenant's rows in key order (gpu, memory_mib, vcpu), as a create's
+/// charge does: a transaction that holds `memory_mib` and then takes `vcpu` (the documented order)
+/// waits for `set_quota` or lets it wait, never closes a cycle with it. Given in the request's
+/// order (vCPU before memory), the upsert held `vcpu` while waiting for `memory_mib`.
+#[tokio::test]
+async fn setting_a_quota_locks_its_rows_in_key_order() {
+    use compute_domain::idempotency::Actor;
+    use compute_domain::ids::ScopeId;
+    use compute_domain::quota::{QuotaLimits, set_quota};
+    let app = spawn_app().await;
+    let p = pool(&app).await;
+    let scope = ScopeId::Pool(compute_domain::ids::PoolId::parse("poolId", &p.pool).expect("id"));
+    let acme = compute_tests::tenant("acme");
+    let operator = Actor::operator("root");
+    let limits = |n: i64| QuotaLimits {
+        gpus: None,
+        vcpu: Some(n),
+        memory_mib: Some(n * 1024),
+    };
+    set_quota(&app.db.db, &operator, &acme, &scope, limits(64))
+        .await
+        .expect("the rows exist");
+    let row = "SELECT 1 FROM quota_usage WHERE tenant_id = 'acme' AND scope_kind = 'pool' AND scope_id = $1 AND resource = $2 FOR UPDATE";
+    let mut side = app
+        .db
+        .db
+        .pool()
+        .begin()
+        .await
+        .expect("a second transaction");
+    sqlx::query(row)
+        .bind(&p.pool)
+        .bind("memory_mib")
+        .execute(&mut *side)
+        .await
+        .expect("hold memory_mib");
+    let db = app.db.db.clone().without_contention_retry();
+    let setting = tokio::spawn({
+        let (acme, scope) = (acme.clone(), scope.clone());
+        async move { set_quota(&db, &operator, &acme, &scope, limits(128)).await }
+    });
+    app.until_lock_waiters(1).await;
+    sqlx::query(row)
+        .bind(&p.pool)
+        .bind("vcpu")
+        .execute(&mut *side)
+        .await
+        .expect("vcpu: set_quota holds none of the rows while it waits");
+    side.commit().await.expect("let go");
+    let set = setting.await.expect("join").expect("set, no deadlock");
+    let mut maxima: Vec<(String, f64)> = set
+        .iter()
+        .map(|q| (q.resource.as_str().to_owned(), q.max_amount))
+        .collect();
+    maxima.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        maxima,
+        vec![
+            ("memory_mib".to_owned(), 131_072.0),
+            ("vcpu".to_owned(), 128.0)
+        ]
     );
 }
 

@@ -971,6 +971,8 @@ async fn sse_streams_and_resumes_with_last_event_id() {
 #[tokio::test]
 async fn pool_capacity_follows_reservations_on_the_pool() {
     let app = spawn_app().await;
+    // `reservations::input` ends at 2031-01-01T02:00Z: a reservation of two hours, not years.
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let p = crate::reservations::pool(&app).await;
     let after = now(&app).await;
     let member = app.member("acme");
@@ -1179,6 +1181,8 @@ async fn the_command_subscription_follows_a_command_live() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_instance_subscription_is_its_tenants_only() {
     let app = spawn_app().await;
+    // `reservations::input` ends at 2031-01-01T02:00Z: a reservation of two hours, not years.
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let p = crate::reservations::pool(&app).await;
     let acme = app.member("acme");
     let r = app

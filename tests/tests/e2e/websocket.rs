@@ -220,6 +220,8 @@ async fn until(ws: &mut Ws, done: impl Fn(&Value) -> bool) -> Value {
 #[tokio::test]
 async fn a_reservation_and_a_node_can_be_followed_live() {
     let app = spawn_app().await;
+    // `reservations::input` ends at 2031-01-01T02:00Z: a reservation of two hours, not years.
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let p = crate::reservations::pool(&app).await;
     let member = app.member("acme");
     let d = app

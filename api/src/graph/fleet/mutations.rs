@@ -579,7 +579,7 @@ impl FleetMutation {
             let layout = d.layout.as_ref();
             devices.push(NewDevice {
                 uuid: m::GpuUuid::parse(&format!("{field}.uuid"), &d.uuid)?,
-                vendor: name(&format!("{field}.vendor"), &d.vendor)?,
+                vendor: m::parse_vendor(&format!("{field}.vendor"), &d.vendor)?,
                 model: name(&format!("{field}.model"), &d.model)?,
                 memory_mib: memory,
                 layout: Layout::parse(

@@ -387,6 +387,17 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
                     unsettled.push(format!("GPU {} is missing from the machine: reinstall it, or retire the device (retireDevice) once nothing is booked on it", r.uuid));
                     continue;
                 };
+                // What the daemon reported, checked before it is written (a model of 1 to 100
+                // printable characters, some memory), as a registration checks it.
+                if g.memory_mib < 1 || m::parse_name("model", &g.model).ok().as_deref() != Some(g.model.as_str()) {
+                    unsettled.push(format!(
+                        "GPU {}: the machine reports the model `{}` with {} MiB of memory, which no GPU can have: fix the daemon's inventory",
+                        r.uuid,
+                        g.model.chars().take(64).filter(|c| !c.is_control()).collect::<String>(),
+                        g.memory_mib
+                    ));
+                    continue;
+                }
                 let only = [r.clone()];
                 let one = compare(&only, &BTreeMap::new(), &Inventory { gpus: vec![(*g).clone()], ..Inventory::default() });
                 if one.gpus.values().flatten().any(|m| m.contains("MIG")) {
@@ -418,6 +429,12 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
                 gpus: inventory.gpus.iter().filter(|g| !known.contains(g.uuid.as_str())).cloned().collect(),
                 ..inventory.clone()
             })?;
+            // The node's counters before the rollup and work-queue rows the new devices touch
+            // (docs/database-locks.md), in key order, as placements and releases take them.
+            sqlx::query("SELECT 1 FROM node_resources WHERE node_id = $1 ORDER BY resource FOR UPDATE")
+                .bind(id.as_str())
+                .execute(&mut *conn)
+                .await?;
             if !fresh.devices.is_empty() {
                 let added = insert_devices(conn, &id, &fresh.devices).await?;
                 let ids: Vec<DeviceId> = added.iter().map(|d| d.id.clone()).collect();

@@ -20,11 +20,8 @@ fn check_lost_after(kind: PoolKind, lost_after: Option<i64>) -> Result<()> {
             "lostAfterSeconds",
             "bare-metal pools are never marked lost automatically: leave `lostAfterSeconds` unset",
         )),
-        Some(s) if s <= 0 => Err(Error::bad_input(
-            "lostAfterSeconds",
-            "`lostAfterSeconds` must be positive",
-        )),
-        _ => Ok(()),
+        Some(s) => crate::fleet::model::parse_lost_after("lostAfterSeconds", s).map(|_| ()),
+        None => Ok(()),
     }
 }
 
@@ -154,7 +151,16 @@ pub async fn update_pool(db: &Db, id: &PoolId, version: i64, changes: PoolChange
                 return Err(explain_miss(conn, "pools", "pool", id.as_str(), Some(version)).await);
             };
             if changes.vcpu_ratio.is_some() || changes.memory_ratio.is_some() || changes.disk_ratio.is_some() {
-                // Lock order: pools (held), then node_resources.
+                // Lock order: pools (held), then node_resources in key order first (an UPDATE
+                // of many rows locks them in its plan's order, and placements and expiry batches
+                // lock several nodes' rows in key order).
+                sqlx::query(
+                    "SELECT 1 FROM node_resources r JOIN nodes n ON n.id = r.node_id \
+                      WHERE n.pool_id = $1 ORDER BY r.node_id, r.resource FOR UPDATE OF r",
+                )
+                .bind(id.as_str())
+                .execute(&mut *conn)
+                .await?;
                 sqlx::query!(
                     "UPDATE node_resources r SET ratio = CASE r.resource WHEN 'vcpu' THEN p.vcpu_ratio \
                        WHEN 'memory_mib' THEN p.memory_ratio ELSE p.disk_ratio END \

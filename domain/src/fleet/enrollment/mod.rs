@@ -343,7 +343,7 @@ pub fn new_node(pool_id: PoolId, labels: Labels, inventory: &Inventory) -> Resul
             };
             Ok(NewDevice {
                 uuid: GpuUuid::parse(&f("uuid"), &g.uuid)?,
-                vendor: m::parse_name(&f("vendor"), &g.vendor)?,
+                vendor: m::parse_vendor(&f("vendor"), &g.vendor)?,
                 model: m::parse_name(&f("model"), &g.model)?,
                 memory_mib,
                 layout,
