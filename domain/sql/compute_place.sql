@@ -1,4 +1,4 @@
--- The current definition, as migrations/0039_placement_locks_in_key_order.sql left it. Change it with a new migration
+-- The current definition, as migrations/0041_bookings_in_atom_order.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -212,12 +212,17 @@ BEGIN
             IF v_n <> cardinality(v_taken) THEN
                 RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU changed';
             END IF;
+            -- In atom order, as the atoms were locked: two placements that chose some of the
+            -- same atoms wait for each other at the first (the join's order was the plan's,
+            -- allocation by allocation, and two orders could deadlock on the exclusion
+            -- constraint's waits).
             INSERT INTO device_bookings (atom, device_id, pool_id, allocation_id, during)
                 SELECT a.name, a.device_id, v_pool_id, m.alloc, v_window
                   FROM device_atoms a
                   JOIN (SELECT p->>'alloc' AS alloc, x.atom FROM jsonb_array_elements(v_plan) p,
                                jsonb_array_elements_text(p->'atoms') x(atom)) m ON m.atom = a.name
                  WHERE a.name = ANY(v_taken)
+                 ORDER BY a.name
                 ON CONFLICT DO NOTHING;
             GET DIAGNOSTICS v_n = ROW_COUNT;
             IF v_n <> cardinality(v_taken) THEN

@@ -580,6 +580,35 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
         .expect("not closed");
     assert_eq!(m["type"], "error");
     assert_eq!(m["code"], "BAD_USER_INPUT");
+    // An inventory with a NUL character (which PostgreSQL's jsonb cannot hold): an error
+    // message, the session kept, nothing stored (it was an INTERNAL error that closed it).
+    let inventory = "SELECT inventory FROM nodes WHERE id = $1";
+    let before: Option<serde_json::Value> = sqlx::query_scalar(inventory)
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("inventory");
+    s.send_raw(tokio_tungstenite::tungstenite::Message::Text(
+        r#"{"type":"inventory","inventory":{"hostname":"h100-\u0000a","vcpu":8,"memoryMib":65536,"diskGib":100}}"#.into(),
+    ))
+    .await
+    .expect("send");
+    let m = s
+        .next_message(WAIT)
+        .await
+        .expect("a reply")
+        .expect("not closed");
+    assert_eq!(
+        (m["type"].as_str(), m["code"].as_str()),
+        (Some("error"), Some("BAD_USER_INPUT")),
+        "{m}"
+    );
+    let after: Option<serde_json::Value> = sqlx::query_scalar(inventory)
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("inventory");
+    assert_eq!(after, before, "nothing stored");
     s.status(1).await.expect("send");
     s.send_raw(tokio_tungstenite::tungstenite::Message::Binary(
         vec![1, 2, 3].into(),

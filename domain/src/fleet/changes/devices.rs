@@ -205,7 +205,6 @@ pub async fn retire_device(db: &Db, id: &DeviceId, version: Option<i64>) -> Resu
                 ));
             }
             adjust_rollup(conn, std::slice::from_ref(&id), Change::Remove).await?;
-            wake_rollup_check(conn, std::slice::from_ref(&id)).await?;
             sqlx::query("DELETE FROM device_atoms WHERE device_id = $1")
                 .bind(id.as_str())
                 .execute(&mut *conn)
@@ -220,6 +219,8 @@ pub async fn retire_device(db: &Db, id: &DeviceId, version: Option<i64>) -> Resu
             .await?;
             emit(conn, EventType::DeviceRetired, &device.id, &DevicePayload { device: (&device).into() }).await?;
             super::inventory::recheck(conn, &node).await?;
+            // The work-queue row last (docs/database-locks.md, rule 3).
+            wake_rollup_check(conn, std::slice::from_ref(&id)).await?;
             Ok(device)
         })
     })

@@ -253,6 +253,14 @@ pub async fn report_inventory(
     inventory: &Inventory,
 ) -> Result<Option<Vec<String>>> {
     let stored = serde_json::to_value(inventory).map_err(Error::internal)?;
+    // PostgreSQL's `jsonb` and `text` hold no NUL character: refused here, with the session
+    // kept, where the write failed as an INTERNAL error and closed the session.
+    if has_nul(&stored) {
+        return Err(Error::bad_input(
+            "inventory",
+            "the inventory holds a NUL character (\\u0000), which no name, model or label may hold",
+        ));
+    }
     db.tx("report_inventory", TxKind::Write, |conn| {
         let (node, stored, inventory) = (node.clone(), stored.clone(), inventory.clone());
         Box::pin(async move {
@@ -282,6 +290,18 @@ pub async fn report_inventory(
         })
     })
     .await
+}
+
+/// Whether a string anywhere in `v` (a key or a value) holds a NUL character.
+fn has_nul(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(items) => items.iter().any(has_nul),
+        serde_json::Value::Object(members) => {
+            members.iter().any(|(k, v)| k.contains('\0') || has_nul(v))
+        }
+        _ => false,
+    }
 }
 
 /// The topology a report gives its GPUs (PCI bus id, NUMA node, NVLink domain), written on the

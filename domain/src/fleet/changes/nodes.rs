@@ -448,12 +448,15 @@ pub async fn retire_node(db: &Db, id: &NodeId, version: Option<i64>) -> Result<N
             .await?;
             if !device_ids.is_empty() {
                 adjust_rollup(conn, &device_ids, Change::Remove).await?;
-                wake_rollup_check(conn, &device_ids).await?;
             }
             emit(conn, EventType::NodeRetired, &node.id, &NodePayload::of(&node)).await?;
             // A node that joined by itself: its credential opens no session from now on.
             if crate::fleet::enrollment::revoke_credential(conn, &id).await? {
                 emit(conn, EventType::NodeCredentialRevoked, &node.id, &NodePayload::of(&node)).await?;
+            }
+            // The work-queue row last (docs/database-locks.md, rule 3).
+            if !device_ids.is_empty() {
+                wake_rollup_check(conn, &device_ids).await?;
             }
             Ok(node)
         })
