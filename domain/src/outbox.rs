@@ -496,7 +496,7 @@ pub async fn check_not_ahead(db: &crate::db::Db, after: Cursor) -> crate::Result
         return Err(crate::Error::bad_input(
             "after",
             format!(
-                "the cursor {} is ahead of every event of this stream (it is not one of this deployment's cursors); resubscribe without `after`",
+                "the cursor {} is ahead of every event of this stream (made by hand, or kept from before the database was restored or replaced); resubscribe without `after`",
                 after.encode()
             ),
         ));

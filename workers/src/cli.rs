@@ -36,8 +36,9 @@ pub struct Args {
     #[arg(long, env = "COMPUTE_WORKER_LISTEN", default_value = "127.0.0.1:9091")]
     pub listen: SocketAddr,
     /// Seconds between two passes of the reservation reconciler (liveness, activation, expiry,
-    /// retries; 1 to 5): at most 5, because the pass also renews its lease every 5 s.
-    #[arg(long, env = "COMPUTE_RESYNC_EVERY", default_value = "5", value_parser = seconds(1.0, 5.0))]
+    /// retries), 1 to 86,400; a value above 5 runs as 5 (with a warning at start), because the
+    /// pass also renews its lease every 5 s.
+    #[arg(long, env = "COMPUTE_RESYNC_EVERY", default_value = "5", value_parser = seconds(1.0, 86_400.0))]
     pub resync_seconds: Duration,
     /// The work-queue kinds this process runs (comma-separated); `noop` is for benchmarks.
     #[arg(
@@ -199,13 +200,19 @@ pub async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if args.resync_seconds > compute_domain::leases::RENEW_EVERY {
+        tracing::warn!(
+            resync_seconds = args.resync_seconds.as_secs_f64(),
+            "--resync-seconds above 5 runs as 5: the reconciler's pass also renews its lease every 5 s"
+        );
+    }
     let registry = compute_domain::metrics::Registry::default();
     db.register_metrics(&registry);
     let options = Options {
         kinds: args.queue_kinds,
         role: args.role,
         owner: owner(),
-        resync_every: args.resync_seconds,
+        resync_every: args.resync_seconds.min(compute_domain::leases::RENEW_EVERY),
         queue_idle: Duration::from_millis(200),
         metrics: Some(registry.clone()),
         webhooks_allow_private: args.webhooks_allow_private,

@@ -46,23 +46,21 @@ text_enum!(
 
 /// A name: trimmed, 1 to 100 characters, no control characters.
 pub fn parse_name(field: &str, value: &str) -> Result<String> {
-    let v = value.trim();
-    if v.is_empty() || v.chars().count() > 100 || v.chars().any(char::is_control) {
-        return Err(Error::bad_input(
-            field,
-            format!("`{field}` must be 1 to 100 printable characters"),
-        ));
-    }
-    Ok(v.to_owned())
+    parse_printable(field, value, 100)
 }
 
 /// A GPU's vendor: 1 to 50 printable characters (the `devices_vendor_length` check).
 pub fn parse_vendor(field: &str, value: &str) -> Result<String> {
+    parse_printable(field, value, 50)
+}
+
+/// 1 to `max` printable characters, trimmed.
+fn parse_printable(field: &str, value: &str, max: usize) -> Result<String> {
     let v = value.trim();
-    if v.is_empty() || v.chars().count() > 50 || v.chars().any(char::is_control) {
+    if v.is_empty() || v.chars().count() > max || v.chars().any(char::is_control) {
         return Err(Error::bad_input(
             field,
-            format!("`{field}` must be 1 to 50 printable characters"),
+            format!("`{field}` must be 1 to {max} printable characters"),
         ));
     }
     Ok(v.to_owned())

@@ -84,11 +84,6 @@ macro_rules! query_instances {
     };
 }
 
-/// The most the image, command and env of an instance take together as JSON: the run command's
-/// `args` limit less room for up to 64 atoms' names (a GPU's UUID of up to 80 characters and a
-/// suffix, quoted: 96 bytes each).
-pub const RUN_ARGS_BYTES: usize = cmds::MAX_OBJECT_BYTES - 64 * 96;
-
 /// What a tenant asks for with `createInstance`, checked: only [`InstanceRequest::parse`] makes
 /// one, so a value that exists is valid.
 #[derive(Debug, Clone, Serialize)]
@@ -163,25 +158,6 @@ impl InstanceRequest {
         }
         if cmds::jsonb_text_len(&json!(self.env)) > cmds::MAX_OBJECT_BYTES {
             return Err(Error::bad_input("env", "env is larger than 16384 bytes"));
-        }
-        // The run command carries the image, command and env together, with the instance's id
-        // and its GPUs' atoms, in one `args` object of at most MAX_OBJECT_BYTES: checked here,
-        // or the instance would be created and its run command refused (INTERNAL, retried
-        // without end) by the worker.
-        let run = json!({
-            "instanceId": "ins_00000000000000000000000000000000",
-            "image": self.image,
-            "command": self.command,
-            "env": self.env,
-        });
-        if cmds::jsonb_text_len(&run) > RUN_ARGS_BYTES {
-            return Err(Error::bad_input(
-                "command",
-                format!(
-                    "image, command and env take at most {RUN_ARGS_BYTES} bytes together (as JSON); the run command's arguments, with the GPUs', are at most {} bytes",
-                    cmds::MAX_OBJECT_BYTES
-                ),
-            ));
         }
         Ok(())
     }
@@ -304,6 +280,18 @@ pub async fn create_instance(
     .await?
 }
 
+/// The `run_instance` command's arguments: one place, for the worker that makes the command
+/// and for the creation that checks it fits.
+fn run_args(
+    id: &InstanceId,
+    image: &str,
+    command: &[String],
+    env: &BTreeMap<String, String>,
+    atoms: &[String],
+) -> serde_json::Value {
+    json!({ "instanceId": id, "image": image, "command": command, "env": env, "devices": atoms })
+}
+
 async fn create_effect(
     conn: &mut PgConnection,
     actor: &Actor,
@@ -317,7 +305,7 @@ async fn create_effect(
     // wakes the instance through its trigger.
     let found = sqlx::query!(
         r#"SELECT a.node_id AS "node_id: NodeId", a.reservation_id AS "reservation_id: ReservationId",
-                  r.tenant_id AS "tenant_id: TenantId",
+                  r.tenant_id AS "tenant_id: TenantId", a.atoms,
                   compute_reservation_state(r.state, r.starts_at, r.ends_at) AS "state!: crate::reservations::state::State"
              FROM allocations a JOIN reservations r ON r.id = a.reservation_id
             WHERE a.id = $1 FOR SHARE OF r"#,
@@ -348,6 +336,19 @@ async fn create_effect(
         });
     };
     let id = InstanceId::generate();
+    // The run command carries the image, command and env together, with the id and the GPUs'
+    // atoms, in one `args` object the database holds to MAX_OBJECT_BYTES: checked here, or the
+    // instance would be created and its run command refused by the worker without end.
+    let run = run_args(&id, &req.image, &req.command, &req.env, &found.atoms);
+    if cmds::jsonb_text_len(&run) > cmds::MAX_OBJECT_BYTES {
+        return Err(Error::bad_input(
+            "command",
+            format!(
+                "image, command and env take too much room together: the run command's arguments, with this allocation's GPUs, are at most {} bytes as JSON",
+                cmds::MAX_OBJECT_BYTES
+            ),
+        ));
+    }
     let inserted = query_instances!(
         "INSERT INTO instances AS i (id, tenant_id, reservation_id, allocation_id, node_id, image, command, env, created_by) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
@@ -681,13 +682,13 @@ async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> 
                         )
                         .fetch_one(&mut *conn)
                         .await?;
-                        let args = json!({
-                            "instanceId": instance.id,
-                            "image": instance.image,
-                            "command": instance.command,
-                            "env": instance.env.0,
-                            "devices": atoms,
-                        });
+                        let args = run_args(
+                            &instance.id,
+                            &instance.image,
+                            &instance.command,
+                            &instance.env.0,
+                            &atoms,
+                        );
                         cmds::ensure(
                             conn,
                             NewCommand {

@@ -67,7 +67,26 @@ pub fn jsonb_text_len(value: &Value) -> usize {
                 .sum::<usize>()
                 + 2 * members.len().saturating_sub(1)
         }
+        // A float may print with an exponent (`1e300`, and any integer past u64), which
+        // PostgreSQL's numeric prints in full: the longer of the two.
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or_default();
+            n.to_string().len().max(format!("{f}").len())
+        }
         scalar => scalar.to_string().len(),
+    }
+}
+
+/// Whether a string anywhere in `value` (a key or a value) holds a NUL character, which
+/// PostgreSQL's `jsonb` and `text` cannot hold.
+pub fn holds_nul(value: &Value) -> bool {
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(members) => members
+            .iter()
+            .any(|(k, v)| k.contains('\0') || holds_nul(v)),
+        _ => false,
     }
 }
 /// Who the control plane's own commands are created by.
@@ -162,6 +181,12 @@ pub fn check_object(field: &str, value: &Value) -> Result<()> {
         return Err(Error::bad_input(
             field,
             format!("`{field}` must be a JSON object"),
+        ));
+    }
+    if holds_nul(value) {
+        return Err(Error::bad_input(
+            field,
+            format!("`{field}` holds a NUL character (\\u0000), which no string here may hold"),
         ));
     }
     if jsonb_text_len(value) > MAX_OBJECT_BYTES {

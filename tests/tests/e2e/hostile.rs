@@ -1088,7 +1088,7 @@ async fn values_only_the_database_refused_are_refused_where_they_enter() {
     );
     assert_eq!(app.count("reservations").await, 0);
     assert_eq!(app.count("idempotency_keys").await, 0, "no key kept");
-    app.ok(&member, create, long("year", "2031-12-31T00:00:00Z"))
+    let placed = app.ok(&member, "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id allocations { id } } } }", long("year", "2031-12-31T00:00:00Z"))
         .await;
     assert_eq!(app.count("reservations").await, 1);
 
@@ -1127,18 +1127,25 @@ async fn values_only_the_database_refused_are_refused_where_they_enter() {
         .map(|i| (format!("k{i:02}"), Value::String("x".repeat(154))))
         .collect();
     let commands = app.count("commands").await;
-    let (code, error) = app
-        .fails(
-            &op,
-            "mutation($i: RunCommandInput!) { runCommand(input: $i) { command { id } } }",
-            json!({ "i": { "computeNodeId": p.nodes[0], "kind": "NOOP", "args": args, "idempotencyKey": "big-args" } }),
-        )
-        .await;
-    assert_eq!(
-        (code.as_str(), field_of(&error).as_str()),
-        ("BAD_USER_INPUT", "args"),
-        "{error}"
-    );
+    // And 60 numbers of 6 characters each that PostgreSQL prints with 325 digits.
+    let tiny: Vec<Value> = (0..60).map(|_| json!(1e-323)).collect();
+    for (case, args) in [
+        ("16,500 bytes", Value::Object(args)),
+        ("numbers in full", json!({ "a": tiny })),
+    ] {
+        let (code, error) = app
+            .fails(
+                &op,
+                "mutation($i: RunCommandInput!) { runCommand(input: $i) { command { id } } }",
+                json!({ "i": { "computeNodeId": p.nodes[0], "kind": "NOOP", "args": args, "idempotencyKey": format!("args-{case}") } }),
+            )
+            .await;
+        assert_eq!(
+            (code.as_str(), field_of(&error).as_str()),
+            ("BAD_USER_INPUT", "args"),
+            "{case}: {error}"
+        );
+    }
     assert_eq!(app.count("commands").await, commands);
 
     // An instance whose command fits argument by argument but not in its run command.
@@ -1146,8 +1153,8 @@ async fn values_only_the_database_refused_are_refused_where_they_enter() {
         .fails(
             &member,
             "mutation($i: CreateInstanceInput!) { createInstance(input: $i) { instance { id } } }",
-            json!({ "i": { "allocationId": format!("alc_{}", "0".repeat(32)), "image": "busybox", "idempotencyKey": "long-command",
-                "command": vec!["y".repeat(4000); 5] } }),
+            json!({ "i": { "allocationId": placed["createReservation"]["reservation"]["allocations"][0]["id"], "image": "busybox",
+                "idempotencyKey": "long-command", "command": vec!["y".repeat(4000); 5] } }),
         )
         .await;
     assert_eq!(

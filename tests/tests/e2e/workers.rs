@@ -1514,7 +1514,7 @@ fn the_worker_refuses_bad_flags_at_start() {
             &["--queue-kinds", "reservation,bogus"][..],
             "unknown work kind `bogus` (known: ",
         ),
-        (&["--resync-seconds", "0"][..], "1 to 5 seconds"),
+        (&["--resync-seconds", "0"][..], "1 to 86400 seconds"),
         (
             &["--usage-every-seconds", "soon"][..],
             "`soon` is not a number of seconds",

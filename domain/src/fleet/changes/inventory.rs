@@ -255,7 +255,7 @@ pub async fn report_inventory(
     let stored = serde_json::to_value(inventory).map_err(Error::internal)?;
     // PostgreSQL's `jsonb` and `text` hold no NUL character: refused here, with the session
     // kept, where the write failed as an INTERNAL error and closed the session.
-    if has_nul(&stored) {
+    if crate::node_commands::holds_nul(&stored) {
         return Err(Error::bad_input(
             "inventory",
             "the inventory holds a NUL character (\\u0000), which no name, model or label may hold",
@@ -290,18 +290,6 @@ pub async fn report_inventory(
         })
     })
     .await
-}
-
-/// Whether a string anywhere in `v` (a key or a value) holds a NUL character.
-fn has_nul(v: &serde_json::Value) -> bool {
-    match v {
-        serde_json::Value::String(s) => s.contains('\0'),
-        serde_json::Value::Array(items) => items.iter().any(has_nul),
-        serde_json::Value::Object(members) => {
-            members.iter().any(|(k, v)| k.contains('\0') || has_nul(v))
-        }
-        _ => false,
-    }
 }
 
 /// The topology a report gives its GPUs (PCI bus id, NUMA node, NVLink domain), written on the
@@ -409,9 +397,9 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
                 };
                 // What the daemon reported, checked before it is written (a model of 1 to 100
                 // printable characters, some memory), as a registration checks it.
-                if g.memory_mib < 1 || m::parse_name("model", &g.model).ok().as_deref() != Some(g.model.as_str()) {
+                if g.memory_mib < 1 || m::parse_name("model", &g.model).is_err() || g.model.chars().count() > 100 {
                     unsettled.push(format!(
-                        "GPU {}: the machine reports the model `{}` with {} MiB of memory, which no GPU can have: fix the daemon's inventory",
+                        "GPU {}: the machine reports the model `{}` with {} MiB of memory, which a device cannot hold (a model of 1 to 100 printable characters, some memory): fix the daemon's inventory",
                         r.uuid,
                         g.model.chars().take(64).filter(|c| !c.is_control()).collect::<String>(),
                         g.memory_mib
