@@ -212,7 +212,8 @@ pub async fn main() -> ExitCode {
         kinds: args.queue_kinds,
         role: args.role,
         owner: owner(),
-        resync_every: args.resync_seconds.min(compute_domain::leases::RENEW_EVERY),
+        // `Reconciler::run` passes at most every `RENEW_EVERY`, whatever this says (warned above).
+        resync_every: args.resync_seconds,
         queue_idle: Duration::from_millis(200),
         metrics: Some(registry.clone()),
         webhooks_allow_private: args.webhooks_allow_private,
