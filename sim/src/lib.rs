@@ -296,15 +296,22 @@ impl Daemon {
                             .collect()
                     })
                     .unwrap_or_default();
-                let taken: Vec<&String> = devices
+                let taken: Vec<(&String, &String)> = devices
                     .iter()
-                    .filter(|d| j.devices.get(*d).is_some_and(|holder| *holder != instance))
+                    .filter_map(|d| {
+                        j.devices
+                            .get(d)
+                            .filter(|holder| **holder != instance)
+                            .map(|holder| (d, holder))
+                    })
                     .collect();
                 if self.refuse_overlaps && !taken.is_empty() {
-                    Err((
-                        "DEVICE_OVERLAP",
-                        format!("devices {taken:?} are held by another instance"),
-                    ))
+                    // As a runtime says it: naming each device and the workload holding it.
+                    let held: Vec<String> = taken
+                        .iter()
+                        .map(|(d, holder)| format!("{d} is held by workload {holder}"))
+                        .collect();
+                    Err(("DEVICE_OVERLAP", held.join("; ")))
                 } else {
                     for d in devices {
                         j.devices.insert(d, instance.clone());

@@ -127,6 +127,14 @@ async fn join(
         message,
         command_id: None,
     };
+    // Logged, not stored: checked all the same, so no log line carries what a daemon made up.
+    let daemon_version = match Label::parse("daemonVersion", daemon_version) {
+        Ok(v) => v,
+        Err(e) => {
+            send(&mut socket, &refuse("BAD_USER_INPUT", e.to_string())).await;
+            return close(&mut socket, 4400, "daemonVersion is not a label").await;
+        }
+    };
     let pool = match pool.map(|p| PoolId::parse("poolId", &p)).transpose() {
         Ok(p) => p,
         Err(e) => {
@@ -148,7 +156,7 @@ async fn join(
             close(&mut socket, 1000, "joined: open a session with hello").await;
         }
         Ok(Err(refused)) => {
-            info!(code = refused.code, hostname = %inventory.hostname, "join refused");
+            info!(code = refused.code, hostname = %compute_domain::error::bounded(&inventory.hostname), "join refused");
             send(&mut socket, &refuse(refused.code, refused.message.clone())).await;
             close(&mut socket, 4403, refused.code).await;
         }
@@ -506,7 +514,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                                 if differences.is_empty() {
                                     debug!(node = %node, "inventory agrees with the registration");
                                 } else {
-                                    warn!(node = %node, differences = %differences.join("; "), "inventory differs from the registration");
+                                    warn!(node = %node, differences = ?differences, "inventory differs from the registration");
                                 }
                                 ToDaemon::InventoryChecked { differences }
                             }
@@ -521,7 +529,7 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                     Ok(FromDaemon::DeviceHealth { uuid, health, reason }) => {
                         let reply = match cmd::report_health(&db, &node, epoch, &uuid, health, reason.as_deref()).await {
                             Ok(Some(recorded)) => {
-                                info!(node = %node, uuid = %uuid, health = ?health, reason = ?reason, recorded, "GPU health reported");
+                                info!(node = %node, uuid = %uuid, health = ?health, reason = ?reason.as_deref().map(compute_domain::error::bounded), recorded, "GPU health reported");
                                 ToDaemon::HealthRecorded { uuid, recorded }
                             }
                             Ok(None) => break End::new(4410, "this session is no longer current", CloseReason::Superseded),

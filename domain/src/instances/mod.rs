@@ -608,16 +608,27 @@ pub async fn record_exit(
     .await
 }
 
+/// The reason an instance shows when its command failed: the step, the command's state, code and
+/// message, cut to the column's 2,000 characters (a command's message alone may hold 2,000, a
+/// runtime's whole stderr: uncut, the instance's update failed at every retry).
 fn failure(step: &str, c: &cmds::Command) -> String {
-    format!(
+    let reason = format!(
         "{step} {}: {} {}",
         c.state,
         c.error_code.as_deref().unwrap_or(""),
         c.error_message.as_deref().unwrap_or("")
-    )
-    .trim_end()
-    .to_owned()
+    );
+    let reason = reason.trim_end();
+    if reason.chars().count() <= MAX_REASON_CHARS {
+        return reason.to_owned();
+    }
+    let mut cut: String = reason.chars().take(MAX_REASON_CHARS - 1).collect();
+    cut.push('…');
+    cut
 }
+
+/// `instances.reason` holds at most this many characters (`CHECK` in migration 0014).
+const MAX_REASON_CHARS: usize = 2000;
 
 /// One run of `id`'s workflow, in one transaction of `db` (fenced by the shard's lease): takes
 /// every step that is due now and says when it is due again.

@@ -290,8 +290,21 @@ pub struct NewCommand<'a> {
 }
 
 /// Inserts a command unless one with its key exists for the node; the command, and whether this
-/// call made it (then `command.created` is written and the node's dispatcher woken).
+/// call made it (then `command.created` is written and the node's dispatcher woken, its
+/// `work_queue` row last in the caller's transaction).
 pub async fn ensure(conn: &mut PgConnection, new: NewCommand<'_>) -> Result<(Command, bool)> {
+    let node = new.node;
+    let (command, made) = insert_or_find(conn, new).await?;
+    if made {
+        enqueue(conn, node).await?;
+    }
+    Ok((command, made))
+}
+
+/// [`ensure`] without waking the dispatcher: for the dispatch itself, which sends what it made
+/// in the same transaction (or runs again at once when its batch is full), so it takes no
+/// `work_queue` row before the commands it locks.
+async fn insert_or_find(conn: &mut PgConnection, new: NewCommand<'_>) -> Result<(Command, bool)> {
     let NewCommand {
         node,
         kind,
@@ -321,7 +334,6 @@ pub async fn ensure(conn: &mut PgConnection, new: NewCommand<'_>) -> Result<(Com
     .await?;
     if let Some(c) = inserted {
         emit(conn, std::slice::from_ref(&c), EventType::CommandCreated).await?;
-        enqueue(conn, node).await?;
         return Ok((c, true));
     }
     let existing = query_commands!(
@@ -628,7 +640,9 @@ pub async fn dispatch_node(db: &Db, node: &NodeId) -> Result<Dispatched> {
                 return Ok(Dispatched::default());
             };
             if spec.generation > spec.observed_generation {
-                ensure(
+                // Made and sent in this transaction: no wake-up, so no `work_queue` row is
+                // locked before the commands below (docs/database-locks.md, rule 3).
+                insert_or_find(
                     conn,
                     NewCommand {
                         node: &node,
@@ -747,7 +761,8 @@ pub async fn ack(db: &Db, node: &NodeId, epoch: i64, id: &CommandId) -> Result<A
 }
 
 /// Records the progress a daemon reports for a running command; `false` when the command is
-/// not running in this session (then nothing changes).
+/// not running in this session, or already shows this progress (then nothing changes: a daemon
+/// repeating itself makes no event).
 #[tracing::instrument(level = "debug", skip_all, fields(node = %node, epoch = epoch, command = %id))]
 pub async fn progress(
     db: &Db,
@@ -763,7 +778,7 @@ pub async fn progress(
             let moved = query_commands!(
                 guarded: "UPDATE commands AS c SET progress = $4, version = c.version + 1, updated_at = compute_now() \
                   WHERE c.id = $3 AND c.node_id = $1 AND c.session_epoch = $2 AND c.state = 'running' \
-                    AND EXISTS (SELECT 1 FROM s) RETURNING",
+                    AND c.progress IS DISTINCT FROM $4 AND EXISTS (SELECT 1 FROM s) RETURNING",
                 "",
                 node.as_str(),
                 epoch,
@@ -857,7 +872,14 @@ pub async fn finish(
     let message = report
         .error_message
         .as_deref()
-        .map(|m| m.chars().take(2000).collect::<String>())
+        .map(|m| {
+            // A diagnostic for people (often a runtime's stderr): kept, cut to 2,000
+            // characters, a NUL (which PostgreSQL's text cannot hold) shown as U+FFFD.
+            m.chars()
+                .take(2000)
+                .map(|c| if c == '\0' { '\u{FFFD}' } else { c })
+                .collect::<String>()
+        })
         .or_else(|| report.error_code.as_ref().map(|_| String::new()));
     db.tx("finish_command", TxKind::Write, |conn| {
         let (node, id, report, message) = (node.clone(), id.clone(), report.clone(), message.clone());

@@ -568,6 +568,30 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
         "nothing was opened"
     );
     assert_eq!(app.count("node_sessions").await, 0);
+    // A join whose daemonVersion is not a label (it is only logged, and checked all the same):
+    // refused before its token is looked at.
+    let mut ws = compute_sim::connect_raw(&app.agent_url())
+        .await
+        .expect("connect");
+    futures_util::SinkExt::send(
+        &mut ws,
+        tokio_tungstenite::tungstenite::Message::Text(
+            json!({ "type": "join", "token": "cjt_unknown", "daemonVersion": "1.0\nINFO forged line",
+                    "inventory": { "hostname": "new-box", "vcpu": 8, "memoryMib": 65536, "diskGib": 100 } })
+            .to_string()
+            .into(),
+        ),
+    )
+    .await
+    .expect("send");
+    assert_eq!(
+        compute_sim::closed_of(&mut ws, WAIT)
+            .await
+            .expect("closed")
+            .code,
+        4400
+    );
+    assert_eq!(app.count("nodes").await, 3, "no node was made");
 
     // In a session: a bad status is an error message and the session stays; a binary frame
     // closes it with 4400; a flood with 4429.
@@ -609,6 +633,40 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
         .await
         .expect("inventory");
     assert_eq!(after, before, "nothing stored");
+    // Reports larger than any machine: 65 GPUs, a 300-character model. Refused the same way
+    // (a report is stored as it came, so it is bounded where it enters).
+    let gpu = |i: usize, model: &str| json!({ "uuid": format!("GPU-{i:04}"), "model": model, "memoryMib": 81559 });
+    let too_many: Vec<serde_json::Value> = (0..65).map(|i| gpu(i, "H100")).collect();
+    let too_long = vec![gpu(0, &"H".repeat(300))];
+    for (gpus, says) in [
+        (too_many, "at most 64 GPUs"),
+        (too_long, "`inventory.gpus[0].model` is longer"),
+    ] {
+        s.send(json!({ "type": "inventory", "inventory": {
+            "hostname": "h100-a", "vcpu": 32, "memoryMib": 262144, "diskGib": 1000, "gpus": gpus } }))
+            .await
+            .expect("send");
+        let m = s
+            .next_message(WAIT)
+            .await
+            .expect("a reply")
+            .expect("not closed");
+        assert_eq!(
+            (m["type"].as_str(), m["code"].as_str()),
+            (Some("error"), Some("BAD_USER_INPUT")),
+            "{m}"
+        );
+        assert!(
+            m["message"].as_str().is_some_and(|t| t.contains(says)),
+            "{m}"
+        );
+    }
+    let after: Option<serde_json::Value> = sqlx::query_scalar(inventory)
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("inventory");
+    assert_eq!(after, before, "nothing stored");
     s.status(1).await.expect("send");
     s.send_raw(tokio_tungstenite::tungstenite::Message::Binary(
         vec![1, 2, 3].into(),
@@ -633,6 +691,77 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
         (reachability(&app, a).await == "disconnected").then_some(())
     })
     .await;
+}
+
+/// A daemon may report a GPU model or memory that no device can hold (the report is stored as
+/// it came, and shows as a mismatch); accepting that inventory is `CONFLICT` naming the GPU and
+/// what to fix, with nothing written. Before session 41 the device's own check failed inside the
+/// acceptance, as INTERNAL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepting_an_inventory_no_device_can_hold_is_a_conflict_naming_the_gpu() {
+    let (app, p, _r) = setup().await;
+    let a = &p.nodes[0];
+    let mut s = Session::open(&daemon(&app, a, "j1")).await.expect("open");
+    s.send(json!({ "type": "inventory", "inventory": {
+        "hostname": "h100-a", "vcpu": 32, "memoryMib": 262144, "diskGib": 1000,
+        "gpus": [
+            { "uuid": "GPU-A0", "model": "", "memoryMib": 0 },
+            { "uuid": "GPU-A1", "model": "H100", "memoryMib": 81559 }
+        ] } }))
+    .await
+    .expect("send");
+    let m = s
+        .next_message(WAIT)
+        .await
+        .expect("a reply")
+        .expect("not closed");
+    assert_eq!(m["type"], "inventoryChecked", "{m}");
+    assert!(
+        m["differences"].as_array().is_some_and(|d| d
+            .iter()
+            .any(|d| d.as_str().is_some_and(|d| d.contains("GPU-A0")))),
+        "the report differs from the registration on GPU-A0: {m}"
+    );
+    let devices = "SELECT string_agg(uuid || ' ' || model || ' ' || memory_mib, ', ' ORDER BY uuid) FROM devices WHERE node_id = $1";
+    let before: String = sqlx::query_scalar(devices)
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("devices");
+    let version = "SELECT version FROM nodes WHERE id = $1";
+    let node_version: i64 = sqlx::query_scalar(version)
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("version");
+    let (code, body) = app
+        .fails(
+            &app.operator(),
+            "mutation($i: AcceptNodeInventoryInput!) { acceptNodeInventory(input: $i) { computeNode { id } } }",
+            json!({ "i": { "id": a } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT", "{body}");
+    let message = body.to_string();
+    assert!(
+        message.contains("GPU GPU-A0") && message.contains("cannot hold"),
+        "{message}"
+    );
+    assert!(!message.contains("GPU GPU-A1"), "A1 is fine: {message}");
+    let after: String = sqlx::query_scalar(devices)
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("devices");
+    assert_eq!(after, before, "no device changed");
+    assert_eq!(before, "GPU-A0 H100 81559, GPU-A1 H100 81559");
+    let after_version: i64 = sqlx::query_scalar(version)
+        .bind(a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("version");
+    assert_eq!(after_version, node_version, "the node was not written");
+    s.bye().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

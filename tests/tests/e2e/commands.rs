@@ -612,6 +612,130 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
     second.bye().await;
 }
 
+/// What a daemon reports about a command is checked where it enters, and a NUL (which
+/// PostgreSQL's text and jsonb cannot hold) is never an error of ours that closes the session:
+/// a `progress` or an `output` holding one is refused with `error` (nothing stored), a
+/// `deviceHealth` whose `uuid` holds one too; an `errorMessage`, a diagnostic for people, is
+/// kept with the NUL shown as U+FFFD. Before session 42 each of these was INTERNAL and closed
+/// the session with 1011, and a daemon resending its result would never get it recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemons_report_holding_a_nul_is_refused_or_cleaned_and_the_session_stays() {
+    let (app, nodes, mut dispatcher) = setup().await;
+    let node = &nodes[0];
+    let get = |id: String| {
+        let app = &app;
+        async move {
+            app.ok(
+                &app.operator(),
+                "query($id: ID!) { command(id: $id) { state progress result } }",
+                json!({ "id": id }),
+            )
+            .await["command"]
+                .clone()
+        }
+    };
+    let mut session = Session::open(&daemon_config(&app, node, "j1", 1))
+        .await
+        .expect("open");
+    let id = run(&app, node, "NOOP", "nul", json!({})).await["command"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    dispatch(&mut dispatcher).await;
+    next_command(&mut session).await;
+    session
+        .send(json!({ "type": "ack", "commandId": id }))
+        .await
+        .expect("ack");
+    let proceed = session
+        .next_message(WAIT)
+        .await
+        .expect("proceed")
+        .expect("open");
+    assert_eq!(proceed["type"], "proceed", "{proceed}");
+
+    // Each refused report: an `error` about it, the session open, the command as it was.
+    let refused = [
+        json!({ "type": "progress", "commandId": id, "progress": { "step": "a\u{0}b" } }),
+        json!({ "type": "progress", "commandId": id, "progress": { "a\u{0}": 1 } }),
+        json!({ "type": "result", "commandId": id, "outcome": "succeeded", "output": { "log": ["x\u{0}"] } }),
+        json!({ "type": "deviceHealth", "uuid": "GPU-\u{0}1", "health": "unhealthy" }),
+    ];
+    for report in refused {
+        session.send(report.clone()).await.expect("send");
+        let m = session
+            .next_message(WAIT)
+            .await
+            .expect("a reply")
+            .expect("the session stays open");
+        assert_eq!(
+            (m["type"].as_str(), m["code"].as_str()),
+            (Some("error"), Some("BAD_USER_INPUT")),
+            "{report} got {m}"
+        );
+        let c = get(id.clone()).await;
+        assert_eq!(
+            (c["state"].as_str(), &c["result"], &c["progress"]),
+            (Some("RUNNING"), &Value::Null, &Value::Null),
+            "{report} stored nothing"
+        );
+    }
+
+    // A progress sent twice is recorded once: one write, one `command.progress` event.
+    for _ in 0..2 {
+        session
+            .send(json!({ "type": "progress", "commandId": id, "progress": { "percent": 50 } }))
+            .await
+            .expect("send");
+    }
+
+    // A failed result whose message holds a NUL: recorded, the NUL shown as U+FFFD.
+    session
+        .send(json!({
+            "type": "result", "commandId": id, "outcome": "failed",
+            "errorCode": "RUNTIME_FAILED", "errorMessage": "podman: \u{0}exit 125",
+        }))
+        .await
+        .expect("send");
+    let m = session
+        .next_message(WAIT)
+        .await
+        .expect("a reply")
+        .expect("the session stays open");
+    assert_eq!(
+        (m["type"].as_str(), m["recorded"].as_bool()),
+        (Some("recorded"), Some(true)),
+        "{m}"
+    );
+    let c = app
+        .ok(
+            &app.operator(),
+            "query($id: ID!) { command(id: $id) { state errorCode errorMessage } }",
+            json!({ "id": id }),
+        )
+        .await["command"]
+        .clone();
+    assert_eq!(
+        c,
+        json!({ "state": "FAILED", "errorCode": "RUNTIME_FAILED", "errorMessage": "podman: \u{FFFD}exit 125" })
+    );
+    // The gateway answers a session's messages in order: both progress reports were handled
+    // before the result's `recorded`.
+    assert_eq!(
+        get(id.clone()).await["progress"],
+        json!({ "percent": 50 }),
+        "the progress was recorded"
+    );
+    let progress_events = command_events(&app, &id)
+        .await
+        .into_iter()
+        .filter(|t| t == "command.progress")
+        .count();
+    assert_eq!(progress_events, 1, "the repeat wrote nothing");
+    session.heartbeat().await.expect("still open");
+    session.bye().await;
+}
+
 /// Seeds `n` nodes (no GPUs: commands need none) in a pool of their own; their ids.
 pub async fn seed_nodes(app: &TestApp, n: usize) -> Vec<String> {
     compute_tests::bench::seed_nodes(&app.db.db, n as i64).await

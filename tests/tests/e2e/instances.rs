@@ -627,14 +627,17 @@ async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its
     ));
     let mut workers = Workers::new(&app);
     // A workload the reservation does not know already runs on its GPU (an operator's, or a
-    // leak): the daemon holds the atom for it.
+    // leak): the daemon holds the atom for it. Its name is long, and the daemon's refusal names
+    // it: the command keeps 2,000 characters of the message, and the instance's reason (step,
+    // state and code before it) must still fit its own 2,000 (it failed at every retry).
+    let stray_name = format!("stray-{}", "x".repeat(2100));
     let run = "mutation($i: RunCommandInput!) { runCommand(input: $i) { command { id } } }";
     let stray = app
         .ok(
             &app.operator(),
             run,
             json!({ "i": { "computeNodeId": node, "kind": "RUN_INSTANCE", "idempotencyKey": "stray",
-            "args": { "instanceId": "stray", "devices": [atom] } } }),
+            "args": { "instanceId": stray_name, "devices": [atom] } } }),
         )
         .await["runCommand"]["command"]["id"]
         .as_str()
@@ -665,12 +668,13 @@ async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its
         .to_owned();
     step_until(&app, &mut workers, &made, "FAILED").await;
     let s = state(&app, &acme, &made).await;
+    let reason = s["reason"].as_str().expect("reason");
     assert!(
-        s["reason"]
-            .as_str()
-            .expect("reason")
-            .contains("DEVICE_OVERLAP"),
-        "{s}"
+        reason.contains(&format!(
+            "DEVICE_OVERLAP {atom} is held by workload stray-xxx"
+        )) && reason.ends_with("xx…")
+            && reason.chars().count() == 2000,
+        "the reason, cut to 2,000 characters: {s}"
     );
 
     let mut reconciler = compute_workers::Reconciler::new(db.clone(), "worker-overlap");

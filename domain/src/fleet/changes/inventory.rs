@@ -242,6 +242,56 @@ pub(super) async fn recheck(conn: &mut PgConnection, node: &NodeId) -> Result<()
     Ok(())
 }
 
+/// The longest string a reported inventory may carry (a hostname's 253, a model's 100 and a
+/// UUID's 80 fit): a report is stored as it came, shown, and compared at each report.
+pub const MAX_REPORTED_TEXT: usize = 256;
+
+/// Bounds what a daemon's report may hold before it is stored: at most
+/// [`MAX_GPUS_PER_NODE`](m::MAX_GPUS_PER_NODE) GPUs and as many MIG instances of each, strings of
+/// at most [`MAX_REPORTED_TEXT`] characters. Within them, a report that cannot be a registration
+/// (an empty model, a malformed UUID) is stored, and shows as a mismatch.
+fn check_report_size(inventory: &Inventory) -> Result<()> {
+    if inventory.gpus.len() > m::MAX_GPUS_PER_NODE {
+        return Err(Error::bad_input(
+            "inventory.gpus",
+            format!("an inventory lists at most {} GPUs", m::MAX_GPUS_PER_NODE),
+        ));
+    }
+    let long = |field: String, value: &str| {
+        if value.chars().count() > MAX_REPORTED_TEXT {
+            Err(Error::bad_input(
+                &field,
+                format!("`{field}` is longer than {MAX_REPORTED_TEXT} characters"),
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    long("inventory.hostname".into(), &inventory.hostname)?;
+    for (i, g) in inventory.gpus.iter().enumerate() {
+        let f = |name: &str| format!("inventory.gpus[{i}].{name}");
+        if g.mig.len() > m::MAX_GPUS_PER_NODE {
+            return Err(Error::bad_input(
+                f("mig"),
+                format!("a GPU lists at most {} MIG instances", m::MAX_GPUS_PER_NODE),
+            ));
+        }
+        long(f("uuid"), &g.uuid)?;
+        long(f("vendor"), &g.vendor)?;
+        long(f("model"), &g.model)?;
+        long(f("pciBusId"), g.pci_bus_id.as_deref().unwrap_or_default())?;
+        long(
+            f("nvlinkDomain"),
+            g.nvlink_domain.as_deref().unwrap_or_default(),
+        )?;
+        for (k, x) in g.mig.iter().enumerate() {
+            long(f(&format!("mig[{k}].uuid")), &x.uuid)?;
+            long(f(&format!("mig[{k}].profile")), &x.profile)?;
+        }
+    }
+    Ok(())
+}
+
 /// Records node `node`'s inventory, reported in session `epoch`, and compares it with the
 /// registration; the differences (empty when it agrees), or `None` when the session is no
 /// longer current (nothing written).
@@ -252,6 +302,7 @@ pub async fn report_inventory(
     epoch: i64,
     inventory: &Inventory,
 ) -> Result<Option<Vec<String>>> {
+    check_report_size(inventory)?;
     let stored = serde_json::to_value(inventory).map_err(Error::internal)?;
     // PostgreSQL's `jsonb` and `text` hold no NUL character: refused here, with the session
     // kept, where the write failed as an INTERNAL error and closed the session.
@@ -501,6 +552,9 @@ pub async fn report_health(
     health: GpuHealth,
     reason: Option<&str>,
 ) -> Result<Option<bool>> {
+    // Checked where it enters: a daemon's `uuid` is bound into the statements below, and one
+    // PostgreSQL's text cannot hold (a NUL) would be an error of ours, not the daemon's.
+    let uuid = m::GpuUuid::parse("uuid", uuid)?;
     let (health, reason) = match health {
         GpuHealth::Healthy => (Health::Healthy, None),
         GpuHealth::Unhealthy => (
@@ -511,7 +565,7 @@ pub async fn report_health(
         ),
     };
     db.tx("report_health", TxKind::Write, |conn| {
-        let (node, uuid, reason) = (node.clone(), uuid.to_owned(), reason.clone());
+        let (node, uuid, reason) = (node.clone(), uuid.as_str().to_owned(), reason.clone());
         Box::pin(async move {
             let current: Option<i32> = sqlx::query_scalar(
                 "SELECT 1 FROM node_sessions WHERE node_id = $1 AND session_epoch = $2 AND closed_at IS NULL FOR SHARE",
