@@ -306,7 +306,8 @@ impl Daemon {
                     })
                     .collect();
                 if self.refuse_overlaps && !taken.is_empty() {
-                    // As a runtime says it: naming each device and the workload holding it.
+                    // Naming each device and the workload holding it (a long name makes a long
+                    // message, as a runtime's stderr can be).
                     let held: Vec<String> = taken
                         .iter()
                         .map(|(d, holder)| format!("{d} is held by workload {holder}"))

@@ -428,7 +428,13 @@ async fn deliver_batch(
     // One event per POST, or batches of up to the sink's size, each its own POST in order: a
     // failed one stops the rest, and the cursor saved covers what was answered with a 2xx.
     let size = usize::try_from(sink.batch_size).unwrap_or(1).max(1);
-    for chunk in events.chunks(size) {
+    for (n, chunk) in events.chunks(size).enumerate() {
+        // A sink paused (by its tenant, or by the revocation of its creator's role), deleted or
+        // moved to another URL while its batch goes out gets none of the rest of it.
+        if n > 0 && !matches!(sinks::still_delivering(db, id, &sink.url).await, Ok(true)) {
+            debug!(sink = %id, delivered, "the sink was paused, deleted or moved during its batch: the rest waits");
+            break;
+        }
         let sent = match chunk {
             [event] if size == 1 => post(http, &sink.url, &secret, event).await,
             _ => post_batch(http, &sink.url, &secret, chunk).await,

@@ -39,14 +39,19 @@ fn is_public_v4(ip: Ipv4Addr) -> bool {
 }
 
 fn is_public_v6(ip: Ipv6Addr) -> bool {
-    let first = ip.segments()[0];
+    let s = ip.segments();
+    let first = s[0];
     !(ip.is_unspecified()
         || ip.is_loopback()
         || ip.is_multicast()
+        || s[..6] == [0; 6] // IPv4-compatible (::a.b.c.d, deprecated), which maps to IPv4
         || (first & 0xfe00) == 0xfc00 // unique local
         || (first & 0xffc0) == 0xfe80 // link-local
-        || first == 0x2001 && ip.segments()[1] == 0x0db8 // documentation
-        || first == 0x0064 && ip.segments()[1] == 0xff9b) // NAT64, which maps to IPv4
+        || (first & 0xffc0) == 0xfec0 // site-local (deprecated, still routed by some stacks)
+        || first == 0x2001 && s[1] == 0x0db8 // documentation
+        || first == 0x2002 && !is_public_v4(Ipv4Addr::from((u32::from(s[1]) << 16) | u32::from(s[2]))) // 6to4, judged as the IPv4 address it embeds
+        || first == 0x0100 && s[1..4] == [0; 3] // discard-only (100::/64)
+        || first == 0x0064 && s[1] == 0xff9b) // NAT64, which maps to IPv4
 }
 
 /// Refuses a sink URL whose host is a literal address that is not public, in any spelling the
@@ -97,7 +102,7 @@ mod tests {
 
     #[test]
     fn only_public_addresses_are_public() {
-        let table: [(&str, bool); 20] = [
+        let table: [(&str, bool); 26] = [
             ("8.8.8.8", true),
             ("1.1.1.1", true),
             ("127.0.0.1", false),
@@ -118,6 +123,12 @@ mod tests {
             ("fd00::1", false),
             ("::ffff:127.0.0.1", false),
             ("::ffff:8.8.8.8", true),
+            ("::127.0.0.1", false),
+            ("fec0::1", false),
+            ("2002:7f00:1::1", false),
+            ("2002:808:808::1", true),
+            ("100::1", false),
+            ("2001:4860:4860::8888", true),
         ];
         for (ip, public) in table {
             let parsed: IpAddr = ip.parse().expect("an address");

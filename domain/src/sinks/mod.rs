@@ -30,6 +30,10 @@ pub const MAX_BATCH_SIZE: i32 = 100;
 /// The longest wait between two attempts of a failing sink.
 pub const MAX_BACKOFF_SECONDS: f64 = 300.0;
 
+/// The most event sinks one tenant (or the fleet, for the sinks of no tenant) may have: each is
+/// a task of the dispatcher polling the outbox, and they share its connections.
+pub const MAX_SINKS_PER_SCOPE: i64 = 100;
+
 /// A sink, with its position.
 #[derive(Debug, Clone, FromRow)]
 pub struct Sink {
@@ -125,10 +129,15 @@ fn check_url(url: &str) -> Result<()> {
              signature instead",
         ));
     }
+    // Parsed as the dispatcher parses it when it posts (a port past 65535, a host with `^` in
+    // it): whether or not private targets are allowed, a URL it cannot post to is refused here,
+    // not retried without end.
+    let parses = url::Url::parse(url).is_ok_and(|u| u.host().is_some());
     if host.is_empty()
         || host.contains(char::is_whitespace)
         || url.chars().any(char::is_control)
         || url.len() > 2000
+        || !parses
     {
         // The URL is not echoed: it may be long, and is the caller's own.
         return Err(Error::bad_input(
@@ -207,6 +216,32 @@ pub async fn create(
             let (id, url, types, secret) = (id.clone(), url.to_owned(), types.clone(), stored.clone());
             let (tenant, by) = (scope.tenant_id.clone(), created_by.to_owned());
             Box::pin(async move {
+                // At most MAX_SINKS_PER_SCOPE per tenant: creates of one tenant take turns on its
+                // `sinks` advisory lock (docs/database-locks.md), so two cannot both fit the last
+                // place. The count is a statement of its own, after the lock: its snapshot (READ
+                // COMMITTED) then sees the sink of a create it waited for.
+                let scope = tenant.as_ref().map(TenantId::as_str);
+                sqlx::query!(
+                    "SELECT pg_advisory_xact_lock(hashtextextended('sinks:' || coalesce($1, ''), 0))",
+                    scope,
+                )
+                .execute(&mut *conn)
+                .await?;
+                let held = sqlx::query_scalar!(
+                    r#"SELECT count(*) AS "n!" FROM event_sinks WHERE tenant_id IS NOT DISTINCT FROM $1"#,
+                    scope,
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                if held >= MAX_SINKS_PER_SCOPE {
+                    return Err(Error::Conflict {
+                        message: format!(
+                            "{} has {held} event sinks, the most it may have ({MAX_SINKS_PER_SCOPE}): delete one first",
+                            tenant.as_ref().map_or_else(|| "the fleet".to_owned(), |t| format!("tenant {t}"))
+                        ),
+                        current_version: None,
+                    });
+                }
                 sqlx::query!(
                     "INSERT INTO event_sinks (id, tenant_id, url, types, secret, created_by, batch_size) VALUES ($1, $2, $3, $4, $5, $6, $7)",
                     id.as_str(),
@@ -525,6 +560,20 @@ pub async fn delivery(conn: &mut PgConnection, id: &SinkId) -> Result<Option<Del
     .await?)
 }
 
+/// Whether sink `id` is still to get its batch at `url`: it exists, is active and posts there.
+/// Read before each POST of a batch after the first, so a pause, a revocation's pause, a
+/// deletion or a new URL stops the rest of the batch (at most the POST in flight lands).
+pub async fn still_delivering(db: &Db, id: &SinkId, url: &str) -> Result<bool> {
+    Ok(sqlx::query_scalar!(
+        r#"SELECT s.active AND s.url = $2 AS "go!" FROM event_sinks s WHERE s.id = $1"#,
+        id.as_str(),
+        url,
+    )
+    .fetch_optional(db.pool())
+    .await?
+    .unwrap_or(false))
+}
+
 /// Saves a sink's progress after a delivered batch (in the dispatcher's fenced transaction):
 /// the new cursor, the count, and a healthy state.
 pub async fn save_progress(
@@ -557,15 +606,18 @@ pub async fn save_progress(
 }
 
 /// Records a failed delivery (in the dispatcher's fenced transaction): the error, one more
-/// failure, and the time of the next attempt. Returns the wait before it, in seconds.
+/// failure, and the time of the next attempt. Returns the wait before it, in seconds. The
+/// exponent stops at 30 (the wait is capped far below): 2^1024 overflows PostgreSQL's float8,
+/// and the failure of a sink that had failed 1,023 times could not be recorded, so it was
+/// posted to again every second, for ever.
 pub async fn record_failure(conn: &mut PgConnection, id: &SinkId, error: &str) -> Result<f64> {
     let error: String = error.chars().take(1000).collect();
     Ok(sqlx::query_scalar!(
         r#"UPDATE event_sinks SET failures = failures + 1, last_error = $2, last_error_at = compute_now(),
-                next_attempt_at = compute_now() + make_interval(secs => least(power(2, failures + 1), $3)::float8),
+                next_attempt_at = compute_now() + make_interval(secs => least(power(2, least(failures + 1, 30)), $3)::float8),
                 state = CASE WHEN failures + 1 >= $4 AND state <> 'behind' THEN 'failing' ELSE state END,
                 updated_at = compute_now()
-          WHERE id = $1 RETURNING least(power(2, failures), $3)::float8 AS "wait!""#,
+          WHERE id = $1 RETURNING least(power(2, least(failures, 30)), $3)::float8 AS "wait!""#,
         id.as_str(),
         error,
         MAX_BACKOFF_SECONDS,

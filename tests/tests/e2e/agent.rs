@@ -511,6 +511,35 @@ async fn refused(config: &DaemonConfig) -> Closed {
     }
 }
 
+/// The gateway's next message in `session`, which must stay open.
+pub async fn reply(session: &mut Session) -> serde_json::Value {
+    session
+        .next_message(WAIT)
+        .await
+        .expect("a reply")
+        .expect("the session stays open")
+}
+
+/// The gateway's next message, which must be an `error` with `BAD_USER_INPUT` (the message
+/// refused, the session kept); the message.
+pub async fn refusal(session: &mut Session) -> serde_json::Value {
+    let m = reply(session).await;
+    assert_eq!(
+        (m["type"].as_str(), m["code"].as_str()),
+        (Some("error"), Some("BAD_USER_INPUT")),
+        "{m}"
+    );
+    m
+}
+
+async fn stored_inventory(app: &TestApp, node: &str) -> Option<serde_json::Value> {
+    sqlx::query_scalar("SELECT inventory FROM nodes WHERE id = $1")
+        .bind(node)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("inventory")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
     let (app, p, _r) = setup().await;
@@ -597,42 +626,17 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
     // closes it with 4400; a flood with 4429.
     let mut s = Session::open(&daemon(&app, a, "j1")).await.expect("open");
     s.status(42).await.expect("send");
-    let m = s
-        .next_message(WAIT)
-        .await
-        .expect("a reply")
-        .expect("not closed");
-    assert_eq!(m["type"], "error");
-    assert_eq!(m["code"], "BAD_USER_INPUT");
+    refusal(&mut s).await;
     // An inventory with a NUL character (which PostgreSQL's jsonb cannot hold): an error
     // message, the session kept, nothing stored (it was an INTERNAL error that closed it).
-    let inventory = "SELECT inventory FROM nodes WHERE id = $1";
-    let before: Option<serde_json::Value> = sqlx::query_scalar(inventory)
-        .bind(a)
-        .fetch_one(app.db.db.pool())
-        .await
-        .expect("inventory");
+    let before = stored_inventory(&app, a).await;
     s.send_raw(tokio_tungstenite::tungstenite::Message::Text(
         r#"{"type":"inventory","inventory":{"hostname":"h100-\u0000a","vcpu":8,"memoryMib":65536,"diskGib":100}}"#.into(),
     ))
     .await
     .expect("send");
-    let m = s
-        .next_message(WAIT)
-        .await
-        .expect("a reply")
-        .expect("not closed");
-    assert_eq!(
-        (m["type"].as_str(), m["code"].as_str()),
-        (Some("error"), Some("BAD_USER_INPUT")),
-        "{m}"
-    );
-    let after: Option<serde_json::Value> = sqlx::query_scalar(inventory)
-        .bind(a)
-        .fetch_one(app.db.db.pool())
-        .await
-        .expect("inventory");
-    assert_eq!(after, before, "nothing stored");
+    refusal(&mut s).await;
+    assert_eq!(stored_inventory(&app, a).await, before, "nothing stored");
     // Reports larger than any machine: 65 GPUs, a 300-character model. Refused the same way
     // (a report is stored as it came, so it is bounded where it enters).
     let gpu = |i: usize, model: &str| json!({ "uuid": format!("GPU-{i:04}"), "model": model, "memoryMib": 81559 });
@@ -646,27 +650,13 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
             "hostname": "h100-a", "vcpu": 32, "memoryMib": 262144, "diskGib": 1000, "gpus": gpus } }))
             .await
             .expect("send");
-        let m = s
-            .next_message(WAIT)
-            .await
-            .expect("a reply")
-            .expect("not closed");
-        assert_eq!(
-            (m["type"].as_str(), m["code"].as_str()),
-            (Some("error"), Some("BAD_USER_INPUT")),
-            "{m}"
-        );
+        let m = refusal(&mut s).await;
         assert!(
             m["message"].as_str().is_some_and(|t| t.contains(says)),
             "{m}"
         );
     }
-    let after: Option<serde_json::Value> = sqlx::query_scalar(inventory)
-        .bind(a)
-        .fetch_one(app.db.db.pool())
-        .await
-        .expect("inventory");
-    assert_eq!(after, before, "nothing stored");
+    assert_eq!(stored_inventory(&app, a).await, before, "nothing stored");
     s.status(1).await.expect("send");
     s.send_raw(tokio_tungstenite::tungstenite::Message::Binary(
         vec![1, 2, 3].into(),
@@ -710,11 +700,7 @@ async fn accepting_an_inventory_no_device_can_hold_is_a_conflict_naming_the_gpu(
         ] } }))
     .await
     .expect("send");
-    let m = s
-        .next_message(WAIT)
-        .await
-        .expect("a reply")
-        .expect("not closed");
+    let m = reply(&mut s).await;
     assert_eq!(m["type"], "inventoryChecked", "{m}");
     assert!(
         m["differences"].as_array().is_some_and(|d| d

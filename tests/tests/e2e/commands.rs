@@ -11,6 +11,7 @@ use compute_tests::TestApp;
 use compute_workers::queue::{DISPATCH_KINDS, QueueWorker};
 use serde_json::{Value, json};
 
+use crate::agent::{refusal, reply};
 use crate::reservations::pool;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -647,11 +648,7 @@ async fn a_daemons_report_holding_a_nul_is_refused_or_cleaned_and_the_session_st
         .send(json!({ "type": "ack", "commandId": id }))
         .await
         .expect("ack");
-    let proceed = session
-        .next_message(WAIT)
-        .await
-        .expect("proceed")
-        .expect("open");
+    let proceed = reply(&mut session).await;
     assert_eq!(proceed["type"], "proceed", "{proceed}");
 
     // Each refused report: an `error` about it, the session open, the command as it was.
@@ -663,16 +660,7 @@ async fn a_daemons_report_holding_a_nul_is_refused_or_cleaned_and_the_session_st
     ];
     for report in refused {
         session.send(report.clone()).await.expect("send");
-        let m = session
-            .next_message(WAIT)
-            .await
-            .expect("a reply")
-            .expect("the session stays open");
-        assert_eq!(
-            (m["type"].as_str(), m["code"].as_str()),
-            (Some("error"), Some("BAD_USER_INPUT")),
-            "{report} got {m}"
-        );
+        refusal(&mut session).await;
         let c = get(id.clone()).await;
         assert_eq!(
             (c["state"].as_str(), &c["result"], &c["progress"]),
@@ -697,11 +685,7 @@ async fn a_daemons_report_holding_a_nul_is_refused_or_cleaned_and_the_session_st
         }))
         .await
         .expect("send");
-    let m = session
-        .next_message(WAIT)
-        .await
-        .expect("a reply")
-        .expect("the session stays open");
+    let m = reply(&mut session).await;
     assert_eq!(
         (m["type"].as_str(), m["recorded"].as_bool()),
         (Some("recorded"), Some(true)),

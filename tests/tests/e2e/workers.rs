@@ -385,6 +385,14 @@ async fn event_sinks_are_managed_per_tenant() {
         .fails(&acme, CREATE_SINK, json!({ "i": { "url": "ftp://x" } }))
         .await;
     assert_eq!(code, "BAD_USER_INPUT");
+    // URLs the dispatcher could not parse when it posts, refused though this server allows
+    // private targets (they were stored, then retried without end).
+    for url in ["http://h:70000/hook", "http://a^b/hook", "http://[zz]/hook"] {
+        let (code, body) = app
+            .fails(&acme, CREATE_SINK, json!({ "i": { "url": url } }))
+            .await;
+        assert_eq!(code, "BAD_USER_INPUT", "{url}: {body}");
+    }
     let (code, _) = app
         .fails(
             &acme,
@@ -448,6 +456,10 @@ struct Receiver {
     batches: Arc<Mutex<Vec<(String, usize)>>>,
     /// POSTs still to answer with a 500.
     fail_next: Arc<Mutex<u32>>,
+    /// POSTs that arrived, counted before they pass the gate.
+    arrived: Arc<std::sync::atomic::AtomicUsize>,
+    /// Every POST waits for this before it is answered: a test holding it holds the receiver.
+    gate: Arc<tokio::sync::Mutex<()>>,
 }
 
 async fn receive(
@@ -455,6 +467,8 @@ async fn receive(
     headers: HeaderMap,
     body: Bytes,
 ) -> axum::http::StatusCode {
+    r.arrived.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    drop(r.gate.lock().await);
     tokio::time::sleep(r.delay).await;
     let h = |k: &str| {
         headers
@@ -542,6 +556,8 @@ async fn start_receiver(delay: Duration) -> (Receiver, String) {
         delay,
         batches: Arc::default(),
         fail_next: Arc::default(),
+        arrived: Arc::default(),
+        gate: Arc::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -801,6 +817,167 @@ async fn a_failing_sink_backs_off_without_holding_up_the_others() {
     .await
     .expect("backoff");
     assert_eq!(wait, 8.0);
+    // A sink failing for days (about 3.5 at the 300 s cap): the exponent stops before
+    // PostgreSQL's float8 overflows at 2^1024, so its 1,031st failure is recorded and it waits
+    // the cap. Before session 42 the failure could not be recorded past 1,023 and the sink was
+    // posted to every second, for ever.
+    sqlx::query("UPDATE event_sinks SET failures = 1030 WHERE id = $1")
+        .bind(&bad)
+        .execute(app.db.db.pool())
+        .await
+        .expect("failures");
+    app.db.advance_clock(300).await;
+    failures_reach(&app, &mut dispatcher, &bad, 1031).await;
+    let (wait,): (f64,) = sqlx::query_as(
+        "SELECT extract(epoch FROM next_attempt_at - last_error_at)::float8 FROM event_sinks WHERE id = $1",
+    )
+    .bind(&bad)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("backoff");
+    assert_eq!(wait, 300.0);
+}
+
+/// A tenant has at most 100 sinks, and two creates racing for the 100th place cannot both take
+/// it: a create takes the tenant's `sinks` advisory lock and counts after it. Here a side
+/// transaction holds that lock while it adds the 100th; a create waits for it, then counts 100
+/// and is `CONFLICT` (without the lock, or with the count in the lock's statement, whose
+/// snapshot predates the wait, it would make a 101st). A deletion frees a place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_has_at_most_100_sinks_even_when_creates_race_for_the_last() {
+    let app = spawn_app().await;
+    let acme = app.member("acme");
+    let url = json!({ "i": { "url": "https://hooks.example.com/compute" } });
+    let first = app.ok(&acme, CREATE_SINK, url.clone()).await["createEventSink"]["eventSink"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let pool = app.db.db.pool();
+    let copies = |ids: &'static str| {
+        format!(
+            "INSERT INTO event_sinks (id, tenant_id, url, types, secret, created_by, batch_size) \
+             SELECT 'snk_' || lpad(to_hex(g), 32, '0'), tenant_id, url, types, secret, created_by, batch_size \
+               FROM event_sinks, {ids} g WHERE id = $1"
+        )
+    };
+    // 98 copies of the first: 99 sinks.
+    sqlx::query(&copies("generate_series(1, 98)"))
+        .bind(&first)
+        .execute(pool)
+        .await
+        .expect("98 more");
+    let mut side = pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('sinks:acme', 0))")
+        .execute(&mut *side)
+        .await
+        .expect("the tenant's lock");
+    sqlx::query(&copies("generate_series(255, 255)"))
+        .bind(&first)
+        .execute(&mut *side)
+        .await
+        .expect("the 100th");
+    let release = async {
+        compute_tests::eventually("the create waits for the lock", WAIT, || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            )
+            .fetch_one(pool)
+            .await
+            .expect("locks");
+            (waiting == 1).then_some(())
+        })
+        .await;
+        side.commit().await.expect("commit");
+    };
+    let ((code, body), ()) = tokio::join!(app.fails(&acme, CREATE_SINK, url.clone()), release);
+    assert_eq!(code, "CONFLICT", "{body}");
+    assert!(body.to_string().contains("100"), "{body}");
+    let count = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM event_sinks WHERE tenant_id = 'acme'")
+            .fetch_one(pool)
+            .await
+            .expect("count")
+    };
+    assert_eq!(count().await, 100);
+    app.ok(
+        &acme,
+        "mutation($i: DeleteEventSinkInput!) { deleteEventSink(input: $i) { deletedEventSinkId } }",
+        json!({ "i": { "id": first } }),
+    )
+    .await;
+    app.ok(&acme, CREATE_SINK, url).await;
+    assert_eq!(count().await, 100, "the freed place was taken");
+}
+
+/// A sink paused while its batch goes out (its tenant's `active: false`; a revocation pauses it
+/// the same way) gets none of the rest: the dispatcher reads the sink again before each POST
+/// after the first, so at most the POST in flight lands, and the cursor says what landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_paused_during_its_batch_gets_none_of_the_rest() {
+    let app = spawn_app().await;
+    let (receiver, url) = start_receiver(Duration::ZERO).await;
+    let acme = app.member("acme");
+    let d = app
+        .ok(
+            &acme,
+            CREATE_SINK,
+            json!({ "i": { "url": url, "types": ["test.tick"] } }),
+        )
+        .await;
+    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    let id = d["createEventSink"]["eventSink"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    sqlx::query(
+        "SELECT compute_emit('test.tick', 'acme', 'e' || g, '{}') FROM generate_series(1, 5) g",
+    )
+    .execute(app.db.db.pool())
+    .await
+    .expect("emit");
+    // The receiver holds its answers: the batch's first POST arrives and waits.
+    let held = receiver.gate.lock().await;
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-p")
+        .allowing_private_targets(true);
+    dispatcher.idle = Duration::from_millis(20);
+    dispatcher.rebalance().await.expect("rebalance");
+    let arrived = || receiver.arrived.load(std::sync::atomic::Ordering::SeqCst);
+    compute_tests::eventually("the first POST arrives", WAIT, || async {
+        (arrived() == 1).then_some(())
+    })
+    .await;
+    // Paused while that POST is in flight; then the receiver answers it.
+    app.ok(
+        &acme,
+        "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active } } }",
+        json!({ "i": { "id": id, "active": false } }),
+    )
+    .await;
+    drop(held);
+    let delivered = || async {
+        sqlx::query_scalar::<_, i64>("SELECT delivered FROM outbox_cursors WHERE sink_id = $1")
+            .bind(&id)
+            .fetch_one(app.db.db.pool())
+            .await
+            .expect("cursor")
+    };
+    compute_tests::eventually("the POST in flight is saved", WAIT, || async {
+        (delivered().await >= 1).then_some(())
+    })
+    .await;
+    // Time for the rest of the batch, had it gone on (it would have gone at once).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(arrived(), 1, "none of the rest was posted");
+    assert_eq!(
+        receiver.got.lock().expect("got").len(),
+        1,
+        "the POST in flight landed"
+    );
+    assert_eq!(delivered().await, 1, "the cursor covers what landed");
 }
 
 /// A sink with a batch size gets its events in POSTs of up to that many, in order, signed, each
