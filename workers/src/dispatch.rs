@@ -389,6 +389,9 @@ async fn deliver_sink(
     }
 }
 
+/// A sink's `lastError` when no key of the worker opens its signing secret.
+pub const SECRET_UNOPENED: &str = "secret: cannot be opened with the worker's keys";
+
 /// Delivers one batch, or says why it delivered nothing.
 #[tracing::instrument(level = "debug", skip_all, fields(sink = %id, lease = %lease.fence().name, epoch = lease.fence().epoch))]
 async fn deliver_batch(
@@ -414,13 +417,54 @@ async fn deliver_batch(
     let (cursor, filter) = (sink.cursor(), sink.filter());
     let events = outbox::read_after(db, cursor, &filter, BATCH).await?;
     if events.is_empty() {
-        return Ok(Ok(if outbox::held_back(db, cursor, &filter).await? {
-            Pass::HeldBack
-        } else {
-            Pass::CaughtUp
-        }));
+        if outbox::held_back(db, cursor, &filter).await? {
+            return Ok(Ok(Pass::HeldBack));
+        }
+        // Caught up: past events its filter does not take, the cursor moves to the present
+        // once a minute at most (sinks::advance_caught_up), so a quiet sink holds no events back.
+        if !sink.cursor_quiet {
+            return Ok(Ok(Pass::CaughtUp));
+        }
+        let moved = db
+            .fenced_tx(
+                "advance_caught_up_sink",
+                lease.fence(),
+                TxKind::Maintenance,
+                |conn| {
+                    let (id, filter) = (id.clone(), filter.clone());
+                    Box::pin(async move { sinks::advance_caught_up(conn, &id, &filter).await })
+                },
+            )
+            .await?;
+        if moved {
+            debug!(sink = %id, "a caught-up sink's cursor moved past events it does not take");
+        }
+        return Ok(Ok(Pass::CaughtUp));
     }
-    let secret = compute_domain::secrets::open(db.keyring(), &sink.secret, sink.id.as_str())?;
+    let secret = match compute_domain::secrets::open(db.keyring(), &sink.secret, sink.id.as_str()) {
+        Ok(secret) => secret,
+        Err(e) => {
+            // No key of this worker opens it (it was sealed under a key not configured here):
+            // a failure the sink shows and backs off from, like an endpoint's, where it was
+            // retried every second while the sink said HEALTHY.
+            warn!(sink = %id, error = %e, "a sink's signing secret cannot be opened with this worker's keys; the sink backs off");
+            db.fenced_tx(
+                "record_webhook_failure",
+                lease.fence(),
+                TxKind::Maintenance,
+                |conn| {
+                    let id = id.clone();
+                    Box::pin(async move {
+                        sinks::record_failure(conn, &id, SECRET_UNOPENED).await?;
+                        Ok(())
+                    })
+                },
+            )
+            .await?;
+            stats.failed.fetch_add(1, Ordering::Relaxed);
+            return Ok(Err(Stop::Inactive));
+        }
+    };
     stats.batches.fetch_add(1, Ordering::Relaxed);
     let mut last: Option<Cursor> = None;
     let mut delivered = 0i64;

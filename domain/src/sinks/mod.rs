@@ -528,6 +528,9 @@ pub struct Delivery {
     pub next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
     pub cursor_txid: i64,
     pub cursor_seq: i64,
+    /// The cursor has not moved for [`QUIET_ADVANCE_SECONDS`]: a caught-up pass may move it
+    /// past what the filter does not take ([`advance_caught_up`]).
+    pub cursor_quiet: bool,
 }
 
 impl Delivery {
@@ -552,9 +555,11 @@ pub async fn delivery(conn: &mut PgConnection, id: &SinkId) -> Result<Option<Del
     Ok(sqlx::query_as!(
         Delivery,
         r#"SELECT s.id AS "id: _", s.tenant_id AS "tenant_id: _", s.url, s.types, s.secret, s.active, s.batch_size, s.next_attempt_at,
-                c.txid::text::bigint AS "cursor_txid!", c.seq AS cursor_seq
+                c.txid::text::bigint AS "cursor_txid!", c.seq AS cursor_seq,
+                c.updated_at <= compute_now() - make_interval(secs => $2) AS "cursor_quiet!"
            FROM event_sinks s JOIN outbox_cursors c ON c.sink_id = s.id WHERE s.id = $1"#,
         id.as_str(),
+        QUIET_ADVANCE_SECONDS,
     )
     .fetch_optional(&mut *conn)
     .await?)
@@ -603,6 +608,54 @@ pub async fn save_progress(
     .execute(&mut *conn)
     .await?;
     Ok(())
+}
+
+/// How often a caught-up sink's cursor is moved past events its filter does not take.
+pub const QUIET_ADVANCE_SECONDS: f64 = 60.0;
+
+/// Moves the cursor of a caught-up sink to the present, past events its filter does not take,
+/// when it has not moved for [`QUIET_ADVANCE_SECONDS`] (in the dispatcher's fenced transaction);
+/// whether it moved. Its `updated_at` is set either way, so a sink with nothing to pass over is
+/// looked at once a period, not at every pass. Without it a sink whose filter matched nothing for days kept the outbox
+/// from being pruned (30 days instead of 7), rescanned everything after its cursor at each
+/// pass, and was marked `BEHIND` at the hard maximum with nothing missed.
+///
+/// One statement, so one snapshot: the present is the last event of a transaction older than
+/// every one still running (as [`crate::outbox::read_after`] reads), so no event can still
+/// appear at or before it, and the cursor moves only when no event between it and the present
+/// passes `filter`. An event held back by a running transaction lies after the present. The
+/// cursor only moves forward (a pruning may have moved it meanwhile, never past the present),
+/// and never from before the pruned front: a cursor there may have lost events it takes, which
+/// the pruning marks `BEHIND` after it moved the front, and moving it would hide that.
+pub async fn advance_caught_up(
+    conn: &mut PgConnection,
+    id: &SinkId,
+    filter: &EventFilter,
+) -> Result<bool> {
+    Ok(sqlx::query_scalar!(
+        r#"WITH p AS (SELECT o.txid, o.seq FROM outbox o WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot())
+                        ORDER BY o.txid DESC, o.seq DESC LIMIT 1),
+                go AS (SELECT p.txid, p.seq FROM p, outbox_cursors c, outbox_retention r
+                        WHERE c.sink_id = $1 AND (p.txid, p.seq) > (c.txid, c.seq) AND r.singleton
+                          AND (c.txid, c.seq) >= (r.pruned_txid, r.pruned_seq)
+                          AND NOT EXISTS (SELECT 1 FROM outbox o
+                                           WHERE (o.txid, o.seq) > (c.txid, c.seq) AND (o.txid, o.seq) <= (p.txid, p.seq)
+                                             AND ($3::text IS NULL OR o.tenant_id = $3)
+                                             AND (cardinality($4::text[]) = 0 OR o.type = ANY($4))))
+           UPDATE outbox_cursors c
+              SET txid = CASE WHEN (SELECT (go.txid, go.seq) > (c.txid, c.seq) FROM go) THEN (SELECT go.txid FROM go) ELSE c.txid END,
+                  seq = CASE WHEN (SELECT (go.txid, go.seq) > (c.txid, c.seq) FROM go) THEN (SELECT go.seq FROM go) ELSE c.seq END,
+                  updated_at = compute_now()
+            WHERE c.sink_id = $1 AND c.updated_at <= compute_now() - make_interval(secs => $2)
+        RETURNING EXISTS (SELECT 1 FROM go) AS "moved!""#,
+        id.as_str(),
+        QUIET_ADVANCE_SECONDS,
+        filter.tenant_id.as_ref().map(TenantId::as_str),
+        &filter.types,
+    )
+    .fetch_optional(&mut *conn)
+    .await?
+    .unwrap_or(false))
 }
 
 /// Records a failed delivery (in the dispatcher's fenced transaction): the error, one more

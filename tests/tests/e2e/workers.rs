@@ -910,6 +910,121 @@ async fn a_tenant_has_at_most_100_sinks_even_when_creates_race_for_the_last() {
     assert_eq!(count().await, 100, "the freed place was taken");
 }
 
+/// A sink whose filter takes none of what is written (here, events of another type) moves its
+/// cursor to the present once its minute has passed, so it holds back no pruning and is never
+/// marked `BEHIND` for events it never wanted; and it passes over nothing it takes: an event of
+/// a transaction still running when the cursor moves lies after the present, and is delivered
+/// once that transaction commits. Before session 42 such a cursor never moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_sink_moves_its_cursor_past_what_it_does_not_take_and_misses_nothing() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (receiver, url) = start_receiver(Duration::ZERO).await;
+    let acme = app.member("acme");
+    let d = app
+        .ok(
+            &acme,
+            CREATE_SINK,
+            json!({ "i": { "url": url, "types": ["test.tick"] } }),
+        )
+        .await;
+    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    let id = d["createEventSink"]["eventSink"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let pool = app.db.db.pool();
+    let cursor = || async {
+        sqlx::query_as::<_, (i64, i64, bool)>(
+            "SELECT txid::text::bigint, seq, updated_at = compute_now() FROM outbox_cursors WHERE sink_id = $1",
+        )
+        .bind(&id)
+        .fetch_one(pool)
+        .await
+        .expect("cursor")
+    };
+    // A transaction still running holds an event the sink takes; events it does not take are
+    // committed after it.
+    let mut side = pool.begin().await.expect("begin");
+    let held_txid: i64 = sqlx::query_scalar(
+        "SELECT pg_current_xact_id()::text::bigint FROM (SELECT compute_emit('test.tick', 'acme', 'held', '{}')) e",
+    )
+    .fetch_one(&mut *side)
+    .await
+    .expect("held");
+    sqlx::query(
+        "SELECT compute_emit('test.noise', 'acme', 'n' || g, '{}') FROM generate_series(1, 5) g",
+    )
+    .execute(pool)
+    .await
+    .expect("noise");
+    app.db.advance_clock(61).await;
+    let mut dispatcher = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-q")
+        .allowing_private_targets(true);
+    dispatcher.idle = Duration::from_millis(20);
+    dispatcher.rebalance().await.expect("rebalance");
+    let looked = compute_tests::eventually("the quiet cursor is looked at", WAIT, || async {
+        let c = cursor().await;
+        c.2.then_some(c)
+    })
+    .await;
+    assert!(
+        looked.0 < held_txid,
+        "the cursor stays before the running transaction's event: {looked:?}, held {held_txid}"
+    );
+    side.commit().await.expect("commit");
+    // Delivered and saved (business time must not pass the sink's lease before the save, or
+    // the save is refused and the event delivered again).
+    compute_tests::eventually("the held event is delivered and saved", WAIT, || async {
+        let delivered: i64 =
+            sqlx::query_scalar("SELECT delivered FROM outbox_cursors WHERE sink_id = $1")
+                .bind(&id)
+                .fetch_one(pool)
+                .await
+                .expect("delivered");
+        (delivered == 1).then_some(())
+    })
+    .await;
+    // A minute later the cursor passes the noise, to the present.
+    app.db.advance_clock(61).await;
+    let head: (i64, i64) = sqlx::query_as(
+        "SELECT txid::text::bigint, seq FROM outbox ORDER BY txid DESC, seq DESC LIMIT 1",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("head");
+    // (Business time passed the sink's lease: the dispatcher takes it again, as its loop does.)
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        dispatcher.rebalance().await.expect("rebalance");
+        let c = cursor().await;
+        if (c.0, c.1) == head {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let xmin: i64 =
+                sqlx::query_scalar("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")
+                    .fetch_one(pool)
+                    .await
+                    .expect("xmin");
+            panic!("the cursor is at {c:?}, the present at {head:?}, the cluster's xmin {xmin}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let held: String = sqlx::query_scalar("SELECT id FROM outbox WHERE subject = 'held'")
+        .fetch_one(pool)
+        .await
+        .expect("held event");
+    assert_eq!(
+        receiver.got.lock().expect("got").clone(),
+        vec![held],
+        "the one event it takes, and nothing else"
+    );
+}
+
 /// A sink paused while its batch goes out (its tenant's `active: false`; a revocation pauses it
 /// the same way) gets none of the rest: the dispatcher reads the sink again before each POST
 /// after the first, so at most the POST in flight lands, and the cursor says what landed.
@@ -1654,8 +1769,30 @@ async fn sink_secrets_are_sealed_at_rest_and_survive_a_key_rotation() {
         "the old key no longer opens it"
     );
 
-    // With the old key dropped, a worker on the new key alone still signs correctly.
+    // A worker still on the old key alone cannot open the resealed secrets: the sink shows it
+    // and backs off (it was retried every second, the sink still HEALTHY).
     tick(2).await;
+    let mut stale = compute_workers::dispatch::Dispatcher::new(app.db.db.clone(), "worker-stale")
+        .allowing_private_targets(true);
+    stale.idle = Duration::from_millis(20);
+    let (failures, _, error) = failures_reach(&app, &mut stale, &ids[1], 1).await;
+    assert_eq!(
+        (failures, error.as_deref()),
+        (1, Some(compute_workers::dispatch::SECRET_UNOPENED))
+    );
+    stale.run(async {}).await;
+    assert_eq!(
+        receiver.got.lock().expect("got").len(),
+        1,
+        "nothing was posted"
+    );
+    sqlx::query("UPDATE event_sinks SET next_attempt_at = NULL WHERE id = $1")
+        .bind(&ids[1])
+        .execute(app.db.db.pool())
+        .await
+        .expect("due again");
+
+    // With the old key dropped, a worker on the new key alone still signs correctly.
     deliver_until(
         app.db.db.clone().with_keyring(new_only.clone()),
         "worker-key2",
