@@ -910,20 +910,13 @@ async fn a_tenant_has_at_most_100_sinks_even_when_creates_race_for_the_last() {
     assert_eq!(count().await, 100, "the freed place was taken");
 }
 
-/// A sink whose filter takes none of what is written (here, events of another type) moves its
-/// cursor to the present once its minute has passed, so it holds back no pruning and is never
-/// marked `BEHIND` for events it never wanted; and it passes over nothing it takes: an event of
-/// a transaction still running when the cursor moves lies after the present, and is delivered
-/// once that transaction commits. Before session 42 such a cursor never moved.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_quiet_sink_moves_its_cursor_past_what_it_does_not_take_and_misses_nothing() {
-    let app = spawn_app().await;
-    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+/// A receiver, and acme's sink posting `test.tick` events to it (the receiver knows its secret);
+/// the sink's id.
+async fn tick_sink(app: &TestApp) -> (Receiver, String) {
     let (receiver, url) = start_receiver(Duration::ZERO).await;
-    let acme = app.member("acme");
     let d = app
         .ok(
-            &acme,
+            &app.member("acme"),
             CREATE_SINK,
             json!({ "i": { "url": url, "types": ["test.tick"] } }),
         )
@@ -936,6 +929,19 @@ async fn a_quiet_sink_moves_its_cursor_past_what_it_does_not_take_and_misses_not
         .as_str()
         .expect("id")
         .to_owned();
+    (receiver, id)
+}
+
+/// A sink whose filter takes none of what is written (here, events of another type) moves its
+/// cursor to the present once its minute has passed, so it holds back no pruning and is never
+/// marked `BEHIND` for events it never wanted; and it passes over nothing it takes: an event of
+/// a transaction still running when the cursor moves lies after the present, and is delivered
+/// once that transaction commits. Before session 42 such a cursor never moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_sink_moves_its_cursor_past_what_it_does_not_take_and_misses_nothing() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let (receiver, id) = tick_sink(&app).await;
     let pool = app.db.db.pool();
     let cursor = || async {
         sqlx::query_as::<_, (i64, i64, bool)>(
@@ -1031,23 +1037,7 @@ async fn a_quiet_sink_moves_its_cursor_past_what_it_does_not_take_and_misses_not
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sink_paused_during_its_batch_gets_none_of_the_rest() {
     let app = spawn_app().await;
-    let (receiver, url) = start_receiver(Duration::ZERO).await;
-    let acme = app.member("acme");
-    let d = app
-        .ok(
-            &acme,
-            CREATE_SINK,
-            json!({ "i": { "url": url, "types": ["test.tick"] } }),
-        )
-        .await;
-    *receiver.secret.lock().expect("secret") = d["createEventSink"]["secret"]
-        .as_str()
-        .expect("secret")
-        .to_owned();
-    let id = d["createEventSink"]["eventSink"]["id"]
-        .as_str()
-        .expect("id")
-        .to_owned();
+    let (receiver, id) = tick_sink(&app).await;
     sqlx::query(
         "SELECT compute_emit('test.tick', 'acme', 'e' || g, '{}') FROM generate_series(1, 5) g",
     )
@@ -1067,7 +1057,7 @@ async fn a_sink_paused_during_its_batch_gets_none_of_the_rest() {
     .await;
     // Paused while that POST is in flight; then the receiver answers it.
     app.ok(
-        &acme,
+        &app.member("acme"),
         "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active } } }",
         json!({ "i": { "id": id, "active": false } }),
     )
