@@ -511,6 +511,23 @@ async fn refused(config: &DaemonConfig) -> Closed {
     }
 }
 
+/// The close code the gateway answers `text`, sent as the first message of a new connection.
+async fn first_message_closes(app: &TestApp, text: &str) -> u16 {
+    let mut ws = compute_sim::connect_raw(&app.agent_url())
+        .await
+        .expect("connect");
+    futures_util::SinkExt::send(
+        &mut ws,
+        tokio_tungstenite::tungstenite::Message::Text(text.to_owned().into()),
+    )
+    .await
+    .expect("send");
+    compute_sim::closed_of(&mut ws, WAIT)
+        .await
+        .expect("closed")
+        .code
+}
+
 /// The gateway's next message in `session`, which must stay open.
 pub async fn reply(session: &mut Session) -> serde_json::Value {
     session
@@ -575,20 +592,8 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
     c.journal_id = String::new();
     assert_eq!(refused(&c).await.code, 4400);
     // A malformed first message.
-    let mut ws = compute_sim::connect_raw(&app.agent_url())
-        .await
-        .expect("connect");
-    futures_util::SinkExt::send(
-        &mut ws,
-        tokio_tungstenite::tungstenite::Message::Text("{\"type\":\"hello\"".into()),
-    )
-    .await
-    .expect("send");
     assert_eq!(
-        compute_sim::closed_of(&mut ws, WAIT)
-            .await
-            .expect("closed")
-            .code,
+        first_message_closes(&app, "{\"type\":\"hello\"").await,
         4400
     );
     assert_eq!(
@@ -599,27 +604,9 @@ async fn bad_daemon_input_gets_a_close_code_and_changes_nothing() {
     assert_eq!(app.count("node_sessions").await, 0);
     // A join whose daemonVersion is not a label (it is only logged, and checked all the same):
     // refused before its token is looked at.
-    let mut ws = compute_sim::connect_raw(&app.agent_url())
-        .await
-        .expect("connect");
-    futures_util::SinkExt::send(
-        &mut ws,
-        tokio_tungstenite::tungstenite::Message::Text(
-            json!({ "type": "join", "token": "cjt_unknown", "daemonVersion": "1.0\nINFO forged line",
-                    "inventory": { "hostname": "new-box", "vcpu": 8, "memoryMib": 65536, "diskGib": 100 } })
-            .to_string()
-            .into(),
-        ),
-    )
-    .await
-    .expect("send");
-    assert_eq!(
-        compute_sim::closed_of(&mut ws, WAIT)
-            .await
-            .expect("closed")
-            .code,
-        4400
-    );
+    let join = json!({ "type": "join", "token": "cjt_unknown", "daemonVersion": "1.0\nINFO forged line",
+                       "inventory": { "hostname": "new-box", "vcpu": 8, "memoryMib": 65536, "diskGib": 100 } });
+    assert_eq!(first_message_closes(&app, &join.to_string()).await, 4400);
     assert_eq!(app.count("nodes").await, 3, "no node was made");
 
     // In a session: a bad status is an error message and the session stays; a binary frame

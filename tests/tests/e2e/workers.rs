@@ -809,14 +809,16 @@ async fn a_failing_sink_backs_off_without_holding_up_the_others() {
     assert_eq!(d["eventSink"]["state"], "FAILING", "{d}");
     assert_eq!(d["eventSink"]["failures"], 3);
     // The next attempt is 8 s after the third failure.
-    let (wait,): (f64,) = sqlx::query_as(
-        "SELECT extract(epoch FROM next_attempt_at - last_error_at)::float8 FROM event_sinks WHERE id = $1",
-    )
-    .bind(&bad)
-    .fetch_one(app.db.db.pool())
-    .await
-    .expect("backoff");
-    assert_eq!(wait, 8.0);
+    let backoff = || async {
+        sqlx::query_scalar::<_, f64>(
+            "SELECT extract(epoch FROM next_attempt_at - last_error_at)::float8 FROM event_sinks WHERE id = $1",
+        )
+        .bind(&bad)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("backoff")
+    };
+    assert_eq!(backoff().await, 8.0);
     // A sink failing for days (about 3.5 at the 300 s cap): the exponent stops before
     // PostgreSQL's float8 overflows at 2^1024, so its 1,031st failure is recorded and it waits
     // the cap. Before session 42 the failure could not be recorded past 1,023 and the sink was
@@ -828,14 +830,7 @@ async fn a_failing_sink_backs_off_without_holding_up_the_others() {
         .expect("failures");
     app.db.advance_clock(300).await;
     failures_reach(&app, &mut dispatcher, &bad, 1031).await;
-    let (wait,): (f64,) = sqlx::query_as(
-        "SELECT extract(epoch FROM next_attempt_at - last_error_at)::float8 FROM event_sinks WHERE id = $1",
-    )
-    .bind(&bad)
-    .fetch_one(app.db.db.pool())
-    .await
-    .expect("backoff");
-    assert_eq!(wait, 300.0);
+    assert_eq!(backoff().await, 300.0);
 }
 
 /// A tenant has at most 100 sinks, and two creates racing for the 100th place cannot both take
