@@ -508,8 +508,10 @@ async fn deliver_batch(
                     sinks::save_progress(conn, &id, cursor, delivered).await?;
                 }
                 if let Some(why) = &failure {
-                    let wait = sinks::record_failure(conn, &id, why).await?;
-                    debug!(sink = %id, wait, "sink backs off");
+                    match sinks::record_failure(conn, &id, why).await? {
+                        Some(wait) => debug!(sink = %id, wait, "sink backs off"),
+                        None => debug!(sink = %id, "the sink was deleted while it was posted to"),
+                    }
                 }
                 Ok(())
             })

@@ -659,11 +659,16 @@ pub async fn advance_caught_up(
 }
 
 /// Records a failed delivery (in the dispatcher's fenced transaction): the error, one more
-/// failure, and the time of the next attempt. Returns the wait before it, in seconds. The
+/// failure, and the time of the next attempt. Returns the wait before it, in seconds, or `None`
+/// when the sink was deleted while it was posted to (nothing to record). The
 /// exponent stops at 30 (the wait is capped far below): 2^1024 overflows PostgreSQL's float8,
 /// and the failure of a sink that had failed 1,023 times could not be recorded, so it was
 /// posted to again every second, for ever.
-pub async fn record_failure(conn: &mut PgConnection, id: &SinkId, error: &str) -> Result<f64> {
+pub async fn record_failure(
+    conn: &mut PgConnection,
+    id: &SinkId,
+    error: &str,
+) -> Result<Option<f64>> {
     let error: String = error.chars().take(1000).collect();
     Ok(sqlx::query_scalar!(
         r#"UPDATE event_sinks SET failures = failures + 1, last_error = $2, last_error_at = compute_now(),
@@ -676,7 +681,7 @@ pub async fn record_failure(conn: &mut PgConnection, id: &SinkId, error: &str) -
         MAX_BACKOFF_SECONDS,
         FAILING_AFTER,
     )
-    .fetch_one(&mut *conn)
+    .fetch_optional(&mut *conn)
     .await?)
 }
 

@@ -906,3 +906,88 @@ async fn a_sigkilled_dispatcher_loses_no_command_and_sends_none_twice() {
     assert_eq!(seen, total, "every command reached its daemon");
     let _ = stop.send(true);
 }
+
+/// A transaction that moves the commands of two workflows wakes them at its commit in key order,
+/// whatever order it moved them in: against a finish holding the first workflow's `work_queue`
+/// row and reaching for the second's (an instance batch takes its rows in key order), the
+/// commit waits for the first row and holds no other, so both go through. Until migration 0042
+/// the deferred trigger enqueued in the order the rows moved: the commit took the second
+/// workflow's row, waited for the first, and PostgreSQL rolled one of the two back as a deadlock.
+#[tokio::test]
+async fn commands_of_two_workflows_wake_them_in_key_order_at_commit() {
+    let (app, nodes, _) = setup().await;
+    let pool = app.db.db.pool();
+    for (cmd, workflow) in [("cmd_wf_b", "ins_wf_b"), ("cmd_wf_a", "ins_wf_a")] {
+        sqlx::query(
+            "INSERT INTO commands (id, node_id, kind, retry_safe, idempotency_key, created_by, workflow_id) \
+             VALUES ($1, $2, 'noop', true, 'wf:' || $3 || ':0', 'test', $3)",
+        )
+        .bind(cmd)
+        .bind(&nodes[0])
+        .bind(workflow)
+        .execute(pool)
+        .await
+        .expect("a workflow's command");
+    }
+    sqlx::query("SELECT compute_enqueue('instance', ARRAY['ins_wf_a', 'ins_wf_b'], 8, 0)")
+        .execute(pool)
+        .await
+        .expect("the workflows' rows");
+    let generation = || async {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT key, gen FROM work_queue WHERE kind = 'instance' AND key LIKE 'ins_wf_%' ORDER BY key",
+        )
+        .fetch_all(pool)
+        .await
+        .expect("generations")
+    };
+    let before = generation().await;
+    // The mover: B's command, then A's.
+    let mut mover = pool.begin().await.expect("begin");
+    for cmd in ["cmd_wf_b", "cmd_wf_a"] {
+        sqlx::query(
+            "UPDATE commands SET state = 'cancelled', finished_at = compute_now() WHERE id = $1",
+        )
+        .bind(cmd)
+        .execute(&mut *mover)
+        .await
+        .expect("a command moves");
+    }
+    // The finish: A's row first, in key order.
+    let mut finish = pool.begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM work_queue WHERE kind = 'instance' AND key = 'ins_wf_a' FOR UPDATE")
+        .execute(&mut *finish)
+        .await
+        .expect("A's row");
+    let committed = tokio::spawn(mover.commit());
+    compute_tests::eventually("the mover's commit waits for A's row", WAIT, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+              WHERE NOT l.granted AND a.datname = current_database()",
+        )
+        .fetch_one(pool)
+        .await
+        .expect("locks");
+        (waiting == 1).then_some(())
+    })
+    .await;
+    sqlx::query("SELECT 1 FROM work_queue WHERE kind = 'instance' AND key = 'ins_wf_b' FOR UPDATE")
+        .execute(&mut *finish)
+        .await
+        .expect("B's row: the mover holds no row but the one it waits for");
+    finish.commit().await.expect("the finish commits");
+    committed
+        .await
+        .expect("join")
+        .expect("the mover commits: no deadlock");
+    let after = generation().await;
+    assert_eq!(
+        after
+            .iter()
+            .zip(&before)
+            .map(|((k, a), (_, b))| (k.as_str(), a - b))
+            .collect::<Vec<_>>(),
+        [("ins_wf_a", 1), ("ins_wf_b", 1)],
+        "each workflow woken once"
+    );
+}
