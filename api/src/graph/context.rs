@@ -213,10 +213,24 @@ pub fn db<'a>(ctx: &'a Context<'_>) -> GqlResult<&'a Db> {
         .map_err(|_| gql_error(Error::internal("the schema was built without a database")))
 }
 
-/// The caller must be authenticated (any role); whether it is an operator (members see the
-/// inventory's public face).
+/// The caller must hold a role that reads the fleet: a member, an operator (of the fleet or of
+/// a site or pool) or an administrator. Whether it is an operator of the whole fleet (members
+/// see the inventory's public face). A node daemon's token, and a subject whose grants give it
+/// no role (revoked, or without a grant under `--authz grants`), are `FORBIDDEN`: they read
+/// nothing on `/graphql` but `viewer` and `serverTime`.
 pub fn require_viewer(ctx: &Context<'_>) -> GqlResult<bool> {
-    Ok(viewer(ctx)?.has_role(Role::Operator))
+    let v = viewer(ctx)?;
+    let reads = [Role::Admin, Role::Operator, Role::Member]
+        .into_iter()
+        .any(|r| v.has_role(r))
+        || !v.scopes.is_empty();
+    if reads {
+        Ok(v.has_role(Role::Operator))
+    } else {
+        Err(gql_error(Error::Forbidden(
+            "this needs the member or operator role: your token or grants give no role that reads the fleet".into(),
+        )))
+    }
 }
 
 /// The caller must be an operator.

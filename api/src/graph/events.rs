@@ -19,7 +19,7 @@ use compute_domain::outbox::{self, Cursor, Event, EventFilter};
 use futures_util::{Stream, StreamExt};
 
 use crate::graph::common::gql_id;
-use crate::graph::{GqlError, GqlResult, actor, db, gql_error, viewer};
+use crate::graph::{GqlError, GqlResult, actor, db, gql_error, require_viewer};
 use crate::share;
 use crate::tailer::{Feed, Tailer};
 
@@ -424,7 +424,7 @@ impl EventsQuery {
     /// committed just before it, while an older transaction was still running, may still be
     /// delivered after it: the stream never skips, it may only repeat what the page shows.)
     async fn event_cursor(&self, ctx: &Context<'_>) -> GqlResult<String> {
-        viewer(ctx)?;
+        require_viewer(ctx)?;
         Ok(outbox::head(db(ctx)?).await?.encode())
     }
 }
@@ -672,7 +672,7 @@ impl SubscriptionRoot {
         impl Stream<Item = async_graphql::Result<crate::graph::fleet::PoolObj>> + use<>,
         GqlError,
     > {
-        viewer(ctx)?;
+        require_viewer(ctx)?;
         let pid = PoolId::parse("id", id.as_str())?;
         let db = db(ctx)?.clone();
         if compute_domain::fleet::get_pools(&db, std::slice::from_ref(&pid))

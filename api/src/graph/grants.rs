@@ -270,6 +270,9 @@ pub struct GrantRoleInput {
 pub struct GrantRolePayload {
     /// The grant (the one that existed when the same grant was given before).
     grant: GrantObj,
+    /// The subject's event sinks paused because its grants do not cover them: its first grant
+    /// makes it managed, and what its token's claims gave stops counting (empty on a replay).
+    paused_event_sink_ids: Vec<ID>,
     /// Whether this is the stored answer to an earlier request with the same idempotency key.
     idempotent_replay: bool,
 }
@@ -373,7 +376,8 @@ impl GrantMutation {
             ReplayFlag::mark(ctx);
         }
         Ok(GrantRolePayload {
-            grant: GrantObj(outcome.value),
+            grant: GrantObj(outcome.value.grant),
+            paused_event_sink_ids: outcome.value.paused_sinks.iter().map(gql_id).collect(),
             idempotent_replay: outcome.replayed,
         })
     }

@@ -17,7 +17,7 @@ use crate::db::{Db, TxKind};
 use crate::error::{Error, Result};
 use crate::events::{self, AuthzPayload, EventType, GrantView};
 use crate::idempotency::{self, Actor, Claim, Outcome};
-use crate::ids::{GrantId, ScopeId, ServiceAccountId, TenantId};
+use crate::ids::{GrantId, ScopeId, ServiceAccountId, SinkId, TenantId};
 use crate::outbox::{self, NewEvent};
 use crate::page::{Page, PageArgs};
 use crate::text_enum::text_enum;
@@ -388,15 +388,27 @@ async fn insert_grant(
     Ok((existing, false))
 }
 
+/// What `grant` did: the grant, and the principal's event sinks it paused.
+#[derive(Debug, Clone)]
+pub struct Granted {
+    pub grant: Grant,
+    /// The principal's sinks its grants no longer cover: a first grant makes a principal
+    /// managed, so what its token's claims gave (a sink of its claimed tenant, a fleet sink of
+    /// a claimed operator) stops counting. Empty on a replay.
+    pub paused_sinks: Vec<SinkId>,
+}
+
 /// Gives `spec.principal` a role. The same grant again is the grant that exists (no new row,
-/// no event); with an idempotency key, a retry gets the same answer.
+/// no event); with an idempotency key, a retry gets the same answer. The principal's event
+/// sinks its grants do not cover are paused in the same transaction, as a revocation's are:
+/// moving a member to another tenant stops its sinks of the first.
 #[tracing::instrument(level = "debug", skip_all, fields(subject = %spec.principal.subject, role = %spec.role))]
 pub async fn grant(
     db: &Db,
     actor: &Actor,
     spec: GrantSpec,
     idempotency_key: Option<String>,
-) -> Result<Outcome<Grant>> {
+) -> Result<Outcome<Granted>> {
     spec.check()?;
     let key = idempotency_key
         .map(|k| idempotency::parse_key("idempotencyKey", &k))
@@ -421,7 +433,10 @@ pub async fn grant(
                                         id: id.clone(),
                                     })?;
                             return Ok(Ok(Outcome {
-                                value,
+                                value: Granted {
+                                    grant: value,
+                                    paused_sinks: Vec::new(),
+                                },
                                 replayed: true,
                             }));
                         }
@@ -434,6 +449,13 @@ pub async fn grant(
                     check_service_account(conn, &spec.principal).await?;
                     lock_principal(conn, &spec.principal, &actor.subject).await?;
                     let (grant, new) = insert_grant(conn, &spec, &actor.subject).await?;
+                    let paused_sinks = crate::sinks::pause_uncovered(
+                        conn,
+                        &spec.principal.issuer,
+                        &spec.principal.subject,
+                        false,
+                    )
+                    .await?;
                     changed(conn, &spec.principal).await?;
                     if new {
                         emit_change(
@@ -446,13 +468,16 @@ pub async fn grant(
                         .await?;
                     }
                     Ok(Outcome {
-                        value: grant,
+                        value: Granted {
+                            grant,
+                            paused_sinks,
+                        },
                         replayed: false,
                     })
                 }
                 .await;
                 idempotency::settle(conn, &actor, key.as_deref(), made, |o| {
-                    o.value.id.to_string()
+                    o.value.grant.id.to_string()
                 })
                 .await
             })
@@ -993,7 +1018,8 @@ pub async fn bootstrap_admin(db: &Db, issuer: &str, subject: &str) -> Result<Gra
         None,
     )
     .await?
-    .value)
+    .value
+    .grant)
 }
 
 /// What a scoped operator acts on: its pool and site are looked up to check its scope.

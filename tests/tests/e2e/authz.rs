@@ -383,6 +383,134 @@ async fn streams_close_and_sinks_pause_when_their_grant_is_revoked() {
     );
 }
 
+/// A first grant makes a subject managed: what its token's claims gave stops counting, and so
+/// do the event sinks it made under them. Moving a member of acme (by its claims) to beta
+/// pauses its acme sink in the grant's transaction; its beta sink made afterwards stays.
+#[tokio::test]
+async fn a_grant_that_moves_a_member_pauses_the_sinks_of_its_former_tenant() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    let alice = app.token("alice", Some("acme"), &[Role::Member]);
+    const CREATE: &str = "mutation { createEventSink(input: { url: \"http://127.0.0.1:9/hook\" }) { eventSink { id } } }";
+    let sink =
+        app.ok(&alice, CREATE, json!({})).await["createEventSink"]["eventSink"]["id"].clone();
+    let moved = app
+        .ok(
+            &admin,
+            "mutation($input: GrantRoleInput!) { grantRole(input: $input) { grant { id } pausedEventSinkIds idempotentReplay } }",
+            json!({ "input": { "subject": "alice", "role": "MEMBER", "tenantId": "beta", "idempotencyKey": "move-alice" } }),
+        )
+        .await["grantRole"]
+        .clone();
+    assert_eq!(
+        moved["pausedEventSinkIds"],
+        json!([sink.clone()]),
+        "{moved}"
+    );
+    let active = |id: Value| {
+        let pool = app.db.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT active FROM event_sinks WHERE id = $1")
+                .bind(id.as_str().unwrap_or_default().to_owned())
+                .fetch_one(&pool)
+                .await
+                .expect("the sink")
+        }
+    };
+    assert!(
+        !active(sink.clone()).await,
+        "acme's events no longer go to alice's sink"
+    );
+    let paused: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE type = 'event_sink.updated' AND subject = $1",
+    )
+    .bind(sink.as_str().unwrap_or_default())
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("events");
+    assert_eq!(paused, 1, "the pause is an event");
+    // Her token still says acme; her grant says beta, and a sink of beta is hers to keep.
+    let beta = app.token("alice", Some("beta"), &[Role::Member]);
+    eventually("alice's grant is felt", WAIT, || async {
+        (viewer(&app, &beta).await["tenantId"] == json!("beta")).then_some(())
+    })
+    .await;
+    let kept = app.ok(&beta, CREATE, json!({})).await["createEventSink"]["eventSink"]["id"].clone();
+    let again = app
+        .ok(
+            &admin,
+            GRANT,
+            json!({ "input": { "subject": "alice", "role": "OPERATOR", "scopeId": null } }),
+        )
+        .await;
+    assert!(again["grantRole"]["grant"]["id"].is_string(), "{again}");
+    assert!(active(kept).await, "a sink her grants cover stays active");
+}
+
+/// A token that gives no role that reads the fleet reads nothing of it: a node daemon's, and a
+/// subject whose claims a revocation took away. `viewer` still answers who they are.
+#[tokio::test]
+async fn a_caller_without_a_reading_role_reads_nothing_of_the_fleet() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    let p = crate::reservations::pool(&app).await;
+    let bob = app.token("bob", None, &[Role::Operator]);
+    let revoked = app
+        .ok(
+            &admin,
+            REVOKE,
+            json!({ "input": { "subject": "bob", "role": "OPERATOR" } }),
+        )
+        .await;
+    assert!(
+        revoked["revokeRole"]["revokedGrantId"].is_null(),
+        "{revoked}"
+    );
+    eventually("bob's revocation is felt", WAIT, || async {
+        (viewer(&app, &bob).await["roles"] == json!([])).then_some(())
+    })
+    .await;
+    let node = app.node_token(&p.nodes[0]);
+    let pool_id = p.pool.clone();
+    let reads = [
+        ("{ sites(first: 5) { totalCount } }".to_owned(), json!({})),
+        ("{ pools(first: 5) { totalCount } }".to_owned(), json!({})),
+        (
+            "query($id: ID!) { node(id: $id) { id } }".to_owned(),
+            json!({ "id": pool_id }),
+        ),
+        ("{ eventCursor }".to_owned(), json!({})),
+    ];
+    for (who, token) in [("a node daemon", &node), ("a revoked subject", &bob)] {
+        for (q, vars) in &reads {
+            let (_, body) = app.graphql(q, vars.clone(), Some(token)).await;
+            assert_eq!(code(&body), "FORBIDDEN", "{who}: {q}: {body}");
+            assert!(
+                body["data"].is_null() || !body["data"].to_string().contains("pool_"),
+                "{who}: {body}"
+            );
+        }
+        let (_, body) = app
+            .graphql("{ viewer { subject roles } }", json!({}), Some(token))
+            .await;
+        assert_eq!(code(&body), "OK", "{who}: {body}");
+    }
+    // A member still reads the fleet's public face.
+    let member = app.member("acme");
+    let (_, body) = app
+        .graphql(
+            "{ pools(first: 5) { totalCount } }",
+            json!({}),
+            Some(&member),
+        )
+        .await;
+    assert_eq!(code(&body), "OK", "{body}");
+    assert!(
+        body["data"]["pools"]["totalCount"].as_i64().unwrap_or(0) >= 1,
+        "{body}"
+    );
+}
+
 #[tokio::test]
 async fn a_scoped_operator_changes_only_its_pool_and_sees_only_its_commands() {
     let app = spawn_app().await;
@@ -1011,6 +1139,6 @@ async fn a_grant_to_a_service_account_locks_the_account_before_the_principal() {
     .expect("the principal: the grant holds no row while it waits");
     side.rollback().await.expect("let go");
     let made = granting.await.expect("join").expect("granted, no deadlock");
-    assert_eq!(made.value.subject, principal.subject);
-    assert_eq!(made.value.role, GrantRole::Member);
+    assert_eq!(made.value.grant.subject, principal.subject);
+    assert_eq!(made.value.grant.role, GrantRole::Member);
 }
