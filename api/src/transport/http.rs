@@ -52,8 +52,52 @@ impl MediaType {
     }
 }
 
+/// The media ranges of an `Accept` header: each essence with its quality (1 when it names
+/// none), in the order given.
+fn media_ranges(accept: &str) -> impl Iterator<Item = (&str, f32)> {
+    accept.split(',').map(|range| {
+        let mut parts = range.split(';');
+        let essence = parts.next().unwrap_or("").trim();
+        let q = parts
+            .filter_map(|p| p.trim().strip_prefix("q="))
+            .find_map(|q| q.trim().parse::<f32>().ok())
+            .unwrap_or(1.0);
+        (essence, q)
+    })
+}
+
+/// The quality `accept` gives `name` (`type/subtype`), from the most specific range that
+/// matches it (RFC 9110, 12.5.1: `application/json;q=0, */*` refuses JSON); with `wildcards`
+/// false, only a range naming it counts. `None` when no range matches.
+fn quality(accept: &str, name: &str, wildcards: bool) -> Option<f32> {
+    let top = name.split('/').next().unwrap_or(name);
+    let mut best: Option<(u8, f32)> = None;
+    for (essence, q) in media_ranges(accept) {
+        // Media types compare without regard to case, here without a lowered copy per range.
+        let specificity = if essence.eq_ignore_ascii_case(name) {
+            2
+        } else if wildcards
+            && essence
+                .strip_suffix("/*")
+                .is_some_and(|t| t.eq_ignore_ascii_case(top))
+        {
+            1
+        } else if wildcards && essence == "*/*" {
+            0
+        } else {
+            continue;
+        };
+        if best.is_none_or(|(s, _)| specificity > s) {
+            best = Some((specificity, q));
+        }
+    }
+    best.map(|(_, q)| q)
+}
+
 /// Picks the response media type from `Accept`, by quality, preferring
-/// `application/graphql-response+json` on a tie. `None` when neither is acceptable.
+/// `application/graphql-response+json` on a tie. `None` when neither is acceptable. A client
+/// that takes anything (`*/*`, `application/*`) is a legacy client and gets `application/json`
+/// (the specification's SHOULD), unless it refused `application/json` by name.
 pub fn negotiate(accept: Option<&HeaderValue>) -> Option<MediaType> {
     let Some(accept) = accept.and_then(|v| v.to_str().ok()) else {
         return Some(MediaType::Json);
@@ -61,42 +105,58 @@ pub fn negotiate(accept: Option<&HeaderValue>) -> Option<MediaType> {
     if accept.trim().is_empty() {
         return Some(MediaType::Json);
     }
-    let mut best: Option<(f32, MediaType)> = None;
-    for range in accept.split(',') {
-        let mut parts = range.split(';');
-        let essence = parts.next().unwrap_or("").trim();
-        let q = parts
-            .filter_map(|p| p.trim().strip_prefix("q="))
-            .find_map(|q| q.trim().parse::<f32>().ok())
-            .unwrap_or(1.0);
-        if q <= 0.0 {
-            continue;
-        }
-        // Media types compare without regard to case, here without a lowered copy per range.
-        let is = |name: &str| essence.eq_ignore_ascii_case(name);
-        let candidates: &[MediaType] = if is("application/graphql-response+json") {
-            &[MediaType::GraphqlResponseJson]
-        } else if is("application/json") {
-            &[MediaType::Json]
-        } else if is("*/*") || is("application/*") {
-            // A client that takes anything is a legacy client: the specification's SHOULD.
-            &[MediaType::Json]
-        } else {
-            &[]
-        };
-        for &m in candidates {
-            let better = match best {
-                None => true,
-                Some((bq, bm)) => {
-                    q > bq || (q == bq && m == MediaType::GraphqlResponseJson && bm != m)
-                }
-            };
-            if better {
-                best = Some((q, m));
-            }
-        }
+    let json = quality(accept, "application/json", true).filter(|q| *q > 0.0);
+    let named = quality(accept, "application/graphql-response+json", false);
+    let graphql = match named {
+        Some(q) => Some(q),
+        // JSON refused by name; what takes anything takes the specification's own type.
+        None if json.is_none() => quality(accept, "application/graphql-response+json", true),
+        None => None,
     }
-    best.map(|(_, m)| m)
+    .filter(|q| *q > 0.0);
+    match (graphql, json) {
+        (Some(g), Some(j)) if j > g => Some(MediaType::Json),
+        (Some(_), _) => Some(MediaType::GraphqlResponseJson),
+        (None, Some(_)) => Some(MediaType::Json),
+        (None, None) => None,
+    }
+}
+
+/// What `Accept` asks of a request that could be answered by an event stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    /// `text/event-stream` is not acceptable, or a JSON type is preferred to it.
+    No,
+    /// `text/event-stream` is preferred (by quality), or the only acceptable type.
+    Yes,
+    /// `text/event-stream` and a JSON type at the same quality (urql's default `Accept` lists
+    /// both): a subscription streams, a query or mutation is answered in JSON.
+    Either,
+}
+
+/// Whether `Accept` asks for an event stream: only a range naming `text/event-stream` counts
+/// (a client that takes anything is a JSON client), weighed against the JSON types by quality.
+pub fn wants_event_stream(headers: &HeaderMap) -> Stream {
+    let Some(accept) = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()) else {
+        return Stream::No;
+    };
+    let Some(sse) = quality(accept, "text/event-stream", false).filter(|q| *q > 0.0) else {
+        return Stream::No;
+    };
+    let json = [
+        quality(accept, "application/json", true),
+        quality(accept, "application/graphql-response+json", true),
+    ]
+    .into_iter()
+    .flatten()
+    .fold(0.0f32, f32::max);
+    if sse > json {
+        Stream::Yes
+    } else if sse == json {
+        Stream::Either
+    } else {
+        Stream::No
+    }
 }
 
 fn accepts_html(headers: &HeaderMap) -> bool {
@@ -170,7 +230,8 @@ pub async fn post(State(app): State<AppState>, req: Request) -> Response {
             ));
         }
     };
-    if crate::transport::sse::wants_event_stream(&headers) {
+    let stream = wants_event_stream(&headers);
+    if stream == Stream::Yes {
         return crate::transport::sse::respond_to_post(app, peer, &headers, &body).await;
     }
     let Some(media) = negotiate(headers.get(header::ACCEPT)) else {
@@ -184,15 +245,32 @@ pub async fn post(State(app): State<AppState>, req: Request) -> Response {
             "POST /graphql takes a JSON body: Content-Type: application/json",
         );
     }
-    let request = match request_from_body(&app.persisted, &body) {
+    let mut request = match request_from_body(&app.persisted, &body) {
         Ok(r) => r,
         Err(refused) => return refusal(media, refused),
     };
+    if streams_as_subscription(&app, stream, &mut request) {
+        return crate::transport::sse::respond(app, peer, &headers, Ok(request), false).await;
+    }
     let viewer = match authenticate(&app, &headers) {
         Ok(v) => v,
         Err(why) => return unauthorized(media, &why),
     };
     execute(&app, media, viewer, peer, request, false).await
+}
+
+/// Whether a request whose `Accept` takes an event stream and JSON alike is a subscription,
+/// which only the stream can answer.
+fn streams_as_subscription(
+    app: &AppState,
+    stream: Stream,
+    request: &mut async_graphql::Request,
+) -> bool {
+    stream == Stream::Either
+        && matches!(
+            operation_type(app, request),
+            Ok(Some(OperationType::Subscription))
+        )
 }
 
 /// `GET /graphql`: GraphiQL for browsers, the WebSocket upgrade, or a query in the query string.
@@ -201,7 +279,8 @@ pub async fn get(State(app): State<AppState>, req: Request) -> Response {
     if crate::transport::ws::is_upgrade(&parts.headers) {
         return crate::transport::ws::upgrade(app, &mut parts).await;
     }
-    if crate::transport::sse::wants_event_stream(&parts.headers) {
+    let stream = wants_event_stream(&parts.headers);
+    if stream == Stream::Yes {
         return crate::transport::sse::get(State(app), Request::from_parts(parts, body)).await;
     }
     let params = match GetParams::from_uri(&parts.uri) {
@@ -221,15 +300,18 @@ pub async fn get(State(app): State<AppState>, req: Request) -> Response {
     let Some(media) = negotiate(parts.headers.get(header::ACCEPT)) else {
         return not_acceptable();
     };
-    let request = match params.into_request(&app.persisted) {
+    let mut request = match params.into_request(&app.persisted) {
         Ok(r) => r,
         Err(refused) => return refusal(media, refused),
     };
+    let peer = peer_of(&parts.extensions);
+    if streams_as_subscription(&app, stream, &mut request) {
+        return crate::transport::sse::respond(app, peer, &parts.headers, Ok(request), true).await;
+    }
     let viewer = match authenticate(&app, &parts.headers) {
         Ok(v) => v,
         Err(why) => return unauthorized(media, &why),
     };
-    let peer = peer_of(&parts.extensions);
     execute(&app, media, viewer, peer, request, true).await
 }
 
@@ -373,7 +455,7 @@ mod tests {
     #[test]
     fn negotiation_follows_the_specification() {
         use MediaType::{GraphqlResponseJson as Gql, Json};
-        let table: [(Option<&str>, Option<MediaType>); 13] = [
+        let table: [(Option<&str>, Option<MediaType>); 16] = [
             (None, Some(Json)),
             (Some("Application/GraphQL-Response+JSON"), Some(Gql)),
             (Some(""), Some(Json)),
@@ -396,10 +478,35 @@ mod tests {
             (Some("*/*, application/graphql-response+json"), Some(Gql)),
             (Some("text/html"), None),
             (Some("application/json;q=0"), None),
+            (Some("application/json;q=0, */*"), Some(Gql)),
+            (Some("application/json;q=0.5, application/*"), Some(Json)),
+            (Some("application/json, text/event-stream"), Some(Json)),
         ];
         for (accept, expected) in table {
             let header = accept.map(hv);
             assert_eq!(negotiate(header.as_ref()), expected, "Accept: {accept:?}");
         }
+    }
+
+    #[test]
+    fn an_event_stream_is_chosen_by_quality_never_by_a_mention() {
+        let urql = "application/graphql-response+json, application/graphql+json, application/json, text/event-stream, multipart/mixed";
+        let table = [
+            ("text/event-stream", Stream::Yes),
+            ("Text/Event-Stream;q=0.5", Stream::Yes),
+            ("text/event-stream, application/json;q=0.9", Stream::Yes),
+            (urql, Stream::Either),
+            ("application/json, text/event-stream;q=0", Stream::No),
+            ("application/json, text/event-stream;q=0.5", Stream::No),
+            ("*/*", Stream::No),
+            ("text/*", Stream::No),
+            ("application/json", Stream::No),
+        ];
+        for (accept, expected) in table {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::ACCEPT, hv(accept));
+            assert_eq!(wants_event_stream(&headers), expected, "Accept: {accept}");
+        }
+        assert_eq!(wants_event_stream(&HeaderMap::new()), Stream::No);
     }
 }

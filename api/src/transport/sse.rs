@@ -17,7 +17,7 @@ use std::convert::Infallible;
 use async_graphql::parser::types::OperationType;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use compute_domain::ErrorCode;
@@ -33,14 +33,6 @@ use crate::graph::events::{ResumeAfter, Streaming};
 use crate::limits::StreamGuard;
 use crate::state::AppState;
 use crate::transport::{BAD_REQUEST, PARSE_FAILED, operation_type, prepare};
-
-/// Whether `Accept` asks for an event stream.
-pub fn wants_event_stream(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|a| a.contains("text/event-stream"))
-}
 
 /// `POST /graphql/stream`, and `POST /graphql` with `Accept: text/event-stream`.
 pub async fn post(State(app): State<AppState>, req: Request) -> Response {
@@ -90,7 +82,7 @@ fn failed(status: StatusCode, code: &str, message: &str) -> Response {
     (status, Sse::new(events)).into_response()
 }
 
-async fn respond(
+pub(crate) async fn respond(
     app: AppState,
     peer: Option<Peer>,
     headers: &HeaderMap,

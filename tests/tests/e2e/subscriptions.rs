@@ -928,6 +928,62 @@ async fn sse_streams_and_resumes_with_last_event_id() {
     assert!(e.data.contains("alice@acme"), "{e:?}");
     assert_eq!(q.next().await.event, "complete");
 
+    // urql's default Accept names the event stream beside the JSON types, at the same quality:
+    // a query is answered in JSON (its cost included), a subscription streams.
+    const URQL: &str = "application/graphql-response+json, application/graphql+json, application/json, text/event-stream, multipart/mixed";
+    let res = app
+        .http
+        .post(app.url("/graphql"))
+        .header("Accept", URQL)
+        .bearer_auth(&member)
+        .json(&json!({ "query": "{ viewer { subject } }" }))
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(
+        res.headers()["content-type"],
+        "application/graphql-response+json; charset=utf-8"
+    );
+    let v: Value = res.json().await.expect("json");
+    assert_eq!(v["data"]["viewer"]["subject"], "alice@acme", "{v}");
+    assert!(v["extensions"]["cost"].is_object(), "{v}");
+    let res = app
+        .http
+        .post(app.url("/graphql"))
+        .header("Accept", URQL)
+        .bearer_auth(&member)
+        .json(&json!({ "query": EVENTS, "variables": { "after": last, "types": ["test.tick"] } }))
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(res.headers()["content-type"], "text/event-stream");
+    let mut urql = SseStream {
+        res,
+        buf: String::new(),
+    };
+    let got: Vec<String> = urql.subjects(3).await.into_iter().map(|(s, _)| s).collect();
+    assert_eq!(
+        got,
+        ["b", "c", "d"],
+        "the subscription streams from its cursor"
+    );
+    // A stream refused by quality is not one: the subscription is a plain request's error.
+    let res = app
+        .http
+        .post(app.url("/graphql"))
+        .header("Accept", "application/json, text/event-stream;q=0")
+        .bearer_auth(&member)
+        .json(&json!({ "query": EVENTS }))
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(
+        res.headers()["content-type"],
+        "application/json; charset=utf-8"
+    );
+    let v: Value = res.json().await.expect("json");
+    assert_eq!(v["errors"][0]["extensions"]["code"], "BAD_REQUEST", "{v}");
+
     // A validation error is a `next` with errors on an accepted stream, then complete.
     let (status, mut bad) = SseStream::open(
         &app,
