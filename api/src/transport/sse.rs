@@ -223,7 +223,9 @@ async fn stream_events(
                 let _ = tx.send(SseEvent::default().event("next").data(errors.to_string())).await;
                 break;
             }
-            () = &mut stopping => break,
+            // Ended without `complete`, which would tell the client the operation is over:
+            // an `EventSource` reconnects with `Last-Event-ID`, graphql-sse's client retries.
+            () = &mut stopping => return,
         };
         let Some(mut response) = response else { break };
         let request_error = prepare(&app, &mut response);

@@ -361,12 +361,8 @@ async fn serve(
                 break End::Close(4403, "Forbidden: your access was revoked".into());
             }
             () = &mut stopping => {
-                // Aborted first, then `complete` for each: the lock is fair, so an operation
-                // that was writing finishes its message and writes nothing after.
-                let ids = conn.abort_all();
-                for id in ids {
-                    let _ = conn.send_out(&id, Out::Complete).await;
-                }
+                // No `complete`: to a client it means the operation is over, and graphql-ws's
+                // would not subscribe again; 1001 (Going Away) it retries, and resubscribes.
                 break End::Close(1001, "server shutting down".into());
             }
         }
@@ -541,8 +537,10 @@ impl Conn {
                         .send(json!({ "type": "connection_error", "payload": { "message": "too many streams" } }))
                         .await;
                 }
+                // 1013 (Try Again Later): graphql-ws's client retries it with backoff, where it
+                // takes 4429 (its "too many initialisation requests") as final.
                 return Err(End::Close(
-                    4429,
+                    1013,
                     format!("Too many streams: at most {max} per identity"),
                 ));
             }

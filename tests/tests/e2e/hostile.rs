@@ -874,6 +874,23 @@ async fn connections_and_streams_are_bounded() {
     .await
     .expect("send");
     assert_eq!(close_of(anon).await, Some(4403));
+    // A WebSocket past the identity's streams is closed with 1013 (Try Again Later), which
+    // graphql-ws's client retries; 4429 (its "too many initialisation requests") it never does.
+    let (a, b) = (open().await.expect("first"), open().await.expect("second"));
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    let mut third = ws().await;
+    third
+        .send(Message::Text(
+            json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } })
+                .to_string()
+                .into(),
+        ))
+        .await
+        .expect("init");
+    let (code, reason) = close_frame_of(third).await.expect("a close frame");
+    assert_eq!(code, 1013, "{reason}");
+    assert!(reason.contains("at most 2"), "{reason}");
+    drop((a, b));
     // An oversized message is refused with 1009 and a reason, not a dropped connection (1006),
     // whatever it is: a 1 MiB text, a 10 MB `connection_init`, a 1.9 MiB `subscribe` of 50,000
     // subjects after an accepted init. The client writes while it reads, as clients do.

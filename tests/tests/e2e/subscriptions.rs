@@ -1077,21 +1077,53 @@ async fn pool_capacity_follows_reservations_on_the_pool() {
     }
 }
 
+/// Shutdown ends every subscription without `complete`: to graphql-ws and graphql-sse clients
+/// (and an `EventSource` application) `complete` means the operation is over, and they would
+/// not subscribe again. A WebSocket closes `1001 Going Away`, which graphql-ws's client retries;
+/// an SSE stream just ends, and an `EventSource` reconnects with `Last-Event-ID`.
 #[tokio::test]
-async fn shutdown_completes_subscriptions_then_closes() {
+async fn shutdown_ends_subscriptions_without_complete_so_clients_come_back() {
     let app = spawn_app().await;
     let member = app.member("acme");
     let mut ws = subscribe(&app, &member, "e", EVENTS, json!({})).await;
-    // The subscription is running once the server counts it.
-    open_subscriptions(&app, 1).await;
+    let (status, mut sse) = SseStream::open(&app, &member, json!({ "query": EVENTS }), None).await;
+    assert_eq!(status, 200);
+    // The subscriptions are running once the server counts them.
+    open_subscriptions(&app, 2).await;
     let closing = tokio::spawn(async move {
-        let complete = next_msg(&mut ws).await;
-        (complete, close_of(&mut ws).await)
+        let mut seen = Vec::new();
+        let close = tokio::time::timeout(WAIT, async {
+            loop {
+                match ws.next().await {
+                    Some(Ok(Message::Close(Some(f)))) => {
+                        return (u16::from(f.code), f.reason.to_string());
+                    }
+                    Some(Ok(Message::Text(t))) => seen.push(t.to_string()),
+                    Some(Ok(_)) => continue,
+                    other => panic!("expected a close frame, got {other:?}"),
+                }
+            }
+        })
+        .await
+        .expect("a close");
+        (seen, close)
+    });
+    let ended = tokio::spawn(async move {
+        let mut rest = std::mem::take(&mut sse.buf);
+        while let Ok(Some(chunk)) = sse.res.chunk().await {
+            rest.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        rest
     });
     app.shutdown().await;
-    let (complete, close) = closing.await.expect("join");
-    assert_eq!(complete, json!({ "id": "e", "type": "complete" }));
+    let (seen, close) = closing.await.expect("join");
+    assert!(seen.iter().all(|m| !m.contains("complete")), "{seen:?}");
     assert_eq!(close, (1001, "server shutting down".into()));
+    let rest = tokio::time::timeout(WAIT, ended)
+        .await
+        .expect("the stream ends")
+        .expect("join");
+    assert!(!rest.contains("event: complete"), "{rest}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
