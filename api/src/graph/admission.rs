@@ -289,10 +289,9 @@ impl AdmissionControl {
         }
     }
 
-    /// The response of an admitted request on its way out: its errors capped at
-    /// [`Limits::max_errors`], and its `extensions.cost`; or, when async-graphql refused the
-    /// request, the charge refunded ([`AdmissionControl::settle`]) and no cost reported.
-    pub fn finish(&self, admission: &Admission, response: &mut Response) {
+    /// Cuts `response` to the errors one response carries, the last saying how many were left
+    /// out: every response of every transport, a subscription's items included.
+    pub fn cap_errors(&self, response: &mut Response) {
         let max = self.limits.max_errors;
         if response.errors.len() > max {
             let dropped = response.errors.len() - max;
@@ -303,6 +302,13 @@ impl AdmissionControl {
                 &[("max", max as u64)],
             ));
         }
+    }
+
+    /// The response of an admitted request on its way out: its errors capped at
+    /// [`Limits::max_errors`], and its `extensions.cost`; or, when async-graphql refused the
+    /// request, the charge refunded ([`AdmissionControl::settle`]) and no cost reported.
+    pub fn finish(&self, admission: &Admission, response: &mut Response) {
+        self.cap_errors(response);
         if self.settle(admission, response) {
             return;
         }

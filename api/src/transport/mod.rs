@@ -337,6 +337,7 @@ pub fn execute_streaming(
         let mut first = true;
         responses
             .map(move |mut r| {
+                door.cap_errors(&mut r);
                 if std::mem::take(&mut first) {
                     door.settle(&admission, &mut r);
                 }
@@ -344,11 +345,13 @@ pub fn execute_streaming(
             })
             .boxed()
     } else {
+        // A query or mutation's one response, finished as over HTTP: its errors capped, its
+        // cost in `extensions.cost`.
         futures_util::stream::once(async move {
             let mut r = door
                 .within_deadline(async move { responses.next().await.unwrap_or_default() })
                 .await;
-            door.settle(&admission, &mut r);
+            door.finish(&admission, &mut r);
             r
         })
         .boxed()

@@ -701,6 +701,15 @@ async fn operation(
     let admitted = app
         .admission
         .parse(&mut request)
+        .map_err(|mut e| {
+            // async-graphql's parser error has no code: a document that does not parse is
+            // `GRAPHQL_PARSE_FAILED` here as over HTTP and SSE (`prepare` would call any
+            // uncoded request error a validation failure).
+            if super::code_of(&e).is_none() {
+                super::set_code(&mut e, super::PARSE_FAILED);
+            }
+            e
+        })
         .and_then(|()| app.admission.admit(&mut request, viewer.as_ref(), None));
     let (request, mut streaming) = Streaming::attach(request, viewer, app.tailer.frames(), true);
     // An `events` subscription hands its feed over once it has started: from then on this

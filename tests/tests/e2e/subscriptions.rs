@@ -310,6 +310,44 @@ async fn pings_pongs_keep_alive_and_operation_errors() {
         msg["payload"][0]["extensions"]["code"],
         "GRAPHQL_VALIDATION_FAILED"
     );
+    // A document that does not parse: the same, coded as over HTTP.
+    send(
+        &mut ws,
+        json!({ "id": "p", "type": "subscribe", "payload": { "query": "subscription {" } }),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "error", "{msg}");
+    assert_eq!(msg["id"], "p");
+    assert_eq!(
+        msg["payload"][0]["extensions"]["code"], "GRAPHQL_PARSE_FAILED",
+        "{msg}"
+    );
+    // Sixty unknown fields: at most 50 errors in one response, the last saying so, as over HTTP.
+    let unknown: String = (0..60).map(|i| format!("nope{i} ")).collect();
+    send(
+        &mut ws,
+        json!({ "id": "m", "type": "subscribe", "payload": { "query": format!("{{ viewer {{ {unknown} }} }}") } }),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "error", "{msg}");
+    let errors = msg["payload"].as_array().expect("errors");
+    assert_eq!(errors.len(), 51, "{msg}");
+    assert_eq!(errors[50]["extensions"]["limit"], "errors", "{msg}");
+    // A query's one result carries its cost, as over HTTP.
+    send(
+        &mut ws,
+        json!({ "id": "q", "type": "subscribe", "payload": { "query": "{ viewer { subject } }" } }),
+    )
+    .await;
+    let msg = next_msg(&mut ws).await;
+    assert_eq!(msg["type"], "next", "{msg}");
+    assert!(
+        msg["payload"]["extensions"]["cost"]["requested"].is_number(),
+        "{msg}"
+    );
+    assert_eq!(next_msg(&mut ws).await["type"], "complete");
     // A subscription that cannot start: `error` with the domain code.
     send(&mut ws, json!({ "id": "c", "type": "subscribe", "payload": { "query": "subscription { events(after: \"zz\") { id } }" } })).await;
     let msg = next_msg(&mut ws).await;
