@@ -354,7 +354,9 @@ impl Authz {
     }
 
     /// Resolves when `viewer`'s access shrinks (a change to its grants leaves it less than
-    /// it had: [`covers`]); never without a viewer. Streams close on it.
+    /// it had: [`covers`]); never without a viewer. Streams close on it. It listens from the
+    /// call and looks once at its first poll: a change applied after `viewer` was resolved
+    /// and before the call (a connection opened as its subject was revoked) is not missed.
     pub fn shrinks(
         &self,
         viewer: Option<&Viewer>,
@@ -365,6 +367,9 @@ impl Authz {
         let me = self.clone();
         let mut rx = self.changes();
         Box::pin(async move {
+            if !covers(&me.resolve(before.clone()), &before) {
+                return;
+            }
             let own = principal_of(&before);
             loop {
                 match rx.recv().await {

@@ -447,6 +447,73 @@ async fn a_grant_that_moves_a_member_pauses_the_sinks_of_its_former_tenant() {
     assert!(active(kept).await, "a sink her grants cover stays active");
 }
 
+/// A connection resolves its caller, then listens for changes that shrink it: a revocation
+/// applied between the two (a WebSocket opened as its subject was revoked) is found at the
+/// first look, not missed until the token expires.
+#[tokio::test]
+async fn a_revocation_between_resolving_a_caller_and_listening_is_not_missed() {
+    use compute_api::auth::{Claimed, Viewer};
+    use compute_domain::ids::TenantId;
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    app.ok(
+        &admin,
+        GRANT,
+        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+    )
+    .await;
+    let projection = compute_api::authz::Authz::load(app.db.db.clone(), app.clock.clone())
+        .await
+        .expect("a projection");
+    let acme = TenantId::parse("tenant", "acme").expect("a tenant");
+    let claimed = Viewer {
+        subject: "erin".into(),
+        issuer: compute_tests::TEST_ISSUER.into(),
+        tenant: Some(acme.clone()),
+        roles: vec![Role::Member],
+        scopes: Vec::new(),
+        unavailable: false,
+        claimed: Some(Claimed {
+            roles: vec![Role::Member],
+            tenant: Some(acme),
+        }),
+        node: None,
+        expires_at: i64::MAX,
+        valid_for: Duration::from_secs(3600),
+    };
+    let before = projection.resolve(claimed);
+    assert_eq!(before.roles, [Role::Member]);
+    // A listener from before the revocation hears it; one from after looks once.
+    let early = projection.shrinks(Some(&before));
+    app.ok(
+        &admin,
+        REVOKE,
+        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+    )
+    .await;
+    projection
+        .step()
+        .await
+        .expect("the projection reads the change");
+    let late = projection.shrinks(Some(&before));
+    for (which, listener) in [("early", early), ("late", late)] {
+        tokio::time::timeout(WAIT, listener)
+            .await
+            .unwrap_or_else(|_| panic!("the {which} listener missed the revocation"));
+    }
+    // A caller the grants still cover is not closed at the first look.
+    let covered = projection.resolve(before.clone());
+    assert!(
+        tokio::time::timeout(
+            Duration::from_millis(200),
+            projection.shrinks(Some(&covered))
+        )
+        .await
+        .is_err(),
+        "nothing shrank for a caller resolved after the change"
+    );
+}
+
 /// A token that gives no role that reads the fleet reads nothing of it: a node daemon's, and a
 /// subject whose claims a revocation took away. `viewer` still answers who they are.
 #[tokio::test]
