@@ -69,9 +69,10 @@ impl CommandObj {
     async fn kind(&self) -> CommandKind {
         self.0.kind.into()
     }
-    /// Its arguments.
+    /// Its arguments. A `run_instance`'s environment values are shown as `null` beside their
+    /// names: they are the tenant's, sent to the daemon only.
     async fn args(&self) -> Json<serde_json::Value> {
-        Json(self.0.args.0.clone())
+        Json(self.0.shown_args())
     }
     /// Where it is in its life.
     async fn state(&self) -> CommandState {

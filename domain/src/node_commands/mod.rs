@@ -125,6 +125,23 @@ pub struct Command {
     pub traceparent: Option<String>,
 }
 
+impl Command {
+    /// The arguments as people and event consumers see them (`Command.args`, `command.*`
+    /// events): a `run_instance`'s environment values are its tenant's, sent to the daemon
+    /// only, so they are shown as `null` beside their names (`docs/instances.md`).
+    pub fn shown_args(&self) -> Value {
+        let mut args = self.args.0.clone();
+        if self.kind == Kind::RunInstance
+            && let Some(env) = args.get_mut("env").and_then(Value::as_object_mut)
+        {
+            for value in env.values_mut() {
+                *value = Value::Null;
+            }
+        }
+        args
+    }
+}
+
 /// The columns of [`Command`], of `commands c`, for the listing's dynamic builder; the same
 /// columns as [`query_commands!`] (a static test compares them).
 const COLS: &str = "c.id, c.node_id, c.kind, c.args, c.min_generation, c.retry_safe, c.idempotency_key, \

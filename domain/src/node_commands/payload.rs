@@ -12,7 +12,7 @@ impl CommandPayload {
                 id: c.id.clone(),
                 node_id: c.node_id.clone(),
                 kind: c.kind,
-                args: c.args.0.clone(),
+                args: c.shown_args(),
                 min_generation: c.min_generation,
                 retry_safe: c.retry_safe,
                 state: c.state,

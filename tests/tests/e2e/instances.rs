@@ -174,6 +174,39 @@ async fn an_instance_runs_on_its_allocation_and_stops_with_its_reservation() {
         .expect("args");
     assert_eq!(run["devices"], atoms, "the allocation's atoms");
     assert_eq!(run["image"], "registry.example/train:1");
+    // The environment's values go to the daemon, and to no one else: an operator reading the
+    // command sees the names, and the command's events carry no value.
+    assert_eq!(run["env"], json!({ "EPOCHS": "3" }), "what the daemon gets");
+    let (run_id,): (String,) = sqlx::query_as("SELECT id FROM commands WHERE idempotency_key = $1")
+        .bind(format!("wf:{id}:run"))
+        .fetch_one(db.pool())
+        .await
+        .expect("the run command");
+    let shown = app
+        .ok(
+            &app.operator(),
+            "query($id: ID!) { command(id: $id) { args } }",
+            json!({ "id": run_id }),
+        )
+        .await;
+    assert_eq!(
+        shown["command"]["args"]["env"],
+        json!({ "EPOCHS": null }),
+        "{shown}"
+    );
+    assert_eq!(
+        shown["command"]["args"]["image"],
+        "registry.example/train:1"
+    );
+    let (with_env, with_value): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE data->'command'->'args' ? 'env'),                 count(*) FILTER (WHERE data->'command'->'args'->'env'->>'EPOCHS' IS NOT NULL)            FROM outbox WHERE subject = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(db.pool())
+    .await
+    .expect("the command's events");
+    assert!(with_env >= 1, "the events name the variables");
+    assert_eq!(with_value, 0, "no event carries a value");
 
     // The reservation ends (02:00): the workflow stops the workload.
     pass_time(&app, 2 * 3600).await;
