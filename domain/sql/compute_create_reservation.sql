@@ -1,4 +1,4 @@
--- The current definition, as migrations/0040_reservation_length_without_start.sql left it. Change it with a new migration
+-- The current definition, as migrations/0043_reservation_lead_and_zero_asks.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -80,6 +80,12 @@ BEGIN
         IF p_ends_at - v_start > interval '366 days' THEN
             RAISE EXCEPTION USING ERRCODE = 'CP400', MESSAGE = 'a reservation lasts at most 366 days', DETAIL = 'endsAt';
         END IF;
+        -- The furthest start, as far ahead as availability looks: a reservation held its quota
+        -- and its node's scalars from the create to its end, and kept its GPUs from being
+        -- retired or changed, whatever year it named.
+        IF v_start - v_now > interval '366 days' THEN
+            RAISE EXCEPTION USING ERRCODE = 'CP400', MESSAGE = '`startsAt` is at most 366 days ahead', DETAIL = 'startsAt';
+        END IF;
 
         -- The pool's rules (migration 0034), each only where the pool sets it. A refusal names
         -- the rule (DETAIL) and its limit (HINT, as JSON) and is stored as the key's answer.
@@ -112,13 +118,16 @@ BEGIN
         SELECT coalesce(sum((a->>'vcpu')::bigint), 0), coalesce(sum((a->>'memory_mib')::bigint), 0)
           INTO v_vcpu, v_memory FROM jsonb_array_elements(p_allocations) a;
 
-        -- Quota: every row of the tenant on the pool and its site, locked in key order, charged
-        -- all or none by a guarded update (each row re-read at its latest version); a missing row
-        -- means no limit there. Fewer charged than locked: over quota.
+        -- Quota: every row of the tenant on the pool and its site that the request asks some of,
+        -- locked in key order, charged all or none by a guarded update (each row re-read at its
+        -- latest version); a missing row means no limit there. Fewer charged than locked: over
+        -- quota. A resource asked none of is not looked at: a limit lowered below what is held
+        -- refuses more of that resource, not a request for none of it.
         WITH want AS (SELECT * FROM (VALUES ('pool', p_pool, 'gpu', p_gpu_charge), ('pool', p_pool, 'vcpu', v_vcpu::numeric),
                                             ('pool', p_pool, 'memory_mib', v_memory::numeric), ('site', v_site, 'gpu', p_gpu_charge),
                                             ('site', v_site, 'vcpu', v_vcpu::numeric), ('site', v_site, 'memory_mib', v_memory::numeric))
-                                    w(scope_kind, scope_id, resource, amount)),
+                                    w(scope_kind, scope_id, resource, amount)
+                           WHERE w.amount > 0),
              locked AS (SELECT q.scope_kind, q.scope_id, q.resource FROM quota_usage q
                           JOIN want w USING (scope_kind, scope_id, resource)
                          WHERE q.tenant_id = p_tenant ORDER BY q.scope_kind, q.scope_id, q.resource FOR UPDATE OF q),

@@ -354,11 +354,15 @@ pub fn parse_topology(
 }
 
 /// A time PostgreSQL can hold and this system can reason about: between the years 1970 and
-/// 9999. `field` names it in the error. Every time a client sends passes through here.
+/// 9999, to the microsecond (finer is cut). `field` names it in the error. Every time a client
+/// sends passes through here.
 pub fn parse_time(field: &str, t: DateTime<Utc>) -> Result<DateTime<Utc>> {
-    use chrono::Datelike;
+    use chrono::{Datelike, SubsecRound};
     if (1970..=9999).contains(&t.year()) {
-        Ok(t)
+        // PostgreSQL keeps microseconds: a time is compared as it will be stored, so an
+        // extension by half a microsecond is no extension (it was accepted, stored as the old
+        // end, and written as a change with its event).
+        Ok(t.trunc_subsecs(6))
     } else {
         Err(Error::bad_input(
             field,

@@ -798,6 +798,13 @@ pub(crate) async fn place_pending(
             };
             // A window that already started is placed from now on.
             let start = starts_at.max(now);
+            // Its end may have passed since the retry was chosen (the retry's read and this
+            // transaction see two clocks): nothing is left to place, and its expiry is due.
+            if start >= ends_at {
+                return Err(conflict(format!(
+                    "reservation {id}'s window ended before it was placed"
+                )));
+            }
             let describe: Vec<String> = allocations.iter().map(|(_, a)| a.describe()).collect();
             let placement = place(conn, &id, (start, ends_at), &describe).await?;
             match placement {

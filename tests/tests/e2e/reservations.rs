@@ -403,6 +403,90 @@ async fn quota_is_final_and_replayed_and_writes_nothing() {
     );
 }
 
+/// The edges a create or an extension may reach: a start at most 366 days ahead, an end
+/// moved by less than a microsecond (no move: PostgreSQL keeps microseconds), and a request for
+/// none of a resource whose limit was lowered below what the tenant holds of it.
+#[tokio::test]
+async fn a_far_start_a_sub_microsecond_extension_and_a_zero_ask_under_a_lowered_limit() {
+    let (app, p, member) = setup().await;
+    let at = |key: &str, starts: &str, ends: &str| {
+        json!({ "i": { "poolId": p.pool, "startsAt": starts, "endsAt": ends,
+            "allocations": [{ "gpuCount": 1 }], "idempotencyKey": key } })
+    };
+    let (rows, events) = (app.count("reservations").await, app.count("outbox").await);
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            at("far", "2032-01-03T00:00:00Z", "2032-01-03T01:00:00Z"),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "{error}");
+    assert_eq!(error["extensions"]["field"], "startsAt", "{error}");
+    assert_eq!(
+        (app.count("reservations").await, app.count("outbox").await),
+        (rows, events),
+        "nothing written"
+    );
+    assert_eq!(used(&app, "gpu").await, 0.0, "nothing charged");
+    app.ok(
+        &member,
+        CREATE,
+        at("near", "2031-12-30T00:00:00Z", "2031-12-30T01:00:00Z"),
+    )
+    .await;
+
+    let made = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "now", json!([{ "gpuCount": 1, "vcpu": 8 }])),
+        )
+        .await;
+    let id = made["createReservation"]["reservation"]["id"].clone();
+    let version = made["createReservation"]["reservation"]["version"].clone();
+    let events = app.count("outbox").await;
+    let (code, error) = app
+        .fails(&member, EXTEND, json!({ "i": { "id": id, "endsAt": "2031-01-01T02:00:00.0000005Z", "idempotencyKey": "half-a-microsecond" } }))
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "{error}");
+    assert_eq!(app.count("outbox").await, events, "no event");
+    let (now_version,): (i64,) = sqlx::query_as("SELECT version FROM reservations WHERE id = $1")
+        .bind(id.as_str())
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("the reservation");
+    assert_eq!(json!(now_version), version, "unchanged");
+
+    // acme holds 8 vCPU; its limit goes down to 4. More vCPU is refused, none is not.
+    app.ok(
+        &app.operator(),
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "acme", "scopeId": p.pool, "vcpu": 4 } }),
+    )
+    .await;
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            input(&p.pool, "more-cpu", json!([{ "gpuCount": 1, "vcpu": 1 }])),
+        )
+        .await;
+    assert_eq!(code, "QUOTA_EXCEEDED", "{error}");
+    let gpu_only = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "no-cpu", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(
+        gpu_only["createReservation"]["reservation"]["state"], "ACTIVE",
+        "{gpu_only}"
+    );
+    assert_eq!(used(&app, "vcpu").await, 8.0, "nothing more charged");
+}
+
 #[tokio::test]
 async fn idempotency_keys_have_exact_semantics() {
     let (app, p, member) = setup().await;
