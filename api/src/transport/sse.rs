@@ -118,11 +118,17 @@ pub(crate) async fn respond(
             );
         }
         Ok(Some(OperationType::Mutation)) if is_get => {
-            return failed(
-                StatusCode::OK,
+            // As on every GET (the GraphQL-over-HTTP specification): 405 with `Allow: POST`.
+            let mut refused = failed(
+                StatusCode::METHOD_NOT_ALLOWED,
                 BAD_REQUEST,
                 "mutations are not allowed over GET; use POST",
             );
+            refused.headers_mut().insert(
+                axum::http::header::ALLOW,
+                axum::http::HeaderValue::from_static("POST"),
+            );
+            return refused;
         }
         Ok(_) => {}
     }

@@ -1021,6 +1021,21 @@ async fn sse_streams_and_resumes_with_last_event_id() {
     );
     let v: Value = res.json().await.expect("json");
     assert_eq!(v["errors"][0]["extensions"]["code"], "BAD_REQUEST", "{v}");
+    // A mutation over GET is 405 on the stream too, with `Allow: POST`.
+    let res = app
+        .http
+        .get(app.url("/graphql/stream"))
+        .query(&[(
+            "query",
+            "mutation { cancelReservation(input: { id: \"rsv_x\" }) { __typename } }",
+        )])
+        .header("Accept", "text/event-stream")
+        .bearer_auth(&member)
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(res.status().as_u16(), 405);
+    assert_eq!(res.headers()["allow"], "POST");
 
     // A validation error is a `next` with errors on an accepted stream, then complete.
     let (status, mut bad) = SseStream::open(
