@@ -302,14 +302,19 @@ async fn create_effect(
         id: req.allocation_id.to_string(),
     };
     // The reservation row first (lock order); a release waits for this creation, and then
-    // wakes the instance through its trigger.
+    // wakes the instance through its trigger. Only a row the caller may see is locked: another
+    // tenant's busy reservation neither waits for it nor answers otherwise than NOT_FOUND.
+    let Ok(tenant) = actor.visible_tenant() else {
+        return Err(not_found());
+    };
     let found = sqlx::query!(
         r#"SELECT a.node_id AS "node_id: NodeId", a.reservation_id AS "reservation_id: ReservationId",
                   r.tenant_id AS "tenant_id: TenantId", a.atoms,
                   compute_reservation_state(r.state, r.starts_at, r.ends_at) AS "state!: crate::reservations::state::State"
              FROM allocations a JOIN reservations r ON r.id = a.reservation_id
-            WHERE a.id = $1 FOR SHARE OF r"#,
+            WHERE a.id = $1 AND ($2::text IS NULL OR r.tenant_id = $2) FOR SHARE OF r"#,
         req.allocation_id.as_str(),
+        tenant.map(TenantId::as_str),
     )
     .fetch_optional(&mut *conn)
     .await?

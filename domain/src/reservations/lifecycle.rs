@@ -415,10 +415,20 @@ async fn lock_for(
     version: Option<i64>,
     action: Action,
 ) -> Result<Reservation> {
+    let not_found = || Error::NotFound {
+        kind: "reservation",
+        id: id.to_string(),
+    };
+    // Only a row the caller may see is locked: another tenant's busy reservation neither makes
+    // it wait nor answers otherwise than NOT_FOUND.
+    let Ok(tenant) = actor.visible_tenant() else {
+        return Err(not_found());
+    };
     let rsv = query_reservations!(
         "SELECT",
-        "FROM reservations r WHERE r.id = $1 FOR UPDATE",
-        id.as_str()
+        "FROM reservations r WHERE r.id = $1 AND ($2::text IS NULL OR r.tenant_id = $2) FOR UPDATE",
+        id.as_str(),
+        tenant.map(TenantId::as_str)
     )
     .fetch_optional(&mut *conn)
     .await?;
@@ -914,10 +924,21 @@ async fn extend_effect(
     // recorded on the reservation as what admitted it. The GPU-hours rule serializes the
     // tenant's admissions on the pool with the advisory lock `compute_create_reservation` takes,
     // before any row lock (docs/database-locks.md).
+    // Another tenant's reservation takes none of its tenant's locks: `lock_for` answers
+    // NOT_FOUND for it.
+    let Ok(tenant) = actor.visible_tenant() else {
+        return Err(Error::NotFound {
+            kind: "reservation",
+            id: id.to_string(),
+        });
+    };
+    let tenant = tenant.map(TenantId::as_str);
     let ruled = sqlx::query!(
         r#"SELECT r.tenant_id, r.pool_id, p.rules AS "rules: Json<crate::fleet::PoolRules>", compute_now() AS "now!"
-             FROM reservations r JOIN pools p ON p.id = r.pool_id WHERE r.id = $1"#,
+             FROM reservations r JOIN pools p ON p.id = r.pool_id
+            WHERE r.id = $1 AND ($2::text IS NULL OR r.tenant_id = $2)"#,
         id.as_str(),
+        tenant,
     )
     .fetch_optional(&mut *conn)
     .await?;

@@ -487,6 +487,48 @@ async fn a_far_start_a_sub_microsecond_extension_and_a_zero_ask_under_a_lowered_
     assert_eq!(used(&app, "vcpu").await, 8.0, "nothing more charged");
 }
 
+/// Another tenant's reservation is NOT_FOUND however busy it is: the caller's tenant is part of
+/// the lookup, so a row it may not see is neither locked nor waited for (a wait ended in
+/// `LOCK_TIMEOUT`, which told that the id exists).
+#[tokio::test]
+async fn another_tenants_busy_reservation_is_not_found_at_once() {
+    let (app, p, member) = setup().await;
+    let made = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "busy", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    let id = made["createReservation"]["reservation"]["id"].clone();
+    let allocation = made["createReservation"]["reservation"]["allocations"][0]["id"].clone();
+    let mut holder = app.db.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM reservations WHERE id = $1 FOR UPDATE")
+        .bind(id.as_str())
+        .execute(&mut *holder)
+        .await
+        .expect("acme's row, held");
+    let globex = app.member("globex");
+    for (what, doc, vars) in [
+        ("cancel", CANCEL, json!({ "i": { "id": id } })),
+        (
+            "extend",
+            EXTEND,
+            json!({ "i": { "id": id, "endsAt": "2031-01-01T05:00:00Z", "idempotencyKey": "x" } }),
+        ),
+        (
+            "createInstance",
+            "mutation($i: CreateInstanceInput!) { createInstance(input: $i) { instance { id } } }",
+            json!({ "i": { "allocationId": allocation, "image": "x", "idempotencyKey": "i" } }),
+        ),
+    ] {
+        // A wait for the held row would end in LOCK_TIMEOUT.
+        let (code, error) = app.fails(&globex, doc, vars).await;
+        assert_eq!(code, "NOT_FOUND", "{what}: {error}");
+    }
+    holder.rollback().await.expect("rollback");
+}
+
 #[tokio::test]
 async fn idempotency_keys_have_exact_semantics() {
     let (app, p, member) = setup().await;
