@@ -10,7 +10,9 @@
 -- set with `set_config(…, true)`: gone at commit or rollback, rolled back with a savepoint), and
 -- the first firing of the deferred trigger at commit enqueues the whole list in one call
 -- (`compute_enqueue` takes its keys in key order) and empties it; the later firings find it
--- empty. A row moved after that firing (`SET CONSTRAINTS … IMMEDIATE`) is gathered again.
+-- empty. A row moved after that firing (`SET CONSTRAINTS … IMMEDIATE`) is gathered again: the
+-- gathering trigger's name sorts before `commands_workflow_due`, and PostgreSQL fires a row's
+-- triggers in name order, so in immediate mode a row is gathered before it is enqueued.
 
 CREATE FUNCTION compute_note_workflow_of_command() RETURNS trigger
     LANGUAGE plpgsql
@@ -22,7 +24,7 @@ CREATE FUNCTION compute_note_workflow_of_command() RETURNS trigger
     END
     $$;
 
-CREATE TRIGGER commands_workflow_noted
+CREATE TRIGGER commands_workflow_collected
     AFTER UPDATE OF state ON commands
     FOR EACH ROW
     WHEN (NEW.workflow_id IS NOT NULL AND OLD.state IS DISTINCT FROM NEW.state)

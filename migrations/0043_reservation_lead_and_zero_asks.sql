@@ -1,5 +1,5 @@
--- A create is refused a start more than 366 days ahead (`BAD_USER_INPUT` on `startsAt`), as
--- far as availability looks: without a pool rule (`maxLeadSeconds`) nothing bounded it, and a
+-- A create is refused a start more than 366 days ahead (`BAD_USER_INPUT` on `startsAt`;
+-- `availability` offers no start past it either): without a pool rule (`maxLeadSeconds`) nothing bounded it, and a
 -- reservation for the year 9999 held its quota and its node's scalars from the create on and
 -- kept its GPUs from being retired or changed. And the quota guard looks only at the resources
 -- the request asks some of: a tenant whose vCPU limit was lowered below what it holds was
@@ -84,7 +84,7 @@ BEGIN
         IF p_ends_at - v_start > interval '366 days' THEN
             RAISE EXCEPTION USING ERRCODE = 'CP400', MESSAGE = 'a reservation lasts at most 366 days', DETAIL = 'endsAt';
         END IF;
-        -- The furthest start, as far ahead as availability looks: a reservation held its quota
+        -- The furthest start (availability offers none later): a reservation held its quota
         -- and its node's scalars from the create to its end, and kept its GPUs from being
         -- retired or changed, whatever year it named.
         IF v_start - v_now > interval '366 days' THEN

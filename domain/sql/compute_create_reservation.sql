@@ -1,4 +1,4 @@
--- The current definition, as migrations/0043_reservation_lead_and_zero_asks.sql left it. Change it with a new migration
+-- The current definition, as migrations/0044_new_quota_counts_holdings.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -80,7 +80,7 @@ BEGIN
         IF p_ends_at - v_start > interval '366 days' THEN
             RAISE EXCEPTION USING ERRCODE = 'CP400', MESSAGE = 'a reservation lasts at most 366 days', DETAIL = 'endsAt';
         END IF;
-        -- The furthest start, as far ahead as availability looks: a reservation held its quota
+        -- The furthest start (availability offers none later): a reservation held its quota
         -- and its node's scalars from the create to its end, and kept its GPUs from being
         -- retired or changed, whatever year it named.
         IF v_start - v_now > interval '366 days' THEN
@@ -118,6 +118,10 @@ BEGIN
         SELECT coalesce(sum((a->>'vcpu')::bigint), 0), coalesce(sum((a->>'memory_mib')::bigint), 0)
           INTO v_vcpu, v_memory FROM jsonb_array_elements(p_allocations) a;
 
+        -- The tenant's quota lock, shared: creates do not wait for each other on it, and a
+        -- `setQuota` that makes a new limit (exclusive) counts what the tenant holds with no
+        -- create in flight (docs/database-locks.md).
+        PERFORM pg_advisory_xact_lock_shared(hashtextextended('quota:' || p_tenant, 0));
         -- Quota: every row of the tenant on the pool and its site that the request asks some of,
         -- locked in key order, charged all or none by a guarded update (each row re-read at its
         -- latest version); a missing row means no limit there. Fewer charged than locked: over

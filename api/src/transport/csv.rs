@@ -140,9 +140,22 @@ async fn export(
     )))
 }
 
+/// A free-text cell as a spreadsheet cannot take it for a formula: one that starts with `=`,
+/// `+`, `-`, `@`, a tab or a carriage return gets a leading `'` (OWASP's CSV injection advice).
+/// The GPU model and profile are the only free text here (an operator's, or a joining
+/// machine's inventory); numbers keep their sign.
+fn inert(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        std::borrow::Cow::Owned(format!("'{text}"))
+    } else {
+        std::borrow::Cow::Borrowed(text)
+    }
+}
+
 /// One record as a CSV line (RFC 4180: a field with a comma, quote or line break is quoted).
 fn line(out: &mut String, r: &UsageView) {
     let time = |t: &DateTime<Utc>| t.to_rfc3339_opts(SecondsFormat::AutoSi, true);
+    let (model, profile) = (inert(&r.model), inert(r.profile.as_deref().unwrap_or("")));
     let fields: [&str; 18] = [
         &r.key,
         &r.kind,
@@ -152,9 +165,9 @@ fn line(out: &mut String, r: &UsageView) {
         r.allocation_id.as_str(),
         &time(&r.window_start),
         &time(&r.window_end),
-        &r.model,
+        &model,
         r.gpu_kind.as_str(),
-        r.profile.as_deref().unwrap_or(""),
+        &profile,
         &r.atoms.to_string(),
         &r.booked_seconds,
         &r.gpu_seconds,
@@ -200,4 +213,28 @@ fn error(e: Error) -> Response {
         body.to_string(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::inert;
+
+    #[test]
+    fn a_cell_a_spreadsheet_would_run_is_made_text() {
+        for (cell, shown) in [
+            (
+                "=HYPERLINK(\"http://x\",\"H100\")",
+                "'=HYPERLINK(\"http://x\",\"H100\")",
+            ),
+            ("+1", "'+1"),
+            ("-cmd", "'-cmd"),
+            ("@SUM(A1)", "'@SUM(A1)"),
+            ("\t=1", "'\t=1"),
+            ("H100", "H100"),
+            ("", ""),
+            ("1g.10gb", "1g.10gb"),
+        ] {
+            assert_eq!(inert(cell), shown, "{cell:?}");
+        }
+    }
 }

@@ -58,9 +58,15 @@ fn media_ranges(accept: &str) -> impl Iterator<Item = (&str, f32)> {
     accept.split(',').map(|range| {
         let mut parts = range.split(';');
         let essence = parts.next().unwrap_or("").trim();
+        // `q` is case-insensitive (RFC 9110, 12.4.2) and a weight is 0 to 1: one out of range
+        // or not a number (`q=inf`, `q=NaN`) counts as the default.
         let q = parts
-            .filter_map(|p| p.trim().strip_prefix("q="))
+            .filter_map(|p| {
+                let (name, value) = p.trim().split_once('=')?;
+                name.trim().eq_ignore_ascii_case("q").then_some(value)
+            })
             .find_map(|q| q.trim().parse::<f32>().ok())
+            .filter(|q| (0.0..=1.0).contains(q))
             .unwrap_or(1.0);
         (essence, q)
     })
@@ -497,6 +503,12 @@ mod tests {
             ("text/event-stream, application/json;q=0.9", Stream::Yes),
             (urql, Stream::Either),
             ("application/json, text/event-stream;q=0", Stream::No),
+            ("application/json, text/event-stream;Q=0", Stream::No),
+            (
+                "application/json;q=0.5, text/event-stream;q=inf",
+                Stream::Yes,
+            ),
+            ("application/json, text/event-stream;q=inf", Stream::Either),
             ("application/json, text/event-stream;q=0.5", Stream::No),
             ("*/*", Stream::No),
             ("text/*", Stream::No),

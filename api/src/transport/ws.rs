@@ -18,7 +18,10 @@
 //!   no `complete`; otherwise `next` messages, each subscription item with
 //!   `extensions.cursor`, then `complete` when it ends;
 //! * a token that expires while the connection is open closes it with `4403 Forbidden`;
-//! * on shutdown every running operation gets `complete`, then the connection `1001`.
+//! * a `connection_init` of an identity holding its streams already: `1013 Too many streams`
+//!   (Try Again Later, which graphql-ws's client retries; 4429 it takes as final);
+//! * on shutdown the connection closes `1001` with no `complete` (a client takes `complete` as
+//!   the operation's end and would not subscribe again; it retries 1001).
 //!
 //! The legacy protocol has no close codes of its own for these cases: it gets
 //! `connection_error` before the same close codes, `ka` keep-alives, and `start`/`stop`/`data`.

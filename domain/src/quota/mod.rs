@@ -102,14 +102,79 @@ pub async fn set_quota(
     db.tx("set_quota", TxKind::Write, move |conn| {
         let (tenant, scope, rows, subject) = (tenant.clone(), scope.clone(), rows.clone(), subject.clone());
         Box::pin(async move {
-            // Lock order: quota_usage first, its rows in key order (the INSERT takes them in
-            // `unnest`'s order), then the scope's row (FOR KEY SHARE: it must exist and stay).
+            // Lock order (docs/database-locks.md): the tenant's quota lock, exclusive (every
+            // create holds it shared while it charges, so none is in flight while what the
+            // tenant holds is counted); then, for a limit new on this scope, the tenant's live
+            // reservations on it in id order; then quota_usage, its rows in key order (the INSERT
+            // takes them in `unnest`'s order); then the scope's row (FOR KEY SHARE: it must exist
+            // and stay).
+            sqlx::query!(
+                "SELECT pg_advisory_xact_lock(hashtextextended('quota:' || $1, 0))",
+                tenant.as_str(),
+            )
+            .execute(&mut *conn)
+            .await?;
             let resources: Vec<&str> = rows.iter().map(|(r, _)| r.as_str()).collect();
             let amounts: Vec<f64> = rows.iter().map(|(_, a)| *a).collect();
+            let fresh: Vec<String> = sqlx::query_scalar!(
+                r#"SELECT n.resource AS "resource!" FROM unnest($4::text[]) AS n(resource)
+                    WHERE NOT EXISTS (SELECT 1 FROM quota_usage q WHERE q.tenant_id = $1 AND q.scope_kind = $2
+                                         AND q.scope_id = $3 AND q.resource = n.resource)"#,
+                tenant.as_str(),
+                scope.kind(),
+                scope.as_str(),
+                &resources as &[&str],
+            )
+            .fetch_all(&mut *conn)
+            .await?;
+            // A limit new on this scope starts from what the tenant holds there: each live
+            // reservation of the scope is charged to the new row (its `charged` says so, so its
+            // end refunds it). Before, the row started at 0 and a tenant holding 8 GPUs under
+            // a new limit of 4 could take 4 more.
+            let held: Vec<(String, f64)> = if fresh.is_empty() {
+                Vec::new()
+            } else {
+                sqlx::query!(
+                    r#"WITH live AS (
+                           SELECT r.id, r.charge_gpu, r.charge_vcpu, r.charge_memory_mib
+                             FROM reservations r JOIN pools p ON p.id = r.pool_id
+                            WHERE r.tenant_id = $1 AND r.state IN ('pending', 'scheduled', 'active')
+                              AND CASE $2 WHEN 'pool' THEN r.pool_id = $3 ELSE p.site_id = $3 END
+                            ORDER BY r.id FOR UPDATE OF r),
+                       asks AS (
+                           SELECT l.id, n.resource,
+                                  CASE n.resource WHEN 'gpu' THEN l.charge_gpu WHEN 'vcpu' THEN l.charge_vcpu::numeric
+                                                  ELSE l.charge_memory_mib::numeric END AS amount
+                             FROM live l CROSS JOIN unnest($4::text[]) AS n(resource)),
+                       noted AS (
+                           UPDATE reservations r SET charged = r.charged || a.entries
+                             FROM (SELECT id, jsonb_agg(jsonb_build_object('scope_kind', $2::text, 'scope_id', $3::text,
+                                                                           'resource', resource, 'amount', amount::float8)
+                                                        ORDER BY resource) AS entries
+                                     FROM asks WHERE amount > 0 GROUP BY id) a
+                            WHERE r.id = a.id)
+                       SELECT n.resource AS "resource!", coalesce(sum(a.amount), 0)::float8 AS "used!"
+                         FROM unnest($4::text[]) AS n(resource) LEFT JOIN asks a ON a.resource = n.resource AND a.amount > 0
+                        GROUP BY n.resource"#,
+                    tenant.as_str(),
+                    scope.kind(),
+                    scope.as_str(),
+                    &fresh as &[String],
+                )
+                .fetch_all(&mut *conn)
+                .await?
+                .into_iter()
+                .map(|r| (r.resource, r.used))
+                .collect()
+            };
+            let used: Vec<f64> = resources
+                .iter()
+                .map(|r| held.iter().find(|(h, _)| h == r).map_or(0.0, |(_, u)| *u))
+                .collect();
             let quotas = sqlx::query_as!(
                 Quota,
-                r#"INSERT INTO quota_usage AS q (tenant_id, scope_kind, scope_id, resource, max_amount)
-                 SELECT $1, $2, $3, r, a FROM unnest($4::text[], $5::float8[]) AS t(r, a)
+                r#"INSERT INTO quota_usage AS q (tenant_id, scope_kind, scope_id, resource, max_amount, used)
+                 SELECT $1, $2, $3, r, a, u FROM unnest($4::text[], $5::float8[], $6::float8[]) AS t(r, a, u)
                  ON CONFLICT (tenant_id, scope_kind, scope_id, resource) DO UPDATE
                    SET max_amount = EXCLUDED.max_amount, version = q.version + 1, updated_at = compute_now()
                  RETURNING q.tenant_id AS "tenant_id: _", q.scope_id AS "scope: _", q.resource AS "resource: _",
@@ -119,6 +184,7 @@ pub async fn set_quota(
                 scope.as_str(),
                 &resources as &[&str],
                 &amounts,
+                &used,
             )
             .fetch_all(&mut *conn)
             .await?;

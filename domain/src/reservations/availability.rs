@@ -715,6 +715,19 @@ async fn admit(
         }
         to = to.min(last);
     }
+    // A create starts at most 366 days ahead whatever the pool says (migration 0043): no window
+    // is offered past that.
+    let furthest = gate.now + Duration::days(super::model::MAX_DAYS);
+    if from > furthest {
+        return Err(Error::bad_input(
+            "notBefore",
+            format!(
+                "a reservation starts at most {} days ahead; `notBefore` is later",
+                super::model::MAX_DAYS
+            ),
+        ));
+    }
+    to = to.min(furthest);
     if to < from {
         return Err(Error::bad_input(
             "notAfter",

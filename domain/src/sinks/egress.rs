@@ -50,7 +50,7 @@ fn is_public_v6(ip: Ipv6Addr) -> bool {
         || (first & 0xffc0) == 0xfec0 // site-local (deprecated, still routed by some stacks)
         || first == 0x2001 && s[1] == 0x0db8 // documentation
         || first == 0x2001 && s[1] < 0x0200 // IETF protocol assignments (2001::/23), Teredo's 2001::/32 among them
-        || (first & 0xfff0) == 0x3ff0 // documentation (3fff::/20)
+        || first == 0x3fff && s[1] < 0x1000 // documentation (3fff::/20)
         || first == 0x5f00 // segment routing SIDs (5f00::/16)
         || first == 0x2002 && !is_public_v4(Ipv4Addr::from((u32::from(s[1]) << 16) | u32::from(s[2]))) // 6to4, judged as the IPv4 address it embeds
         || first == 0x0100 && s[1..4] == [0; 3] // discard-only (100::/64)
@@ -105,7 +105,7 @@ mod tests {
 
     #[test]
     fn only_public_addresses_are_public() {
-        let table: [(&str, bool); 30] = [
+        let table: [(&str, bool); 31] = [
             ("8.8.8.8", true),
             ("1.1.1.1", true),
             ("127.0.0.1", false),
@@ -135,6 +135,7 @@ mod tests {
             ("2001:0:4136:e378:8000:63bf:3fff:fdd2", false),
             ("2001:1ff::1", false),
             ("3fff:1::1", false),
+            ("3fff:1000::1", true),
             ("5f00::1", false),
         ];
         for (ip, public) in table {

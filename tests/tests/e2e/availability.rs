@@ -219,6 +219,12 @@ async fn the_earliest_windows_say_where_and_until_when_and_nothing_says_why() {
         )
         .await;
     assert_eq!(code, "QUOTA_EXCEEDED", "{e}");
+    // No start is offered past 366 days ahead, where a create would be refused.
+    let mut far = ask(&p.pool, json!([{ "gpuCount": 1 }]), 3600);
+    far["nb"] = json!("2032-01-03T00:00:00Z");
+    let (code, e) = app.fails(&member, AVAILABILITY, far).await;
+    assert_eq!(code, "BAD_USER_INPUT", "{e}");
+    assert_eq!(e["extensions"]["field"], "notBefore");
     app.ok(
         &op,
         "mutation($i: UpdatePoolInput!) { updatePool(input: $i) { pool { id } } }",

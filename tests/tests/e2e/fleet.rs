@@ -1495,3 +1495,114 @@ async fn opposite_mode_changes_in_one_pool_never_deadlock() {
         );
     }
 }
+
+/// A retired GPU, and every GPU of a retired node, accept no change: each is `CONFLICT`, and the
+/// pool's capacity does not move. Retiring a retired node's GPU counted its atoms out of the
+/// rollup a second time (`INTERNAL` on the rollup's check when it was the pool's last such GPU),
+/// and a mode change gave a retired GPU atoms in capacity again.
+#[tokio::test]
+async fn retired_gpus_and_the_gpus_of_a_retired_node_accept_no_change() {
+    let app = spawn_app().await;
+    let op = app.operator();
+    let f = small_fleet(&app, "ret").await;
+    let capacity = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT coalesce(sum(atoms), 0)::bigint FROM pool_capacity_rollup WHERE pool_id = $1",
+        )
+        .bind(&f.pool)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("capacity")
+    };
+    let events = || app.count("outbox");
+    let (h100, l4) = (f.gpus[0].0.clone(), f.gpus[2].0.clone());
+    let retired = app
+        .ok(
+            &op,
+            "mutation($i: RetireDeviceInput!) { retireDevice(input: $i) { device { retiredAt version } } }",
+            json!({ "i": { "id": h100 } }),
+        )
+        .await["retireDevice"]["device"]
+        .clone();
+    let version = retired["version"].clone();
+    let (before, before_events) = (capacity().await, events().await);
+    let on_retired = [
+        (
+            "changeDeviceMode",
+            "mutation($i: ChangeDeviceModeInput!) { changeDeviceMode(input: $i) { device { id } } }",
+            json!({ "i": { "id": h100, "version": version, "mode": "TIME_SLICE", "layout": { "slots": 8 } } }),
+        ),
+        (
+            "quarantineDevice",
+            "mutation($i: QuarantineDeviceInput!) { quarantineDevice(input: $i) { device { id } } }",
+            json!({ "i": { "id": h100, "reason": "burn-in" } }),
+        ),
+        (
+            "setDeviceHealth",
+            "mutation($i: SetDeviceHealthInput!) { setDeviceHealth(input: $i) { device { id } } }",
+            json!({ "i": { "id": h100, "health": "UNHEALTHY", "reason": "fan" } }),
+        ),
+    ];
+    for (what, doc, vars) in &on_retired {
+        let (code, body) = app.fails(&op, doc, vars.clone()).await;
+        assert_eq!(code, "CONFLICT", "{what}: {body}");
+        assert!(body.to_string().contains("retired"), "{what}: {body}");
+    }
+    assert_eq!(capacity().await, before, "capacity unchanged");
+    assert_eq!(events().await, before_events, "no event");
+
+    // The node goes; its last time-sliced GPU is not counted out twice.
+    app.ok(
+        &op,
+        "mutation($i: NodeActionInput!) { retireNode(input: $i) { computeNode { id } } }",
+        json!({ "i": { "id": f.node } }),
+    )
+    .await;
+    let (after_node, node_events) = (capacity().await, events().await);
+    for (what, doc, vars) in [
+        (
+            "retireDevice",
+            "mutation($i: RetireDeviceInput!) { retireDevice(input: $i) { device { id } } }",
+            json!({ "i": { "id": l4 } }),
+        ),
+        (
+            "quarantineDevice",
+            "mutation($i: QuarantineDeviceInput!) { quarantineDevice(input: $i) { device { id } } }",
+            json!({ "i": { "id": l4, "reason": "burn-in" } }),
+        ),
+    ] {
+        let (code, body) = app.fails(&op, doc, vars).await;
+        assert_eq!(code, "CONFLICT", "{what}: {body}");
+        assert!(
+            body.to_string().contains("retired compute node"),
+            "{what}: {body}"
+        );
+    }
+    assert_eq!(capacity().await, after_node, "capacity unchanged");
+    assert_eq!(events().await, node_events, "no event");
+}
+
+/// A node has one taint per key and effect: registering two is refused where it enters.
+#[tokio::test]
+async fn a_registration_with_two_taints_of_one_key_and_effect_is_refused() {
+    let app = spawn_app().await;
+    let (_, pool) = site_with_pool(
+        &app,
+        "taints",
+        json!({ "name": "gpu", "kind": "BARE_METAL" }),
+    )
+    .await;
+    let (code, body) = app
+        .fails(
+            &app.operator(),
+            REGISTER,
+            json!({ "i": { "poolId": pool, "hostname": "twice",
+                "taints": [{ "key": "gpu", "value": "a", "effect": "NO_SCHEDULE" }, { "key": "gpu", "value": "b", "effect": "NO_SCHEDULE" }],
+                "resources": { "vcpu": 8, "memoryMib": 8192, "diskGib": 100 },
+                "devices": [{ "uuid": "GPU-twice-0", "model": "H100", "memoryMib": 81559 }] } }),
+        )
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "{body}");
+    assert_eq!(body["extensions"]["field"], "taints", "{body}");
+    assert_eq!(app.count("nodes").await, 0, "nothing written");
+}

@@ -529,6 +529,151 @@ async fn another_tenants_busy_reservation_is_not_found_at_once() {
     holder.rollback().await.expect("rollback");
 }
 
+/// A limit set where the tenant already holds something starts from what it holds: acme holds
+/// 2 GPUs and 8 vCPU on the pool when its site gets a limit of 3 GPUs, so one more GPU fits and
+/// a second does not; the release of a reservation made before the limit gives its share back.
+/// (The row started at 0, and acme could have taken 3 more.)
+#[tokio::test]
+async fn a_new_limit_counts_what_the_tenant_already_holds_and_an_end_refunds_it() {
+    let (app, p, member) = setup().await;
+    let mut held = Vec::new();
+    for key in ["a", "b"] {
+        let made = app
+            .ok(
+                &member,
+                CREATE,
+                input(&p.pool, key, json!([{ "gpuCount": 1, "vcpu": 4 }])),
+            )
+            .await;
+        held.push(made["createReservation"]["reservation"]["id"].clone());
+    }
+    let set = app
+        .ok(
+            &app.operator(),
+            "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { resource max used } } }",
+            json!({ "i": { "tenantId": "acme", "scopeId": p.site, "gpus": 3, "vcpu": 100 } }),
+        )
+        .await;
+    assert_eq!(
+        set["setQuota"]["quotas"],
+        json!([
+            { "resource": "GPUS", "max": 3.0, "used": 2.0 },
+            { "resource": "VCPU", "max": 100.0, "used": 8.0 }
+        ]),
+        "{set}"
+    );
+    app.ok(
+        &member,
+        CREATE,
+        input(&p.pool, "c", json!([{ "gpuCount": 1 }])),
+    )
+    .await;
+    let (code, error) = app
+        .fails(
+            &member,
+            CREATE,
+            input(&p.pool, "d", json!([{ "gpuCount": 1 }])),
+        )
+        .await;
+    assert_eq!(code, "QUOTA_EXCEEDED", "{error}");
+    assert!(
+        error["message"].as_str().unwrap_or("").contains("site"),
+        "{error}"
+    );
+    app.ok(&member, RELEASE, json!({ "i": { "id": held[0] } }))
+        .await;
+    // The site's rows hold exactly what the live reservations were charged on them.
+    let rows: Vec<(String, f64, f64)> = sqlx::query_as(
+        "SELECT q.resource, q.used::float8, \
+                coalesce((SELECT sum((c->>'amount')::float8) FROM reservations r, jsonb_array_elements(r.charged) c \
+                           WHERE r.tenant_id = q.tenant_id AND r.state IN ('pending', 'scheduled', 'active') \
+                             AND c->>'scope_kind' = 'site' AND c->>'scope_id' = q.scope_id AND c->>'resource' = q.resource), 0) \
+           FROM quota_usage q WHERE q.tenant_id = 'acme' AND q.scope_kind = 'site' ORDER BY q.resource",
+    )
+    .fetch_all(app.db.db.pool())
+    .await
+    .expect("the site's rows");
+    assert_eq!(
+        rows,
+        [("gpu".to_owned(), 2.0, 2.0), ("vcpu".to_owned(), 4.0, 4.0)],
+        "b and c hold the site's GPUs; b its vCPU"
+    );
+    // Migration 0044 repairs a row the old `setQuota` made: the site's GPU row as it would have
+    // been (nothing charged on it), then the migration's repair, run again.
+    let pool = app.db.db.pool();
+    sqlx::query(
+        "WITH gone AS (UPDATE reservations r SET charged = (SELECT coalesce(jsonb_agg(c), '[]') FROM jsonb_array_elements(r.charged) c \
+                                                          WHERE NOT (c->>'scope_kind' = 'site' AND c->>'resource' = 'gpu')) \
+                        WHERE r.tenant_id = 'acme' RETURNING 1) \
+         UPDATE quota_usage SET used = 0 WHERE tenant_id = 'acme' AND scope_kind = 'site' AND resource = 'gpu'",
+    )
+    .execute(pool)
+    .await
+    .expect("the row as the old setQuota left it");
+    let migration = include_str!("../../../migrations/0044_new_quota_counts_holdings.sql");
+    let repair = &migration[..migration
+        .find("CREATE OR REPLACE FUNCTION")
+        .expect("the function after the repair")];
+    sqlx::raw_sql(repair)
+        .execute(pool)
+        .await
+        .expect("the repair");
+    let (used, entries): (f64, i64) = sqlx::query_as(
+        "SELECT (SELECT used::float8 FROM quota_usage WHERE tenant_id = 'acme' AND scope_kind = 'site' AND resource = 'gpu'), \
+                (SELECT count(*) FROM reservations r, jsonb_array_elements(r.charged) c \
+                  WHERE r.tenant_id = 'acme' AND r.state IN ('pending', 'scheduled', 'active') \
+                    AND c->>'scope_kind' = 'site' AND c->>'resource' = 'gpu')",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("repaired");
+    assert_eq!(
+        (used, entries),
+        (2.0, 2),
+        "b and c charged to the row again"
+    );
+    // A create in flight (here a transaction holding the tenant's quota lock shared, as every
+    // create does while it charges) holds back a new limit until it commits, so the count
+    // cannot miss what it charges.
+    let mut in_flight = pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock_shared(hashtextextended('quota:acme', 0))")
+        .execute(&mut *in_flight)
+        .await
+        .expect("shared");
+    let release = async {
+        compute_tests::eventually(
+            "the new limit waits for the create",
+            std::time::Duration::from_secs(10),
+            || async {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                )
+                .fetch_one(pool)
+                .await
+                .expect("locks");
+                (waiting == 1).then_some(())
+            },
+        )
+        .await;
+        in_flight.commit().await.expect("commit");
+    };
+    let operator = app.operator();
+    let (set, ()) = tokio::join!(
+        app.graphql(
+            "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { resource used } } }",
+            json!({ "i": { "tenantId": "acme", "scopeId": p.pool, "memoryMib": 1048576 } }),
+            Some(&operator),
+        ),
+        release
+    );
+    assert_eq!(
+        set.1["data"]["setQuota"]["quotas"][0]["resource"], "MEMORY_MIB",
+        "{}",
+        set.1
+    );
+}
+
 #[tokio::test]
 async fn idempotency_keys_have_exact_semantics() {
     let (app, p, member) = setup().await;

@@ -32,7 +32,8 @@ pub(super) async fn insert_atoms(
     Ok(())
 }
 
-/// A guarded update of one device.
+/// A guarded update of one device that is in service: a retired GPU, or one of a retired node,
+/// accepts no change (`CONFLICT`).
 async fn update_device_row(
     conn: &mut PgConnection,
     id: &DeviceId,
@@ -42,7 +43,9 @@ async fn update_device_row(
 ) -> Result<Device> {
     let sql = format!(
         "UPDATE devices AS d SET {set}, version = d.version + 1, updated_at = compute_now() \
-         WHERE d.id = $1 AND ($2::bigint IS NULL OR d.version = $2) RETURNING {DEVICE_COLS}"
+         WHERE d.id = $1 AND ($2::bigint IS NULL OR d.version = $2) AND d.retired_at IS NULL \
+           AND NOT EXISTS (SELECT 1 FROM nodes n WHERE n.id = d.node_id AND n.lifecycle = 'retired') \
+         RETURNING {DEVICE_COLS}"
     );
     let mut q = sqlx::query_as::<_, Device>(&sql).bind(id).bind(version);
     for b in binds {
@@ -50,8 +53,32 @@ async fn update_device_row(
     }
     match q.fetch_optional(&mut *conn).await? {
         Some(d) => Ok(d),
-        None => Err(explain_miss(conn, "devices", "device", id.as_str(), version).await),
+        None => Err(out_of_service(conn, id)
+            .await?
+            .unwrap_or(explain_miss(conn, "devices", "device", id.as_str(), version).await)),
     }
+}
+
+/// Why a device accepts no change, if it is out of service: retired itself, or on a retired
+/// node.
+async fn out_of_service(conn: &mut PgConnection, id: &DeviceId) -> Result<Option<Error>> {
+    let row: Option<(i64, bool, NodeId, bool)> = sqlx::query_as(
+        "SELECT d.version, d.retired_at IS NOT NULL, n.id, n.lifecycle = 'retired' \
+           FROM devices d JOIN nodes n ON n.id = d.node_id WHERE d.id = $1",
+    )
+    .bind(id.as_str())
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(match row {
+        Some((current, true, _, _)) => {
+            Some(conflict(format!("device {id} is retired"), Some(current)))
+        }
+        Some((current, false, node, true)) => Some(conflict(
+            format!("device {id} is on retired compute node {node}"),
+            Some(current),
+        )),
+        _ => None,
+    })
 }
 
 /// Sets a GPU's health.
@@ -169,16 +196,21 @@ pub async fn retire_device(db: &Db, id: &DeviceId, version: Option<i64>) -> Resu
             // FOR UPDATE in a statement of its own, so the bookings read next include those
             // of every placement that held it FOR SHARE.
             lock_pool_of_device(conn, &id).await?;
-            let row: Option<(NodeId, i64, bool)> = sqlx::query_as(
-                "SELECT n.id, d.version, d.retired_at IS NOT NULL FROM devices d JOIN nodes n ON n.id = d.node_id \
+            let row: Option<(NodeId, i64, bool, bool)> = sqlx::query_as(
+                "SELECT n.id, d.version, d.retired_at IS NOT NULL, n.lifecycle = 'retired' FROM devices d JOIN nodes n ON n.id = d.node_id \
                   WHERE d.id = $1 FOR UPDATE OF n, d",
             )
             .bind(id.as_str())
             .fetch_optional(&mut *conn)
             .await?;
-            let Some((node, current, retired)) = row else {
+            let Some((node, current, retired, node_retired)) = row else {
                 return Err(Error::NotFound { kind: "device", id: id.to_string() });
             };
+            // A retired node's GPUs left the pool's capacity with it: counting them out again
+            // broke the rollup (`INTERNAL` on its check, or a capacity short by them).
+            if node_retired {
+                return Err(conflict(format!("device {id} is on retired compute node {node}"), Some(current)));
+            }
             if let Some(v) = version
                 && v != current
             {
@@ -302,6 +334,10 @@ pub async fn change_device_mode(
             let Some(device) = device else {
                 return Err(explain_miss(conn, "devices", "device", id.as_str(), Some(version)).await);
             };
+            // A retired GPU has no atoms and takes none: a layout would count it in capacity again.
+            if device.retired_at.is_some() {
+                return Err(conflict(format!("device {id} is retired"), Some(device.version)));
+            }
             let new_layout = Layout::parse(
                 "layout",
                 layout.mode,

@@ -49,7 +49,8 @@ pub async fn register_node(db: &Db, input: NewNode) -> Result<Registered> {
 }
 
 impl NewNode {
-    /// What a registration checks before it writes: the GPU count, and no UUID twice.
+    /// What a registration checks before it writes: the GPU count, no UUID twice, and one taint
+    /// per key and effect.
     pub(crate) fn check(&self) -> Result<()> {
         let input = self;
         if input.devices.len() > crate::fleet::model::MAX_GPUS_PER_NODE {
@@ -67,6 +68,19 @@ impl NewNode {
                 return Err(Error::bad_input(
                     "devices",
                     format!("GPU {} is listed twice", d.uuid),
+                ));
+            }
+        }
+        // One taint per key and effect, as `taintNode` keeps them (a second replaces the first).
+        let mut seen = std::collections::HashSet::new();
+        for t in &input.taints {
+            if !seen.insert((t.key.as_str(), t.effect)) {
+                return Err(Error::bad_input(
+                    "taints",
+                    format!(
+                        "two taints with key `{}` and effect {}: a node has one per key and effect",
+                        t.key, t.effect
+                    ),
                 ));
             }
         }
