@@ -990,4 +990,25 @@ async fn commands_of_two_workflows_wake_them_in_key_order_at_commit() {
         [("ins_wf_a", 1), ("ins_wf_b", 1)],
         "each workflow woken once"
     );
+    // With the trigger immediate, a moved command still wakes its workflow: the row is
+    // gathered before it is enqueued (the gathering trigger's name sorts first).
+    let mut immediate = pool.begin().await.expect("begin");
+    sqlx::query("SET CONSTRAINTS commands_workflow_due IMMEDIATE")
+        .execute(&mut *immediate)
+        .await
+        .expect("immediate");
+    sqlx::query("UPDATE commands SET state = 'pending', finished_at = NULL WHERE id = 'cmd_wf_a'")
+        .execute(&mut *immediate)
+        .await
+        .expect("a command moves");
+    immediate.commit().await.expect("commit");
+    let last = generation().await;
+    assert_eq!(
+        last.iter()
+            .zip(&after)
+            .map(|((k, a), (_, b))| (k.as_str(), a - b))
+            .collect::<Vec<_>>(),
+        [("ins_wf_a", 1), ("ins_wf_b", 0)],
+        "woken in immediate mode too"
+    );
 }
