@@ -6,14 +6,22 @@
 -- before it charges, so no create is in flight while the holdings are counted.
 --
 -- The rows made before this migration are repaired the same way: every live reservation of a
--- row's scope that the row was not charged for is charged to it now.
+-- row's scope that the row was not charged for is charged to it now. The live reservations are
+-- locked first, in id order, and read at their latest version, so one that a refund ends
+-- meanwhile is left out (its refund did not give back what it was never charged). Run it while
+-- no API of an older release serves `setQuota` (a row that one makes after the repair starts
+-- at 0, as before).
 
-WITH missing AS (
+WITH live AS (
+    SELECT r.id, r.tenant_id, r.pool_id, r.charged, r.charge_gpu, r.charge_vcpu, r.charge_memory_mib
+      FROM reservations r WHERE r.state IN ('pending', 'scheduled', 'active')
+     ORDER BY r.id FOR UPDATE),
+     missing AS (
     SELECT r.id, q.tenant_id, q.scope_kind, q.scope_id, q.resource,
            CASE q.resource WHEN 'gpu' THEN r.charge_gpu WHEN 'vcpu' THEN r.charge_vcpu::numeric
                            ELSE r.charge_memory_mib::numeric END AS amount
       FROM quota_usage q
-      JOIN reservations r ON r.tenant_id = q.tenant_id AND r.state IN ('pending', 'scheduled', 'active')
+      JOIN live r ON r.tenant_id = q.tenant_id
       JOIN pools p ON p.id = r.pool_id
      WHERE CASE q.scope_kind WHEN 'pool' THEN r.pool_id = q.scope_id ELSE p.site_id = q.scope_id END
        AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(r.charged) c
