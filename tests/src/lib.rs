@@ -710,6 +710,23 @@ where
     }
 }
 
+/// Waits until one transaction of this database waits for an advisory lock (`what` names it in
+/// the failure): how a test knows that a request it sent has reached a lock another transaction
+/// holds.
+pub async fn until_one_waits_for_an_advisory_lock(pool: &sqlx::PgPool, what: &str) {
+    eventually(what, std::time::Duration::from_secs(10), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(pool)
+        .await
+        .expect("locks");
+        (waiting == 1).then_some(())
+    })
+    .await;
+}
+
 /// Starts the API on `127.0.0.1:0` over a fresh database, with the defaults
 /// ([`TestApp::builder`] for anything else).
 pub async fn spawn_app() -> TestApp {

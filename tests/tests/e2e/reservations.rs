@@ -641,19 +641,9 @@ async fn a_new_limit_counts_what_the_tenant_already_holds_and_an_end_refunds_it(
         .await
         .expect("shared");
     let release = async {
-        compute_tests::eventually(
+        compute_tests::until_one_waits_for_an_advisory_lock(
+            pool,
             "the new limit waits for the create",
-            std::time::Duration::from_secs(10),
-            || async {
-                let waiting: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-                )
-                .fetch_one(pool)
-                .await
-                .expect("locks");
-                (waiting == 1).then_some(())
-            },
         )
         .await;
         in_flight.commit().await.expect("commit");

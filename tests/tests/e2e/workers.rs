@@ -872,17 +872,8 @@ async fn a_tenant_has_at_most_100_sinks_even_when_creates_race_for_the_last() {
         .await
         .expect("the 100th");
     let release = async {
-        compute_tests::eventually("the create waits for the lock", WAIT, || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-            )
-            .fetch_one(pool)
-            .await
-            .expect("locks");
-            (waiting == 1).then_some(())
-        })
-        .await;
+        compute_tests::until_one_waits_for_an_advisory_lock(pool, "the create waits for the lock")
+            .await;
         side.commit().await.expect("commit");
     };
     let ((code, body), ()) = tokio::join!(app.fails(&acme, CREATE_SINK, url.clone()), release);
