@@ -1012,3 +1012,62 @@ async fn commands_of_two_workflows_wake_them_in_key_order_at_commit() {
         "woken in immediate mode too"
     );
 }
+
+/// A retired GPU's health, as its daemon reports it, is not recorded: no change, no event. The
+/// report of a GPU in service that follows it is (and shows the first was read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemons_health_report_of_a_retired_gpu_changes_nothing() {
+    let (app, nodes, _) = setup().await;
+    let node = &nodes[0];
+    let devices = app
+        .ok(
+            &app.operator(),
+            "query($id: ID!) { node(id: $id) { ... on ComputeNode { devices { id uuid } } } }",
+            json!({ "id": node }),
+        )
+        .await["node"]["devices"]
+        .clone();
+    let (retired, live) = (&devices[0], &devices[1]);
+    app.ok(
+        &app.operator(),
+        "mutation($i: RetireDeviceInput!) { retireDevice(input: $i) { device { retiredAt } } }",
+        json!({ "i": { "id": retired["id"] } }),
+    )
+    .await;
+    let mut session = Session::open(&daemon_config(&app, node, "j1", 1))
+        .await
+        .expect("open");
+    for d in [retired, live] {
+        session
+            .send(json!({ "type": "deviceHealth", "uuid": d["uuid"], "health": "unhealthy", "reason": "XID 79" }))
+            .await
+            .expect("send");
+    }
+    let health = |id: Value| {
+        let pool = app.db.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT health FROM devices WHERE id = $1")
+                .bind(id.as_str().unwrap_or_default().to_owned())
+                .fetch_one(&pool)
+                .await
+                .expect("health")
+        }
+    };
+    compute_tests::eventually("the GPU in service reported unhealthy", WAIT, || async {
+        (health(live["id"].clone()).await == "unhealthy").then_some(())
+    })
+    .await;
+    assert_eq!(
+        health(retired["id"].clone()).await,
+        "healthy",
+        "the retired GPU unchanged"
+    );
+    let events: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE type = 'device.health_changed' AND subject = $1",
+    )
+    .bind(retired["id"].as_str().unwrap_or_default())
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("events");
+    assert_eq!(events, 0, "no event for it");
+}

@@ -542,7 +542,8 @@ async fn gpus_of(conn: &mut PgConnection, id: &NodeId) -> Result<Vec<Device>> {
 /// Records GPU `uuid`'s health as node `node` reports it in session `epoch`: `Some(true)` when
 /// the GPU is this node's (its health set, with the event, when it changed), `Some(false)` when
 /// it is not, `None` when the session is no longer current. A passing report clears only the
-/// health a report set: an operator's `setDeviceHealth` stays until an operator changes it.
+/// health a report set: an operator's `setDeviceHealth` stays until an operator changes it. A
+/// retired GPU's health is not recorded (it is out of service; its row stays for its history).
 #[tracing::instrument(level = "debug", skip_all, fields(node = %node, uuid))]
 pub async fn report_health(
     db: &Db,
@@ -581,7 +582,7 @@ pub async fn report_health(
                 "UPDATE devices AS d SET health = $3, health_reason = $4, health_by = 'node', \
                         health_since = compute_now(), version = d.version + 1, updated_at = compute_now() \
                   WHERE d.node_id = $1 AND d.uuid = $2 AND (d.health, d.health_reason) IS DISTINCT FROM ($3, $4) \
-                    AND ($3 = 'unhealthy' OR d.health_by = 'node') \
+                    AND ($3 = 'unhealthy' OR d.health_by = 'node') AND d.retired_at IS NULL \
                   RETURNING",
                 "",
                 node.as_str(),
