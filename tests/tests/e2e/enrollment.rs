@@ -300,7 +300,7 @@ async fn a_machine_joins_with_a_fresh_token_and_no_other_token_makes_a_node() {
         json!({ "name": "other", "kind": "BARE_METAL" }),
     )
     .await;
-    let (_, expired) = token(&app, &p.pool, 60).await;
+    let (expired_id, expired) = token(&app, &p.pool, 60).await;
     let (revoked_id, revoked) = token(&app, &p.pool, 600).await;
     let (_, others) = token(&app, &other_pool, 600).await;
     app.ok(
@@ -310,6 +310,28 @@ async fn a_machine_joins_with_a_fresh_token_and_no_other_token_makes_a_node() {
     )
     .await;
     app.db.advance_clock(120).await;
+    // Revoking a token that expired returns it as it is: no revocation, no event.
+    let as_it_is = app
+        .ok(
+            &app.operator(),
+            REVOKE_TOKEN,
+            json!({ "i": { "id": expired_id } }),
+        )
+        .await["revokeNodeJoinToken"]["nodeJoinToken"]
+        .clone();
+    assert_eq!(
+        (&as_it_is["state"], &as_it_is["revokedAt"]),
+        (&json!("EXPIRED"), &Value::Null),
+        "{as_it_is}"
+    );
+    let revocations: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE type = 'join_token.revoked' AND subject = $1",
+    )
+    .bind(&expired_id)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("events");
+    assert_eq!(revocations, 0);
     inventory(
         &file,
         "joined-2",

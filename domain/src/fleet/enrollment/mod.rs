@@ -234,7 +234,7 @@ pub async fn revoke_join_token(db: &Db, actor: &Actor, id: &JoinTokenId) -> Resu
         Box::pin(async move {
             let revoked: Option<JoinToken> = query_tokens!(
                 "WITH t AS (UPDATE node_join_tokens SET revoked_at = compute_now(), revoked_by = $2 \
-                  WHERE id = $1 AND used_at IS NULL AND revoked_at IS NULL RETURNING *) \
+                  WHERE id = $1 AND used_at IS NULL AND revoked_at IS NULL AND expires_at > compute_now() RETURNING *) \
                  SELECT",
                 "FROM t",
                 id.as_str(),
