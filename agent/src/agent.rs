@@ -573,10 +573,19 @@ impl Agent {
             }
             CommandKind::RunInstance => {
                 let a: RunInstanceArgs = parse_args(&entry.args)?;
+                if let Some(why) = a.problem() {
+                    return Err(Failure::new("BAD_ARGS", why));
+                }
                 self.run_instance(&entry.id, &a).await
             }
             CommandKind::StopInstance => {
                 let a: StopInstanceArgs = parse_args(&entry.args)?;
+                if !compute_protocol::is_instance_id(&a.instance_id) {
+                    return Err(Failure::new(
+                        "BAD_ARGS",
+                        format!("instanceId {:?} is not an instance id", a.instance_id),
+                    ));
+                }
                 let grace = self.grace(a.grace_seconds)?;
                 self.stop_instance(&a.instance_id, grace).await
             }

@@ -155,7 +155,8 @@ async fn session(
     // The trace context of each command in progress, handed back with its result.
     let mut traces: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let mut ticker =
-        tokio::time::interval(Duration::from_secs_f64(welcome.heartbeat_seconds.max(0.2)));
+        // Clamped: the gateway's figure is 1 to 60 s; a hostile one (1e20, NaN) panicked here.
+        tokio::time::interval(Duration::from_secs_f64(heartbeat_interval(welcome.heartbeat_seconds)));
     ticker.tick().await;
     loop {
         tokio::select! {
@@ -209,6 +210,16 @@ async fn session(
 /// The span in which a `command` is received (journaled, acknowledged or answered): the child
 /// of the dispatch's `traceparent`, whose context the command's result carries back
 /// ([`with_trace`]). Any other message gets no span.
+/// The heartbeat interval from the gateway's `heartbeatSeconds`: 0.2 to 300 s, 5 s for a value
+/// that is not a number.
+fn heartbeat_interval(seconds: f64) -> f64 {
+    if seconds.is_nan() {
+        5.0
+    } else {
+        seconds.clamp(0.2, 300.0)
+    }
+}
+
 fn command_span(
     m: &compute_protocol::ToDaemon,
     traces: &mut std::collections::HashMap<String, String>,
@@ -313,6 +324,22 @@ pub async fn join(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hostile_heartbeat_is_clamped_not_a_panic() {
+        for (given, used) in [
+            (5.0, 5.0),
+            (0.0, 0.2),
+            (-1.0, 0.2),
+            (1e20, 300.0),
+            (f64::INFINITY, 300.0),
+            (f64::NAN, 5.0),
+        ] {
+            let got = heartbeat_interval(given);
+            assert_eq!(got, used, "{given}");
+            let _ = Duration::from_secs_f64(got);
+        }
+    }
 
     #[test]
     fn a_malformed_command_is_answered_failed_and_other_garbage_is_not() {

@@ -312,6 +312,152 @@ pub struct RunInstanceArgs {
     pub devices: Vec<String>,
 }
 
+impl RunInstanceArgs {
+    /// Whether these args are safe to act on: the instance id names files and a container, the
+    /// image is a registry reference (never a podman option or transport), the env names are
+    /// variable names. The control plane checks the same before it writes a command; the
+    /// daemon checks again, for args an operator wrote by hand (`runCommand`) or a control
+    /// plane it should not trust with the host.
+    pub fn problem(&self) -> Option<String> {
+        if !is_instance_id(&self.instance_id) {
+            return Some(format!(
+                "instanceId {:?} is not 1 to 128 of [A-Za-z0-9_-] starting with a letter or digit",
+                self.instance_id
+            ));
+        }
+        if let Err(why) = check_image_reference(&self.image) {
+            return Some(format!("image {:?}: {why}", self.image));
+        }
+        if let Some(k) = self.env.keys().find(|k| !is_env_name(k)) {
+            return Some(format!(
+                "env name {k:?} is not [A-Za-z_][A-Za-z0-9_]* of at most 128 characters"
+            ));
+        }
+        None
+    }
+}
+
+/// An instance id as the daemon accepts it: 1 to 128 of `[A-Za-z0-9_-]`, the first a letter or
+/// a digit (`ins_…` ids are); no `/` or `.`, so it names a file and a container, never a path.
+pub fn is_instance_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// An environment variable's name: `[A-Za-z_][A-Za-z0-9_]*`, at most 128 characters.
+pub fn is_env_name(k: &str) -> bool {
+    (1..=128).contains(&k.len())
+        && k.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+        && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// Checks a container image reference against the distribution grammar: `[domain[:port]/]path
+/// [:tag][@algorithm:hex]`, path components lowercase letters and digits joined by `.`, `_`,
+/// `__` or dashes, at most 500 characters. What it rules out matters more than what it lets
+/// in: an image is the argument after podman's options, so one starting with `-` would be an
+/// option (`--privileged`), and a transport (`dir:/`, `docker-archive:/…`) would read the
+/// host's files.
+pub fn check_image_reference(image: &str) -> Result<(), &'static str> {
+    if image.is_empty() || image.len() > 500 {
+        return Err("an image reference is 1 to 500 characters");
+    }
+    let (name_tag, digest) = match image.split_once('@') {
+        Some((n, d)) => (n, Some(d)),
+        None => (image, None),
+    };
+    if let Some(d) = digest {
+        let (alg, hex) = d
+            .split_once(':')
+            .ok_or("a digest is algorithm:hex, such as sha256:…")?;
+        let alg_ok = !alg.is_empty()
+            && alg.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+            && alg.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+            && alg
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "+._-".contains(c));
+        if !alg_ok || hex.len() < 32 || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+            return Err("a digest is algorithm:hex, such as sha256:…");
+        }
+    }
+    // A tag follows the last `:` after the last `/` (a `:` before it is a registry's port).
+    let after_slash = name_tag.rfind('/').map_or(0, |i| i + 1);
+    let (name, tag) = match name_tag[after_slash..].rfind(':') {
+        Some(i) => (
+            &name_tag[..after_slash + i],
+            Some(&name_tag[after_slash + i + 1..]),
+        ),
+        None => (name_tag, None),
+    };
+    if let Some(t) = tag {
+        let ok = (1..=128).contains(&t.len())
+            && t.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+            && t.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+        if !ok {
+            return Err("a tag is 1 to 128 of [A-Za-z0-9_.-], not starting with . or -");
+        }
+    }
+    let mut parts: Vec<&str> = name.split('/').collect();
+    if parts.len() > 1 {
+        let first = parts[0];
+        if first.contains('.') || first.contains(':') || first == "localhost" {
+            let (host, port) = match first.split_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (first, None),
+            };
+            let label_ok = |l: &str| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && l.starts_with(|c: char| c.is_ascii_alphanumeric())
+                    && l.ends_with(|c: char| c.is_ascii_alphanumeric())
+                    && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            };
+            if !host.split('.').all(label_ok)
+                || port.is_some_and(|p| {
+                    !p.chars().all(|c| c.is_ascii_digit()) || p.parse::<u16>().is_err()
+                })
+            {
+                return Err("a registry is host[:port], such as registry.example:5000");
+            }
+            parts.remove(0);
+        }
+    }
+    let component_ok = |c: &str| {
+        let b = c.as_bytes();
+        if b.is_empty() || !b[0].is_ascii_alphanumeric() || !b[b.len() - 1].is_ascii_alphanumeric()
+        {
+            return false;
+        }
+        // Separators between runs of [a-z0-9]: `.`, `_`, `__` or any number of `-`.
+        let mut i = 0;
+        while i < b.len() {
+            if b[i].is_ascii_lowercase() || b[i].is_ascii_digit() {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < b.len() && !(b[i].is_ascii_lowercase() || b[i].is_ascii_digit()) {
+                i += 1;
+            }
+            let sep = &c[start..i];
+            let dashes = sep.chars().all(|ch| ch == '-');
+            if !(sep == "." || sep == "_" || sep == "__" || dashes) {
+                return false;
+            }
+        }
+        true
+    };
+    if parts.is_empty() || !parts.iter().all(|p| component_ok(p)) {
+        return Err(
+            "a repository is lowercase letters and digits joined by ., _, __ or -, in /-separated parts",
+        );
+    }
+    Ok(())
+}
+
 /// `args` of `stop_instance`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -442,6 +588,80 @@ impl ToDaemon {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn images_are_references_never_options_or_transports() {
+        for ok in [
+            "busybox",
+            "x",
+            "library/busybox:1.36",
+            "registry.example/train:1",
+            "localhost/compute-test-busybox:1",
+            "registry.example:5000/a/b__c/d-e.f_g:v1.2-rc_3",
+            "Registry.Example/team/img@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        ] {
+            assert_eq!(check_image_reference(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "",
+            "--privileged",
+            "-v=/:/host",
+            "--volume=/:/host",
+            "dir:/etc",
+            "docker-archive:/root/x.tar",
+            "oci-archive:/tmp/x",
+            "docker://busybox",
+            "Busybox",
+            "a//b",
+            "a/b/",
+            "img:",
+            "img:-x",
+            "img:.x",
+            "img@sha256:xyz",
+            "host:99999/img",
+            "bad_host.example/img",
+            "img name",
+            "img\n",
+            "ümlaut",
+        ] {
+            assert!(check_image_reference(bad).is_err(), "{bad} was accepted");
+        }
+        assert!(check_image_reference(&"a".repeat(501)).is_err());
+        assert!(is_instance_id("ins_0193a1b2c3"));
+        assert!(is_instance_id("not-an-instance"));
+        for bad in ["", "../../etc", "a/b", ".", "-rf", "a.b", "x\n"] {
+            assert!(!is_instance_id(bad), "{bad}");
+        }
+        let args = |id: &str, image: &str, env: &[(&str, &str)]| RunInstanceArgs {
+            instance_id: id.into(),
+            image: image.into(),
+            command: vec![],
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            devices: vec![],
+        };
+        assert_eq!(args("ins_1", "busybox", &[("A_B", "v")]).problem(), None);
+        assert!(
+            args("../x", "busybox", &[])
+                .problem()
+                .unwrap_or_default()
+                .contains("instanceId")
+        );
+        assert!(
+            args("ins_1", "--privileged", &[])
+                .problem()
+                .unwrap_or_default()
+                .contains("image")
+        );
+        assert!(
+            args("ins_1", "busybox", &[("A\nB", "v")])
+                .problem()
+                .unwrap_or_default()
+                .contains("env name")
+        );
+    }
 
     #[test]
     fn messages_keep_their_wire_names() {

@@ -100,10 +100,6 @@ pub fn step_key(instance: &InstanceId, step: &str) -> String {
     format!("wf:{instance}:{step}")
 }
 
-fn printable(s: &str) -> bool {
-    !s.chars().any(char::is_control)
-}
-
 impl InstanceRequest {
     /// Parses a request: what can be checked without the database.
     pub fn parse(
@@ -123,10 +119,12 @@ impl InstanceRequest {
     }
 
     fn check(&self) -> Result<()> {
-        if self.image.is_empty() || self.image.chars().count() > 500 || !printable(&self.image) {
+        if let Err(why) = compute_protocol::check_image_reference(&self.image) {
             return Err(Error::bad_input(
                 "image",
-                "image is 1 to 500 printable characters",
+                format!(
+                    "image is a container image reference, such as registry.example/team/train:1 ({why})"
+                ),
             ));
         }
         if self.command.len() > 64
@@ -140,11 +138,7 @@ impl InstanceRequest {
                 "command is at most 64 arguments of at most 4096 characters, without NUL",
             ));
         }
-        let name_ok = |k: &str| {
-            (1..=128).contains(&k.len())
-                && k.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-                && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        };
+        let name_ok = compute_protocol::is_env_name;
         if self.env.len() > 64
             || self
                 .env

@@ -143,6 +143,30 @@ async fn an_instance_runs_on_its_allocation_and_stops_with_its_reservation() {
         )
         .await;
     assert_eq!(code, "BAD_USER_INPUT");
+    // An image is the argument after podman's options: one that reads as an option would run
+    // the tenant's command privileged, and a transport would read the host's files.
+    for image in [
+        "--privileged",
+        "--volume=/:/host",
+        "dir:/etc",
+        "docker-archive:/root/x.tar",
+    ] {
+        let (code, message) = app
+            .fails(
+                &acme,
+                CREATE_INSTANCE,
+                json!({ "i": { "allocationId": allocation, "image": image, "command": ["busybox", "sh"],
+                               "idempotencyKey": format!("bad {image}") } }),
+            )
+            .await;
+        assert_eq!(code, "BAD_USER_INPUT", "{image}");
+        assert!(
+            message["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("image reference")),
+            "{image}: {message}"
+        );
+    }
     assert_eq!(
         app.count("instances").await,
         1,
