@@ -1071,3 +1071,90 @@ async fn a_daemons_health_report_of_a_retired_gpu_changes_nothing() {
     .expect("events");
     assert_eq!(events, 0, "no event for it");
 }
+
+/// An operator's UNHEALTHY mark is the operator's to lift: the node's failing report with
+/// another reason does not take it over, and the passing report after it does not clear it. A
+/// GPU the operator marked HEALTHY is the node's again when it fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemons_reports_never_lift_an_operators_unhealthy_mark() {
+    let (app, nodes, _) = setup().await;
+    let node = &nodes[0];
+    let op = app.operator();
+    let devices = app
+        .ok(
+            &op,
+            "query($id: ID!) { node(id: $id) { ... on ComputeNode { devices { id uuid } } } }",
+            json!({ "id": node }),
+        )
+        .await["node"]["devices"]
+        .clone();
+    let (marked, other) = (&devices[0], &devices[1]);
+    const SET: &str =
+        "mutation($i: SetDeviceHealthInput!) { setDeviceHealth(input: $i) { device { health } } }";
+    app.ok(
+        &op,
+        SET,
+        json!({ "i": { "id": marked["id"], "health": "UNHEALTHY", "reason": "bad fan" } }),
+    )
+    .await;
+    let row = |id: Value| {
+        let pool = app.db.db.pool().clone();
+        async move {
+            sqlx::query_as::<_, (String, Option<String>, Option<String>)>(
+                "SELECT health, health_reason, health_by FROM devices WHERE id = $1",
+            )
+            .bind(id.as_str().unwrap_or_default().to_owned())
+            .fetch_one(&pool)
+            .await
+            .expect("device")
+        }
+    };
+    let mut session = Session::open(&daemon_config(&app, node, "j1", 1))
+        .await
+        .expect("open");
+    // A failing report with its own reason, then a passing one (the GPU was reset), then a
+    // marker on the other GPU that shows both were read.
+    for (d, health, reason) in [
+        (marked, "unhealthy", "XID 79"),
+        (marked, "healthy", ""),
+        (other, "unhealthy", "XID 48"),
+    ] {
+        session
+            .send(json!({ "type": "deviceHealth", "uuid": d["uuid"], "health": health, "reason": reason }))
+            .await
+            .expect("send");
+    }
+    compute_tests::eventually("the other GPU reported unhealthy", WAIT, || async {
+        (row(other["id"].clone()).await.0 == "unhealthy").then_some(())
+    })
+    .await;
+    assert_eq!(
+        row(marked["id"].clone()).await,
+        (
+            "unhealthy".to_owned(),
+            Some("bad fan".to_owned()),
+            Some("operator".to_owned())
+        ),
+        "the operator's mark stands"
+    );
+    // The operator calls the other GPU healthy; the node's next failure counts again.
+    app.ok(
+        &op,
+        SET,
+        json!({ "i": { "id": other["id"], "health": "HEALTHY" } }),
+    )
+    .await;
+    session
+        .send(json!({ "type": "deviceHealth", "uuid": other["uuid"], "health": "unhealthy", "reason": "XID 79" }))
+        .await
+        .expect("send");
+    compute_tests::eventually(
+        "the node's failure after the operator's HEALTHY",
+        WAIT,
+        || async {
+            let r = row(other["id"].clone()).await;
+            (r.0 == "unhealthy" && r.2.as_deref() == Some("node")).then_some(())
+        },
+    )
+    .await;
+}

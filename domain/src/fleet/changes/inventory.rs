@@ -578,11 +578,16 @@ pub async fn report_health(
             if current.is_none() {
                 return Ok(None);
             }
+            // An operator's UNHEALTHY or DEGRADED mark is the operator's to lift: no report of the
+            // node rewrites it (a report of a new reason once took the mark over, and the next
+            // passing report cleared it). A GPU the operator called healthy is the node's again
+            // when it fails.
             let changed: Option<Device> = query_devices!(
                 "UPDATE devices AS d SET health = $3, health_reason = $4, health_by = 'node', \
                         health_since = compute_now(), version = d.version + 1, updated_at = compute_now() \
                   WHERE d.node_id = $1 AND d.uuid = $2 AND (d.health, d.health_reason) IS DISTINCT FROM ($3, $4) \
-                    AND ($3 = 'unhealthy' OR d.health_by = 'node') AND d.retired_at IS NULL \
+                    AND (d.health_by IS DISTINCT FROM 'operator' OR (d.health = 'healthy' AND $3 = 'unhealthy')) \
+                    AND d.retired_at IS NULL \
                   RETURNING",
                 "",
                 node.as_str(),
