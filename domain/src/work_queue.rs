@@ -209,17 +209,26 @@ pub async fn complete(conn: &mut PgConnection, item: &Item) -> Result<bool> {
 }
 
 /// Records a failure: the error is kept for operators and the item is due again after an
-/// exponential backoff (1 s, 2 s, 4 s, … up to [`MAX_BACKOFF`]).
+/// exponential backoff (1 s, 2 s, 4 s, … up to [`MAX_BACKOFF`]). An item enqueued again while
+/// it ran is due at once and its attempts are not counted up: the new generation has not failed.
+///
+/// The exponent is capped (`power(2, 1024)` is out of `float8`'s range: an item that had failed
+/// that often, three and a half days at the cap, made this statement fail, and with it every
+/// finish of its shard's batch).
 pub async fn fail(conn: &mut PgConnection, item: &Item, error: &str) -> Result<()> {
     sqlx::query!(
-        "UPDATE work_queue SET attempts = attempts + 1, last_error = $3, claimed_until = NULL, claimed_gen = NULL, \
-                not_before = compute_now() + make_interval(secs => least(power(2, attempts)::float8, $4::float8)), \
+        "UPDATE work_queue SET attempts = CASE WHEN gen = $5 THEN attempts + 1 ELSE attempts END, \
+                last_error = $3, claimed_until = NULL, claimed_gen = NULL, \
+                not_before = CASE WHEN gen = $5 \
+                                  THEN compute_now() + make_interval(secs => least(power(2, least(attempts, 30))::float8, $4::float8)) \
+                                  ELSE least(not_before, compute_now()) END, \
                 updated_at = compute_now() \
           WHERE kind = $1 AND key = $2",
         item.kind as _,
         item.key,
         error,
         MAX_BACKOFF.as_secs_f64(),
+        item.generation,
     )
     .execute(&mut *conn)
     .await?;
