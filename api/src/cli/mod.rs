@@ -351,8 +351,12 @@ fn cors_origins(origins: &[String]) -> Result<Vec<axum::http::HeaderValue>> {
         .map(|o| o.trim().trim_end_matches('/'))
         .filter(|o| !o.is_empty())
         .map(|o| {
-            let ok = (o.starts_with("https://") || o.starts_with("http://"))
-                && !o["http://".len()..].contains('/');
+            let host = o
+                .strip_prefix("https://")
+                .or_else(|| o.strip_prefix("http://"));
+            let ok = host.is_some_and(|h| {
+                !h.is_empty() && !h.contains(['/', '?', '#', '@']) && !h.contains(char::is_whitespace)
+            });
             if !ok {
                 return Err(Error::bad_input(
                     "cors-origin",
@@ -802,6 +806,39 @@ pub async fn main() -> std::process::ExitCode {
                 .unwrap_or_default();
             let _ = writeln!(std::io::stderr().lock(), "error: {e}{detail}");
             std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cors_origins;
+
+    #[test]
+    fn cors_origins_take_both_schemes_and_nothing_but_an_origin() {
+        let ok = cors_origins(&[
+            "https://console.example.com".into(),
+            "http://localhost:5173/".into(),
+            "https://console.example.com:8443".into(),
+        ])
+        .expect("origins");
+        assert_eq!(
+            ok,
+            [
+                "https://console.example.com",
+                "http://localhost:5173",
+                "https://console.example.com:8443"
+            ]
+        );
+        for bad in [
+            "console.example.com",
+            "https://",
+            "https://console.example.com/app",
+            "ftp://console.example.com",
+            "https://a b",
+            "https://user@console.example.com",
+        ] {
+            assert!(cors_origins(&[bad.into()]).is_err(), "{bad}");
         }
     }
 }
