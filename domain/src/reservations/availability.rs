@@ -1187,8 +1187,11 @@ pub fn parse_timeline(
         return Err(Error::bad_input("to", "`to` must be after `from`"));
     }
     let step_seconds = m::parse_count("stepSeconds", step_seconds, 60, 31 * 86_400)?;
-    let span = (to - from).num_seconds();
-    let steps = (span + step_seconds - 1) / step_seconds;
+    // In microseconds, rounded up: the last step ends at or after `to`, also when the range
+    // is not a whole number of seconds.
+    let span_us = (to - from).num_microseconds().unwrap_or(i64::MAX);
+    let step_us = step_seconds * 1_000_000;
+    let steps = span_us / step_us + i64::from(span_us % step_us != 0);
     if steps > MAX_STEPS {
         return Err(Error::bad_input(
             "stepSeconds",

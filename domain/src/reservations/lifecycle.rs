@@ -989,7 +989,11 @@ async fn extend_effect(
         });
     }
     if let Some(max) = rules.max_duration_seconds
-        && (ends_at - rsv.starts_at).num_seconds() > max
+        // In microseconds, as the create compares (a whole-second count let an extension
+        // run up to a second past the limit).
+        && (ends_at - rsv.starts_at)
+            .num_microseconds()
+            .is_none_or(|us| us > max.saturating_mul(1_000_000))
     {
         return Err(Error::PolicyViolation {
             rule: "maxDurationSeconds".into(),

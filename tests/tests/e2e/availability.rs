@@ -369,6 +369,19 @@ async fn the_timeline_counts_free_booked_and_unavailable_atoms_per_step() {
         .await;
     assert_eq!(code, "BAD_USER_INPUT", "{e}");
     assert_eq!(e["extensions"]["field"], "stepSeconds");
+    // A range that is not a whole number of seconds still gets a last step that ends at or
+    // after `to` (whole seconds dropped the half second, and the step with it).
+    for (to, n) in [("2031-01-01T00:00:00.5Z", 1), ("2031-01-01T01:00:00.5Z", 2)] {
+        let d = app
+            .ok(
+                &member,
+                TIMELINE,
+                json!({ "p": p.pool, "from": "2031-01-01T00:00:00Z", "to": to, "s": 3600, "m": "H100" }),
+            )
+            .await;
+        let steps = d["capacityTimeline"]["steps"].as_array().expect("steps");
+        assert_eq!(steps.len(), n, "to {to}: {d}");
+    }
 }
 
 /// Minutes from the start of the calendar, as a time.

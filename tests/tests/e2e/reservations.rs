@@ -2290,6 +2290,28 @@ async fn pool_rules_refuse_by_name_and_limit_and_record_what_admitted() {
         "2031-01-01T02:30:00+00:00"
     );
     assert_eq!(admitted_under(&app, &member, &first_id).await, none);
+
+    // The length is compared to the microsecond, as the create does: half a second past the
+    // limit is past it (a count of whole seconds let an extension through).
+    let version = pool_version(&app, &p.pool).await;
+    app.ok(
+        &op,
+        RULES,
+        json!({ "i": { "id": p.pool, "version": version, "rules": { "maxDurationSeconds": 9000 } } }),
+    )
+    .await;
+    let (code, error) = app
+        .fails(
+            &member,
+            EXTEND,
+            json!({ "i": { "id": first_id, "endsAt": "2031-01-01T02:30:00.5Z", "idempotencyKey": "ext-3" } }),
+        )
+        .await;
+    assert_eq!(
+        (code.as_str(), &error["extensions"]["rule"]),
+        ("POLICY_VIOLATION", &json!("maxDurationSeconds")),
+        "{error}"
+    );
 }
 
 /// The GPU-hours rule under concurrent creates of one tenant: a limit with room for four
