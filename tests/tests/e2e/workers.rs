@@ -2221,3 +2221,81 @@ async fn a_batch_of_expiries_gives_back_exactly_what_each_held() {
     .expect("a batch");
     assert!(again.is_empty());
 }
+
+/// An item that keeps failing backs off at the cap however often it failed (`power(2, 1024)`
+/// overflowed `float8`, failed the batch's finish and left every item of the shard claimed),
+/// and an item enqueued again while it ran is due at once after the failure.
+#[tokio::test]
+async fn an_item_that_failed_a_thousand_times_still_backs_off_and_a_new_generation_runs_at_once() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = app.db.db.clone();
+    // A key no reservation id can be: it fails at every run.
+    sqlx::query("SELECT compute_enqueue('reservation', ARRAY['bogus'], $1, 0)")
+        .bind(SHARDS)
+        .execute(db.pool())
+        .await
+        .expect("enqueue");
+    sqlx::query("UPDATE work_queue SET attempts = 1024 WHERE key = 'bogus'")
+        .execute(db.pool())
+        .await
+        .expect("attempts");
+    let mut w = QueueWorker::new(db.clone(), "worker-f", &KINDS);
+    w.rebalance().await.expect("shards");
+    w.step().await.expect("a step with a failing item succeeds");
+    let row = || async {
+        sqlx::query_as::<_, (i32, Option<i64>, f64, bool)>(
+            "SELECT attempts, claimed_gen, extract(epoch FROM not_before - compute_now())::float8, \
+                    last_error LIKE '%not its subject''s id%' FROM work_queue WHERE key = 'bogus'",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("row")
+    };
+    assert_eq!(
+        row().await,
+        (1025, None, 300.0, true),
+        "failed, unclaimed, due after the 300 s cap"
+    );
+    // A new generation while it runs: claim it, enqueue again, then fail the claimed run.
+    app.db.advance_clock(300).await;
+    let items = db
+        .tx("claim", compute_domain::db::TxKind::Maintenance, |conn| {
+            Box::pin(async move {
+                let shards: Vec<i32> = (0..SHARDS).collect();
+                compute_domain::work_queue::claim(
+                    conn,
+                    compute_domain::work_queue::WorkKind::Reservation,
+                    &shards,
+                    10,
+                    std::time::Duration::from_secs(60),
+                )
+                .await
+            })
+        })
+        .await
+        .expect("claim");
+    assert_eq!(items.len(), 1);
+    sqlx::query("SELECT compute_enqueue('reservation', ARRAY['bogus'], $1, 0)")
+        .bind(SHARDS)
+        .execute(db.pool())
+        .await
+        .expect("enqueue again");
+    let item = items[0].clone();
+    db.tx(
+        "fail",
+        compute_domain::db::TxKind::Maintenance,
+        move |conn| {
+            let item = item.clone();
+            Box::pin(async move { compute_domain::work_queue::fail(conn, &item, "failed").await })
+        },
+    )
+    .await
+    .expect("fail");
+    let (attempts, claimed, due_in, _) = row().await;
+    assert_eq!(
+        (attempts, claimed, due_in),
+        (1025, None, 0.0),
+        "the new generation is due now and its attempts are not counted up"
+    );
+}
