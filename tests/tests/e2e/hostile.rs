@@ -1235,3 +1235,58 @@ async fn values_only_the_database_refused_are_refused_where_they_enter() {
         "{text}"
     );
 }
+
+/// Values, selections and types nested tens of thousands deep (each fits in the 128 KiB a
+/// document may have, and needs no token) are refused with a coded error; the process that
+/// parsed them serves the next request (a recursion without a bound would overflow its stack
+/// and abort it, and every request with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documents_nested_deeper_than_any_stack_are_refused_and_the_server_lives() {
+    let app = spawn_app().await;
+    for depth in [1_000usize, 10_000, 60_000] {
+        let list = format!(
+            "{{ serverTime(x: {}1{}) }}",
+            "[".repeat(depth),
+            "]".repeat(depth)
+        );
+        let object = format!(
+            "{{ serverTime(x: {}1{}) }}",
+            "{a: ".repeat(depth.min(25_000)),
+            "}".repeat(depth.min(25_000))
+        );
+        let selection = format!(
+            "{{ {}serverTime{} }}",
+            "a { ".repeat(depth.min(30_000)),
+            " }".repeat(depth.min(30_000))
+        );
+        let types = format!(
+            "query($v: {}Int{}) {{ serverTime }}",
+            "[".repeat(depth),
+            "]".repeat(depth)
+        );
+        for (case, doc) in [
+            ("list", &list),
+            ("object", &object),
+            ("selection", &selection),
+            ("type", &types),
+        ] {
+            let (status, body) = app.graphql(doc, json!({}), None).await;
+            assert_eq!(status, 400, "{case} {depth}: {body}");
+            let code = body["errors"][0]["extensions"]["code"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            assert!(
+                [
+                    "LIMIT_EXCEEDED",
+                    "GRAPHQL_PARSE_FAILED",
+                    "GRAPHQL_VALIDATION_FAILED"
+                ]
+                .contains(&code.as_str()),
+                "{case} {depth}: {body}"
+            );
+            let (status, body) = app.graphql("{ serverTime }", json!({}), None).await;
+            assert_eq!(status, 200, "served after {case} {depth}: {body}");
+        }
+    }
+}
