@@ -389,8 +389,11 @@ impl Agent {
             }
             Some(entry) if entry.step == Step::Started => {
                 if self.is_working(&id) {
-                    debug!(command = %id, "command sent again while it runs here");
-                    return vec![];
+                    // Acknowledged again: the control plane put it back to pending when this
+                    // session opened, and until it hears it runs, it could take it for never
+                    // started. The outcome follows when the work ends.
+                    debug!(command = %id, "command sent again while it runs here: acknowledged");
+                    return vec![FromDaemon::Ack { command_id: id }];
                 }
                 self.recover(entry)
             }

@@ -738,8 +738,14 @@ async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> 
             }
             State::Stopping => {
                 let run = steps.get(&run_key);
-                let started = match run.map(|c| c.state) {
-                    Some(cmds::State::Pending | cmds::State::Dispatched) => {
+                let started = match run.map(|c| (c.state, c.started_at.is_some())) {
+                    // Acknowledged once, then put back to pending by the daemon's new session:
+                    // its workload may be running (the daemon journals before it acknowledges
+                    // and answers from the journal when the command comes again). Its outcome
+                    // decides, as for a running one; withdrawing it left the workload on the
+                    // GPUs with the instance stopped.
+                    Some((cmds::State::Pending | cmds::State::Dispatched, true)) => break,
+                    Some((cmds::State::Pending | cmds::State::Dispatched, false)) => {
                         // Not started: withdraw it. If the daemon acknowledged it meanwhile, it
                         // runs; the trigger wakes this again when it ends.
                         let c = run
@@ -750,8 +756,8 @@ async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> 
                         }
                         false
                     }
-                    Some(cmds::State::Running) => break,
-                    Some(cmds::State::Succeeded) => true,
+                    Some((cmds::State::Running, _)) => break,
+                    Some((cmds::State::Succeeded, _)) => true,
                     _ => false,
                 };
                 if !started {

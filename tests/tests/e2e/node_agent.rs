@@ -431,6 +431,57 @@ async fn killed_after_the_workload_started() {
     killed_at("after-workload-started").await;
 }
 
+/// The daemon acknowledged `run_instance` and started the workload, then died before it
+/// reported; the tenant stops the instance while it is down. When it comes back, the new
+/// session puts the acknowledged command back to pending: that is not "never started" (the
+/// instance was once marked stopped with its workload still running on the GPUs). The stop
+/// waits for the command's outcome, then stops the workload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_the_daemon_is_down_after_it_started_the_workload_stops_it() {
+    let point = "after-workload-started";
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, _) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir("stop-while-down");
+    let out = dir.join("out");
+    let state_dir = dir.join("state");
+    let mut agent = start_agent(
+        &app,
+        &node,
+        &state_dir,
+        Some(&format!("{point}:run_instance")),
+    );
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let id = instance(&app, &acme, &allocation, SLEEPER, &out).await;
+    let started = tokio::time::Instant::now();
+    while agent.try_wait().expect("wait").is_none() {
+        workers.step().await;
+        assert!(started.elapsed() < WAIT, "the agent did not reach {point}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pids = starts(&out.join("starts"));
+    assert_eq!(pids.len(), 1, "the workload started: {pids:?}");
+    app.ok(&acme, STOP, json!({ "i": { "id": id } })).await;
+    workers.step().await;
+    let agent = start_agent(&app, &node, &state_dir, None);
+    connected(&app, &node).await;
+    step_until(&app, &mut workers, &id, "STOPPED").await;
+    assert!(
+        !alive(pids[0]),
+        "the workload was stopped, not left on the GPUs"
+    );
+    let stops: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM commands WHERE workflow_id = $1 AND kind = 'stop_instance' AND state = 'succeeded'",
+    )
+    .bind(&id)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("count");
+    assert_eq!(stops, 1, "stopped by a stop_instance");
+    stop_agent(agent).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_the_outcome_is_recorded() {
     killed_at("after-outcome-recorded").await;
