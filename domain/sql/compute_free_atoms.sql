@@ -1,15 +1,16 @@
--- The current definition, as migrations/0036_topology_and_gangs.sql left it. Change it with a new migration
+-- The current definition, as migrations/0045_grouped_allocations_share_a_node.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE OR REPLACE FUNCTION compute_free_atoms(p_node text, p_alloc allocations, p_from timestamptz, p_to timestamptz)
+CREATE FUNCTION compute_free_atoms(p_node text, p_alloc allocations, p_from timestamptz, p_to timestamptz,
+                                   p_taken text[] DEFAULT '{}', p_grouped boolean DEFAULT true)
     RETURNS text[]
     LANGUAGE plpgsql STABLE
     AS $fn$
 DECLARE
     v_free text[];
 BEGIN
-    IF NOT (p_alloc.same_nvlink_domain OR p_alloc.same_numa_node) THEN
+    IF NOT (p_grouped AND (p_alloc.same_nvlink_domain OR p_alloc.same_numa_node)) THEN
         SELECT array_agg(a.name ORDER BY d.id, a.ordinal) INTO v_free
           FROM devices d JOIN device_atoms a ON a.device_id = d.id
          WHERE d.node_id = p_node AND compute_device_schedulable(d.health, d.quarantined)
@@ -17,7 +18,7 @@ BEGIN
            AND (p_alloc.model IS NULL OR d.model = p_alloc.model)
            AND (p_alloc.profile IS NULL OR a.profile = p_alloc.profile)
            AND (p_alloc.slots_per_gpu IS NULL OR (d.layout->>'slots')::int = p_alloc.slots_per_gpu)
-           AND a.created_at <= p_from
+           AND a.created_at <= p_from AND a.name <> ALL(p_taken)
            AND NOT EXISTS (SELECT 1 FROM device_bookings b
                             WHERE b.atom = a.name AND coalesce(upper(b.during), 'infinity'::timestamptz) >= p_from
                               AND b.during && tstzrange(p_from, p_to));
@@ -34,7 +35,7 @@ BEGIN
            AND (p_alloc.model IS NULL OR d.model = p_alloc.model)
            AND (p_alloc.profile IS NULL OR a.profile = p_alloc.profile)
            AND (p_alloc.slots_per_gpu IS NULL OR (d.layout->>'slots')::int = p_alloc.slots_per_gpu)
-           AND a.created_at <= p_from
+           AND a.created_at <= p_from AND a.name <> ALL(p_taken)
            AND NOT EXISTS (SELECT 1 FROM device_bookings b
                             WHERE b.atom = a.name AND coalesce(upper(b.during), 'infinity'::timestamptz) >= p_from
                               AND b.during && tstzrange(p_from, p_to))),

@@ -1,4 +1,4 @@
--- The current definition, as migrations/0041_bookings_in_atom_order.sql left it. Change it with a new migration
+-- The current definition, as migrations/0045_grouped_allocations_share_a_node.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -52,7 +52,8 @@ BEGIN
     -- allocations in a group or none; any other reservation is one group without a restriction.
     -- The groups tried are those a read without locks finds room in (an attempt takes row locks
     -- and may wait on concurrent placements): for a node, every allocation's selector,
-    -- tolerations and free GPUs alone, the gang's GPUs and scalars together, in spread order;
+    -- tolerations and free GPUs alone, the gang's GPUs (each allocation's free atoms, groups
+    -- aside: an upper bound, the plan decides) and scalars together, in spread order;
     -- for a label, the values with a node that takes each allocation alone, in order. At most
     -- 16 are tried: a gang that lost that many attempts waits for its retry.
     IF v_colocate = 'node' THEN
@@ -62,7 +63,7 @@ BEGIN
                                                AND NOT (n.labels @> a.node_selector
                                                         AND (n.taints = '[]'::jsonb OR compute_taints_tolerated(n.taints, a.tolerations))
                                                         AND coalesce(cardinality(compute_free_atoms(n.id, a, p_from, p_to)), 0) >= a.gpu_count))
-                             AND (SELECT count(DISTINCT x.atom) FROM allocations a, unnest(compute_free_atoms(n.id, a, p_from, p_to)) AS x(atom)
+                             AND (SELECT count(DISTINCT x.atom) FROM allocations a, unnest(compute_free_atoms(n.id, a, p_from, p_to, '{}', false)) AS x(atom)
                                    WHERE a.reservation_id = p_id)
                                  >= (SELECT sum(a.gpu_count) FROM allocations a WHERE a.reservation_id = p_id)
                              AND NOT EXISTS (SELECT 1 FROM node_resources r
@@ -139,12 +140,10 @@ BEGIN
                 CONTINUE WHEN v_cand.id = ANY(v_excluded);
                 -- A spread gang: each allocation on a node none of the others took.
                 CONTINUE WHEN v_spread AND v_cand.id = ANY(v_gang_nodes);
-                v_cand_free := compute_free_atoms(v_cand.id, v_alloc, p_from, p_to);
-                IF cardinality(v_taken) > 0 THEN
-                    -- Not the atoms the plan already gave another allocation.
-                    v_cand_free := (SELECT array_agg(u.atom ORDER BY u.o) FROM unnest(v_cand_free) WITH ORDINALITY u(atom, o)
-                                     WHERE u.atom <> ALL(v_taken));
-                END IF;
+                -- Not the atoms the plan already gave another allocation, left out before an
+                -- allocation keeping its GPUs together picks its group (after, two such
+                -- allocations picked the same group of a node with two, and never fit there).
+                v_cand_free := compute_free_atoms(v_cand.id, v_alloc, p_from, p_to, v_taken);
                 CONTINUE WHEN coalesce(cardinality(v_cand_free), 0) < v_alloc.gpu_count;
                 -- The scalars, with what the plan already put on this node.
                 CONTINUE WHEN EXISTS (SELECT 1 FROM node_resources r

@@ -590,3 +590,77 @@ async fn a_gang_is_placed_together_or_apart_all_of_it_or_none() {
     assert_ne!(two[0], two[1], "{rsv}");
     assert_eq!(rack_of(&two[0]), rack_of(&two[1]), "{rsv}");
 }
+
+/// Two allocations that each keep four GPUs on one NVLink domain fit on n1, one domain each,
+/// as a gang on one node and without a gang, where `availability` offers them. (Placement left
+/// the plan's taken atoms out after an allocation picked its domain: both picked the first, the
+/// second found none of its four there, and the reservation waited for a node it could never
+/// get.)
+#[tokio::test]
+async fn allocations_that_keep_their_gpus_together_share_a_node_one_group_each() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let r = racks(&app).await;
+    let acme = app.member("acme");
+    let two = |numa: bool| {
+        let a = if numa {
+            json!({ "gpuCount": 4, "sameNumaNode": true, "nodeSelector": [{ "key": "host", "value": "n1" }] })
+        } else {
+            json!({ "gpuCount": 4, "sameNvlinkDomain": true })
+        };
+        json!([a.clone(), a])
+    };
+    let cases = [
+        (
+            "gang",
+            two(false),
+            json!({ "colocate": "NODE" }),
+            "2031-01-01T01:00:00Z",
+        ),
+        ("plain", two(true), Value::Null, "2031-01-01T03:00:00Z"),
+    ];
+    for (case, allocations, gang, start) in cases {
+        let d = app
+            .ok(
+                &acme,
+                AVAILABILITY,
+                json!({ "p": r.pool, "a": allocations, "d": 3600, "g": gang }),
+            )
+            .await;
+        let w = &d["availability"]["windows"][0];
+        assert_eq!(
+            nodes_of(&json!({ "allocations": w["placements"] })),
+            [r.nodes["n1"].clone(), r.nodes["n1"].clone()],
+            "{case}: availability offers n1 for both: {d}"
+        );
+        let end = start.replace("T01", "T02").replace("T03", "T04");
+        let d = app
+            .ok(
+                &acme,
+                CREATE,
+                create(&r.pool, case, start, &end, allocations, gang),
+            )
+            .await;
+        let rsv = &d["createReservation"]["reservation"];
+        assert_eq!(rsv["state"], "SCHEDULED", "{case}: {rsv}");
+        assert_eq!(
+            nodes_of(rsv),
+            [r.nodes["n1"].clone(), r.nodes["n1"].clone()],
+            "{case}"
+        );
+        let group = |g: usize| if case == "gang" { g / 4 } else { g % 2 };
+        let groups: Vec<Vec<usize>> = (0..2)
+            .map(|i| {
+                let mut g: Vec<usize> = gpu_indexes(&rsv["allocations"][i])
+                    .into_iter()
+                    .map(group)
+                    .collect();
+                g.dedup();
+                g
+            })
+            .collect();
+        assert_eq!(groups[0].len(), 1, "{case}: one group: {rsv}");
+        assert_eq!(groups[1].len(), 1, "{case}: one group: {rsv}");
+        assert_ne!(groups[0], groups[1], "{case}: one group each: {rsv}");
+    }
+}
