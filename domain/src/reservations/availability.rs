@@ -214,7 +214,16 @@ pub struct Refusal {
 pub enum Found {
     Stretches(Vec<Stretch>),
     Nothing(Refusal),
+    /// The joint assignments of several allocations or a gang examined more atoms than the
+    /// budget ([`SEARCH_BUDGET`]) before an answer: refused rather than searched without a bound.
+    TooLarge,
 }
+
+/// The most atoms the joint assignments of one search may examine: a gang that never fits in a
+/// busy pool was a search of every node at every booking's edge (10^12 steps for
+/// `colocate: NODE` with 16 allocations on 1,250 nodes), on a runtime worker. A single
+/// allocation without a gang never spends it (its fit is a set's emptiness).
+pub const SEARCH_BUDGET: u64 = 50_000_000;
 
 /// The starts (closed, in microseconds) at which `atom` can take `[s, s + d)`, within
 /// `[from, to]`.
@@ -247,6 +256,10 @@ fn start_intervals(atom: &CalAtom, d: i64, from: i64, to: i64) -> Vec<(i64, i64)
 /// (`qualified`) are kept as counts change; a single allocation without a gang fits when that set
 /// is not empty, anything else when the greedy assignment of placement succeeds under the gang's
 /// rule ([`assign_gang`]).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the calendar, the request and its bounds, each a plain value the tests vary"
+)]
 pub fn search(
     nodes: &[CalNode],
     needs: &[Need],
@@ -255,6 +268,7 @@ pub fn search(
     from: i64,
     to: i64,
     first: usize,
+    budget: u64,
 ) -> Found {
     let n_alloc = needs.len();
     // Which allocations each node can take, whatever the time (static reasons and scalars).
@@ -319,6 +333,18 @@ pub fn search(
         cal.node_atoms[ni].push(idx);
     }
     let alone = n_alloc == 1 && gang.is_none();
+    // A gang on one node needs a node with as many atoms serving it as the gang asks: when
+    // none has, no start fits, whatever is booked.
+    let gang_possible = match gang {
+        Some(g) if g.colocate == Some(Colocate::Node) => {
+            let total: usize = needs.iter().map(|n| n.atoms).sum();
+            cal.node_atoms.iter().any(|a| a.len() >= total)
+        }
+        _ => true,
+    };
+    // Whether the last joint check fit, and whether an atom became free since: a request that
+    // did not fit is checked again only when one did (fewer free atoms do not make it fit).
+    let mut last_fit = false;
 
     let mut out: Vec<Stretch> = Vec::new();
     let mut open_stretch: Option<Stretch> = None;
@@ -328,9 +354,11 @@ pub fn search(
         if t > to {
             break;
         }
+        let mut freed = false;
         while e < events.len() && events[e].0 == t {
             let (_, delta, idx) = events[e];
             cal.valid[idx] = delta > 0;
+            freed |= delta > 0;
             for (i, need) in needs.iter().enumerate() {
                 let u = unit_of[i][idx];
                 if u == usize::MAX {
@@ -358,7 +386,14 @@ pub fn search(
             e += 1;
         }
         let fits = qualified.iter().all(|q| !q.is_empty())
-            && (alone || assign_gang(nodes, needs, gang, &qualified, &cal).is_some());
+            && (alone
+                || (gang_possible
+                    && (last_fit || freed)
+                    && assign_gang(nodes, needs, gang, &qualified, &cal).is_some()));
+        last_fit = fits;
+        if cal.work.get() > budget {
+            return Found::TooLarge;
+        }
         match (&mut open_stretch, fits) {
             (None, true) => {
                 let picks = assign_gang(nodes, needs, gang, &qualified, &cal).unwrap_or_default();
@@ -397,6 +432,8 @@ struct Flat {
     valid: Vec<bool>,
     /// Per node, its flattened atoms.
     node_atoms: Vec<Vec<usize>>,
+    /// Atoms the joint assignments examined (against [`SEARCH_BUDGET`]).
+    work: std::cell::Cell<u64>,
 }
 
 fn scalars_fit(n: &CalNode, need: &Need) -> bool {
@@ -468,6 +505,8 @@ fn assign(
                 continue;
             }
             let mut groups: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+            cal.work
+                .set(cal.work.get() + cal.node_atoms[ni].len() as u64 + 1);
             for &a in &cal.node_atoms[ni] {
                 if cal.valid[a] && cal.serves[a] & (1 << i) != 0 && !taken.contains(&a) {
                     let (n, k) = cal.atom[a];
@@ -656,7 +695,19 @@ pub async fn availability(
     tracing::debug!(nodes_ms, bookings_ms, "availability read");
     let nodes = with_bookings(nodes, bookings);
     let read = started.elapsed();
-    found_to_answer(req, from, to, nodes, read, started)
+    // The sweep is CPU without an await: on a blocking thread, so it holds none of the
+    // runtime's workers (the request's deadline cannot stop it; its budget does).
+    let req = req.clone();
+    let span = tracing::Span::current();
+    match tokio::task::spawn_blocking(move || {
+        span.in_scope(|| found_to_answer(&req, from, to, nodes, read, started))
+    })
+    .await
+    {
+        Ok(answer) => answer,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(Error::Unavailable(Box::new(e))),
+    }
 }
 
 /// The checks a create would make that do not depend on the window (the pool, its rules, the
@@ -776,6 +827,7 @@ fn found_to_answer(
         from_us,
         to_us,
         req.first,
+        SEARCH_BUDGET,
     );
     tracing::debug!(
         nodes = nodes.len(),
@@ -790,6 +842,16 @@ fn found_to_answer(
         "availability searched"
     );
     let (windows, unfit) = match found {
+        Found::TooLarge => {
+            return Err(Error::bad_input(
+                "allocations",
+                format!(
+                    "this search examined more than {SEARCH_BUDGET} placements of its allocations \
+                     together without an answer; search a shorter range (`notAfter`), fewer \
+                     allocations, or a gang that fits the pool's nodes"
+                ),
+            ));
+        }
         Found::Stretches(s) => (
             s.into_iter()
                 .map(|s| Window {
@@ -1356,7 +1418,86 @@ mod tests {
                 .map(|s| (s.earliest / MIN, s.latest / MIN))
                 .collect(),
             Found::Nothing(_) => Vec::new(),
+            Found::TooLarge => panic!("a small calendar went past the search's budget"),
         }
+    }
+
+    /// A gang that never fits in a busy pool: refused at once when no node has as many atoms as
+    /// it asks, and once its budget is spent otherwise; never a search of every node at every
+    /// edge of the calendar (10^12 steps at 1,250 nodes).
+    #[test]
+    fn a_gang_that_never_fits_is_refused_within_the_budget() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        const SEC: i64 = 1_000_000;
+        // 200 nodes of 8 atoms: 4 busy throughout, 4 with short bookings at odd seconds (each
+        // edge its own time).
+        let nodes: Vec<CalNode> = (0..200)
+            .map(|i| {
+                let atoms = (0..8)
+                    .map(|k| {
+                        let mut a = atom(&[]);
+                        if k < 4 {
+                            a.busy = vec![(0, 1_000_000 * SEC)];
+                            return a;
+                        }
+                        let mut t = rng.below(1_200) * SEC;
+                        while t < 100_000 * SEC {
+                            let len = (60 + rng.below(1_800)) * SEC + rng.below(SEC as u64);
+                            a.busy.push((t, t + len));
+                            t += len + (1 + rng.below(1_800)) * SEC;
+                        }
+                        a
+                    })
+                    .collect();
+                node(i, atoms)
+            })
+            .collect();
+        let on_one_node = Gang {
+            colocate: Some(Colocate::Node),
+            label: None,
+            spread: false,
+        };
+        let (from, to) = (0, 90_000 * SEC);
+        // Sixteen single GPUs on one node of 8: no node can ever take them, nothing is tried.
+        let found = search(
+            &nodes,
+            &vec![gpus(1); 16],
+            Some(&on_one_node),
+            60 * SEC,
+            from,
+            to,
+            5,
+            1,
+        );
+        assert!(
+            matches!(&found, Found::Nothing(r) if r.counts == vec![("AllocationsConflict".to_owned(), 200)]),
+            "{found:?}"
+        );
+        // Two of 4 on one node: each fits on some nodes at times, both never (4 are always
+        // busy). Refused when the budget is spent, and answered in full with a budget that
+        // covers the search.
+        let found = search(
+            &nodes,
+            &[gpus(4), gpus(4)],
+            Some(&on_one_node),
+            60 * SEC,
+            from,
+            to,
+            5,
+            100_000,
+        );
+        assert_eq!(found, Found::TooLarge);
+        let found = search(
+            &nodes,
+            &[gpus(4), gpus(4)],
+            Some(&on_one_node),
+            60 * SEC,
+            from,
+            to,
+            5,
+            SEARCH_BUDGET,
+        );
+        assert!(matches!(found, Found::Nothing(_)), "{found:?}");
     }
 
     #[test]
@@ -1364,17 +1505,53 @@ mod tests {
         // Two atoms: one busy [10, 20), the other [15, 30). Two GPUs for 5 minutes fit at
         // starts 0..=5 (both free until 10) and from 30 on.
         let nodes = vec![node(0, vec![atom(&[(10, 20)]), atom(&[(15, 30)])])];
-        let found = search(&nodes, &[gpus(2)], None, 5 * MIN, 0, 100 * MIN, 5);
+        let found = search(
+            &nodes,
+            &[gpus(2)],
+            None,
+            5 * MIN,
+            0,
+            100 * MIN,
+            5,
+            SEARCH_BUDGET,
+        );
         assert_eq!(stretches(found), vec![(0, 5), (30, 100)]);
         // One GPU: 0..=10 on the second atom, 20.. on the first; a start between 10 and 20
         // meets a booking on each.
-        let found = search(&nodes, &[gpus(1)], None, 5 * MIN, 0, 100 * MIN, 5);
+        let found = search(
+            &nodes,
+            &[gpus(1)],
+            None,
+            5 * MIN,
+            0,
+            100 * MIN,
+            5,
+            SEARCH_BUDGET,
+        );
         assert_eq!(stretches(found), vec![(0, 10), (20, 100)]);
         // At most `first` windows.
-        let found = search(&nodes, &[gpus(1)], None, 5 * MIN, 0, 100 * MIN, 1);
+        let found = search(
+            &nodes,
+            &[gpus(1)],
+            None,
+            5 * MIN,
+            0,
+            100 * MIN,
+            1,
+            SEARCH_BUDGET,
+        );
         assert_eq!(stretches(found), vec![(0, 10)]);
         // Three GPUs never fit: the counts say why.
-        match search(&nodes, &[gpus(3)], None, 5 * MIN, 0, 100 * MIN, 5) {
+        match search(
+            &nodes,
+            &[gpus(3)],
+            None,
+            5 * MIN,
+            0,
+            100 * MIN,
+            5,
+            SEARCH_BUDGET,
+        ) {
             Found::Nothing(r) => assert_eq!(r.counts, vec![("InsufficientGpus".to_owned(), 1)]),
             other => panic!("expected nothing, got {other:?}"),
         }
@@ -1400,6 +1577,7 @@ mod tests {
             0,
             10 * MIN,
             5,
+            SEARCH_BUDGET,
         ) {
             Found::Nothing(r) => assert_eq!(
                 r.counts,
@@ -1412,7 +1590,16 @@ mod tests {
         }
         small.free_vcpu = Some(8);
         assert_eq!(
-            stretches(search(&[small], &[need], None, MIN, 0, 10 * MIN, 5)),
+            stretches(search(
+                &[small],
+                &[need],
+                None,
+                MIN,
+                0,
+                10 * MIN,
+                5,
+                SEARCH_BUDGET
+            )),
             vec![(0, 10)]
         );
     }
@@ -1515,7 +1702,7 @@ mod tests {
             let d = (1 + rng.below(30)) * MIN;
             let (from, to) = (rng.below(30) * MIN, (60 + rng.below(80)) * MIN);
             let expected = brute_stretches(from, to, |s| fits_brute(&nodes, &needs, s, d));
-            let got = stretches(search(&nodes, &needs, None, d, from, to, 20));
+            let got = stretches(search(&nodes, &needs, None, d, from, to, 20, SEARCH_BUDGET));
             assert_eq!(got, expected, "case {case}: needs {needs:?}, d {}", d / MIN);
         }
     }
@@ -1666,7 +1853,16 @@ mod tests {
             let expected = brute_stretches(from, to, |s| {
                 fits_gang_brute(&nodes, &needs, gang.as_ref(), s, d)
             });
-            let got = stretches(search(&nodes, &needs, gang.as_ref(), d, from, to, 20));
+            let got = stretches(search(
+                &nodes,
+                &needs,
+                gang.as_ref(),
+                d,
+                from,
+                to,
+                20,
+                SEARCH_BUDGET,
+            ));
             assert_eq!(
                 got,
                 expected,
