@@ -118,6 +118,11 @@ pub struct Dispatcher {
     owner: String,
     http: Webhooks,
     tasks: HashMap<SinkId, SinkTask>,
+    /// Tasks asked to hand their sink over, until they end: such a sink is not taken again
+    /// meanwhile (the same owner would renew the lease at the same epoch, a second task would
+    /// deliver beside the first's last batch, and the first's release would end the second's
+    /// lease).
+    handing_over: HashMap<SinkId, SinkTask>,
     presence: Option<HeldLease>,
     stats: Arc<DispatchStats>,
     /// How long a caught-up sink waits before it looks for new events (less when poked).
@@ -164,6 +169,7 @@ impl Dispatcher {
             owner: owner.into(),
             http: client(false),
             tasks: HashMap::new(),
+            handing_over: HashMap::new(),
             presence: None,
             stats: Arc::default(),
             idle: Duration::from_millis(250),
@@ -202,6 +208,7 @@ impl Dispatcher {
     /// after their current batch, so sinks spread when a dispatcher joins.
     pub async fn rebalance(&mut self) -> compute_domain::Result<()> {
         self.tasks.retain(|_, t| !t.handle.is_finished());
+        self.handing_over.retain(|_, t| !t.handle.is_finished());
         let present = match &self.presence {
             Some(p) => p.refresh(&self.db).await?,
             None => false,
@@ -230,13 +237,14 @@ impl Dispatcher {
             if let Some(task) = self.tasks.remove(&id) {
                 info!(sink = %id, share, live, "handing a sink over to spread the work");
                 let _ = task.stop.send(true);
+                self.handing_over.insert(id, task);
             }
         }
         for id in sinks::due(&self.db).await? {
             if self.tasks.len() >= share {
                 break;
             }
-            if self.tasks.contains_key(&id) {
+            if self.tasks.contains_key(&id) || self.handing_over.contains_key(&id) {
                 continue;
             }
             let name = compute_domain::leases::name::outbox_dispatch(id.as_str());
@@ -276,7 +284,8 @@ impl Dispatcher {
         }
         // Each task finishes its batch and lets its lease go, so another process takes over at
         // once; one that takes too long is dropped.
-        for (_, task) in self.tasks.drain() {
+        let handing_over: Vec<SinkTask> = self.handing_over.drain().map(|(_, t)| t).collect();
+        for task in self.tasks.drain().map(|(_, t)| t).chain(handing_over) {
             let _ = task.stop.send(true);
             let abort = task.handle.abort_handle();
             if tokio::time::timeout(Duration::from_secs(5), task.handle)

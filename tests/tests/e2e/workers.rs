@@ -2299,3 +2299,95 @@ async fn an_item_that_failed_a_thousand_times_still_backs_off_and_a_new_generati
         "the new generation is due now and its attempts are not counted up"
     );
 }
+
+/// A sink handed over to spread the work is not taken again by the same dispatcher while the
+/// task that hands it over still delivers its last batch: the fair share going back up (a
+/// dispatcher's presence lapsing, a tenant's new or resumed sink) made a second task deliver
+/// the same events beside the first, and the first's release then ended the second's lease.
+#[tokio::test]
+async fn a_sink_handed_over_is_not_taken_again_while_its_last_batch_is_posted() {
+    let app = spawn_app().await;
+    let acme = app.member("acme");
+    // Sink A takes anything; sink B (the later id, the one handed over) is held at its gate.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url_a = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let router = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(|| async { axum::http::StatusCode::NO_CONTENT }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    app.ok(&acme, CREATE_SINK, json!({ "i": { "url": url_a } }))
+        .await;
+    let (b, url_b) = start_receiver(Duration::ZERO).await;
+    let d = app
+        .ok(&acme, CREATE_SINK, json!({ "i": { "url": url_b } }))
+        .await;
+    *b.secret.lock().expect("secret") = d["createEventSink"]["secret"]
+        .as_str()
+        .expect("secret")
+        .to_owned();
+    sqlx::query(
+        "SELECT compute_emit('test.tick', 'acme', 'e' || g, '{}') FROM generate_series(1, 5) g",
+    )
+    .execute(app.db.db.pool())
+    .await
+    .expect("emit");
+    let db = app.db.db.clone();
+    let held = b.gate.lock().await;
+    let mut one = compute_workers::dispatch::Dispatcher::new(db.clone(), "dispatcher-1")
+        .allowing_private_targets(true);
+    one.idle = Duration::from_millis(20);
+    one.rebalance().await.expect("rebalance");
+    assert_eq!(one.sinks_held(), 2);
+    let arrived = || b.arrived.load(std::sync::atomic::Ordering::SeqCst);
+    compute_tests::eventually("B's first batch is at its receiver", WAIT, || async {
+        (arrived() >= 1).then_some(())
+    })
+    .await;
+    // Another dispatcher appears: the share is 1, B is handed over (its batch still posting).
+    let ghost = compute_workers::queue::presence_lease("dispatcher", "ghost");
+    sqlx::query(
+        "INSERT INTO leases (name, owner, epoch, expires_at) VALUES ($1, 'ghost', 1, compute_now() + interval '1 hour')",
+    )
+    .bind(&ghost)
+    .execute(db.pool())
+    .await
+    .expect("ghost");
+    one.rebalance().await.expect("rebalance");
+    assert_eq!(one.sinks_held(), 1, "B handed over");
+    // It lapses: the share is 2 again, and B is due, but its task has not ended.
+    sqlx::query(
+        "UPDATE leases SET expires_at = compute_now() - interval '1 second' WHERE name = $1",
+    )
+    .bind(&ghost)
+    .execute(db.pool())
+    .await
+    .expect("lapse");
+    one.rebalance().await.expect("rebalance");
+    assert_eq!(
+        one.sinks_held(),
+        1,
+        "B is not taken again while it is handed over"
+    );
+    drop(held);
+    // Once its task ended, B is taken again and everything arrives once.
+    tokio::time::timeout(WAIT, async {
+        while b.got.lock().expect("got").len() < 5 {
+            one.rebalance().await.expect("rebalance");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("B gets its five ticks");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let got = b.got.lock().expect("got").clone();
+    let mut once = got.clone();
+    once.sort();
+    once.dedup();
+    assert_eq!(once.len(), got.len(), "no event twice: {got:?}");
+    assert_eq!(*b.bad.lock().expect("bad"), 0);
+}
