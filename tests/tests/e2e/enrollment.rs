@@ -846,3 +846,55 @@ async fn the_inventory_subcommand_says_plainly_what_it_found() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("inventory.toml"));
 }
+
+/// A GPU whose model the machine reports differently is renamed by `acceptNodeInventory`, and
+/// its atoms move to its new model's capacity counts in the same transaction: the rollup agrees
+/// with a recount, and retiring it later takes them from the right counts. (They stayed under
+/// the old model, and the retirement failed `INTERNAL` on the new model's `CHECK`.)
+#[tokio::test]
+async fn a_renamed_gpu_moves_its_capacity_to_its_new_model() {
+    let (app, p) = setup().await;
+    let dir = test_dir("renamed");
+    let file = dir.join("inventory.toml");
+    let inv = file.to_str().expect("path").to_owned();
+    let h100a = &p.nodes[0];
+    inventory(
+        &file,
+        "h100-a",
+        &[&H100_A0.replace("\"H100\"", "\"H100 SXM\""), H100_A1],
+    );
+    let _agent = registered_agent(&app, h100a, &dir.join("state"), &inv);
+    until_node(&app, h100a, "the mismatch", |n| mismatch(n).is_some()).await;
+    app.ok(&app.operator(), ACCEPT, json!({ "i": { "id": h100a } }))
+        .await;
+    let counts = || async {
+        sqlx::query_as::<_, (String, i32)>(
+            "SELECT model, atoms FROM pool_capacity_rollup WHERE pool_id = $1 AND kind = 'gpu' AND atoms > 0 ORDER BY model",
+        )
+        .bind(&p.pool)
+        .fetch_all(app.db.db.pool())
+        .await
+        .expect("rollup")
+    };
+    let after = counts().await;
+    assert!(
+        after.contains(&("H100 SXM".to_owned(), 1)),
+        "the renamed GPU counts under its new model: {after:?}"
+    );
+    let pool = compute_domain::ids::PoolId::parse("pool", &p.pool).expect("pool");
+    let fixed = compute_domain::fleet::changes::recompute_rollup(&app.db.db, &pool)
+        .await
+        .expect("recount");
+    assert_eq!(fixed, 0, "no drift: {after:?} against {:?}", counts().await);
+    let n = node(&app, h100a).await;
+    app.ok(
+        &app.operator(),
+        "mutation($i: RetireDeviceInput!) { retireDevice(input: $i) { device { retiredAt } } }",
+        json!({ "i": { "id": device(&n, "GPU-A0")["id"] } }),
+    )
+    .await;
+    let fixed = compute_domain::fleet::changes::recompute_rollup(&app.db.db, &pool)
+        .await
+        .expect("recount");
+    assert_eq!(fixed, 0, "no drift after the retirement");
+}

@@ -411,7 +411,7 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
         let id = id.clone();
         Box::pin(async move {
             // Lock order: the pool FOR NO KEY UPDATE (new GPUs join its rollup), the node, its devices,
-            // its resources, the rollup.
+            // its resources, the rollup, the pool's rollup check.
             lock_pool_of_node(conn, &id).await?;
             let row: Option<(i64, Option<Json<Inventory>>, Option<String>)> = sqlx::query_as(
                 "SELECT version, inventory, retired_at::text FROM nodes WHERE id = $1 FOR UPDATE",
@@ -436,6 +436,14 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
                     Some(current),
                 ));
             };
+            // The node's devices, in id order, before its resources (rule 3): the mismatch
+            // written below updates them, and a health change holding one while it waits for a
+            // reservation whose release waits for these resources closed a cycle when they came
+            // after.
+            sqlx::query("SELECT 1 FROM devices WHERE node_id = $1 AND retired_at IS NULL ORDER BY id FOR UPDATE")
+                .bind(id.as_str())
+                .execute(&mut *conn)
+                .await?;
             let (gpus, _) = registration(conn, &id).await?;
             let reported: BTreeMap<&str, &compute_protocol::GpuInventory> =
                 inventory.gpus.iter().map(|g| (g.uuid.as_str(), g)).collect();
@@ -466,18 +474,6 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
             if !unsettled.is_empty() {
                 return Err(conflict(unsettled.join("; "), Some(current)));
             }
-            // The GPUs' models and memory.
-            for r in &gpus {
-                let g = reported[r.uuid.as_str()];
-                if g.model != r.model || g.memory_mib != r.memory_mib {
-                    sqlx::query("UPDATE devices SET model = $2, memory_mib = $3, version = version + 1, updated_at = compute_now() WHERE id = $1")
-                        .bind(r.id.as_str())
-                        .bind(&g.model)
-                        .bind(g.memory_mib)
-                        .execute(&mut *conn)
-                        .await?;
-                }
-            }
             // The GPUs not registered yet, with their atoms, in the pool's rollup.
             let known: BTreeSet<&str> = gpus.iter().map(|r| r.uuid.as_str()).collect();
             let pool: PoolId = sqlx::query_scalar("SELECT pool_id FROM nodes WHERE id = $1")
@@ -494,11 +490,39 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
                 .bind(id.as_str())
                 .execute(&mut *conn)
                 .await?;
+            // The GPUs' models and memory. The rollup counts atoms per model: a GPU whose model
+            // changes leaves its old model's counts and joins its new one's (they stayed under
+            // the old model, and a later retirement took them from the new one's, or failed on
+            // its `CHECK` when that row had fewer).
+            let mut touched: Vec<DeviceId> = Vec::new();
+            for r in &gpus {
+                let g = reported[r.uuid.as_str()];
+                if g.model != r.model || g.memory_mib != r.memory_mib {
+                    let renamed = g.model != r.model;
+                    let one = [r.id.clone()];
+                    if renamed {
+                        adjust_rollup(conn, &one, Change::Remove).await?;
+                    }
+                    sqlx::query("UPDATE devices SET model = $2, memory_mib = $3, version = version + 1, updated_at = compute_now() WHERE id = $1")
+                        .bind(r.id.as_str())
+                        .bind(&g.model)
+                        .bind(g.memory_mib)
+                        .execute(&mut *conn)
+                        .await?;
+                    if renamed {
+                        adjust_rollup(conn, &one, Change::Add).await?;
+                        touched.push(r.id.clone());
+                    }
+                }
+            }
             if !fresh.devices.is_empty() {
                 let added = insert_devices(conn, &id, &fresh.devices).await?;
                 let ids: Vec<DeviceId> = added.iter().map(|d| d.id.clone()).collect();
                 adjust_rollup(conn, &ids, Change::Add).await?;
-                wake_rollup_check(conn, &ids).await?;
+                touched.extend(ids);
+            }
+            if !touched.is_empty() {
+                wake_rollup_check(conn, &touched).await?;
             }
             // The scalars: the CHECK refuses less than is allocated.
             sqlx::query(
@@ -516,7 +540,7 @@ pub async fn accept_node_inventory(db: &Db, id: &NodeId, version: Option<i64>) -
             let (gpus, scalars) = registration(conn, &id).await?;
             let d = compare(&gpus, &scalars, &inventory);
             apply(conn, &id, &gpus, &d).await?;
-            let node = update_node_row(conn, &id, None, NodeAction::Update, "updated_at = compute_now()", "", vec![]).await?;
+            let node = update_node_row(conn, &id, None, NodeAction::Update, "", "", vec![]).await?;
             let devices = gpus_of(conn, &id).await?;
             emit(conn, EventType::NodeUpdated, &node.id, &NodePayload {
                 devices: Some(devices.iter().map(DeviceView::from).collect()),

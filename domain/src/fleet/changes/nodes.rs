@@ -159,7 +159,8 @@ pub(crate) async fn register_in(
     Ok(Registered { node, devices })
 }
 
-/// A guarded update of one node: `set` is the SET list; `extra` more WHERE conditions.
+/// A guarded update of one node: `set` is the SET list (empty: only the version and
+/// `updated_at`, which every update sets); `extra` more WHERE conditions.
 pub(super) async fn update_node_row(
     conn: &mut PgConnection,
     id: &NodeId,
@@ -169,8 +170,13 @@ pub(super) async fn update_node_row(
     extra: &str,
     binds: Vec<Value>,
 ) -> Result<Node> {
+    let set = if set.is_empty() {
+        String::new()
+    } else {
+        format!("{set}, ")
+    };
     let sql = format!(
-        "UPDATE nodes AS n SET {set}, version = n.version + 1, updated_at = compute_now() \
+        "UPDATE nodes AS n SET {set}version = n.version + 1, updated_at = compute_now() \
          WHERE n.id = $1 AND ($2::bigint IS NULL OR n.version = $2) AND n.lifecycle = ANY($3) {extra} \
          RETURNING {NODE_COLS}"
     );
