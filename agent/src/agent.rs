@@ -713,7 +713,8 @@ impl Agent {
                 return Err(f);
             }
         };
-        self.0
+        let running = self
+            .0
             .journal
             .workload_running(
                 &a.instance_id,
@@ -722,6 +723,19 @@ impl Agent {
                 started.container_id.as_deref(),
             )
             .map_err(journal_failure)?;
+        if !running {
+            // A drain or a stop found it starting, with nothing to signal yet, and recorded
+            // it ended: what just started is stopped now, not left on the GPUs.
+            warn!(instance = %a.instance_id, pid = ?started.pid, container = ?started.container_id, "workload stopped while it started: stopping it");
+            if let Ok(Some(w)) = self.0.journal.workload(&a.instance_id) {
+                drop(started.child);
+                self.0.runtime.stop(&w, Duration::ZERO).await?;
+            }
+            return Err(Failure::new(
+                "STOPPED_WHILE_STARTING",
+                "the workload was stopped (a stop or a drain) while it started; it was stopped once it had",
+            ));
+        }
         info!(instance = %a.instance_id, pid = ?started.pid, container = ?started.container_id, devices = %visible.join(","), "workload started");
         self.fault(FaultPoint::AfterWorkloadStarted, CommandKind::RunInstance);
         let output = json!({ "instanceId": a.instance_id, "pid": started.pid, "containerId": started.container_id });

@@ -408,20 +408,29 @@ impl Journal {
         Ok(())
     }
 
-    /// Records that a workload runs, and how to find it again.
+    /// Records that a workload runs, and how to find it again: `true` when it was `starting`.
+    /// One stopped meanwhile (a drain or a stop found it starting, with nothing to signal yet)
+    /// keeps its state, and only how to find it is recorded: the caller stops it.
     pub fn workload_running(
         &self,
         instance: &str,
         pid: Option<i32>,
         start_time: Option<u64>,
         container: Option<&str>,
-    ) -> Result<()> {
-        self.conn().execute(
+    ) -> Result<bool> {
+        let start_time = start_time.map(|t| t as i64);
+        let n = self.conn().execute(
             "UPDATE workloads SET state = 'running', pid = ?2, start_time = ?3, container_id = ?4
-             WHERE instance_id = ?1",
-            params![instance, pid, start_time.map(|t| t as i64), container],
+             WHERE instance_id = ?1 AND state = 'starting'",
+            params![instance, pid, start_time, container],
         )?;
-        Ok(())
+        if n == 0 {
+            self.conn().execute(
+                "UPDATE workloads SET pid = ?2, start_time = ?3, container_id = ?4 WHERE instance_id = ?1",
+                params![instance, pid, start_time, container],
+            )?;
+        }
+        Ok(n == 1)
     }
 
     /// Moves a workload to `state`; `false` when it was not in one of `from`.
@@ -552,6 +561,37 @@ mod tests {
         std::fs::remove_dir_all(&d).expect("empty");
         std::fs::create_dir_all(&d).expect("dir");
         assert_ne!(Journal::open(&d).expect("new").id(), first);
+    }
+
+    /// A workload stopped while it started (a drain found it `starting`, with nothing to signal)
+    /// does not come back to `running` when its start completes: the journal says so, and keeps
+    /// how to find it, so the agent stops it.
+    #[test]
+    fn a_workload_stopped_while_starting_is_not_running_again() {
+        let d = dir("stopped-while-starting");
+        let j = Journal::open(&d).expect("open");
+        j.workload_starting("ins_1", "cmd_1", "process", &[], "/tmp/x.log")
+            .expect("starting");
+        assert!(
+            j.workload_move("ins_1", &[WorkloadState::Starting], WorkloadState::Stopped)
+                .expect("move")
+        );
+        assert!(
+            !j.workload_running("ins_1", Some(42), Some(7), None)
+                .expect("running")
+        );
+        let w = j.workload("ins_1").expect("read").expect("row");
+        assert_eq!((w.state, w.pid), (WorkloadState::Stopped, Some(42)));
+        j.workload_starting("ins_2", "cmd_2", "process", &[], "/tmp/y.log")
+            .expect("starting");
+        assert!(
+            j.workload_running("ins_2", Some(43), Some(8), None)
+                .expect("running")
+        );
+        assert_eq!(
+            j.workload("ins_2").expect("read").expect("row").state,
+            WorkloadState::Running
+        );
     }
 
     #[test]
