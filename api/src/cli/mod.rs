@@ -373,55 +373,55 @@ fn cors_origins(origins: &[String]) -> Result<Vec<axum::http::HeaderValue>> {
 #[derive(Debug, Args)]
 pub struct LimitArgs {
     /// The largest cost of one request by an authenticated caller.
-    #[arg(long, env = "COMPUTE_MAX_COST", default_value_t = Limits::default().max_cost)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), env = "COMPUTE_MAX_COST", default_value_t = Limits::default().max_cost)]
     pub max_cost: u64,
     /// The largest cost of one request without a token.
-    #[arg(long, env = "COMPUTE_ANONYMOUS_MAX_COST", default_value_t = Limits::default().anonymous_max_cost)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), env = "COMPUTE_ANONYMOUS_MAX_COST", default_value_t = Limits::default().anonymous_max_cost)]
     pub anonymous_max_cost: u64,
     /// Points each authenticated identity may spend per minute.
-    #[arg(long, env = "COMPUTE_BUDGET_PER_MINUTE", default_value_t = Limits::default().budget_per_minute)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), env = "COMPUTE_BUDGET_PER_MINUTE", default_value_t = Limits::default().budget_per_minute)]
     pub budget_per_minute: u64,
     /// Points each anonymous peer address may spend per minute.
-    #[arg(long, env = "COMPUTE_ANONYMOUS_BUDGET_PER_MINUTE", default_value_t = Limits::default().anonymous_budget_per_minute)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), env = "COMPUTE_ANONYMOUS_BUDGET_PER_MINUTE", default_value_t = Limits::default().anonymous_budget_per_minute)]
     pub anonymous_budget_per_minute: u64,
     /// The largest GraphQL document, in bytes.
-    #[arg(long, env = "COMPUTE_MAX_DOCUMENT_BYTES", default_value_t = Limits::default().max_document_bytes)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_DOCUMENT_BYTES", default_value_t = Limits::default().max_document_bytes)]
     pub max_document_bytes: usize,
     /// Aliased fields in one document (fragments expanded).
-    #[arg(long, env = "COMPUTE_MAX_ALIASES", default_value_t = Limits::default().max_aliases)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_ALIASES", default_value_t = Limits::default().max_aliases)]
     pub max_aliases: usize,
     /// Root fields of one operation.
-    #[arg(long, env = "COMPUTE_MAX_ROOT_FIELDS", default_value_t = Limits::default().max_root_fields)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_ROOT_FIELDS", default_value_t = Limits::default().max_root_fields)]
     pub max_root_fields: usize,
     /// Directives in one document (fragments expanded).
-    #[arg(long, env = "COMPUTE_MAX_DIRECTIVES", default_value_t = Limits::default().max_directives)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_DIRECTIVES", default_value_t = Limits::default().max_directives)]
     pub max_directives: usize,
     /// Field selections in one document (fragments expanded).
-    #[arg(long, env = "COMPUTE_MAX_SELECTIONS", default_value_t = Limits::default().max_selections)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_SELECTIONS", default_value_t = Limits::default().max_selections)]
     pub max_selections: usize,
     /// Errors in one response.
-    #[arg(long, env = "COMPUTE_MAX_ERRORS", default_value_t = Limits::default().max_errors)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_ERRORS", default_value_t = Limits::default().max_errors)]
     pub max_errors: usize,
     /// Items in any one list of an argument (in the document or its variables).
-    #[arg(long, env = "COMPUTE_MAX_LIST_ITEMS", default_value_t = Limits::default().max_list_items)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_LIST_ITEMS", default_value_t = Limits::default().max_list_items)]
     pub max_list_items: usize,
     /// Seconds one query or mutation may run.
-    #[arg(long, env = "COMPUTE_REQUEST_TIMEOUT_SECONDS", default_value_t = Limits::default().request_timeout.as_secs())]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600), env = "COMPUTE_REQUEST_TIMEOUT_SECONDS", default_value_t = Limits::default().request_timeout.as_secs())]
     pub request_timeout_seconds: u64,
     /// Seconds a client has to send a request's headers (also the keep-alive idle timeout).
-    #[arg(long, env = "COMPUTE_HEADER_TIMEOUT_SECONDS", default_value_t = Limits::default().header_timeout.as_secs())]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600), env = "COMPUTE_HEADER_TIMEOUT_SECONDS", default_value_t = Limits::default().header_timeout.as_secs())]
     pub header_timeout_seconds: u64,
     /// Connections held open at once.
-    #[arg(long, env = "COMPUTE_MAX_CONNECTIONS", default_value_t = Limits::default().max_connections)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_CONNECTIONS", default_value_t = Limits::default().max_connections)]
     pub max_connections: usize,
     /// The largest WebSocket message or frame, in bytes.
-    #[arg(long, env = "COMPUTE_MAX_WS_MESSAGE_BYTES", default_value_t = Limits::default().max_ws_message)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_WS_MESSAGE_BYTES", default_value_t = Limits::default().max_ws_message)]
     pub max_ws_message_bytes: usize,
     /// WebSocket connections and SSE streams one identity may hold open.
-    #[arg(long, env = "COMPUTE_MAX_STREAMS_PER_IDENTITY", default_value_t = Limits::default().max_streams_per_identity)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), env = "COMPUTE_MAX_STREAMS_PER_IDENTITY", default_value_t = Limits::default().max_streams_per_identity)]
     pub max_streams_per_identity: usize,
     /// The longest a bearer token may still be valid when presented, in seconds.
-    #[arg(long, env = "COMPUTE_MAX_TOKEN_LIFETIME_SECONDS", default_value_t = auth::DEFAULT_MAX_TOKEN_LIFETIME.as_secs())]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), env = "COMPUTE_MAX_TOKEN_LIFETIME_SECONDS", default_value_t = auth::DEFAULT_MAX_TOKEN_LIFETIME.as_secs())]
     pub max_token_lifetime_seconds: u64,
 }
 
@@ -813,6 +813,33 @@ pub async fn main() -> std::process::ExitCode {
 #[cfg(test)]
 mod tests {
     use super::cors_origins;
+
+    #[test]
+    fn limits_of_zero_are_refused_where_they_enter() {
+        use clap::Parser;
+        for flag in [
+            "--request-timeout-seconds",
+            "--header-timeout-seconds",
+            "--max-connections",
+            "--max-cost",
+            "--max-streams-per-identity",
+        ] {
+            let parsed = super::Cli::try_parse_from(["compute-api", "serve", flag, "0"]);
+            assert!(parsed.is_err(), "{flag} 0 was accepted");
+        }
+        assert!(
+            super::Cli::try_parse_from([
+                "compute-api",
+                "serve",
+                "--request-timeout-seconds",
+                "3601"
+            ])
+            .is_err()
+        );
+        assert!(
+            super::Cli::try_parse_from(["compute-api", "serve", "--max-connections", "2"]).is_ok()
+        );
+    }
 
     #[test]
     fn cors_origins_take_both_schemes_and_nothing_but_an_origin() {

@@ -79,6 +79,9 @@ pub enum BodyError {
     TooLarge(String),
     /// Not all there within the request deadline: `408`, `TIMEOUT`, and the connection closes.
     TooSlow(String),
+    /// Broken off or malformed (a reset stream, bad chunked encoding): `400`, `BAD_REQUEST`,
+    /// and the connection closes.
+    Broken(String),
 }
 
 impl BodyError {
@@ -87,13 +90,14 @@ impl BodyError {
         match self {
             BodyError::TooLarge(_) => axum::http::StatusCode::PAYLOAD_TOO_LARGE,
             BodyError::TooSlow(_) => axum::http::StatusCode::REQUEST_TIMEOUT,
+            BodyError::Broken(_) => axum::http::StatusCode::BAD_REQUEST,
         }
     }
 
     /// Its `extensions.code`.
     pub fn code(&self) -> &'static str {
         match self {
-            BodyError::TooLarge(_) => BAD_REQUEST,
+            BodyError::TooLarge(_) | BodyError::Broken(_) => BAD_REQUEST,
             BodyError::TooSlow(_) => crate::codes::TransportCode::Timeout.as_str(),
         }
     }
@@ -101,14 +105,14 @@ impl BodyError {
     /// What it says.
     pub fn message(&self) -> &str {
         match self {
-            BodyError::TooLarge(m) | BodyError::TooSlow(m) => m,
+            BodyError::TooLarge(m) | BodyError::TooSlow(m) | BodyError::Broken(m) => m,
         }
     }
 
     /// `response` with `Connection: close` when the body was too slow: the rest of it is not
     /// read, and the connection is not kept for another request.
     pub fn finish(&self, mut response: axum::response::Response) -> axum::response::Response {
-        if matches!(self, BodyError::TooSlow(_)) {
+        if matches!(self, BodyError::TooSlow(_) | BodyError::Broken(_)) {
             response.headers_mut().insert(
                 header::CONNECTION,
                 axum::http::HeaderValue::from_static("close"),
@@ -127,12 +131,27 @@ pub async fn read_body(
     body: axum::body::Body,
 ) -> Result<axum::body::Bytes, BodyError> {
     let deadline = app.limits.request_timeout;
-    match tokio::time::timeout(deadline, axum::body::to_bytes(body, MAX_BODY)).await {
-        Ok(Ok(bytes)) => Ok(bytes),
-        Ok(Err(_)) => Err(BodyError::TooLarge(format!(
-            "the body is larger than {} MiB",
-            MAX_BODY / (1024 * 1024)
-        ))),
+    // Read frame by frame, so that a body over the limit and a body that breaks off (a reset
+    // stream, malformed chunked encoding) get their own answers.
+    let read = async {
+        use futures_util::StreamExt;
+        let mut stream = body.into_data_stream();
+        let mut buf = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk =
+                chunk.map_err(|e| BodyError::Broken(format!("the body could not be read: {e}")))?;
+            if buf.len() + chunk.len() > MAX_BODY {
+                return Err(BodyError::TooLarge(format!(
+                    "the body is larger than {} MiB",
+                    MAX_BODY / (1024 * 1024)
+                )));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(axum::body::Bytes::from(buf))
+    };
+    match tokio::time::timeout(deadline, read).await {
+        Ok(read) => read,
         Err(_) => {
             app.metrics.record_refusal("body_timeout");
             Err(BodyError::TooSlow(format!(

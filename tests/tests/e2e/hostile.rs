@@ -1290,3 +1290,31 @@ async fn documents_nested_deeper_than_any_stack_are_refused_and_the_server_lives
         }
     }
 }
+
+/// A body whose chunked encoding breaks off is a bad request (`400`, `BAD_REQUEST`, the
+/// connection closed), not "larger than 2 MiB" (`413`, which any error of the read was).
+#[tokio::test]
+async fn a_malformed_chunked_body_is_a_bad_request_not_a_large_one() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = spawn_app().await;
+    let token = app.member("acme");
+    let mut s = tokio::net::TcpStream::connect(app.addr)
+        .await
+        .expect("connect");
+    s.write_all(
+        format!(
+            "POST /graphql HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
+             Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n\
+             5\r\n{{\"que\r\nzz\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("request");
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("BAD_REQUEST"), "{answer}");
+    assert!(!answer.contains("larger than"), "{answer}");
+}
