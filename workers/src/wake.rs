@@ -30,10 +30,12 @@ impl Waker {
     /// comes while the loop works wakes its next wait at once.
     pub fn subscribe(&self) -> Arc<Notify> {
         let n = Arc::new(Notify::new());
-        self.loops
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(n.clone());
+        let mut loops = self.loops.lock().unwrap_or_else(|p| p.into_inner());
+        // Ended loops are forgotten here too: without a `LISTEN` connection (`--db-pooled`)
+        // nothing wakes them, and every sink task started (each backoff, each pause and
+        // resume) left its handle behind for good.
+        loops.retain(|n| Arc::strong_count(n) > 1);
+        loops.push(n.clone());
         n
     }
 
@@ -97,5 +99,22 @@ pub async fn idle(wait: Duration, woken: Option<&Notify>) {
             }
         }
         None => tokio::time::sleep(wait).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ended_loops_are_forgotten_without_a_poke() {
+        let waker = Waker::default();
+        let kept = waker.subscribe();
+        for _ in 0..10_000 {
+            drop(waker.subscribe());
+        }
+        let held = waker.loops.lock().map(|l| l.len()).unwrap_or(usize::MAX);
+        assert!(held <= 2, "{held} handles held for one live loop");
+        drop(kept);
     }
 }
