@@ -177,6 +177,18 @@ fn moved_by_someone_else(e: &Error) -> bool {
     e.code() == crate::ErrorCode::Conflict && !matches!(e, Error::LeaseLost(_))
 }
 
+/// After a reservation's step failed in a resync pass: a lost lease or an unavailable
+/// database ends the pass (returned); anything else is logged and the pass goes on, so one
+/// reservation that fails at every pass (it comes first again, by id) does not hold up every
+/// one after it.
+fn go_on(e: Error, id: &ReservationId, step: &str) -> Result<()> {
+    if matches!(e, Error::LeaseLost(_) | Error::Unavailable(_)) {
+        return Err(e);
+    }
+    tracing::warn!(reservation = %id, error = %e, "{step} failed; the resync goes on with the others");
+    Ok(())
+}
+
 /// Expires every pending, scheduled or active reservation whose window has ended: quota first,
 /// then scalars come back. One transaction per reservation.
 pub async fn expire_due(db: &Db) -> Result<u64> {
@@ -192,7 +204,7 @@ pub async fn expire_due(db: &Db) -> Result<u64> {
             Ok(()) => moved += 1,
             // Someone else moved it first (released, or another worker): nothing to do.
             Err(e) if moved_by_someone_else(&e) => {}
-            Err(e) => return Err(e),
+            Err(e) => go_on(e, &id, "expiring a reservation")?,
         }
     }
     Ok(moved)
@@ -211,8 +223,10 @@ pub async fn mark_idle(db: &Db) -> Result<u64> {
     .await?;
     let mut marked = 0;
     for id in due {
-        if lifecycle::mark_idle(db, &id).await? {
-            marked += 1;
+        match lifecycle::mark_idle(db, &id).await {
+            Ok(true) => marked += 1,
+            Ok(false) => {}
+            Err(e) => go_on(e, &id, "marking a reservation idle")?,
         }
     }
     Ok(marked)
@@ -234,7 +248,7 @@ pub async fn fail_lost(db: &Db) -> Result<u64> {
         match lifecycle::fail_lost(db, &id).await {
             Ok(()) => moved += 1,
             Err(e) if moved_by_someone_else(&e) => {}
-            Err(e) => return Err(e),
+            Err(e) => go_on(e, &id, "failing a reservation on a lost node")?,
         }
     }
     Ok(moved)
@@ -260,7 +274,11 @@ pub async fn fail_overlapped(db: &Db) -> Result<u64> {
         match lifecycle::fail_overlapped(db, &id).await {
             Ok(()) => moved += 1,
             Err(e) if moved_by_someone_else(&e) => {}
-            Err(e) => return Err(e),
+            Err(e) => go_on(
+                e,
+                &id,
+                "failing a reservation whose devices a workload held",
+            )?,
         }
     }
     Ok(moved)
@@ -313,12 +331,18 @@ pub async fn retry_pending(db: &Db) -> Result<u64> {
     .await?;
     let mut placed = 0;
     for rsv in due {
-        let requests = requests_of(db, &rsv.id).await?;
+        let requests = match requests_of(db, &rsv.id).await {
+            Ok(r) => r,
+            Err(e) => {
+                go_on(e, &rsv.id, "reading a pending reservation")?;
+                continue;
+            }
+        };
         match lifecycle::place_pending(db, &rsv.id, requests).await {
             Ok(true) => placed += 1,
             Ok(_) => {}
             Err(e) if moved_by_someone_else(&e) => {}
-            Err(e) => return Err(e),
+            Err(e) => go_on(e, &rsv.id, "placing a pending reservation")?,
         }
     }
     Ok(placed)

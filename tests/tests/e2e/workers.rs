@@ -2391,3 +2391,57 @@ async fn a_sink_handed_over_is_not_taken_again_while_its_last_batch_is_posted() 
     assert_eq!(once.len(), got.len(), "no event twice: {got:?}");
     assert_eq!(*b.bad.lock().expect("bad"), 0);
 }
+
+/// One reservation whose expiry fails at every pass (here a charge its quota row cannot give
+/// back) does not hold up the others: the resync logs it and goes on (it stopped at the first
+/// failure, and the failing one, first by id, came first again at every pass).
+#[tokio::test]
+async fn a_reservation_that_fails_to_expire_does_not_hold_up_the_others() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = pool(&app).await;
+    app.ok(
+        &app.operator(),
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "acme", "scopeId": p.pool, "gpus": 8 } }),
+    )
+    .await;
+    let member = app.member("acme");
+    let mut ids = Vec::new();
+    for key in ["first", "second"] {
+        let d = app
+            .ok(
+                &member,
+                CREATE,
+                json!({ "i": { "poolId": p.pool, "endsAt": "2031-01-01T01:00:00Z", "idempotencyKey": key,
+                    "allocations": [{ "gpuCount": 1 }] } }),
+            )
+            .await;
+        ids.push(d["createReservation"]["reservation"]["id"].clone());
+    }
+    ids.sort_by(|a, b| a.as_str().cmp(&b.as_str()));
+    sqlx::query(
+        "UPDATE reservations SET charged = (SELECT jsonb_agg(c || '{\"amount\": 1000}') FROM jsonb_array_elements(charged) c) \
+          WHERE id = $1",
+    )
+    .bind(ids[0].as_str())
+    .execute(app.db.db.pool())
+    .await
+    .expect("break the first");
+    app.db.advance_clock(3600).await;
+    let moved = compute_domain::reservations::reconcile::expire_due(&app.db.db)
+        .await
+        .expect("the pass goes on past the failure");
+    assert_eq!(moved, 1);
+    // The rows (the API shows a reservation past its end as expired either way).
+    let rows: Vec<String> = sqlx::query_scalar("SELECT state FROM reservations ORDER BY id")
+        .fetch_all(app.db.db.pool())
+        .await
+        .expect("states");
+    assert_eq!(
+        rows,
+        ["active", "expired"],
+        "the second expired past the first's failure"
+    );
+    assert_eq!(state_of(&app, &member, &ids[1]).await, "EXPIRED");
+}
