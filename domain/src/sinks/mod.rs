@@ -736,7 +736,9 @@ pub async fn prune_outbox(
                           moved AS (UPDATE outbox_cursors c SET txid = f.pruned_txid, seq = f.pruned_seq, updated_at = compute_now() \
                                       FROM f WHERE (c.txid, c.seq) < (f.pruned_txid, f.pruned_seq) RETURNING c.sink_id) \
                      UPDATE event_sinks s SET state = 'behind', \
-                            last_error = 'events this sink had not received were pruned past the outbox''s hard maximum age', \
+                            last_error = CASE WHEN s.active \
+                                              THEN 'events this sink had not received were pruned past the outbox''s hard maximum age' \
+                                              ELSE 'events this sink had not received were pruned past the outbox''s retention while it was paused' END, \
                             last_error_at = compute_now(), updated_at = compute_now() \
                        FROM moved m WHERE s.id = m.sink_id",
                 )
