@@ -1,8 +1,8 @@
--- The current definition, as migrations/0016_usage_windows.sql left it. Change it with a new migration
+-- The current definition, as migrations/0046_usage_window_keeps_its_length.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE FUNCTION compute_usage_close_batch(p_limit integer, p_grace_seconds integer)
+CREATE OR REPLACE FUNCTION compute_usage_close_batch(p_limit integer, p_grace_seconds integer)
     RETURNS TABLE (window_start timestamptz, window_end timestamptz, written integer, closed boolean, more boolean)
     LANGUAGE plpgsql
     AS $fn$
@@ -31,7 +31,13 @@ BEGIN
         m.closed_through := v_start;
     END IF;
     v_start := m.closed_through;
-    v_end := v_start + make_interval(secs => m.window_seconds);
+    -- A window some batches of which are written keeps the end they were written with: the
+    -- length (`usage_meter.window_seconds`) may have changed since (a worker started with
+    -- another `--usage-window-seconds`), and the rest of the window was measured with the new
+    -- length (shrunk: records cut short, and the next window overlapped this one's period,
+    -- which the exclusion constraint refused at every pass from then on).
+    SELECT p.window_end INTO v_end FROM usage_periods p WHERE p.window_start = v_start;
+    v_end := coalesce(v_end, v_start + make_interval(secs => m.window_seconds));
     IF v_end + v_grace > v_now THEN
         RETURN QUERY SELECT v_start, v_end, 0, false, false;
         RETURN;

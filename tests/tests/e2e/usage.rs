@@ -787,3 +787,65 @@ async fn a_disconnected_node_keeps_billing_and_a_lost_one_stops_when_its_reserva
     );
     check_exactly_once(&app).await;
 }
+
+/// A window keeps the length it began with when the meter's length changes between two of its
+/// batches (a worker started with another `--usage-window-seconds`): the batches after the
+/// change bill to the same end, and the next window, of the new length, starts there. (The
+/// rest of the window was billed to the new, shorter end, and the next window's period then
+/// overlapped this one's: the meter failed at every pass.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_keeps_its_length_when_the_meter_changes_between_its_batches() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock(T0).await;
+    let p = crate::reservations::pool(&app).await;
+    let acme = app.member("acme");
+    for key in ["a", "b"] {
+        reserve(
+            &app,
+            &acme,
+            &p.pool,
+            key,
+            &at(8400),
+            json!([{ "gpuCount": 1, "model": "H100" }]),
+        )
+        .await;
+    }
+    let db = &app.db.db;
+    // 10:01: the 09:00 window is due; its first batch takes one of the two allocations.
+    app.db.advance_clock(41 * 60).await;
+    let first = compute_domain::usage::close_batch(db, 1)
+        .await
+        .expect("batch");
+    assert_eq!((first.written, first.closed), (1, false), "{first:?}");
+    assert!(
+        compute_domain::usage::set_window(db, 600)
+            .await
+            .expect("window")
+    );
+    let second = compute_domain::usage::close_batch(db, 10)
+        .await
+        .expect("batch");
+    assert_eq!(
+        (second.written, second.closed, second.window_end),
+        (1, true, first.window_end),
+        "the rest of the window, to the same end"
+    );
+    let ends: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT compute_json_time(window_end) FROM usage_records WHERE window_start = $1",
+    )
+    .bind(first.window_start)
+    .fetch_all(db.pool())
+    .await
+    .expect("ends");
+    assert_eq!(ends, ["2031-01-01T10:00:00Z"]);
+    // The next window has the new length and closes once due.
+    app.db.advance_clock(11 * 60).await;
+    let next = compute_domain::usage::close_batch(db, 10)
+        .await
+        .expect("the next window closes");
+    assert_eq!(
+        (next.window_start, next.window_end - next.window_start),
+        (first.window_end, chrono::Duration::seconds(600))
+    );
+    assert!(next.closed && next.written == 2, "{next:?}");
+}
