@@ -140,20 +140,6 @@ async fn serve(
     let (open_tx, open) = watch::channel(());
     let mut stop = std::pin::pin!(stop);
     loop {
-        let permit = tokio::select! {
-            p = slots.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            () = &mut stop => break,
-        };
-        if slots.available_permits() == 0 {
-            app.metrics.record_refusal("connections");
-            warn!(
-                max = limits.max_connections,
-                "the connection limit is reached: new connections wait"
-            );
-        }
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(x) => x,
@@ -166,6 +152,28 @@ async fn serve(
             },
             () = &mut stop => break,
         };
+        // A slot for it, or a wait for one: counted and said only when a connection does wait
+        // (counted when the last slot was taken, it fired with nobody waiting). The others
+        // wait in the listen backlog meanwhile.
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(tokio::sync::TryAcquireError::Closed) => break,
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                app.metrics.record_refusal("connections");
+                warn!(
+                    max = limits.max_connections,
+                    %peer,
+                    "the connection limit is reached: a new connection waits for a slot"
+                );
+                tokio::select! {
+                    p = slots.clone().acquire_owned() => match p {
+                        Ok(p) => p,
+                        Err(_) => break,
+                    },
+                    () = &mut stop => break,
+                }
+            }
+        };
         // Small messages (WebSocket frames, short responses) go out at once: with Nagle's
         // algorithm a frame written in two parts waits for the peer's delayed ACK (up to 200 ms
         // on Linux) before its second part leaves.
@@ -174,12 +182,13 @@ async fn serve(
         }
         let router = router.clone();
         let mut shutdown = app.shutdown.clone();
-        let open = open.clone();
+        let hold = crate::transport::ConnectionHold::new(permit, open.clone());
         let header_timeout = limits.header_timeout;
         tokio::spawn(async move {
-            let _permit = permit;
+            let held = hold.clone();
             let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
                 req.extensions_mut().insert(Peer(peer.ip()));
+                req.extensions_mut().insert(held.clone());
                 router.clone().oneshot(req.map(axum::body::Body::new))
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
@@ -201,7 +210,7 @@ async fn serve(
                     let _ = conn.await;
                 }
             }
-            drop(open);
+            drop(hold);
         });
     }
     info!("shutting down: no new connections, finishing requests in flight");

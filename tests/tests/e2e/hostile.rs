@@ -1318,3 +1318,68 @@ async fn a_malformed_chunked_body_is_a_bad_request_not_a_large_one() {
     assert!(answer.contains("BAD_REQUEST"), "{answer}");
     assert!(!answer.contains("larger than"), "{answer}");
 }
+
+/// WebSockets count against `--max-connections` for their whole life: with two slots, two open
+/// sockets hold both, and a third connection is served only once one of them closes. (The slot
+/// was freed at the upgrade: any number of sockets could be open.)
+#[tokio::test]
+async fn websockets_hold_their_connection_slot_until_they_close() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let app = compute_tests::TestApp::builder()
+        .limits(Limits {
+            max_connections: 2,
+            header_timeout: Duration::from_secs(1),
+            ..Limits::default()
+        })
+        .start()
+        .await;
+    // Any idle keep-alive connection of the test's own HTTP client is closed by now.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let ws = || async {
+        let mut req = format!("ws://{}/graphql", app.addr)
+            .into_client_request()
+            .expect("request");
+        req.headers_mut().insert(
+            "Sec-WebSocket-Protocol",
+            "graphql-transport-ws".parse().expect("header"),
+        );
+        tokio_tungstenite::connect_async(req)
+            .await
+            .expect("upgrade")
+            .0
+    };
+    let first = ws().await;
+    let second = ws().await;
+    // A third connection's request is not served while both sockets are open.
+    let mut third = tokio::net::TcpStream::connect(app.addr)
+        .await
+        .expect("connect");
+    third
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("write");
+    let mut answer = Vec::new();
+    let early =
+        tokio::time::timeout(Duration::from_millis(700), third.read_to_end(&mut answer)).await;
+    assert!(
+        early.is_err() && answer.is_empty(),
+        "served while two sockets held the two slots: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    drop(first);
+    let _ = tokio::time::timeout(Duration::from_secs(10), third.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "served once a socket closed: {answer}"
+    );
+    drop(second);
+    let metrics = app.metrics().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("reason=\"connections\"") && !l.ends_with(" 0")),
+        "the wait is counted"
+    );
+}
