@@ -604,11 +604,17 @@ impl Agent {
                 let stops = live
                     .iter()
                     .map(|w| self.stop_instance(&w.instance_id, grace));
-                for r in futures_util::future::join_all(stops).await {
-                    r?;
-                }
-                // Their instances did not ask: to them the workload ended, and they hear so.
-                for w in &live {
+                let results = futures_util::future::join_all(stops).await;
+                // Their instances did not ask: to them the workload ended, and they hear so,
+                // each one that stopped, also when another failed to (the drain then fails, and
+                // a workload that did stop was left recorded stopped and never reported).
+                let mut failed = None;
+                for (w, r) in live.iter().zip(results) {
+                    if let Err(f) = r {
+                        warn!(instance = %w.instance_id, code = %f.code, "a drained workload did not stop: {}", f.message);
+                        failed.get_or_insert(f);
+                        continue;
+                    }
                     match self.0.journal.workload_move(
                         &w.instance_id,
                         &[WorkloadState::Stopped],
@@ -624,6 +630,9 @@ impl Agent {
                             warn!(instance = %w.instance_id, error = %e, "cannot record a drained workload's end")
                         }
                     }
+                }
+                if let Some(f) = failed {
+                    return Err(f);
                 }
                 let stopped: Vec<&str> = live.iter().map(|w| w.instance_id.as_str()).collect();
                 Ok(json!({ "stopped": stopped }))
@@ -805,6 +814,23 @@ impl Agent {
                 },
                 None => agent.0.runtime.wait_adopted(&w).await,
             };
+            // The leader ended; what it left in its process group (`sleep 600 &`) ends too,
+            // as a stop ends it (TERM, the grace, KILL): a workload is over only when no
+            // process of it is left, and its GPUs are booked again once its end is reported.
+            if w.container_id.is_none()
+                && let Some(pgrp) = w.pid
+                && crate::sys::group_alive(pgrp)
+            {
+                warn!(instance = %w.instance_id, pgrp, "the workload's leader exited and left processes behind: stopping them");
+                if let Err(f) = agent
+                    .0
+                    .runtime
+                    .stop(&w, agent.0.settings.default_grace)
+                    .await
+                {
+                    warn!(instance = %w.instance_id, pgrp, code = %f.code, "{}", f.message);
+                }
+            }
             agent
                 .0
                 .watched

@@ -126,7 +126,11 @@ async fn session(
         Closed::abnormal(e)
     })?;
     let observed_generation = agent.journal().observed_generation().unwrap_or(0);
-    let mut ws = client::connect(&identity.url).await?;
+    // Bounded: a gateway that takes the TCP connection and never answers the upgrade held the
+    // agent here for good.
+    let mut ws = tokio::time::timeout(Duration::from_secs(30), client::connect(&identity.url))
+        .await
+        .map_err(|_| Closed::abnormal("no answer to the WebSocket upgrade in 30 s"))??;
     let hello = FromDaemon::Hello {
         token: Some(token),
         node_id: identity.node_id.clone(),
@@ -154,10 +158,15 @@ async fn session(
     }
     // The trace context of each command in progress, handed back with its result.
     let mut traces: std::collections::HashMap<String, String> = std::collections::HashMap::new();
-    let mut ticker =
-        // Clamped: the gateway's figure is 1 to 60 s; a hostile one (1e20, NaN) panicked here.
-        tokio::time::interval(Duration::from_secs_f64(heartbeat_interval(welcome.heartbeat_seconds)));
+    // Clamped: the gateway's figure is 1 to 60 s; a hostile one (1e20, NaN) panicked here.
+    let heartbeat = Duration::from_secs_f64(heartbeat_interval(welcome.heartbeat_seconds));
+    let mut ticker = tokio::time::interval(heartbeat);
     ticker.tick().await;
+    // The last word from the gateway. A silent partition or a gateway host gone without a FIN
+    // left writes "succeeding" into the socket's buffer for as long as TCP retried (about 15
+    // minutes), the node unreachable meanwhile: each heartbeat also pings, and a session
+    // without a word for `silence_limit` is closed and opened again.
+    let mut heard = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = stop.changed() => {
@@ -166,7 +175,18 @@ async fn session(
                 return Ok(None);
             }
             _ = ticker.tick() => {
+                let silent = heard.elapsed();
+                if silent > silence_limit(heartbeat) {
+                    warn!(silent_s = silent.as_secs_f64(), "no word from the gateway: connecting again");
+                    return Ok(Some(Closed::abnormal(format!(
+                        "no word from the gateway in {:.0} s",
+                        silent.as_secs_f64()
+                    ))));
+                }
                 if let Err(c) = send(agent, &mut ws, &FromDaemon::Heartbeat {}).await {
+                    return Ok(Some(c));
+                }
+                if let Err(c) = client::ping(&mut ws).await {
                     return Ok(Some(c));
                 }
             }
@@ -177,8 +197,10 @@ async fn session(
                 }
             }
             r = client::receive(&mut ws) => {
+                heard = tokio::time::Instant::now();
                 let replies = match r {
                     Err(c) => return Ok(Some(c)),
+                    Ok(Received::Pong) => continue,
                     Ok(Received::Message(m)) => {
                         let span = command_span(&m, &mut traces);
                         let _entered = span.enter();
@@ -207,9 +229,6 @@ async fn session(
     }
 }
 
-/// The span in which a `command` is received (journaled, acknowledged or answered): the child
-/// of the dispatch's `traceparent`, whose context the command's result carries back
-/// ([`with_trace`]). Any other message gets no span.
 /// The heartbeat interval from the gateway's `heartbeatSeconds`: 0.2 to 300 s, 5 s for a value
 /// that is not a number.
 fn heartbeat_interval(seconds: f64) -> f64 {
@@ -220,6 +239,16 @@ fn heartbeat_interval(seconds: f64) -> f64 {
     }
 }
 
+/// How long the agent waits without a word from the gateway (a message or the pong of its
+/// heartbeat's ping) before it takes the session for dead and connects again: three heartbeats,
+/// and at least 15 s.
+fn silence_limit(heartbeat: Duration) -> Duration {
+    (heartbeat * 3).max(Duration::from_secs(15))
+}
+
+/// The span in which a `command` is received (journaled, acknowledged or answered): the child
+/// of the dispatch's `traceparent`, whose context the command's result carries back
+/// ([`with_trace`]). Any other message gets no span.
 fn command_span(
     m: &compute_protocol::ToDaemon,
     traces: &mut std::collections::HashMap<String, String>,
@@ -284,7 +313,14 @@ pub async fn join(
     inventory: &compute_protocol::Inventory,
 ) -> Result<Joined, (String, String)> {
     let closed = |c: Closed| ("CONNECTION_FAILED".to_owned(), c.to_string());
-    let mut ws = client::connect(url).await.map_err(closed)?;
+    let mut ws = tokio::time::timeout(Duration::from_secs(30), client::connect(url))
+        .await
+        .map_err(|_| {
+            closed(Closed::abnormal(
+                "no answer to the WebSocket upgrade in 30 s",
+            ))
+        })?
+        .map_err(closed)?;
     client::send(
         &mut ws,
         &FromDaemon::Join {

@@ -85,10 +85,12 @@ pub enum Received {
     Message(ToDaemon),
     /// A text frame that is not one: why, and the frame.
     Malformed { error: String, text: String },
+    /// A pong: the gateway answered a [`ping`].
+    Pong,
 }
 
-/// The next text frame from the gateway (pings and other frames are skipped); the close as
-/// `Err`.
+/// The next text frame or pong from the gateway (pings and other frames are skipped); the
+/// close as `Err`.
 pub async fn receive(ws: &mut Ws) -> Result<Received, Closed> {
     loop {
         match ws.next().await {
@@ -102,11 +104,19 @@ pub async fn receive(ws: &mut Ws) -> Result<Received, Closed> {
                 });
             }
             Some(Ok(Message::Close(frame))) => return Err(Closed::of(frame)),
+            Some(Ok(Message::Pong(_))) => return Ok(Received::Pong),
             Some(Ok(_)) => {}
             Some(Err(e)) => return Err(Closed::abnormal(e)),
             None => return Err(Closed::abnormal("the connection ended")),
         }
     }
+}
+
+/// Sends a WebSocket ping: the peer's pong ([`Received::Pong`]) says it still reads.
+pub async fn ping(ws: &mut Ws) -> Result<(), Closed> {
+    ws.send(Message::Ping(Vec::new().into()))
+        .await
+        .map_err(Closed::abnormal)
 }
 
 /// Waits for the close of `ws` (skipping other messages), at most `within`.

@@ -304,6 +304,40 @@ async fn a_workload_runs_on_exactly_its_allocation_and_stops_with_its_reservatio
     stop_agent(agent).await;
 }
 
+/// A workload whose leader exits on its own takes the rest of its process group with it: a
+/// process it left in the background does not run on after the instance is `EXITED` and its
+/// GPUs are free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_whose_leader_exits_leaves_no_process_behind() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let (node, allocation, _) = one_gpu(&app, &acme, "r1").await;
+    let dir = test_dir("leader-exits");
+    let out = dir.join("out");
+    let agent = start_agent(&app, &node, &dir.join("state"), None);
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let id = instance(
+        &app,
+        &acme,
+        &allocation,
+        "sleep 300 & echo $! > \"$OUT/bg\"; exit 0",
+        &out,
+    )
+    .await;
+    step_until(&app, &mut workers, &id, "EXITED").await;
+    let bg: i64 = std::fs::read_to_string(out.join("bg"))
+        .expect("the background pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    compute_tests::eventually("the background process is gone", WAIT, || async {
+        (!alive(bg)).then_some(())
+    })
+    .await;
+    stop_agent(agent).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workload_that_exits_with_code_3_shows_it_on_its_instance() {
     let app = setup().await;
@@ -1100,4 +1134,77 @@ async fn the_podman_runtime_runs_a_container_on_exactly_its_allocation() {
     );
     let _ = podman(&["rm", "--force", &container]);
     stop_agent(agent).await;
+}
+
+/// A gateway that opens the session and then falls silent (a partition, a host gone without a
+/// FIN): the agent's pings go unanswered, and it connects again within its silence limit (three
+/// heartbeats, at least 15 s) instead of writing into a dead socket until TCP gives up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_connects_again_when_its_gateway_falls_silent() {
+    use futures_util::{SinkExt, StreamExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("ws://{}/agent", listener.local_addr().expect("addr"));
+    let (opened_tx, mut opened) = tokio::sync::mpsc::unbounded_channel::<std::time::Instant>();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            let opened_tx = opened_tx.clone();
+            #[expect(clippy::result_large_err, reason = "tungstenite's callback type")]
+            let callback = |_: &tokio_tungstenite::tungstenite::handshake::server::Request,
+                            mut res: tokio_tungstenite::tungstenite::handshake::server::Response| {
+                res.headers_mut().insert(
+                    "Sec-WebSocket-Protocol",
+                    compute_protocol::PROTOCOL.parse().expect("header"),
+                );
+                Ok(res)
+            };
+            let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
+                continue;
+            };
+            // The hello, a welcome with a 1 s heartbeat, then silence: nothing is read again.
+            let _hello = ws.next().await;
+            let welcome = json!({ "type": "welcome", "sessionEpoch": 1, "gatewayId": "silent",
+                                  "heartbeatSeconds": 1.0, "protocol": compute_protocol::PROTOCOL });
+            let _ = ws
+                .send(tokio_tungstenite::tungstenite::Message::Text(
+                    welcome.to_string().into(),
+                ))
+                .await;
+            let _ = opened_tx.send(std::time::Instant::now());
+            held.push(ws);
+        }
+    });
+    let dir = test_dir("silent-gateway");
+    let _agent = Command::new(env!("CARGO_BIN_EXE_test-agent"))
+        .args([
+            "--url",
+            &url,
+            "--node-id",
+            "node_00000000000000000000000000000001",
+        ])
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .args(["--listen", "127.0.0.1:0"])
+        .env("COMPUTE_AGENT_TOKEN", "not-checked-here")
+        .env_remove("COMPUTE_AGENT_FAULT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("compute-agent starts");
+    let first = tokio::time::timeout(WAIT, opened.recv())
+        .await
+        .expect("the first session")
+        .expect("opened");
+    let second = tokio::time::timeout(Duration::from_secs(40), opened.recv())
+        .await
+        .expect("a second session after the silence")
+        .expect("opened");
+    let after = second - first;
+    assert!(
+        after >= Duration::from_secs(14) && after < Duration::from_secs(35),
+        "connected again after {after:?} of silence (limit 15 s)"
+    );
 }
