@@ -35,8 +35,17 @@ pub async fn file(Path(path): Path<String>, headers: HeaderMap) -> Response {
 /// `GET /console/dev-token`: the development token, for the console's one-click sign-in under
 /// `compute-api dev` (which prints the same token at start). `204 No Content` from `serve`: there
 /// is none, which the page asks about on every sign-in, so it is not an error.
-pub async fn dev_token(State(app): State<AppState>) -> Response {
+pub async fn dev_token(State(app): State<AppState>, headers: HeaderMap) -> Response {
     match &app.dev_token {
+        // Only to a page of this machine's loopback name: a page of any site whose name was
+        // made to resolve to 127.0.0.1 (DNS rebinding) is same-origin with this server, and
+        // would read the operator's token.
+        Some(_) if !loopback_host(&headers) => (
+            StatusCode::FORBIDDEN,
+            [(header::CACHE_CONTROL, "no-store")],
+            "the development token is given only to a loopback Host (localhost, 127.0.0.1, [::1])\n",
+        )
+            .into_response(),
         Some(token) => (
             [(header::CACHE_CONTROL, "no-store")],
             axum::Json(serde_json::json!({ "token": token.as_ref() })),
@@ -48,6 +57,22 @@ pub async fn dev_token(State(app): State<AppState>) -> Response {
         )
             .into_response(),
     }
+}
+
+/// Whether the request's `Host` names this machine's loopback (any port).
+fn loopback_host(headers: &HeaderMap) -> bool {
+    let Some(host) = headers.get(header::HOST).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        rest.split(']').next().unwrap_or("")
+    } else {
+        host.rsplit_once(':').map_or(host, |(h, _)| h)
+    };
+    matches!(
+        name.to_ascii_lowercase().as_str(),
+        "localhost" | "127.0.0.1" | "::1"
+    )
 }
 
 fn page(path: &str, csp: &'static str, headers: &HeaderMap) -> Response {

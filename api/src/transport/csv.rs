@@ -74,6 +74,20 @@ async fn export(
     let actor = viewer
         .actor()
         .ok_or_else(|| Error::Forbidden("this needs the member or operator role".into()))?;
+    // An export is a stream: it takes one of the identity's stream places, as an SSE or
+    // WebSocket subscription does, for as long as its body is read (any number of 90-day
+    // exports at once, each paging through the records, was the one unbounded read).
+    let max = app.limits.max_streams_per_identity;
+    let place = app
+        .streams
+        .open(
+            crate::graph::admission::identity_key(Some(&viewer), None),
+            max,
+        )
+        .ok_or_else(|| {
+            app.metrics.record_refusal("streams");
+            Error::RateLimited(format!("too many streams: at most {max} per identity"))
+        })?;
     let Query(params) =
         params.map_err(|e| Error::bad_input("query", format!("a bad query string: {e}")))?;
     let time = |field: &str, v: Option<String>| -> Result<DateTime<Utc>, Error> {
@@ -135,8 +149,14 @@ async fn export(
         },
     );
     let header = futures_util::stream::once(async { Ok::<_, std::io::Error>(HEADER.to_owned()) });
+    // The place is held until the last page is out, or the client went away (the body dropped).
+    let release = futures_util::stream::once(async move {
+        drop(place);
+        Ok::<_, std::io::Error>(String::new())
+    });
     Ok(Body::from_stream(futures_util::StreamExt::chain(
-        header, pages,
+        futures_util::StreamExt::chain(header, pages),
+        release,
     )))
 }
 
@@ -198,7 +218,10 @@ fn error(e: Error) -> Response {
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
         ErrorCode::Forbidden => StatusCode::FORBIDDEN,
         ErrorCode::BadUserInput => StatusCode::BAD_REQUEST,
-        ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::NotFound => StatusCode::NOT_FOUND,
+        ErrorCode::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+        // Retryable: a concurrent change held the rows, or the database went away.
+        ErrorCode::LockTimeout | ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     let server_error = async_graphql::Error::from(crate::graph::gql_error(e))

@@ -102,6 +102,15 @@ async fn the_console_reserves_once_through_the_form_and_shows_it_live_in_a_real_
         .await
         .expect("JSON");
     let token = token["token"].as_str().expect("a token").to_owned();
+    // A page of another name that resolves here (DNS rebinding) is same-origin with the
+    // server: it gets no token.
+    let rebound = reqwest::Client::new()
+        .get(format!("{}/console/dev-token", dev.base))
+        .header("Host", "attacker.example:8080")
+        .send()
+        .await
+        .expect("dev token");
+    assert_eq!(rebound.status().as_u16(), 403);
     let b = Browser::launch(1440, 1000).await;
 
     // Sign in with the one-click development token.

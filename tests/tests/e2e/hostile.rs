@@ -839,6 +839,16 @@ async fn connections_and_streams_are_bounded() {
     let c = open().await.expect("third");
     assert_eq!(c.status().as_u16(), 429);
     assert!(c.text().await.expect("body").contains("RATE_LIMITED"));
+    // A usage export is a stream too: it takes a place, and gets none while both are held.
+    let export = app
+        .http
+        .get(app.url("/usage.csv?from=2031-01-01T00:00:00Z&to=2031-01-02T00:00:00Z"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(export.status().as_u16(), 429);
+    assert!(export.text().await.expect("body").contains("RATE_LIMITED"));
     drop(a);
     compute_tests::eventually(
         "a closed stream frees its place",
