@@ -31,6 +31,10 @@ pub const REQUIRED: &str = crate::codes::TransportCode::PersistedQueryRequired.a
 /// The most bytes of document text APQ remembers; the oldest go first.
 pub const APQ_BYTES: usize = 8 * 1024 * 1024;
 
+/// The largest document the cache keeps: the default of `--max-document-bytes` (a larger one
+/// is refused by that limit anyway, or, under a raised limit, runs without being kept).
+const MAX_REMEMBERED_BYTES: usize = 128 * 1024;
+
 /// Why a request's persisted query cannot run: a coded GraphQL request error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
@@ -211,7 +215,11 @@ impl Persisted {
                     }));
                 }
                 let doc: Arc<str> = Arc::from(text);
-                self.remember(hash, doc.clone());
+                // A document past the default size limit is answered (or refused by that limit)
+                // but not kept: four of 2 MiB, each with its right hash, flushed the whole cache.
+                if doc.len() <= MAX_REMEMBERED_BYTES {
+                    self.remember(hash, doc.clone());
+                }
                 Ok(Some(doc))
             }
             None => self
@@ -229,6 +237,14 @@ impl Persisted {
                     message: "PersistedQueryNotFound".into(),
                 })),
         }
+    }
+
+    /// Whether `hash`'s document is in the cache (tests).
+    #[cfg(test)]
+    fn cached(&self, hash: &str) -> bool {
+        self.cache
+            .lock()
+            .is_ok_and(|c| c.documents.contains_key(hash))
     }
 
     fn remember(&self, hash: String, doc: Arc<str>) {
@@ -299,6 +315,22 @@ mod tests {
                 Some(&json!({ "persistedQuery": { "version": 2, "sha256Hash": h } }))
             )),
             "malformed"
+        );
+    }
+
+    #[test]
+    fn a_document_past_the_size_limit_is_not_kept() {
+        let p = Persisted::automatic();
+        let small = "{ __typename }";
+        p.resolve(Some(small), Some(&ext(&sha256_hex(small))))
+            .expect("resolves");
+        let big = format!("{{ __typename }}{}", " ".repeat(2 * 1024 * 1024));
+        let h = sha256_hex(&big);
+        p.resolve(Some(&big), Some(&ext(&h))).expect("resolves");
+        assert!(!p.cached(&h), "the 2 MiB document is not kept");
+        assert!(
+            p.cached(&sha256_hex(small)),
+            "and did not push the small one out"
         );
     }
 

@@ -71,6 +71,12 @@ pub fn identity_key(viewer: Option<&Viewer>, peer: Option<Peer>) -> String {
             key.push_str(&v.subject);
             key
         }
+        // An IPv6 caller by its /64 (a host is given a whole /64: one address each would be
+        // a budget per address, and an attacker has 2^64 of them).
+        (None, Some(Peer(IpAddr::V6(ip)))) if ip.to_ipv4_mapped().is_none() => {
+            let s = ip.segments();
+            format!("anon:{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+        }
         (None, Some(Peer(ip))) => format!("anon:{ip}"),
         (None, None) => "anon".to_owned(),
     }
@@ -927,6 +933,15 @@ impl Budgets {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn anonymous_callers_are_one_identity_per_ipv6_64() {
+        let key = |ip: &str| identity_key(None, Some(Peer(ip.parse().expect("ip"))));
+        assert_eq!(key("2001:db8:1:2::1"), key("2001:db8:1:2:ffff::9"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
+        assert_eq!(key("192.0.2.7"), "anon:192.0.2.7");
+        assert_ne!(key("::ffff:192.0.2.7"), key("::ffff:192.0.2.8"));
+    }
 
     #[test]
     fn a_budget_refills_per_minute_and_refuses_what_it_cannot_pay() {
