@@ -182,13 +182,16 @@ async fn serve(
         }
         let router = router.clone();
         let mut shutdown = app.shutdown.clone();
-        let hold = crate::transport::ConnectionHold::new(permit, open.clone());
+        let open = open.clone();
         let header_timeout = limits.header_timeout;
+        // The slot is the HTTP connection's: a WebSocket leaves it at the upgrade (hyper ends
+        // the connection's task there). Sockets are bounded per identity instead
+        // (`--max-streams-per-identity`; an anonymous one by its address, for 10 s before its
+        // `connection_init`): one gateway serves more daemons than HTTP connections.
         tokio::spawn(async move {
-            let held = hold.clone();
+            let _permit = permit;
             let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
                 req.extensions_mut().insert(Peer(peer.ip()));
-                req.extensions_mut().insert(held.clone());
                 router.clone().oneshot(req.map(axum::body::Body::new))
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
@@ -210,7 +213,7 @@ async fn serve(
                     let _ = conn.await;
                 }
             }
-            drop(hold);
+            drop(open);
         });
     }
     info!("shutting down: no new connections, finishing requests in flight");

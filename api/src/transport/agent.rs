@@ -80,7 +80,6 @@ fn offered(headers: &HeaderMap) -> bool {
 pub async fn get(
     State(app): State<AppState>,
     headers: HeaderMap,
-    hold: Option<axum::Extension<crate::transport::ConnectionHold>>,
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Response {
     if !offered(&headers) {
@@ -105,11 +104,7 @@ pub async fn get(
         .write_buffer_size(0)
         .max_message_size(max)
         .max_frame_size(max)
-        .on_upgrade(move |socket| async move {
-            // The connection's slot goes with the socket (`ConnectionHold`).
-            let _hold = hold;
-            serve(app, socket, header_token).await
-        })
+        .on_upgrade(move |socket| serve(app, socket, header_token))
 }
 
 /// How long a session opened with a node credential lasts before it must reconnect: the

@@ -122,29 +122,6 @@ impl BodyError {
     }
 }
 
-/// A connection's slot under `--max-connections` and its mark for the shutdown's drain, held
-/// by its task and by every request on it. A WebSocket keeps its request's copy for its life:
-/// hyper ends the connection's task at the upgrade, and the socket, which lives on, was counted
-/// by neither the limit nor the drain.
-#[derive(Clone)]
-pub struct ConnectionHold(
-    #[expect(dead_code, reason = "held, never read: its drop frees the slot")]
-    std::sync::Arc<(
-        tokio::sync::OwnedSemaphorePermit,
-        tokio::sync::watch::Receiver<()>,
-    )>,
-);
-
-impl ConnectionHold {
-    /// The hold of a connection given `permit`, marked `open` for the shutdown's drain.
-    pub fn new(
-        permit: tokio::sync::OwnedSemaphorePermit,
-        open: tokio::sync::watch::Receiver<()>,
-    ) -> Self {
-        ConnectionHold(std::sync::Arc::new((permit, open)))
-    }
-}
-
 /// Reads a request body of at most [`MAX_BODY`] bytes within the request deadline
 /// ([`crate::limits::Limits::request_timeout`], counted from the end of the headers, which
 /// [`crate::limits::Limits::header_timeout`] bounds), or says why not. A body sent a byte at a

@@ -105,11 +105,6 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
         .get(crate::trace::TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(compute_telemetry::TraceParent::parse);
-    // The connection's slot goes with the socket (`ConnectionHold`).
-    let hold = parts
-        .extensions
-        .get::<crate::transport::ConnectionHold>()
-        .cloned();
     let ws = match WebSocketUpgrade::from_request_parts(parts, &()).await {
         Ok(ws) => ws,
         Err(rejection) => return rejection.into_response(),
@@ -126,10 +121,7 @@ pub async fn upgrade(app: AppState, parts: &mut Parts) -> Response {
         // tungstenite's default would take a 64 MiB message from anyone who connects.
         .max_message_size(max)
         .max_frame_size(max)
-        .on_upgrade(move |socket| async move {
-            let _hold = hold;
-            serve(app, socket, protocol, header_viewer, traceparent).await
-        })
+        .on_upgrade(move |socket| serve(app, socket, protocol, header_viewer, traceparent))
 }
 
 /// How many bytes of frames a connection gathers before it writes them, without a flush.
