@@ -157,7 +157,7 @@ pub struct CalNode {
 }
 
 /// What one allocation needs of a node.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Need {
     pub atoms: usize,
     pub vcpu: i64,
@@ -342,8 +342,25 @@ pub fn search(
         }
         _ => true,
     };
-    // Whether the last joint check fit, and whether an atom became free since: a request that
-    // did not fit is checked again only when one did (fewer free atoms do not make it fit).
+    // Whether the last joint check fit, and whether an atom became free since. For allocations
+    // that are all alike (the same need, served by the same atoms in the same groups), fewer
+    // free atoms never make the request fit (the greedy assignment places as many alike
+    // allocations as the units hold), so one that did not fit is checked again only when an
+    // atom became free. Allocations that differ can fit after an atom is taken (the tightest
+    // node for the first changes, and the second gets the node it needed): checked at every
+    // event, within the budget.
+    let full: u32 = if n_alloc >= 32 {
+        u32::MAX
+    } else {
+        (1u32 << n_alloc) - 1
+    };
+    let alike = needs.iter().all(|n| *n == needs[0])
+        && cal.serves.iter().all(|&m| m == 0 || m == full)
+        && nodes.iter().all(|n| {
+            n.atoms
+                .iter()
+                .all(|a| (0..n_alloc).all(|i| a.group_of(i) == a.group_of(0)))
+        });
     let mut last_fit = false;
 
     let mut out: Vec<Stretch> = Vec::new();
@@ -388,12 +405,9 @@ pub fn search(
         let fits = qualified.iter().all(|q| !q.is_empty())
             && (alone
                 || (gang_possible
-                    && (last_fit || freed)
+                    && (last_fit || freed || !alike)
                     && assign_gang(nodes, needs, gang, &qualified, &cal).is_some()));
         last_fit = fits;
-        if cal.work.get() > budget {
-            return Found::TooLarge;
-        }
         match (&mut open_stretch, fits) {
             (None, true) => {
                 let picks = assign_gang(nodes, needs, gang, &qualified, &cal).unwrap_or_default();
@@ -411,6 +425,18 @@ pub fn search(
                 }
             }
             _ => {}
+        }
+        if cal.work.get() > budget {
+            // The windows found so far are answers (an open one known to hold up to now);
+            // without any, the search is refused.
+            out.extend(open_stretch.take().map(|mut s| {
+                s.latest = t;
+                s
+            }));
+            if out.is_empty() {
+                return Found::TooLarge;
+            }
+            return Found::Stretches(out);
         }
     }
     out.extend(open_stretch);
