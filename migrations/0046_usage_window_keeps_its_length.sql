@@ -3,7 +3,8 @@
 -- starts: a change between two batches of one window (more than 500 allocations) measured the
 -- rest of the window with the new length (records cut short or stretched; shrunk, the next
 -- window's period overlapped this one's and the meter failed at every pass after). A window
--- with a period row takes its end from it; docs/usage.md said so already.
+-- with a period row takes its end from it; docs/usage.md said so already. A meter the old
+-- definition wedged inside a closed period goes on from that period's end.
 
 CREATE OR REPLACE FUNCTION compute_usage_close_batch(p_limit integer, p_grace_seconds integer)
     RETURNS TABLE (window_start timestamptz, window_end timestamptz, written integer, closed boolean, more boolean)
@@ -20,6 +21,7 @@ DECLARE
     v_last text;
     v_head_txid xid8;
     v_head_seq bigint;
+    v_cover timestamptz;
 BEGIN
     SELECT * INTO m FROM usage_meter WHERE id FOR UPDATE;
     IF m.closed_through IS NULL THEN
@@ -34,6 +36,15 @@ BEGIN
         m.closed_through := v_start;
     END IF;
     v_start := m.closed_through;
+    -- A meter the earlier definition left inside a closed period (its window shortened part
+    -- way, every pass since refused by the periods' exclusion constraint) goes on from that
+    -- period's end. What the shortened window did not bill is not recovered here.
+    SELECT p.window_end INTO v_cover FROM usage_periods p
+     WHERE p.window_start < v_start AND p.window_end > v_start;
+    IF v_cover IS NOT NULL THEN
+        UPDATE usage_meter SET closed_through = v_cover, batch_after = '', updated_at = v_now WHERE id;
+        v_start := v_cover;
+    END IF;
     -- A window some batches of which are written keeps the end they were written with: the
     -- length (`usage_meter.window_seconds`) may have changed since (a worker started with
     -- another `--usage-window-seconds`), and the rest of the window was measured with the new

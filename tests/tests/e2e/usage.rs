@@ -848,4 +848,15 @@ async fn a_window_keeps_its_length_when_the_meter_changes_between_its_batches() 
         (first.window_end, chrono::Duration::seconds(600))
     );
     assert!(next.closed && next.written == 2, "{next:?}");
+    // A meter that the old definition left inside a closed period (10:05, in 10:00-10:10) goes
+    // on from that period's end, instead of failing on the periods' overlap at every pass.
+    sqlx::query("UPDATE usage_meter SET closed_through = closed_through - interval '5 minutes'")
+        .execute(db.pool())
+        .await
+        .expect("wedge");
+    app.db.advance_clock(10 * 60).await;
+    let after = compute_domain::usage::close_batch(db, 10)
+        .await
+        .expect("the meter goes on");
+    assert_eq!(after.window_start, next.window_end, "{after:?}");
 }
