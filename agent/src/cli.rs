@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::agent::{Agent, Fault, Settings};
 use crate::inventory::{self, Discovered};
@@ -482,6 +482,13 @@ async fn run(args: Args) -> Result<ExitCode, Refusal> {
         fault: args.fault,
     };
     let metrics = Arc::new(Metrics::new());
+    let stale = runtime.remove_stale_env_files();
+    if stale > 0 {
+        warn!(
+            files = stale,
+            "removed env files that a podman run interrupted by the agent's end left behind"
+        );
+    }
     let (agent, outgoing) = Agent::new(journal, runtime, settings, metrics);
     // What the machine has, read now (a broken inventory file stops the start) and again on
     // SIGHUP, every interval, and after each XID error NVML reports.

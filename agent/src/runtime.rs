@@ -205,6 +205,23 @@ fn program_failure(program: &str, e: &std::io::Error) -> Failure {
 }
 
 impl Runtime {
+    /// Removes the env files a `podman run` killed with the agent left in `work/` (each holds
+    /// a tenant's environment values, and is removed as soon as podman has read it); run at
+    /// start, before any workload starts. Returns how many it removed.
+    pub fn remove_stale_env_files(&self) -> usize {
+        let Ok(entries) = std::fs::read_dir(self.state_dir.join("work")) else {
+            return 0;
+        };
+        entries
+            .filter_map(Result::ok)
+            .filter(|e| {
+                e.file_type().is_ok_and(|t| t.is_file())
+                    && e.path().extension().is_some_and(|x| x == "env")
+            })
+            .filter(|e| std::fs::remove_file(e.path()).is_ok())
+            .count()
+    }
+
     /// Where a workload's stdout and stderr go.
     pub fn log_path(&self, instance: &str) -> PathBuf {
         self.state_dir.join("logs").join(format!("{instance}.log"))
@@ -587,6 +604,29 @@ impl Runtime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn env_files_left_by_an_interrupted_run_are_removed_at_start() {
+        let dir = std::env::temp_dir().join(format!("compute-agent-env-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("work/ins_1")).expect("dirs");
+        std::fs::write(dir.join("work/ins_1.env"), "SECRET=1\n").expect("env");
+        std::fs::write(dir.join("work/ins_1/keep.env"), "mine").expect("a workload's file");
+        let runtime = Runtime {
+            kind: Kind::Podman,
+            state_dir: dir.clone(),
+            run_as: None,
+            podman: "podman".into(),
+            podman_global_args: vec![],
+            podman_run_args: vec![],
+            cdi_dirs: vec![],
+        };
+        assert_eq!(runtime.remove_stale_env_files(), 1);
+        assert!(!dir.join("work/ins_1.env").exists());
+        assert!(dir.join("work/ins_1/keep.env").exists(), "only work/*.env");
+        assert_eq!(runtime.remove_stale_env_files(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn atoms_map_to_exactly_their_gpus() {
