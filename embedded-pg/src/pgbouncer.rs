@@ -86,6 +86,10 @@ impl PgBouncer {
                 quote(&options.password)
             ),
         )?;
+        // Idle server connections close after 5 s (PgBouncer's default is 10 minutes): every
+        // test has a database of its own, so a pool's connections outlive its test, and a run
+        // of some 80 tests through the pooler held the server's 300 connections with the idle
+        // pools of finished tests ("too many clients" at the next test's connect).
         // `extra_float_digits` is a startup parameter sqlx always sends: PgBouncer passes it on
         // to each server connection it hands out. No `options` may be sent (a statement
         // timeout belongs on the role behind a pooler).
@@ -104,6 +108,7 @@ impl PgBouncer {
              max_client_conn = {clients}\n\
              track_extra_parameters = extra_float_digits\n\
              server_lifetime = 3600\n\
+             server_idle_timeout = 5\n\
              stats_period = 1\n\
              admin_users = {user}\n\
              log_connections = 0\n\
