@@ -3,7 +3,7 @@
 //! message that depends on it, and the work runs on its own task so the session keeps its
 //! heartbeat.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -89,8 +89,46 @@ struct Inner {
     placing: tokio::sync::Mutex<()>,
     /// Instances whose exit a task of this process waits for.
     watched: Mutex<HashSet<String>>,
+    /// Instances a `run_instance` of this process is starting: a stop waits on the receiver
+    /// until the start is over (the sender is dropped), and stops what it started.
+    starting: Mutex<HashMap<String, tokio::sync::watch::Receiver<()>>>,
     /// What the machine has and how its GPUs are, as last read (`inventory`).
     machine: Mutex<Option<Discovered>>,
+}
+
+/// A `run_instance`'s start in flight, known to stops (`Inner::starting`) until dropped.
+struct StartingGuard {
+    agent: Agent,
+    instance: String,
+    _over: tokio::sync::watch::Sender<()>,
+}
+
+impl StartingGuard {
+    fn new(agent: &Agent, instance: &str) -> StartingGuard {
+        let (over, waiting) = tokio::sync::watch::channel(());
+        agent
+            .0
+            .starting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(instance.to_owned(), waiting);
+        StartingGuard {
+            agent: agent.clone(),
+            instance: instance.to_owned(),
+            _over: over,
+        }
+    }
+}
+
+impl Drop for StartingGuard {
+    fn drop(&mut self) {
+        self.agent
+            .0
+            .starting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.instance);
+    }
 }
 
 /// The daemon's command side. Cheap to clone.
@@ -139,6 +177,7 @@ impl Agent {
                 working: Mutex::new(HashSet::new()),
                 placing: tokio::sync::Mutex::new(()),
                 watched: Mutex::new(HashSet::new()),
+                starting: Mutex::new(HashMap::new()),
                 machine: Mutex::new(None),
             })),
             rx,
@@ -678,6 +717,8 @@ impl Agent {
             self.0.metrics.journal_errors.inc();
             Failure::new("JOURNAL_UNWRITABLE", e.to_string())
         };
+        // Dropped when this start is over, however it ends: a stop waiting on it goes on.
+        let starting;
         {
             let _placing = self.0.placing.lock().await;
             let live = self.0.journal.live_workloads().map_err(journal_failure)?;
@@ -700,6 +741,9 @@ impl Agent {
                 ));
             }
             let log = self.0.runtime.log_path(&a.instance_id);
+            // Known as starting before the journal says so: a stop that reads `starting` finds
+            // the start to wait for (or, when it is over, a state that moved on).
+            starting = StartingGuard::new(self, &a.instance_id);
             self.0
                 .journal
                 .workload_starting(
@@ -745,6 +789,7 @@ impl Agent {
                 "the workload was stopped (a stop or a drain) while it started; it was stopped once it had",
             ));
         }
+        drop(starting);
         info!(instance = %a.instance_id, pid = ?started.pid, container = ?started.container_id, devices = %visible.join(","), "workload started");
         self.fault(FaultPoint::AfterWorkloadStarted, CommandKind::RunInstance);
         let output = json!({ "instanceId": a.instance_id, "pid": started.pid, "containerId": started.container_id });
@@ -767,6 +812,17 @@ impl Agent {
                 json!({ "instanceId": instance, "running": false, "exitCode": w.exit_code, "signal": w.signal }),
             );
         }
+        // A start in flight, taken before the move below: once the workload is `stopping`,
+        // the start stops what it started, and this stop answers only after that (answered
+        // at once, the control plane would hand the GPUs on while a slow start, a podman
+        // pull say, still ran on them).
+        let start = self
+            .0
+            .starting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(instance)
+            .cloned();
         self.0
             .journal
             .workload_move(
@@ -775,6 +831,21 @@ impl Agent {
                 WorkloadState::Stopping,
             )
             .map_err(journal_failure)?;
+        if let Some(mut start) = start {
+            info!(
+                instance,
+                "the workload is starting: the stop waits for its start to end"
+            );
+            // Err once the start is over and its sender dropped: that is the wait's end.
+            let _ = start.changed().await;
+        }
+        // Read again: a start that ended meanwhile recorded the pid or container to stop.
+        let w = self
+            .0
+            .journal
+            .workload(instance)
+            .map_err(journal_failure)?
+            .unwrap_or(w);
         info!(instance, grace_s = grace.as_secs_f64(), "stopping workload");
         let signal = self.0.runtime.stop(&w, grace).await?;
         // Gone: recorded as stopped (the watcher may have recorded it first).

@@ -1208,3 +1208,119 @@ async fn an_agent_connects_again_when_its_gateway_falls_silent() {
         "connected again after {after:?} of silence (limit 15 s)"
     );
 }
+
+/// A drain that finds a workload still starting (here a podman that takes 4 s to create the
+/// container, as a pull would) answers only once that workload is stopped: answered at once,
+/// it said `stopped` of a container that began to run on the GPUs seconds later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_finds_a_workload_starting_answers_once_it_is_stopped() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let p = pool(&app).await;
+    let (node, allocation, _) = one_gpu_in(&app, &p.pool, &acme, "r1").await;
+    let dir = test_dir("slow-start");
+    busybox_image(&dir);
+    let real = std::process::Command::new("sh")
+        .args(["-c", "command -v podman"])
+        .output()
+        .expect("sh");
+    let real = String::from_utf8_lossy(&real.stdout).trim().to_owned();
+    assert!(!real.is_empty(), "podman is on the PATH");
+    let slow = dir.join("slow-podman");
+    std::fs::write(
+        &slow,
+        format!(
+            "#!/bin/sh\nfor a in \"$@\"; do if [ \"$a\" = run ]; then sleep 4; break; fi; done\nexec {real} \"$@\"\n"
+        ),
+    )
+    .expect("wrapper");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let state_dir = dir.join("state");
+    let agent = start_agent_with(
+        &app,
+        &node,
+        &state_dir,
+        None,
+        &[
+            "--runtime",
+            "podman",
+            "--podman",
+            &slow.display().to_string(),
+            "--podman-global-args",
+            PODMAN_GLOBAL,
+            "--podman-run-args",
+            PODMAN_RUN,
+        ],
+    );
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let made = create(
+        &app,
+        &acme,
+        &allocation,
+        IMAGE,
+        json!(["/bin/sh", "-c", "exec sleep 300"]),
+        json!([]),
+    )
+    .await;
+    // Until the daemon's journal has the workload starting (podman is still in its sleep).
+    let started = tokio::time::Instant::now();
+    loop {
+        workers.step().await;
+        let j = compute_agent::journal::Journal::open(&state_dir).expect("the agent's journal");
+        if j.workload(&made)
+            .expect("journal")
+            .is_some_and(|w| w.state == compute_agent::journal::WorkloadState::Starting)
+        {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "the workload never started starting"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let cmd = app
+        .ok(
+            &app.operator(),
+            RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "DRAIN_WORKLOADS", "idempotencyKey": "drain", "args": { "graceSeconds": 2 } } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("command")
+        .to_owned();
+    let done = command_end(&app, &mut workers, &cmd).await;
+    assert_eq!(done["state"], "SUCCEEDED", "{done}");
+    assert_eq!(done["result"]["stopped"], json!([made]), "{done}");
+    // Answered after the start: the container was made, and it no longer runs.
+    let label = format!("label=compute.instance={made}");
+    let seen = podman(&[
+        "ps",
+        "--all",
+        "--filter",
+        &label,
+        "--format",
+        "{{.ID}} {{.State}}",
+    ]);
+    let seen = String::from_utf8_lossy(&seen.stdout).trim().to_owned();
+    assert!(
+        !seen.is_empty(),
+        "the drain answered before the container was even made"
+    );
+    assert!(
+        !seen.contains("running"),
+        "the drain answered while the container ran: {seen}"
+    );
+    // Nothing of it runs later either.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let running = podman(&["ps", "--filter", &label, "--format", "{{.ID}}"]);
+    assert_eq!(String::from_utf8_lossy(&running.stdout).trim(), "");
+    let _ = podman(&[
+        "rm",
+        "--force",
+        seen.split_whitespace().next().unwrap_or_default(),
+    ]);
+    stop_agent(agent).await;
+}
