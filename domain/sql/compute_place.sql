@@ -1,4 +1,4 @@
--- The current definition, as migrations/0045_grouped_allocations_share_a_node.sql left it. Change it with a new migration
+-- The current definition, as migrations/0047_placement_rechecks_what_was_asked.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
@@ -185,7 +185,10 @@ BEGIN
             END IF;
             v_plan := v_plan || jsonb_build_object('alloc', v_alloc.id, 'node', v_node, 'atoms', to_jsonb(v_atoms),
                                                    'sel', v_sel, 'tolerations', v_alloc.tolerations,
-                                                   'vcpu', v_alloc.vcpu, 'memory_mib', v_alloc.memory_mib, 'disk_gib', v_alloc.disk_gib);
+                                                   'vcpu', v_alloc.vcpu, 'memory_mib', v_alloc.memory_mib, 'disk_gib', v_alloc.disk_gib,
+                                                   'kind', v_alloc.gpu_kind, 'model', v_alloc.model, 'profile', v_alloc.profile,
+                                                   'slots', v_alloc.slots_per_gpu,
+                                                   'nvl', v_alloc.same_nvlink_domain, 'numa', v_alloc.same_numa_node);
             v_taken := v_taken || v_atoms;
             v_gang_nodes := v_gang_nodes || v_node;
         END LOOP;
@@ -200,16 +203,33 @@ BEGIN
                 RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'the node changed';
             END IF;
             -- An atom made after the window's start (by a mode change that committed
-            -- meanwhile) is not bookable from that start.
+            -- meanwhile) is not bookable from that start; a GPU whose model, kind, profile or
+            -- layout changed (an accepted inventory) no longer matches what was asked for.
             PERFORM 1 FROM (SELECT a.name FROM device_atoms a JOIN devices d ON d.id = a.device_id
-                              JOIN (SELECT p->>'node' AS node, x.atom FROM jsonb_array_elements(v_plan) p,
+                              JOIN (SELECT p->>'node' AS node, p->>'kind' AS kind, p->>'model' AS model,
+                                           p->>'profile' AS profile, (p->>'slots')::integer AS slots, x.atom
+                                      FROM jsonb_array_elements(v_plan) p,
                                            jsonb_array_elements_text(p->'atoms') x(atom)) m ON m.atom = a.name AND m.node = d.node_id
                              WHERE a.name = ANY(v_taken)
                                AND compute_device_schedulable(d.health, d.quarantined) AND a.created_at <= p_from
+                               AND a.kind = m.kind AND (m.model IS NULL OR d.model = m.model)
+                               AND (m.profile IS NULL OR a.profile = m.profile)
+                               AND (m.slots IS NULL OR (d.layout->>'slots')::integer = m.slots)
                              ORDER BY a.name FOR SHARE OF a, d) x;
             GET DIAGNOSTICS v_n = ROW_COUNT;
             IF v_n <> cardinality(v_taken) THEN
                 RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU changed';
+            END IF;
+            -- An allocation that keeps its GPUs together still has them in one NVLink domain or
+            -- NUMA node, as the locked rows now say (grouped as `compute_free_atoms` groups).
+            IF EXISTS (SELECT 1 FROM jsonb_array_elements(v_plan) p
+                        WHERE ((p->>'nvl')::boolean OR (p->>'numa')::boolean)
+                          AND (SELECT min(g.grp) IS DISTINCT FROM max(g.grp)
+                                 FROM (SELECT concat_ws('/', CASE WHEN (p->>'nvl')::boolean THEN coalesce('nvl:' || d.nvlink_domain, 'gpu:' || d.id) END,
+                                                             CASE WHEN (p->>'numa')::boolean THEN coalesce('numa:' || d.numa_node, 'gpu:' || d.id) END) AS grp
+                                         FROM jsonb_array_elements_text(p->'atoms') x(atom)
+                                         JOIN device_atoms a ON a.name = x.atom JOIN devices d ON d.id = a.device_id) g)) THEN
+                RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU''s NVLink domain or NUMA node changed';
             END IF;
             -- In atom order, as the atoms were locked: two placements that chose some of the
             -- same atoms wait for each other at the first (the join's order was the plan's,

@@ -2487,3 +2487,62 @@ async fn idle_reservations_are_reported_and_released_only_where_the_rules_say() 
         "admitted under report-only rules"
     );
 }
+
+/// Placement plans without locks, then locks the chosen GPUs `FOR SHARE` and checks them again
+/// on their latest version. A GPU renamed (an accepted inventory, here its update held open)
+/// after the plan read it and committed while the placement waited for its row: the H100
+/// asked for is now an A100, and the attempt is a lost race, never a booking of the A100.
+#[tokio::test]
+async fn a_gpu_renamed_while_placement_waits_for_it_is_not_booked_as_the_model_asked() {
+    let (app, p, member) = setup().await;
+    let pool = app.db.db.pool();
+    // Both H100s of h100-a (the only node an H100 without tolerations fits) become A100s in a
+    // transaction that holds their rows.
+    let mut rename = pool.begin().await.expect("begin");
+    let renamed =
+        sqlx::query("UPDATE devices SET model = 'A100' WHERE node_id = $1 AND model = 'H100'")
+            .bind(&p.nodes[0])
+            .execute(&mut *rename)
+            .await
+            .expect("rename")
+            .rows_affected();
+    assert_eq!(renamed, 2);
+    let commit = async {
+        compute_tests::eventually(
+            "the placement waits for the renamed GPU's row",
+            std::time::Duration::from_secs(10),
+            || async {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                        AND wait_event_type = 'Lock' AND application_name LIKE 'compute create %'",
+                )
+                .fetch_one(pool)
+                .await
+                .expect("activity");
+                (waiting == 1).then_some(())
+            },
+        )
+        .await;
+        rename.commit().await.expect("commit");
+    };
+    let (created, ()) = tokio::join!(
+        app.graphql(
+            CREATE,
+            input(
+                &p.pool,
+                "renamed",
+                json!([{ "gpuCount": 1, "model": "H100" }])
+            ),
+            Some(&member)
+        ),
+        commit
+    );
+    let r = &created.1["data"]["createReservation"]["reservation"];
+    assert_eq!(r["state"], "PENDING", "{}", created.1);
+    assert_eq!(r["conditions"][0]["reason"], "NoCapacity", "{r}");
+    let booked: i64 = sqlx::query_scalar("SELECT count(*) FROM device_bookings")
+        .fetch_one(pool)
+        .await
+        .expect("bookings");
+    assert_eq!(booked, 0, "nothing booked: {r}");
+}
