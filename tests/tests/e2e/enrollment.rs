@@ -18,7 +18,7 @@ const CREATE_TOKEN: &str = "mutation($i: CreateNodeJoinTokenInput!) { createNode
 const REVOKE_TOKEN: &str = "mutation($i: RevokeNodeJoinTokenInput!) { revokeNodeJoinToken(input: $i) { nodeJoinToken { id state revokedAt } } }";
 const TOKENS: &str = "query($p: ID) { nodeJoinTokens(poolId: $p) { totalCount edges { node { id state computeNodeId usedAt labels { key value } } } } }";
 const NODE: &str = "query($id: ID!) { computeNode: node(id: $id) { ... on ComputeNode { hostname labels { key value }
-    inventoryReportedAt conditions { type status message }
+    version inventory inventoryReportedAt conditions { type status message }
     devices { id uuid model memoryMib mode migProfiles health healthReason healthSince quarantined inventoryMismatch \
               pciBusId numaNode nvlinkDomain } } } }";
 const RESERVE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state allocations { atoms } } } }";
@@ -897,4 +897,70 @@ async fn a_renamed_gpu_moves_its_capacity_to_its_new_model() {
         .await
         .expect("recount");
     assert_eq!(fixed, 0, "no drift after the retirement");
+}
+
+/// `acceptNodeInventory(version:)` covers the report it accepts: a report of another inventory
+/// (here 64 vCPU where the operator read 32) makes the node newer, and an acceptance of the
+/// version read before it is `CONFLICT` with nothing written; accepted at the new version, the
+/// node takes the figures the operator then saw.
+#[tokio::test]
+async fn an_acceptance_of_the_version_read_before_another_report_is_a_conflict() {
+    let (app, p) = setup().await;
+    let dir = test_dir("accept-version");
+    let file = dir.join("inventory.toml");
+    let inv = file.to_str().expect("path").to_owned();
+    let h100a = &p.nodes[0];
+    let renamed = H100_A0.replace("\"H100\"", "\"H100 SXM\"");
+    inventory(&file, "h100-a", &[&renamed, H100_A1]);
+    let agent = registered_agent(&app, h100a, &dir.join("state"), &inv);
+    let read = until_node(&app, h100a, "the mismatch", |n| mismatch(n).is_some()).await;
+    assert_eq!(read["inventory"]["vcpu"], 32, "{read}");
+    let seen = read["version"].as_i64().expect("version");
+    // The machine now says 64 vCPU.
+    let text = std::fs::read_to_string(&file)
+        .expect("inventory")
+        .replace("vcpu = 32", "vcpu = 64");
+    std::fs::write(&file, text).expect("inventory");
+    sighup(&agent);
+    let now = until_node(&app, h100a, "the second report", |n| {
+        n["inventory"]["vcpu"] == 64
+    })
+    .await;
+    assert!(
+        now["version"].as_i64().expect("version") > seen,
+        "another inventory makes the node newer: {now}"
+    );
+    let (code, e) = app
+        .fails(
+            &app.operator(),
+            ACCEPT,
+            json!({ "i": { "id": h100a, "version": seen } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT", "{e}");
+    let vcpu = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT allocatable FROM node_resources WHERE node_id = $1 AND resource = 'vcpu'",
+        )
+        .bind(h100a)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("vcpu")
+    };
+    assert_eq!(vcpu().await, 32, "nothing accepted");
+    assert_eq!(device(&node(&app, h100a).await, "GPU-A0")["model"], "H100");
+    let current = node(&app, h100a).await["version"]
+        .as_i64()
+        .expect("version");
+    app.ok(
+        &app.operator(),
+        ACCEPT,
+        json!({ "i": { "id": h100a, "version": current } }),
+    )
+    .await;
+    assert_eq!(vcpu().await, 64, "the figures seen are accepted");
+    assert_eq!(
+        device(&node(&app, h100a).await, "GPU-A0")["model"],
+        "H100 SXM"
+    );
 }

@@ -186,7 +186,8 @@ pub struct NodeJoinTokenPayload {
 pub struct AcceptNodeInventoryInput {
     /// The node.
     pub id: ID,
-    /// The version you read; when given, a newer node is `CONFLICT`.
+    /// The version you read; when given, a newer node is `CONFLICT`. A report of another
+    /// inventory makes the node newer, so the version covers the report you accept.
     pub version: Option<i64>,
 }
 

@@ -328,7 +328,15 @@ pub async fn report_inventory(
             if locked.is_none() {
                 return Ok(None);
             }
-            sqlx::query("UPDATE nodes SET inventory = $2, inventory_at = compute_now() WHERE id = $1")
+            // Another inventory than the last makes the node newer: an operator's
+            // `acceptNodeInventory(version:)` read before it is `CONFLICT`, so nobody accepts
+            // figures they never saw. The same report again changes no version.
+            sqlx::query(
+                "UPDATE nodes SET inventory = $2, inventory_at = compute_now(), \
+                        version = version + CASE WHEN inventory IS DISTINCT FROM $2 THEN 1 ELSE 0 END, \
+                        updated_at = CASE WHEN inventory IS DISTINCT FROM $2 THEN compute_now() ELSE updated_at END \
+                  WHERE id = $1",
+            )
                 .bind(node.as_str())
                 .bind(&stored)
                 .execute(&mut *conn)
