@@ -685,18 +685,25 @@ pub async fn record_failure(
     .await?)
 }
 
-/// Prunes the outbox: events past `retention` that every active sink has passed, and events
-/// past `hard_max_age` whatever the sinks; a sink left before the pruned front is moved to it
-/// and marked `behind`. Returns how many events were deleted.
+/// Prunes the outbox: events past `retention` that every active sink and the usage meter have
+/// passed, and events past `hard_max_age` whatever they have; a sink left before the pruned
+/// front is moved to it and marked `behind`. Returns how many events were deleted.
 #[tracing::instrument(level = "debug", skip_all, fields(retention_seconds = retention.as_secs()))]
 pub async fn prune_outbox(
     db: &Db,
     retention: std::time::Duration,
     hard_max_age: std::time::Duration,
 ) -> Result<u64> {
+    // The slowest reader that must not lose events: an active sink, or the usage meter, which
+    // reads reservations' changes after its checked position to correct closed windows (it
+    // read past the retention's front would miss a late release, and bill the old end).
     let slowest = sqlx::query!(
-        r#"SELECT c.txid::text::bigint AS "txid!", c.seq FROM outbox_cursors c JOIN event_sinks s ON s.id = c.sink_id
-          WHERE s.active ORDER BY c.txid, c.seq LIMIT 1"#,
+        r#"SELECT x.txid::text::bigint AS "txid!", x.seq AS "seq!" FROM (
+             SELECT c.txid, c.seq FROM outbox_cursors c JOIN event_sinks s ON s.id = c.sink_id WHERE s.active
+             UNION ALL
+             SELECT m.checked_txid, m.checked_seq FROM usage_meter m
+              WHERE m.closed_through IS NOT NULL AND m.checked_txid IS NOT NULL AND m.checked_seq IS NOT NULL) x
+          ORDER BY x.txid, x.seq LIMIT 1"#,
     )
     .fetch_optional(db.pool())
     .await?;
