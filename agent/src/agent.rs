@@ -363,6 +363,9 @@ impl Agent {
                 recorded,
             } => {
                 debug!(command = %command_id, recorded, "result recorded by the control plane");
+                if let Err(e) = self.0.journal.result_recorded(&command_id) {
+                    warn!(command = %command_id, error = %e, "cannot note that a result was recorded; the command is kept");
+                }
                 vec![]
             }
             ToDaemon::ExitRecorded {
@@ -859,6 +862,44 @@ impl Agent {
         );
         info!(instance, signal, "workload stopped");
         Ok(json!({ "instanceId": instance, "running": false, "signal": signal }))
+    }
+
+    /// Removes what ended longer than `keep` ago and the control plane holds: each such
+    /// workload's container, working directory, log and journal row, and the journal's
+    /// finished commands whose result was recorded. How many workloads it removed.
+    pub async fn clean(&self, keep: Duration) -> usize {
+        let before = sys::now() - keep.as_secs_f64();
+        let mut removed = 0;
+        match self.0.journal.ended_before(before) {
+            Ok(ended) => {
+                for w in ended {
+                    match self.0.runtime.remove(&w).await {
+                        Ok(()) => match self.0.journal.forget_workload(&w.instance_id) {
+                            Ok(()) => {
+                                removed += 1;
+                                info!(instance = %w.instance_id, "removed an ended workload's container, working directory and log");
+                            }
+                            Err(e) => {
+                                warn!(instance = %w.instance_id, error = %e, "cannot forget an ended workload")
+                            }
+                        },
+                        Err(e) => {
+                            warn!(instance = %w.instance_id, error = %e, "cannot remove an ended workload; trying again at the next cleanup")
+                        }
+                    }
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot read the ended workloads"),
+        }
+        match self.0.journal.forget_recorded_commands(before) {
+            Ok(0) => {}
+            Ok(n) => debug!(
+                commands = n,
+                "forgot finished commands the control plane recorded"
+            ),
+            Err(e) => warn!(error = %e, "cannot forget finished commands"),
+        }
+        removed
     }
 
     /// Waits on a workload's end on its own task: the child when this agent started it,

@@ -124,6 +124,16 @@ pub struct Args {
         global = true
     )]
     pub stop_grace_seconds: f64,
+    /// Seconds an ended workload's container, working directory and log (and the journal's
+    /// rows of it and of the commands the control plane recorded) are kept for inspection
+    /// before they are removed; 1 to 31536000.
+    #[arg(
+        long,
+        env = "COMPUTE_AGENT_KEEP_ENDED_SECONDS",
+        default_value_t = 86_400,
+        global = true
+    )]
+    pub keep_ended_seconds: u64,
     /// Where to serve `/metrics` and `/healthz` (`off` for nowhere). The address bound is
     /// also written to `<state dir>/listen-address`.
     #[arg(
@@ -464,6 +474,9 @@ async fn run(args: Args) -> Result<ExitCode, Refusal> {
     if !(args.stop_grace_seconds.is_finite() && (0.0..=3600.0).contains(&args.stop_grace_seconds)) {
         return Err("--stop-grace-seconds is 0 to 3600".into());
     }
+    if !(1..=31_536_000).contains(&args.keep_ended_seconds) {
+        return Err("--keep-ended-seconds is 1 to 31536000".into());
+    }
     prepare_state_dir(&args.state_dir)?;
     let journal = Journal::open(&args.state_dir).map_err(|e| format!("the journal: {e}"))?;
     info!(journal = %journal.id(), path = %journal.path().display(), runtime = args.runtime.as_str(), node = %node_id, "compute-agent starting");
@@ -490,6 +503,10 @@ async fn run(args: Args) -> Result<ExitCode, Refusal> {
         );
     }
     let (agent, outgoing) = Agent::new(journal, runtime, settings, metrics);
+    tokio::spawn(clean_ended(
+        agent.clone(),
+        Duration::from_secs(args.keep_ended_seconds),
+    ));
     // What the machine has, read now (a broken inventory file stops the start) and again on
     // SIGHUP, every interval, and after each XID error NVML reports.
     let xids: crate::nvml::Xids = Default::default();
@@ -553,6 +570,23 @@ async fn run(args: Args) -> Result<ExitCode, Refusal> {
             ExitCode::from(3)
         }
     })
+}
+
+/// Removes what ended workloads left (`Agent::clean`) at start and then every half of `keep`
+/// (at least a second, at most an hour).
+async fn clean_ended(agent: Agent, keep: Duration) {
+    let every = (keep / 2).clamp(Duration::from_secs(1), Duration::from_secs(3600));
+    loop {
+        let removed = agent.clean(keep).await;
+        if removed > 0 {
+            info!(
+                workloads = removed,
+                keep_s = keep.as_secs(),
+                "removed ended workloads past their keep time"
+            );
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 /// Reads the machine again on SIGHUP, every `--inventory-interval-seconds`, and when NVML

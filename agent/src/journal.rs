@@ -166,6 +166,8 @@ CREATE TABLE IF NOT EXISTS commands (
     result      TEXT,
     received_at REAL NOT NULL,
     finished_at REAL,
+    -- The control plane answered `recorded` to its result: it never sends the command again.
+    recorded    INTEGER NOT NULL DEFAULT 0,
     CHECK ((step = 'finished') = (result IS NOT NULL))
 ) STRICT;
 CREATE TABLE IF NOT EXISTS workloads (
@@ -207,6 +209,21 @@ impl Journal {
             )));
         }
         conn.execute_batch(SCHEMA).map_err(named)?;
+        // A journal made before `commands.recorded` existed gets it (its finished commands
+        // count as not recorded: kept until their result is recorded again, or for good).
+        let has_recorded: bool = conn
+            .query_row(
+                "SELECT count(*) > 0 FROM pragma_table_info('commands') WHERE name = 'recorded'",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(named)?;
+        if !has_recorded {
+            conn.execute_batch(
+                "ALTER TABLE commands ADD COLUMN recorded INTEGER NOT NULL DEFAULT 0",
+            )
+            .map_err(named)?;
+        }
         // It holds the commands' args, tenants' environment values among them: the agent's
         // alone, and so are its -wal and -shm files.
         for suffix in ["", "-wal", "-shm"] {
@@ -367,6 +384,45 @@ impl Journal {
         Ok(kept
             .and_then(|k| serde_json::from_str(&k).ok())
             .unwrap_or_else(|| result.clone()))
+    }
+
+    /// The control plane holds command `id`'s result (`recorded`): it will not send the command
+    /// again, so the row may go once it is old (`forget_recorded_commands`).
+    pub fn result_recorded(&self, id: &str) -> Result<()> {
+        self.conn().execute(
+            "UPDATE commands SET recorded = 1 WHERE id = ?1 AND step = 'finished'",
+            params![id],
+        )?;
+        Ok(())
+    }
+
+    /// Deletes the finished commands whose result the control plane recorded, finished before
+    /// `before` (seconds since the Unix epoch); how many. A command whose result is not
+    /// recorded stays: sent again, it is answered from here, never run twice.
+    pub fn forget_recorded_commands(&self, before: f64) -> Result<usize> {
+        Ok(self.conn().execute(
+            "DELETE FROM commands WHERE step = 'finished' AND recorded = 1 AND finished_at < ?1",
+            params![before],
+        )?)
+    }
+
+    /// The workloads that ended before `before` and that the control plane holds the end of
+    /// (stopped at its request, or an exit it recorded): their container, working directory,
+    /// log and row may go.
+    pub fn ended_before(&self, before: f64) -> Result<Vec<Workload>> {
+        self.workloads_where(
+            "state IN ('stopped', 'exited') AND (state = 'stopped' OR exit_reported = 1) AND ended_at < ?1",
+            params![before],
+        )
+    }
+
+    /// Deletes an ended workload's row (after its files are gone).
+    pub fn forget_workload(&self, instance: &str) -> Result<()> {
+        self.conn().execute(
+            "DELETE FROM workloads WHERE instance_id = ?1 AND state IN ('stopped', 'exited')",
+            params![instance],
+        )?;
+        Ok(())
     }
 
     /// Forgets a command the gateway cancelled before it started.
@@ -612,6 +668,92 @@ mod tests {
         assert_eq!(e.step, Step::Finished);
         assert_eq!(e.executions, 1);
         assert_eq!(e.result, Some(first));
+    }
+
+    /// What the cleanup may forget: finished commands whose result the control plane recorded,
+    /// and ended workloads whose end it holds, both older than the cut; never a command whose
+    /// result it may ask for again, a live workload, or an exit not yet reported.
+    #[test]
+    fn only_what_the_control_plane_holds_and_is_old_is_forgotten() {
+        let d = dir("forget");
+        let j = Journal::open(&d).expect("open");
+        for id in ["cmd_recorded", "cmd_unrecorded", "cmd_running"] {
+            j.receive(id, CommandKind::Noop, &serde_json::json!({}), false)
+                .expect("receive");
+            assert!(j.start(id).expect("start"));
+        }
+        for id in ["cmd_recorded", "cmd_unrecorded"] {
+            j.finish(id, &FromDaemon::succeeded(id, serde_json::json!({})))
+                .expect("finish");
+        }
+        j.result_recorded("cmd_recorded").expect("recorded");
+        j.result_recorded("cmd_running")
+            .expect("not finished: no effect");
+        assert_eq!(
+            j.forget_recorded_commands(now() - 60.0).expect("forget"),
+            0,
+            "nothing is old yet"
+        );
+        assert_eq!(j.forget_recorded_commands(now() + 60.0).expect("forget"), 1);
+        assert!(j.command("cmd_recorded").expect("read").is_none());
+        assert!(j.command("cmd_unrecorded").expect("read").is_some());
+        assert!(j.command("cmd_running").expect("read").is_some());
+
+        for (id, cmd) in [
+            ("stopped", "c1"),
+            ("exited_reported", "c2"),
+            ("exited_unreported", "c3"),
+            ("live", "c4"),
+        ] {
+            j.workload_starting(id, cmd, "process", &[], "/tmp/x.log")
+                .expect("starting");
+            assert!(
+                j.workload_running(id, Some(1), Some(1), None)
+                    .expect("running")
+            );
+        }
+        j.workload_move(
+            "stopped",
+            &[WorkloadState::Running],
+            WorkloadState::Stopping,
+        )
+        .expect("stopping");
+        for id in ["stopped", "exited_reported", "exited_unreported"] {
+            j.workload_ended(id, Some(0), None, now()).expect("ended");
+        }
+        j.exit_reported("exited_reported").expect("reported");
+        let old: Vec<String> = j
+            .ended_before(now() + 60.0)
+            .expect("ended")
+            .into_iter()
+            .map(|w| w.instance_id)
+            .collect();
+        assert_eq!(old, ["exited_reported", "stopped"]);
+        assert!(j.ended_before(now() - 60.0).expect("ended").is_empty());
+        j.forget_workload("stopped").expect("forget");
+        j.forget_workload("live").expect("a live one is kept");
+        assert!(j.workload("stopped").expect("read").is_none());
+        assert!(j.workload("live").expect("read").is_some());
+    }
+
+    /// A journal written before `commands.recorded` existed opens, and gains the column.
+    #[test]
+    fn a_journal_from_before_the_recorded_column_opens() {
+        let d = dir("old-schema");
+        {
+            let c = Connection::open(d.join("journal.sqlite3")).expect("sqlite");
+            c.execute_batch(
+                "CREATE TABLE commands (id TEXT PRIMARY KEY, kind TEXT NOT NULL, args TEXT NOT NULL,
+                    retry_safe INTEGER NOT NULL, step TEXT NOT NULL CHECK (step IN ('received', 'started', 'finished')),
+                    executions INTEGER NOT NULL DEFAULT 0, result TEXT, received_at REAL NOT NULL, finished_at REAL,
+                    CHECK ((step = 'finished') = (result IS NOT NULL))) STRICT;
+                 INSERT INTO commands (id, kind, args, retry_safe, step, received_at) VALUES ('cmd_old', 'noop', '{}', 0, 'received', 1);",
+            )
+            .expect("old schema");
+        }
+        let j = Journal::open(&d).expect("open");
+        assert!(j.command("cmd_old").expect("read").is_some());
+        assert_eq!(j.forget_recorded_commands(now() + 60.0).expect("forget"), 0);
     }
 
     #[test]

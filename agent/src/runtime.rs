@@ -222,6 +222,41 @@ impl Runtime {
             .count()
     }
 
+    /// Removes what an ended workload left on the host: its container (with its writable
+    /// layer), its working directory and its log. Each already gone counts as removed; an
+    /// error names what could not be removed (the journal keeps the workload, to try again).
+    pub async fn remove(&self, w: &Workload) -> Result<(), String> {
+        if let Some(id) = &w.container_id {
+            let out = self
+                .podman()
+                .args(["rm", "--ignore", id])
+                .output()
+                .await
+                .map_err(|e| format!("podman rm {id}: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "podman rm {id}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+        }
+        // Paths are made from the instance id only when it is one (a journal row from before
+        // ids were checked is forgotten without touching the file system).
+        if compute_protocol::is_instance_id(&w.instance_id) {
+            let gone = |r: std::io::Result<()>, what: &Path| match r {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(format!("{}: {e}", what.display()))
+                }
+                _ => Ok(()),
+            };
+            let work = self.state_dir.join("work").join(&w.instance_id);
+            gone(std::fs::remove_dir_all(&work), &work)?;
+            let log = self.log_path(&w.instance_id);
+            gone(std::fs::remove_file(&log), &log)?;
+        }
+        Ok(())
+    }
+
     /// Where a workload's stdout and stderr go.
     pub fn log_path(&self, instance: &str) -> PathBuf {
         self.state_dir.join("logs").join(format!("{instance}.log"))

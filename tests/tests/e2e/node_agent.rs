@@ -1053,6 +1053,8 @@ async fn the_podman_runtime_runs_a_container_on_exactly_its_allocation() {
             PODMAN_GLOBAL,
             "--podman-run-args",
             PODMAN_RUN,
+            "--keep-ended-seconds",
+            "5",
         ],
     );
     connected(&app, &node).await;
@@ -1132,7 +1134,22 @@ async fn the_podman_runtime_runs_a_container_on_exactly_its_allocation() {
         "false 137",
         "gone, killed after the grace"
     );
-    let _ = podman(&["rm", "--force", &container]);
+    // Kept 5 s for inspection, then removed with its writable layer; its log too.
+    compute_tests::eventually("the ended container is removed", WAIT, || async {
+        let all = podman(&[
+            "ps",
+            "--all",
+            "--filter",
+            &format!("label=compute.instance={made}"),
+            "--format",
+            "{{.ID}}",
+        ]);
+        (all.status.success()
+            && String::from_utf8_lossy(&all.stdout).trim().is_empty()
+            && !log.exists())
+        .then_some(())
+    })
+    .await;
     stop_agent(agent).await;
 }
 
@@ -1322,5 +1339,64 @@ async fn a_drain_that_finds_a_workload_starting_answers_once_it_is_stopped() {
         "--force",
         seen.split_whitespace().next().unwrap_or_default(),
     ]);
+    stop_agent(agent).await;
+}
+
+/// An ended workload's working directory, log and journal row are removed once it has been
+/// over for `--keep-ended-seconds` (here 2) and the control plane holds its end, with the
+/// finished commands whose result was recorded; a live workload's are untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_workload_is_cleaned_up_after_its_keep_time_and_a_live_one_is_not() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let p = pool(&app).await;
+    let (node, first, _) = one_gpu_in(&app, &p.pool, &acme, "r1").await;
+    let (_, second, _) = one_gpu_in(&app, &p.pool, &acme, "r2").await;
+    let dir = test_dir("clean");
+    let state_dir = dir.join("state");
+    let agent = start_agent_with(
+        &app,
+        &node,
+        &state_dir,
+        None,
+        &["--keep-ended-seconds", "2"],
+    );
+    connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let ended = instance(&app, &acme, &first, SLEEPER, &dir.join("out")).await;
+    let live = instance(&app, &acme, &second, SLEEPER, &dir.join("out")).await;
+    step_until(&app, &mut workers, &ended, "RUNNING").await;
+    step_until(&app, &mut workers, &live, "RUNNING").await;
+    let work = |id: &str| state_dir.join("work").join(id);
+    let log = |id: &str| state_dir.join("logs").join(format!("{id}.log"));
+    assert!(work(&ended).is_dir() && log(&ended).is_file());
+    app.ok(&acme, STOP, json!({ "i": { "id": ended } })).await;
+    step_until(&app, &mut workers, &ended, "STOPPED").await;
+    compute_tests::eventually("the ended workload is cleaned up", WAIT, || async {
+        let j = compute_agent::journal::Journal::open(&state_dir).expect("journal");
+        let gone = !work(&ended).exists()
+            && !log(&ended).exists()
+            && j.workload(&ended).expect("journal").is_none();
+        gone.then_some(())
+    })
+    .await;
+    let j = compute_agent::journal::Journal::open(&state_dir).expect("journal");
+    // The run and stop commands of the ended instance were recorded: forgotten too.
+    let left: Vec<String> = executions(&state_dir)
+        .into_iter()
+        .map(|(kind, _)| kind)
+        .collect();
+    assert_eq!(
+        left.iter().filter(|k| *k == "stop_instance").count(),
+        0,
+        "the recorded stop is forgotten: {left:?}"
+    );
+    // The live one keeps everything.
+    assert!(work(&live).is_dir(), "the live workload's directory stays");
+    assert!(log(&live).is_file(), "the live workload's log stays");
+    assert_eq!(
+        j.workload(&live).expect("journal").map(|w| w.state),
+        Some(compute_agent::journal::WorkloadState::Running)
+    );
     stop_agent(agent).await;
 }
