@@ -632,7 +632,7 @@ impl Agent {
                     ));
                 }
                 let grace = self.grace(a.grace_seconds)?;
-                self.stop_instance(&a.instance_id, grace).await
+                self.stop_instance(&a.instance_id, grace, None).await
             }
             CommandKind::DrainWorkloads => {
                 let a: DrainArgs = parse_args(&entry.args)?;
@@ -642,35 +642,20 @@ impl Agent {
                     .journal
                     .live_workloads()
                     .map_err(|e| Failure::new("JOURNAL_UNWRITABLE", e.to_string()))?;
-                // All at once: each waits out its own grace.
+                // All at once: each waits out its own grace. Their instances did not ask: each
+                // is marked drained before it is signalled, so its end is recorded as an exit
+                // and reported as it happens (also when another fails to stop, and after a
+                // crash in the middle of the drain: unreported exits are sent at the next
+                // session). One whose instance's own stop was under way ends `stopped`.
                 let stops = live
                     .iter()
-                    .map(|w| self.stop_instance(&w.instance_id, grace));
+                    .map(|w| self.stop_instance(&w.instance_id, grace, Some(&entry.id)));
                 let results = futures_util::future::join_all(stops).await;
-                // Their instances did not ask: to them the workload ended, and they hear so,
-                // each one that stopped, also when another failed to (the drain then fails, and
-                // a workload that did stop was left recorded stopped and never reported).
                 let mut failed = None;
                 for (w, r) in live.iter().zip(results) {
                     if let Err(f) = r {
                         warn!(instance = %w.instance_id, code = %f.code, "a drained workload did not stop: {}", f.message);
                         failed.get_or_insert(f);
-                        continue;
-                    }
-                    match self.0.journal.workload_move(
-                        &w.instance_id,
-                        &[WorkloadState::Stopped],
-                        WorkloadState::Exited,
-                    ) {
-                        Ok(true) => {
-                            if let Ok(Some(w)) = self.0.journal.workload(&w.instance_id) {
-                                self.send(exited_message(&w));
-                            }
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
-                            warn!(instance = %w.instance_id, error = %e, "cannot record a drained workload's end")
-                        }
                     }
                 }
                 if let Some(f) = failed {
@@ -802,7 +787,13 @@ impl Agent {
         Ok(output)
     }
 
-    async fn stop_instance(&self, instance: &str, grace: Duration) -> Result<Value, Failure> {
+    /// Stops `instance`'s workload: at its instance's request, or for drain `drain`.
+    async fn stop_instance(
+        &self,
+        instance: &str,
+        grace: Duration,
+        drain: Option<&str>,
+    ) -> Result<Value, Failure> {
         let journal_failure = |e: crate::journal::JournalError| {
             self.0.metrics.journal_errors.inc();
             Failure::new("JOURNAL_UNWRITABLE", e.to_string())
@@ -826,14 +817,15 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
             .get(instance)
             .cloned();
-        self.0
-            .journal
-            .workload_move(
+        match drain {
+            Some(drain) => self.0.journal.workload_draining(instance, drain),
+            None => self.0.journal.workload_move(
                 instance,
                 &[WorkloadState::Starting, WorkloadState::Running],
                 WorkloadState::Stopping,
-            )
-            .map_err(journal_failure)?;
+            ),
+        }
+        .map_err(journal_failure)?;
         if let Some(mut start) = start {
             info!(
                 instance,
@@ -961,7 +953,7 @@ impl Agent {
             .workload_ended(instance, exit.code, exit.signal, at)
         {
             Ok(Some(WorkloadState::Exited)) => {
-                info!(instance, code = ?exit.code, signal = ?exit.signal, "workload exited on its own");
+                info!(instance, code = ?exit.code, signal = ?exit.signal, "workload exited (on its own, or drained): its instance hears of it");
                 self.0.metrics.exits.inc();
                 if let Ok(Some(w)) = self.0.journal.workload(instance) {
                     self.send(exited_message(&w));

@@ -183,7 +183,10 @@ CREATE TABLE IF NOT EXISTS workloads (
     signal        INTEGER,
     ended_at      REAL,
     exit_reported INTEGER NOT NULL DEFAULT 0,
-    log_path      TEXT
+    log_path      TEXT,
+    -- The `drain_workloads` command that is stopping it: its end is an exit its instance hears
+    -- of (it did not ask), recorded as such even if the agent dies before the drain ends.
+    drained_by    TEXT
 ) STRICT;
 ";
 
@@ -209,20 +212,26 @@ impl Journal {
             )));
         }
         conn.execute_batch(SCHEMA).map_err(named)?;
-        // A journal made before `commands.recorded` existed gets it (its finished commands
-        // count as not recorded: kept until their result is recorded again, or for good).
-        let has_recorded: bool = conn
-            .query_row(
-                "SELECT count(*) > 0 FROM pragma_table_info('commands') WHERE name = 'recorded'",
-                [],
-                |r| r.get(0),
-            )
-            .map_err(named)?;
-        if !has_recorded {
-            conn.execute_batch(
-                "ALTER TABLE commands ADD COLUMN recorded INTEGER NOT NULL DEFAULT 0",
-            )
-            .map_err(named)?;
+        // A journal made by an earlier daemon gets the columns added since (its finished
+        // commands count as not recorded: kept until recorded again; its workloads as not
+        // drained).
+        for (table, column, declaration) in [
+            ("commands", "recorded", "INTEGER NOT NULL DEFAULT 0"),
+            ("workloads", "drained_by", "TEXT"),
+        ] {
+            let has: bool = conn
+                .query_row(
+                    "SELECT count(*) > 0 FROM pragma_table_info(?1) WHERE name = ?2",
+                    params![table, column],
+                    |r| r.get(0),
+                )
+                .map_err(named)?;
+            if !has {
+                conn.execute_batch(&format!(
+                    "ALTER TABLE {table} ADD COLUMN {column} {declaration}"
+                ))
+                .map_err(named)?;
+            }
         }
         // It holds the commands' args, tenants' environment values among them: the agent's
         // alone, and so are its -wal and -shm files.
@@ -489,6 +498,18 @@ impl Journal {
         Ok(n == 1)
     }
 
+    /// Moves a starting or running workload to `stopping` for drain `drain`: its end will be
+    /// an exit (`workload_ended`). `false` when it was not starting or running (a stop its
+    /// instance asked for is already under way: that one ends `stopped`).
+    pub fn workload_draining(&self, instance: &str, drain: &str) -> Result<bool> {
+        let n = self.conn().execute(
+            "UPDATE workloads SET state = 'stopping', drained_by = ?2
+              WHERE instance_id = ?1 AND state IN ('starting', 'running')",
+            params![instance, drain],
+        )?;
+        Ok(n == 1)
+    }
+
     /// Moves a workload to `state`; `false` when it was not in one of `from`.
     pub fn workload_move(
         &self,
@@ -508,8 +529,8 @@ impl Journal {
         Ok(n == 1)
     }
 
-    /// Records that a workload ended: `stopped` when it was asked to stop, otherwise `exited`
-    /// (on its own). The state it moved to; `None` when it had already ended.
+    /// Records that a workload ended: `stopped` when its instance asked it to stop, otherwise
+    /// `exited` (on its own, or drained). The state it moved to; `None` when it had already ended.
     pub fn workload_ended(
         &self,
         instance: &str,
@@ -521,7 +542,7 @@ impl Journal {
             .conn()
             .query_row(
                 "UPDATE workloads
-                    SET state = CASE WHEN state = 'stopping' THEN 'stopped' ELSE 'exited' END,
+                    SET state = CASE WHEN state = 'stopping' AND drained_by IS NULL THEN 'stopped' ELSE 'exited' END,
                         exit_code = ?2, signal = ?3, ended_at = ?4
                   WHERE instance_id = ?1 AND state IN ('starting', 'running', 'stopping')
               RETURNING state",
@@ -734,6 +755,49 @@ mod tests {
         j.forget_workload("live").expect("a live one is kept");
         assert!(j.workload("stopped").expect("read").is_none());
         assert!(j.workload("live").expect("read").is_some());
+    }
+
+    /// A drained workload's end is an exit (its instance did not ask), recorded so at once and
+    /// left unreported until the control plane confirms it, so a daemon that dies in the
+    /// middle of a drain still reports it; one whose instance asked to stop ends `stopped`.
+    #[test]
+    fn a_drained_workload_ends_as_an_exit() {
+        let d = dir("drained");
+        let j = Journal::open(&d).expect("open");
+        for (id, cmd) in [("drained", "c1"), ("asked", "c2")] {
+            j.workload_starting(id, cmd, "process", &[], "/tmp/x.log")
+                .expect("starting");
+            assert!(
+                j.workload_running(id, Some(1), Some(1), None)
+                    .expect("running")
+            );
+        }
+        assert!(
+            j.workload_move("asked", &[WorkloadState::Running], WorkloadState::Stopping)
+                .expect("stop")
+        );
+        assert!(j.workload_draining("drained", "cmd_drain").expect("drain"));
+        assert!(
+            !j.workload_draining("asked", "cmd_drain").expect("drain"),
+            "its own stop goes on"
+        );
+        assert_eq!(
+            j.workload_ended("drained", None, Some(15), now())
+                .expect("ended"),
+            Some(WorkloadState::Exited)
+        );
+        assert_eq!(
+            j.workload_ended("asked", None, Some(15), now())
+                .expect("ended"),
+            Some(WorkloadState::Stopped)
+        );
+        let unreported: Vec<String> = j
+            .unreported_exits()
+            .expect("unreported")
+            .into_iter()
+            .map(|w| w.instance_id)
+            .collect();
+        assert_eq!(unreported, ["drained"]);
     }
 
     /// A journal written before `commands.recorded` existed opens, and gains the column.

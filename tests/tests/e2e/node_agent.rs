@@ -1400,3 +1400,70 @@ async fn an_ended_workload_is_cleaned_up_after_its_keep_time_and_a_live_one_is_n
     );
     stop_agent(agent).await;
 }
+
+/// A daemon SIGKILLed in the middle of a drain: one workload ended at its SIGTERM, the other
+/// ignores it and waits out the grace. Started again, the daemon reports the first one's end
+/// (it was recorded as a drained exit, not a stop its instance asked for, so it is among the
+/// unreported exits) and the drain, run again, ends the second: both instances hear that
+/// their workload ended. (The first was recorded `stopped` and never reported: its instance
+/// stayed `RUNNING` with nothing running.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_in_the_middle_of_a_drain_reports_every_drained_workload() {
+    let app = setup().await;
+    let acme = app.member("acme");
+    let p = pool(&app).await;
+    let (node, first, _) = one_gpu_in(&app, &p.pool, &acme, "r1").await;
+    let (_, second, _) = one_gpu_in(&app, &p.pool, &acme, "r2").await;
+    let dir = test_dir("drain-killed");
+    let out = dir.join("out");
+    let state_dir = dir.join("state");
+    let mut agent = start_agent(&app, &node, &state_dir, None);
+    let journal = connected(&app, &node).await;
+    let mut workers = Workers::new(&app);
+    let quick = instance(&app, &acme, &first, SLEEPER, &out).await;
+    let stubborn = instance(
+        &app,
+        &acme,
+        &second,
+        "trap '' TERM; echo $$ >> \"$OUT/stubborn\"; while :; do sleep 1; done",
+        &out,
+    )
+    .await;
+    step_until(&app, &mut workers, &quick, "RUNNING").await;
+    step_until(&app, &mut workers, &stubborn, "RUNNING").await;
+    let cmd = app
+        .ok(
+            &app.operator(),
+            RUN,
+            json!({ "i": { "computeNodeId": node, "kind": "DRAIN_WORKLOADS", "idempotencyKey": "drain", "args": { "graceSeconds": 6 } } }),
+        )
+        .await["runCommand"]["command"]["id"]
+        .as_str()
+        .expect("command")
+        .to_owned();
+    // Until the quick one has ended in the journal (the stubborn one waits out its grace).
+    let started = tokio::time::Instant::now();
+    loop {
+        workers.step().await;
+        let j = compute_agent::journal::Journal::open(&state_dir).expect("journal");
+        if j.workload(&quick)
+            .expect("journal")
+            .is_some_and(|w| !w.state.is_live())
+        {
+            break;
+        }
+        assert!(started.elapsed() < WAIT, "the quick workload never ended");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    agent.start_kill().expect("SIGKILL");
+    agent.wait().await.expect("killed");
+    let agent = start_agent(&app, &node, &state_dir, None);
+    assert_eq!(connected(&app, &node).await, journal, "the same journal");
+    let done = command_end(&app, &mut workers, &cmd).await;
+    assert_eq!(done["state"], "SUCCEEDED", "{done}");
+    step_until(&app, &mut workers, &quick, "EXITED").await;
+    step_until(&app, &mut workers, &stubborn, "EXITED").await;
+    let i = app.ok(&acme, INSTANCE, json!({ "id": stubborn })).await["instance"].clone();
+    assert_eq!(i["exitSignal"], json!(9), "killed after the grace: {i}");
+    stop_agent(agent).await;
+}
