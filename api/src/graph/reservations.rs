@@ -546,7 +546,8 @@ impl ReservationMutation {
     }
 
     /// Moves the end of a scheduled or active reservation later: all its bookings grow, or none
-    /// (`CONFLICT` names what blocks).
+    /// (`CONFLICT` names each GPU that blocks and from when: your own allocation by its id,
+    /// another tenant's only as another tenant's reservation).
     async fn extend_reservation(
         &self,
         ctx: &Context<'_>,

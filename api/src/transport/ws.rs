@@ -637,10 +637,15 @@ impl Conn {
             writer: self.writer.clone(),
             ops: self.ops.clone(),
         };
+        // Each operation runs as the grants make its caller now, as each HTTP request does:
+        // a revocation that leaves the connection open (a fleet operator who was also a
+        // member of a tenant keeps seeing that tenant's streams) still takes the revoked
+        // role and tenant from what it starts next, and a stale projection refuses it.
+        let viewer = self.viewer.clone().map(|v| self.app.authz.resolve(v));
         let handle = tokio::spawn(run_operation(
             self.app.clone(),
             request,
-            self.viewer.clone(),
+            viewer,
             output,
             self.traceparent,
         ));

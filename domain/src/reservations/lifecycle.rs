@@ -1030,14 +1030,22 @@ async fn extend_effect(
             });
         }
     }
+    // Each blocker with its tenant: another tenant's allocation is not named (its id, made
+    // from its creation time, is that tenant's, and a caller bisecting `endsAt` would learn
+    // when it starts and who holds it); the time it blocks from is the caller's to know.
     let blockers = sqlx::query!(
-        r#"SELECT b.atom AS "atom: AtomName", b.allocation_id AS "allocation_id: AllocationId", b.reason AS "reason: BookingReason" FROM device_bookings b
+        r#"SELECT b.atom AS "atom: AtomName", b.allocation_id AS "allocation_id: AllocationId", b.reason AS "reason: BookingReason",
+                  lower(b.during) AS "from!",
+                  (SELECT r.tenant_id = $4 FROM allocations a JOIN reservations r ON r.id = a.reservation_id
+                    WHERE a.id = b.allocation_id) AS "own?"
+             FROM device_bookings b
           WHERE b.atom IN (SELECT unnest(atoms) FROM allocations WHERE reservation_id = $1)
             AND NOT EXISTS (SELECT 1 FROM allocations x WHERE x.reservation_id = $1 AND x.id = b.allocation_id)
-            AND b.during && tstzrange($2, $3) ORDER BY b.atom"#,
+            AND b.during && tstzrange($2, $3) ORDER BY b.atom, lower(b.during)"#,
         id.as_str(),
         rsv.ends_at,
         ends_at,
+        rsv.tenant_id.as_str(),
     )
     .fetch_all(&mut *conn)
     .await?;
@@ -1045,13 +1053,12 @@ async fn extend_effect(
         let list: Vec<String> = blockers
             .iter()
             .map(|b| {
-                format!(
-                    "{} is booked by {}",
-                    b.atom,
-                    b.allocation_id
-                        .as_ref()
-                        .map_or_else(|| format!("a {} hold", b.reason), ToString::to_string)
-                )
+                let by = match (&b.allocation_id, b.own) {
+                    (Some(a), Some(true)) => format!("your allocation {a}"),
+                    (Some(_), _) => "another tenant's reservation".to_owned(),
+                    (None, _) => format!("a {} hold", b.reason),
+                };
+                format!("{} is booked from {} by {by}", b.atom, b.from.to_rfc3339())
             })
             .collect();
         return Err(conflict(format!(

@@ -348,6 +348,33 @@ async fn streams_close_and_sinks_pause_when_their_grant_is_revoked() {
         .clone();
     // Still an operator of the fleet: her streams are covered; her tenant sink too.
     assert_eq!(revoked["pausedEventSinkIds"], json!([]));
+    // But what she starts next on the open connection runs as she is now, as over HTTP: an
+    // operator of no tenant, not a member of acme (who could still reserve on acme's quota).
+    eventually("the revocation is felt over HTTP", WAIT, || async {
+        (viewer(&app, &erin).await["tenantId"].is_null()).then_some(())
+    })
+    .await;
+    crate::subscriptions::send(
+        &mut ws,
+        json!({ "id": "2", "type": "subscribe", "payload": { "query": VIEWER } }),
+    )
+    .await;
+    let seen = loop {
+        let m = crate::subscriptions::next_msg(&mut ws).await;
+        if m["id"] == "2" && m["type"] == "next" {
+            break m;
+        }
+    };
+    assert_eq!(
+        seen["payload"]["data"]["viewer"]["tenantId"],
+        Value::Null,
+        "{seen}"
+    );
+    assert_eq!(
+        seen["payload"]["data"]["viewer"]["roles"],
+        json!(["OPERATOR"]),
+        "{seen}"
+    );
     let revoked = app
         .ok(
             &admin,

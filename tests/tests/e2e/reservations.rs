@@ -772,6 +772,31 @@ async fn extend_grows_every_booking_or_none() {
         error["message"].as_str().unwrap_or("").contains(&b_alloc),
         "names the blocker: {error}"
     );
+    // Another tenant's booking blocks too, and is not named: its id is that tenant's.
+    let globex = app.member("globex");
+    let g = app
+        .ok(&globex, CREATE, json!({ "i": { "poolId": p.pool, "startsAt": "2031-01-01T04:00:00Z", "endsAt": "2031-01-01T05:00:00Z",
+            "allocations": [{ "gpuCount": 2, "model": "H100" }], "idempotencyKey": "g" } }))
+        .await;
+    let g_alloc = g["createReservation"]["reservation"]["allocations"][0]["id"]
+        .as_str()
+        .expect("alloc")
+        .to_owned();
+    let (code, error) = app
+        .fails(&member, EXTEND, json!({ "i": { "id": a_id, "endsAt": "2031-01-01T05:00:00Z", "idempotencyKey": "e3" } }))
+        .await;
+    assert_eq!(code, "CONFLICT");
+    let message = error["message"].as_str().unwrap_or("");
+    assert!(
+        message.contains(&format!("by your allocation {b_alloc}")),
+        "{message}"
+    );
+    assert!(
+        message
+            .contains("is booked from 2031-01-01T04:00:00+00:00 by another tenant's reservation"),
+        "{message}"
+    );
+    assert!(!message.contains(&g_alloc), "{message}");
     let (uppers,): (Vec<String>,) = sqlx::query_as(
         "SELECT array_agg(upper(b.during)::text) FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id WHERE a.reservation_id = $1",
     )
