@@ -581,7 +581,7 @@ async fn expire_in(conn: &mut PgConnection, ids: &[String]) -> Result<Vec<String
 }
 
 /// Marks a reservation idle (the reconciler's step; `compute_reservation_idle`, migration 0034,
-/// is its guard, read under the reservation's row lock): it gets the `Idle` condition and a `reservation.idle` event; where
+/// is its guard, read once the reservation's row is locked, in a statement of its own): it gets the `Idle` condition and a `reservation.idle` event; where
 /// the rules that admitted it say `releaseIdle`, it is released instead, as its holder's release
 /// would (quota and scalars back, bookings and usage end now), the condition saying why.
 /// `false` when it is not idle (any more).
@@ -590,9 +590,17 @@ pub(crate) async fn mark_idle(db: &Db, id: &ReservationId) -> Result<bool> {
     db.tx("mark_reservation_idle", TxKind::Maintenance, |conn| {
         let id = id.clone();
         Box::pin(async move {
+            // The row lock first, then the guard in the next statement: its snapshot sees what
+            // a creation holding the row `FOR SHARE` committed while this waited (an instance
+            // just made). A guard in the locking statement is re-checked after the wait only
+            // when the row itself changed, and a creation does not change it: the reservation
+            // was released (`releaseIdle`) under its new instance.
+            sqlx::query!("SELECT 1 AS one FROM reservations WHERE id = $1 FOR UPDATE", id.as_str())
+                .fetch_optional(&mut *conn)
+                .await?;
             let Some(rsv) = query_reservations!(
                 "SELECT",
-                "FROM reservations r WHERE r.id = $1 AND compute_reservation_idle(r) FOR UPDATE",
+                "FROM reservations r WHERE r.id = $1 AND compute_reservation_idle(r)",
                 id.as_str(),
             )
             .fetch_optional(&mut *conn)

@@ -2571,3 +2571,64 @@ async fn a_gpu_renamed_while_placement_waits_for_it_is_not_booked_as_the_model_a
         .expect("bookings");
     assert_eq!(booked, 0, "nothing booked: {r}");
 }
+
+/// An idle reservation whose instance is being created (the creation holds the reservation's
+/// row `FOR SHARE` and inserts the instance) is not released under it: the idle sweep waits for
+/// the row, then reads the instance the creation committed, and leaves the reservation alone.
+#[tokio::test]
+async fn an_instance_made_while_the_idle_sweep_waits_keeps_its_reservation() {
+    let (app, p, member) = setup().await;
+    let db = app.db.db.clone();
+    let version = pool_version(&app, &p.pool).await;
+    app.ok(
+        &app.operator(),
+        RULES,
+        json!({ "i": { "id": p.pool, "version": version, "rules": { "idleGraceSeconds": 600, "releaseIdle": true } } }),
+    )
+    .await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "idle", json!([{ "gpuCount": 1, "model": "H100" }])),
+        )
+        .await;
+    let id = d["createReservation"]["reservation"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    app.db.advance_clock(601).await;
+    // A creation in flight: the row held `FOR SHARE`, the instance inserted, not committed.
+    let mut creating = db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM reservations WHERE id = $1 FOR SHARE")
+        .bind(&id)
+        .execute(&mut *creating)
+        .await
+        .expect("share");
+    sqlx::query(
+        "INSERT INTO instances (id, tenant_id, reservation_id, allocation_id, node_id, image, state, created_by)
+         SELECT 'ins_new', 'acme', a.reservation_id, a.id, a.node_id, 'img', 'provisioning', 'test'
+           FROM allocations a WHERE a.reservation_id = $1",
+    )
+    .bind(&id)
+    .execute(&mut *creating)
+    .await
+    .expect("the instance");
+    let commit = async {
+        app.until_lock_waiters(1).await;
+        creating.commit().await.expect("commit");
+    };
+    let (marked, ()) = tokio::join!(
+        compute_domain::reservations::reconcile::mark_idle(&db),
+        commit
+    );
+    assert_eq!(
+        marked.expect("idle sweep"),
+        0,
+        "not idle: an instance was made"
+    );
+    assert_eq!(
+        conditions_of(&app, &member, &json!(id)).await,
+        json!({ "state": "ACTIVE", "conditions": [] })
+    );
+}
