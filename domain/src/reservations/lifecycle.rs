@@ -650,12 +650,13 @@ pub(crate) async fn mark_idle(db: &Db, id: &ReservationId) -> Result<bool> {
     .await
 }
 
-/// Locks a reservation that may fail now (scheduled or active), or says it cannot.
+/// Locks a reservation that may fail now (scheduled or active, and not past its end: one whose
+/// window is over is expiry's, even when the expiry pass is behind), or says it cannot.
 async fn lock_to_fail(conn: &mut PgConnection, id: &ReservationId) -> Result<Reservation> {
     let from = states(Action::Fail);
     query_reservations!(
         "SELECT",
-        "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) FOR UPDATE",
+        "FROM reservations r WHERE r.id = $1 AND r.state = ANY($2) AND r.ends_at > compute_now() FOR UPDATE",
         id.as_str(),
         &from as &[&str],
     )
@@ -1077,19 +1078,36 @@ async fn extend_effect(
     }
     // All bookings grow in one statement; a booking that raced in is refused by the
     // exclusion constraint, and then none grows.
-    sqlx::query!(
-        "UPDATE device_bookings b SET during = tstzrange(lower(b.during), $2) \
-          WHERE b.allocation_id IN (SELECT id FROM allocations WHERE reservation_id = $1) AND upper(b.during) = $3",
+    // One booking at a time, in atom order (lock rule 4, `docs/database-locks.md`): an update
+    // of several rows takes them, and waits on the exclusion constraint, in its scan's order,
+    // which a booking moved by an earlier update makes differ from the atoms' order; a create
+    // booking the same atoms from this end (in atom order) then deadlocked with it.
+    let bookings = sqlx::query_scalar!(
+        "SELECT b.id FROM device_bookings b \
+          WHERE b.allocation_id IN (SELECT id FROM allocations WHERE reservation_id = $1) AND upper(b.during) = $2 \
+          ORDER BY b.atom",
         id.as_str(),
-        ends_at,
         rsv.ends_at,
     )
-    .execute(&mut *conn)
-                .await
-                .map_err(|e| match e.as_database_error().and_then(|d| d.constraint()) {
-                    Some("device_bookings_no_overlap") => conflict(format!("reservation {id} cannot be extended: an atom was booked meanwhile")),
-                    _ => Error::from(e),
-                })?;
+    .fetch_all(&mut *conn)
+    .await?;
+    for booking in bookings {
+        sqlx::query!(
+            "UPDATE device_bookings b SET during = tstzrange(lower(b.during), $2) WHERE b.id = $1",
+            booking,
+            ends_at,
+        )
+        .execute(&mut *conn)
+        .await
+        .map_err(
+            |e| match e.as_database_error().and_then(|d| d.constraint()) {
+                Some("device_bookings_no_overlap") => conflict(format!(
+                    "reservation {id} cannot be extended: an atom was booked meanwhile"
+                )),
+                _ => Error::from(e),
+            },
+        )?;
+    }
     let rsv = query_reservations!(
         "UPDATE reservations r SET ends_at = $2, admitted_under = $3, version = r.version + 1, updated_at = compute_now()
          WHERE r.id = $1 RETURNING",

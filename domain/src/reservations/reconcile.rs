@@ -34,7 +34,8 @@ async fn activate(db: &Db, id: Option<&ReservationId>) -> Result<u64> {
             // same statement (its next wake-up is its end).
             let moved = query_reservations!(
                 "WITH due AS (SELECT r.id FROM reservations r
-                   WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() AND ($1::text IS NULL OR r.id = $1)
+                   WHERE r.state = 'scheduled' AND r.starts_at <= compute_now() AND r.ends_at > compute_now()
+                     AND ($1::text IS NULL OR r.id = $1)
                    ORDER BY r.id FOR UPDATE),
                       moved AS (UPDATE reservations r SET state = 'active', version = r.version + 1, updated_at = compute_now()
                    FROM due WHERE r.id = due.id RETURNING r.*),
@@ -238,7 +239,7 @@ pub async fn fail_lost(db: &Db) -> Result<u64> {
     let due = sqlx::query_scalar!(
         r#"SELECT DISTINCT r.id AS "id: ReservationId" FROM reservations r JOIN allocations a ON a.reservation_id = r.id
            JOIN nodes n ON n.id = a.node_id JOIN pools p ON p.id = n.pool_id
-          WHERE r.state IN ('scheduled', 'active') AND n.reachability = 'lost'
+          WHERE r.state IN ('scheduled', 'active') AND r.ends_at > compute_now() AND n.reachability = 'lost'
             AND p.kind IN ('provider', 'vps_host') ORDER BY r.id LIMIT 500"#,
     )
     .fetch_all(db.pool())
@@ -264,7 +265,7 @@ pub async fn fail_overlapped(db: &Db) -> Result<u64> {
         r#"SELECT DISTINCT r.id AS "id: ReservationId" FROM commands c
              JOIN instances i ON i.id = c.workflow_id AND i.state = 'failed'
              JOIN reservations r ON r.id = i.reservation_id
-            WHERE c.error_code = 'DEVICE_OVERLAP' AND r.state IN ('scheduled', 'active')
+            WHERE c.error_code = 'DEVICE_OVERLAP' AND r.state IN ('scheduled', 'active') AND r.ends_at > compute_now()
             ORDER BY r.id LIMIT 500"#,
     )
     .fetch_all(db.pool())

@@ -2632,3 +2632,143 @@ async fn an_instance_made_while_the_idle_sweep_waits_keeps_its_reservation() {
         json!({ "state": "ACTIVE", "conditions": [] })
     );
 }
+
+/// A reservation whose window is over belongs to expiry, even when the expiry pass is behind:
+/// activation does not make it active (with an event saying so), and a lost node does not turn
+/// it `FAILED` after its end; the expiry then ends both at their `endsAt`.
+#[tokio::test]
+async fn a_reservation_past_its_end_is_expired_not_activated_or_failed() {
+    use compute_domain::reservations::reconcile;
+    let (app, p, member) = setup().await;
+    let db = &app.db.db;
+    let later = app
+        .ok(&member, CREATE, json!({ "i": { "poolId": p.pool, "startsAt": "2031-01-01T01:00:00Z", "endsAt": "2031-01-01T02:00:00Z",
+            "allocations": [{ "gpuCount": 1, "model": "H100" }], "idempotencyKey": "later" } }))
+        .await["createReservation"]["reservation"]["id"]
+        .clone();
+    let now = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "now", json!([{ "gpuCount": 1, "model": "H100" }])),
+        )
+        .await["createReservation"]["reservation"]["id"]
+        .clone();
+    sqlx::query("UPDATE nodes SET reachability = 'lost' WHERE id = $1")
+        .bind(&p.nodes[0])
+        .execute(db.pool())
+        .await
+        .expect("lose the node");
+    sqlx::query("UPDATE pools SET kind = 'provider' WHERE id = $1")
+        .bind(&p.pool)
+        .execute(db.pool())
+        .await
+        .expect("a provider pool");
+    // 02:30: both windows are over, and no pass has run since their creation.
+    app.db.advance_clock(9000).await;
+    assert_eq!(reconcile::activate_due(db).await.expect("activate"), 0);
+    assert_eq!(reconcile::fail_lost(db).await.expect("fail lost"), 0);
+    assert_eq!(reconcile::expire_due(db).await.expect("expire"), 2);
+    for id in [&later, &now] {
+        let d = app
+            .ok(
+                &member,
+                "query($id: ID!) { reservation(id: $id) { state endedAt } }",
+                json!({ "id": id }),
+            )
+            .await;
+        assert_eq!(
+            d["reservation"],
+            json!({ "state": "EXPIRED", "endedAt": "2031-01-01T02:00:00+00:00" }),
+            "{id}"
+        );
+    }
+    let failed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE type = 'reservation.failed'")
+            .fetch_one(db.pool())
+            .await
+            .expect("events");
+    assert_eq!(failed, 0);
+}
+
+/// An extension grows its bookings one at a time in atom order, as placement books atoms, so
+/// it never deadlocks with a create booking the same atoms from its end. Here the booking of
+/// GPU-A0 was moved by an earlier update (its row now comes after GPU-A1's in the table), and
+/// a second transaction books GPU-A0 and then GPU-A1 from 02:00 as a create would. The
+/// extension waits at GPU-A0, the second transaction books GPU-A1 and commits, and the
+/// extension is refused `CONFLICT`. (Grown in one statement, in the table's order, it took
+/// GPU-A1 first: the booking of GPU-A1 then waited on it while it waited at GPU-A0, a
+/// deadlock, which the lock-order mode fails instead of retrying.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extension_grows_its_bookings_in_atom_order_and_never_deadlocks_with_a_create() {
+    use compute_domain::idempotency::Actor;
+    let (app, p, member) = setup().await;
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "two", json!([{ "gpuCount": 2, "model": "H100" }])),
+        )
+        .await;
+    let id = d["createReservation"]["reservation"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let pool = app.db.db.pool();
+    // Two updates of an indexed value (not HOT, so its index entries follow the row): the
+    // booking of GPU-A0 ends as it was, in a row after GPU-A1's.
+    for sql in [
+        "UPDATE device_bookings SET during = tstzrange(lower(during), upper(during) + interval '1 second') WHERE atom = 'GPU-A0'",
+        "UPDATE device_bookings SET during = tstzrange(lower(during), upper(during) - interval '1 second') WHERE atom = 'GPU-A0'",
+    ] {
+        sqlx::query(sql)
+            .execute(pool)
+            .await
+            .expect("move GPU-A0's booking");
+    }
+    let order: Vec<String> = sqlx::query_scalar("SELECT atom FROM device_bookings ORDER BY ctid")
+        .fetch_all(pool)
+        .await
+        .expect("order");
+    assert_eq!(
+        order,
+        ["GPU-A1", "GPU-A0"],
+        "the table's order is not the atoms'"
+    );
+    let mut create = pool.begin().await.expect("begin");
+    let book = |atom: &'static str| {
+        format!(
+            "INSERT INTO device_bookings (atom, device_id, allocation_id, during) \
+             SELECT '{atom}', a.device_id, 'alc_other', tstzrange('2031-01-01T02:00:00Z', '2031-01-01T03:00:00Z') \
+               FROM device_atoms a WHERE a.name = '{atom}'"
+        )
+    };
+    sqlx::query(&book("GPU-A0"))
+        .execute(&mut *create)
+        .await
+        .expect("GPU-A0");
+    let db = app.db.db.clone().without_contention_retry();
+    let rid = compute_domain::ids::ReservationId::parse("reservation", &id).expect("id");
+    let extending = tokio::spawn(async move {
+        compute_domain::reservations::lifecycle::extend_reservation(
+            &db,
+            &Actor::member("alice", compute_tests::tenant("acme")),
+            &rid,
+            "2031-01-01T04:00:00Z".parse().expect("time"),
+            "grow",
+        )
+        .await
+    });
+    app.until_lock_waiters(1).await;
+    sqlx::query(&book("GPU-A1"))
+        .execute(&mut *create)
+        .await
+        .expect("GPU-A1 is not held by the waiting extension");
+    create.commit().await.expect("commit");
+    match extending.await.expect("join") {
+        Err(compute_domain::Error::Conflict { message, .. }) => {
+            assert!(message.contains("booked"), "{message}");
+        }
+        other => panic!("refused CONFLICT, not a deadlock: {other:?}"),
+    }
+}
