@@ -95,6 +95,8 @@ pub struct Pass {
     pub failed: u64,
     /// Reservations found idle (marked, or released where their rules say so).
     pub idle: u64,
+    /// Event sinks of expired service accounts paused.
+    pub sinks_paused: u64,
     /// The liveness reconciler's part of the pass (nodes disconnected, unreachable, lost).
     pub liveness: compute_domain::node_sessions::LivenessPass,
 }
@@ -170,6 +172,7 @@ impl Reconciler {
             placed: reconcile::retry_pending(&db).await?,
             started: reconcile::activate_due(&db).await?,
             idle: reconcile::mark_idle(&db).await?,
+            sinks_paused: compute_domain::authz::pause_sinks_of_expired_accounts(&db).await?,
         })
     }
 
@@ -179,14 +182,17 @@ impl Reconciler {
     }
 
     /// Runs passes every `every` until `stop` resolves; prunes idempotency keys and outbox
-    /// events past their retention hourly (never events an active sink still needs, unless they
-    /// are past [`HARD_MAX_AGE`]). A pass
+    /// events past their retention at its first pass that holds the lease and hourly after
+    /// (never events an active sink or the usage meter still needs, unless they are past
+    /// [`HARD_MAX_AGE`]). A pass
     /// that fails is logged and the loop goes on; a lost lease stops the work at the next pass.
     pub async fn run(mut self, every: Duration, stop: impl Future<Output = ()>) {
         tokio::pin!(stop);
         let mut ticker = tokio::time::interval(every.min(RENEW_EVERY));
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last_prune = tokio::time::Instant::now();
+        // The first pass that holds the lease prunes, then hourly: a process restarted more
+        // often than hourly (a deploy, a crash loop) still prunes.
+        let mut last_prune: Option<tokio::time::Instant> = None;
         loop {
             tokio::select! {
                 () = &mut stop => {
@@ -201,19 +207,22 @@ impl Reconciler {
                         pass = self.pass() => pass,
                     };
                     match pass {
-                        Ok(p) if p.placed + p.started + p.expired + p.failed + p.idle > 0 => info!(
+                        Ok(p) if p.placed + p.started + p.expired + p.failed + p.idle + p.sinks_paused > 0 => info!(
                             reservations.placed = p.placed,
                             reservations.started = p.started,
                             reservations.expired = p.expired,
                             reservations.failed = p.failed,
                             reservations.idle = p.idle,
+                            event_sinks.paused = p.sinks_paused,
                             "reconciler pass"
                         ),
                         Ok(_) => {}
                         Err(e) => warn!(error = %e, "reconciler pass failed"),
                     }
-                    if self.lease.is_held() && last_prune.elapsed() > Duration::from_secs(3600) {
-                        last_prune = tokio::time::Instant::now();
+                    if self.lease.is_held()
+                        && last_prune.is_none_or(|t| t.elapsed() > Duration::from_secs(3600))
+                    {
+                        last_prune = Some(tokio::time::Instant::now());
                         let db = self.lease.db();
                         match idempotency::prune(db, idempotency::RETENTION_HOURS).await {
                             Ok(n) => info!(idempotency.pruned = n, "idempotency keys pruned"),

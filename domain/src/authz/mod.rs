@@ -854,6 +854,52 @@ pub struct AccountAuth {
 }
 
 /// The feed's head: after the last change no running transaction can still precede. Read it
+/// Pauses the event sinks of service accounts that expired (the reconciler's step, every pass):
+/// an expired token holds nothing, as a revoked one (`revoke_service_account` pauses them in
+/// its transaction; an expiry has no transaction of its own). One transaction per account,
+/// the principal's row first as a revocation takes it (docs/database-locks.md), each paused
+/// sink with its `event_sink.updated` event. Level-triggered: a sink re-activated later is
+/// paused again at the next pass. How many sinks it paused.
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn pause_sinks_of_expired_accounts(db: &Db) -> Result<u64> {
+    let expired = sqlx::query_scalar!(
+        r#"SELECT s.id AS "id: ServiceAccountId" FROM service_accounts s
+            WHERE s.revoked_at IS NULL AND s.expires_at <= compute_now()
+              AND EXISTS (SELECT 1 FROM event_sinks k WHERE k.created_by = s.id AND k.active)
+            ORDER BY s.id LIMIT 100"#,
+    )
+    .fetch_all(db.pool())
+    .await?;
+    let mut paused = 0;
+    for id in expired {
+        let n = db
+            .tx("pause_sinks_of_expired_account", TxKind::Maintenance, |conn| {
+                let id = id.clone();
+                Box::pin(async move {
+                    let principal = Principal::service_account(&id);
+                    // Its row only when it has one (locking it by an insert would make a
+                    // principal managed).
+                    sqlx::query!(
+                        "SELECT 1 AS one FROM authz_principals WHERE issuer = $1 AND subject = $2 FOR UPDATE",
+                        principal.issuer,
+                        principal.subject,
+                    )
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                    Ok(crate::sinks::pause_uncovered(conn, &principal.issuer, &principal.subject, true)
+                        .await?
+                        .len() as u64)
+                })
+            })
+            .await?;
+        if n > 0 {
+            tracing::info!(account = %id, sinks = n, "paused the event sinks of an expired service account");
+        }
+        paused += n;
+    }
+    Ok(paused)
+}
+
 /// How long the `authz_changes` feed keeps a change: far past the projection's trust (10 s),
 /// after which a process that could not read re-reads every principal instead of the feed.
 pub const FEED_RETENTION_HOURS: i32 = 24;

@@ -476,7 +476,12 @@ async fn lock_for(
 
 /// Ends bookings at now (future ones are removed) and gives back quota and scalars, in the
 /// lock order: quota first.
-async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
+async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<Vec<OverlapHold>> {
+    // The atoms a daemon refused (`DEVICE_OVERLAP`: a workload it runs holds one) stay booked
+    // to the window's end however the reservation ends: released or cancelled before the
+    // reconciler failed it, they went back to placement, and the next tenant's instance met
+    // the same workload. Read before the bookings end.
+    let holds = overlap_holds(conn, &rsv.id).await?;
     quota::refund(conn, &rsv.tenant_id, &rsv.charged).await?;
     sqlx::query!(
         "WITH mine AS (SELECT id FROM allocations WHERE reservation_id = $1), \
@@ -487,6 +492,24 @@ async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
     )
     .execute(&mut *conn)
     .await?;
+    // The holds in the bookings' place, before the node's counters (docs/database-locks.md).
+    if !holds.is_empty() {
+        let atoms: Vec<&str> = holds.iter().map(|h| h.atom.as_str()).collect();
+        let devices: Vec<&str> = holds.iter().map(|h| h.device_id.as_str()).collect();
+        let froms: Vec<DateTime<Utc>> = holds.iter().map(|h| h.from).collect();
+        let untils: Vec<DateTime<Utc>> = holds.iter().map(|h| h.until).collect();
+        sqlx::query!(
+            "INSERT INTO device_bookings (atom, device_id, reason, during) \
+             SELECT h.atom, h.device_id, 'overlap_hold', tstzrange(h.f, h.t) \
+               FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::timestamptz[]) AS h(atom, device_id, f, t)",
+            &atoms as &[&str],
+            &devices as &[&str],
+            &froms,
+            &untils,
+        )
+        .execute(&mut *conn)
+        .await?;
+    }
     // Locked in (node, resource) order first, as placement locks them.
     sqlx::query!(
         "WITH back AS (SELECT a.node_id, v.res, sum(v.amount)::bigint AS amount FROM allocations a, \
@@ -500,7 +523,38 @@ async fn give_back(conn: &mut PgConnection, rsv: &Reservation) -> Result<()> {
     )
     .execute(&mut *conn)
     .await?;
-    Ok(())
+    Ok(holds)
+}
+
+/// An atom a daemon refused to the reservation, to hold from now (or its booking's start) to
+/// its booking's end.
+struct OverlapHold {
+    atom: String,
+    device_id: String,
+    /// The node's id (tenants see nodes by id, never by hostname).
+    node: String,
+    from: DateTime<Utc>,
+    until: DateTime<Utc>,
+}
+
+/// The atoms of reservation `id` whose instance a daemon refused with `DEVICE_OVERLAP`, with
+/// what their holds cover (a partial index finds the refusals, migration 0024).
+async fn overlap_holds(conn: &mut PgConnection, id: &ReservationId) -> Result<Vec<OverlapHold>> {
+    Ok(sqlx::query_as!(
+        OverlapHold,
+        r#"SELECT DISTINCT b.atom AS "atom!", b.device_id AS "device_id!", n.id AS "node!",
+                  greatest(lower(b.during), compute_now()) AS "from!", upper(b.during) AS "until!"
+             FROM instances i
+             JOIN commands c ON c.workflow_id = i.id AND c.error_code = 'DEVICE_OVERLAP'
+             JOIN allocations a ON a.id = i.allocation_id
+             JOIN nodes n ON n.id = a.node_id
+             JOIN device_bookings b ON b.allocation_id = a.id AND upper(b.during) > compute_now()
+            WHERE i.reservation_id = $1 AND i.state = 'failed'
+            ORDER BY b.atom"#,
+        id.as_str(),
+    )
+    .fetch_all(&mut *conn)
+    .await?)
 }
 
 async fn finish(
@@ -676,13 +730,15 @@ pub(crate) async fn fail_lost(db: &Db, id: &ReservationId) -> Result<()> {
             let id = id.clone();
             Box::pin(async move {
                 let rsv = lock_to_fail(conn, &id).await?;
+                // Named by id, as tenants see nodes (`Allocation.computeNodeId`): a hostname is
+                // the operators' (conditions and events reach the tenant).
                 let hosts = sqlx::query_scalar!(
-                "SELECT DISTINCT n.hostname FROM allocations a JOIN nodes n ON n.id = a.node_id \
+                    "SELECT DISTINCT n.id FROM allocations a JOIN nodes n ON n.id = a.node_id \
                   WHERE a.reservation_id = $1 AND n.reachability = 'lost' ORDER BY 1",
-                id.as_str(),
-            )
-            .fetch_all(&mut *conn)
-            .await?;
+                    id.as_str(),
+                )
+                .fetch_all(&mut *conn)
+                .await?;
                 if hosts.is_empty() {
                     return Err(conflict(format!("reservation {id} has no lost node")));
                 }
@@ -719,22 +775,6 @@ pub(crate) async fn fail_overlapped(db: &Db, id: &ReservationId) -> Result<()> {
             let id = id.clone();
             Box::pin(async move {
                 let rsv = lock_to_fail(conn, &id).await?;
-                // The refused allocations, and what their holds will cover: from now (or the
-                // booking's start, if later) to the booking's end.
-                let holds = sqlx::query!(
-                    r#"SELECT DISTINCT b.atom AS "atom!", b.device_id AS "device_id!", n.hostname AS "host!",
-                              greatest(lower(b.during), compute_now()) AS "from!", upper(b.during) AS "until!"
-                         FROM instances i
-                         JOIN commands c ON c.workflow_id = i.id AND c.error_code = 'DEVICE_OVERLAP'
-                         JOIN allocations a ON a.id = i.allocation_id
-                         JOIN nodes n ON n.id = a.node_id
-                         JOIN device_bookings b ON b.allocation_id = a.id AND upper(b.during) > compute_now()
-                        WHERE i.reservation_id = $1 AND i.state = 'failed'
-                        ORDER BY b.atom"#,
-                    id.as_str(),
-                )
-                .fetch_all(&mut *conn)
-                .await?;
                 let refused: bool = sqlx::query_scalar!(
                     r#"SELECT EXISTS (SELECT 1 FROM instances i
                          JOIN commands c ON c.workflow_id = i.id AND c.error_code = 'DEVICE_OVERLAP'
@@ -748,21 +788,12 @@ pub(crate) async fn fail_overlapped(db: &Db, id: &ReservationId) -> Result<()> {
                         "reservation {id} has no instance refused with DEVICE_OVERLAP"
                     )));
                 }
-                give_back(conn, &rsv).await?;
-                let atoms: Vec<String> = holds.iter().map(|h| h.atom.clone()).collect();
-                let devices: Vec<String> = holds.iter().map(|h| h.device_id.clone()).collect();
-                let froms: Vec<DateTime<Utc>> = holds.iter().map(|h| h.from).collect();
+                // The refused allocations' atoms are held from now (or the booking's start, if
+                // later) to the booking's end.
+                let holds = give_back(conn, &rsv).await?;
+                let atoms: Vec<&str> = holds.iter().map(|h| h.atom.as_str()).collect();
                 let untils: Vec<DateTime<Utc>> = holds.iter().map(|h| h.until).collect();
-                sqlx::query!(
-                    "INSERT INTO device_bookings (atom, device_id, reason, during)                      SELECT h.atom, h.device_id, 'overlap_hold', tstzrange(h.f, h.t)                        FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::timestamptz[]) AS h(atom, device_id, f, t)",
-                    &atoms,
-                    &devices,
-                    &froms,
-                    &untils,
-                )
-                .execute(&mut *conn)
-                .await?;
-                let mut hosts: Vec<&str> = holds.iter().map(|h| h.host.as_str()).collect();
+                let mut hosts: Vec<&str> = holds.iter().map(|h| h.node.as_str()).collect();
                 hosts.dedup();
                 let held = match untils.iter().max() {
                     Some(until) => format!(
@@ -777,7 +808,7 @@ pub(crate) async fn fail_overlapped(db: &Db, id: &ReservationId) -> Result<()> {
                     status: ConditionStatus::True,
                     reason: Some("DaemonRefused".into()),
                     message: Some(format!(
-                        "the daemon of {} refused its devices: a workload it runs holds one (DEVICE_OVERLAP){held}",
+                        "the daemon of node {} refused its devices: a workload it runs holds one (DEVICE_OVERLAP){held}",
                         hosts.join(", ")
                     )),
                     since: None,
@@ -1038,6 +1069,31 @@ async fn extend_effect(
                 ),
             });
         }
+    }
+    // An extension is new time on its nodes and GPUs, which placement would not book now: a
+    // node the operator cordoned, is draining or retiring, or that is unreachable or lost; a
+    // GPU unhealthy or quarantined. Read without locks (a health change holds its GPU while it
+    // waits for this reservation's row: locking the GPU here would close that cycle); one that
+    // commits after this read tells the reservation as it tells any holder.
+    let out_of_service = sqlx::query_scalar!(
+        r#"SELECT DISTINCT CASE
+                    WHEN NOT compute_node_schedulable(n.lifecycle, n.reachability)
+                    THEN format('node %s is %s', n.id, CASE WHEN n.lifecycle <> 'active' THEN n.lifecycle ELSE n.reachability END)
+                    ELSE format('GPU %s is %s', d.uuid, CASE WHEN d.quarantined THEN 'quarantined' ELSE d.health END) END AS "why!"
+             FROM allocations a JOIN nodes n ON n.id = a.node_id
+             JOIN device_bookings b ON b.allocation_id = a.id JOIN devices d ON d.id = b.device_id
+            WHERE a.reservation_id = $1
+              AND NOT (compute_node_schedulable(n.lifecycle, n.reachability) AND compute_device_schedulable(d.health, d.quarantined))
+            ORDER BY 1"#,
+        id.as_str(),
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    if !out_of_service.is_empty() {
+        return Err(conflict(format!(
+            "reservation {id} cannot be extended: {} (no new time is booked on it; the reservation keeps its current end)",
+            out_of_service.join("; ")
+        )));
     }
     // Each blocker with its tenant: another tenant's allocation is not named (its id, made
     // from its creation time, is that tenant's, and a caller bisecting `endsAt` would learn

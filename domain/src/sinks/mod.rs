@@ -292,9 +292,14 @@ pub struct SinkChange {
     pub active: Option<bool>,
     pub batch_size: Option<i32>,
     pub expected_version: Option<i64>,
+    /// Who makes the change: a sink it re-activates (paused, say, because its creator's access
+    /// was revoked or expired) becomes its (`created_by`), so the grants of the one who turned
+    /// it on keep it going from then on, and their revocation pauses it.
+    pub by: Option<String>,
 }
 
-/// Changes a sink. Re-activating a sink clears its failures, so it is tried at once.
+/// Changes a sink. Re-activating a sink clears its failures, so it is tried at once, and makes
+/// the one who re-activates it its owner (`SinkChange::by`).
 #[tracing::instrument(level = "debug", skip_all, fields(sink = %id))]
 pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> Result<Sink> {
     if let Some(url) = &change.url {
@@ -316,6 +321,7 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
                         failures = CASE WHEN $4 THEN 0 ELSE failures END, \
                         next_attempt_at = CASE WHEN $4 THEN NULL ELSE next_attempt_at END, \
                         state = CASE WHEN $4 AND state = 'failing' THEN 'healthy' ELSE state END, \
+                        created_by = CASE WHEN $4 AND NOT active AND $8::text IS NOT NULL THEN $8 ELSE created_by END, \
                         version = version + 1, updated_at = compute_now() \
                   WHERE id = $1 AND ($5::bigint IS NULL OR version = $5) \
                     AND ($6::text IS NULL OR tenant_id = $6)",
@@ -326,6 +332,7 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
                 change.expected_version,
                 scope.tenant_id.as_ref().map(TenantId::as_str),
                 change.batch_size,
+                change.by,
             )
             .execute(&mut *conn)
             .await?;

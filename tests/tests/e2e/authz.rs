@@ -1236,3 +1236,77 @@ async fn a_grant_to_a_service_account_locks_the_account_before_the_principal() {
     assert_eq!(made.value.grant.subject, principal.subject);
     assert_eq!(made.value.grant.role, GrantRole::Member);
 }
+
+/// A service account's event sink is paused when the account expires, as when it is revoked:
+/// an expired token holds nothing (the reconciler's pass pauses it, with its
+/// `event_sink.updated` event). A member who resumes it becomes its owner, so it delivers
+/// under the member's grants and the next pass leaves it on.
+#[tokio::test]
+async fn an_expired_service_accounts_sinks_are_paused_and_resumed_sinks_change_owner() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let admin = admin(&app);
+    let made = app
+        .ok(
+            &admin,
+            "mutation { createServiceAccount(input: { name: \"exporter\", expiresInSeconds: 120, role: MEMBER, tenantId: \"acme\" }) { serviceAccount { id } token } }",
+            json!({}),
+        )
+        .await["createServiceAccount"]
+        .clone();
+    let token = made["token"].as_str().expect("a token").to_owned();
+    let account = made["serviceAccount"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    eventually("the account is known", WAIT, || async {
+        (code(&app.graphql(VIEWER, json!({}), Some(&token)).await.1) == "OK").then_some(())
+    })
+    .await;
+    let sink = app
+        .ok(
+            &token,
+            "mutation { createEventSink(input: { url: \"http://127.0.0.1:9/hook\" }) { eventSink { id } } }",
+            json!({}),
+        )
+        .await["createEventSink"]["eventSink"]["id"]
+        .as_str()
+        .expect("sink")
+        .to_owned();
+    let state = || async {
+        sqlx::query_as::<_, (bool, String)>(
+            "SELECT active, created_by FROM event_sinks WHERE id = $1",
+        )
+        .bind(&sink)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("the sink")
+    };
+    let mut reconciler = compute_workers::Reconciler::new(app.db.db.clone(), "worker-authz");
+    assert_eq!(reconciler.pass().await.expect("pass").sinks_paused, 0);
+    assert_eq!(state().await, (true, account.clone()));
+    app.db.advance_clock(121).await;
+    assert_eq!(reconciler.pass().await.expect("pass").sinks_paused, 1);
+    assert_eq!(state().await, (false, account.clone()), "paused at expiry");
+    let updated: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE type = 'event_sink.updated' AND subject = $1",
+    )
+    .bind(&sink)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("events");
+    assert_eq!(updated, 1);
+    // A member of acme resumes it: theirs now, and it stays on.
+    let member = app.member("acme");
+    app.ok(
+        &member,
+        "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active } } }",
+        json!({ "i": { "id": sink, "active": true } }),
+    )
+    .await;
+    let (active, owner) = state().await;
+    assert!(active);
+    assert_ne!(owner, account, "the member owns it now");
+    assert_eq!(reconciler.pass().await.expect("pass").sinks_paused, 0);
+    assert!(state().await.0, "the next pass leaves it on");
+}

@@ -642,17 +642,23 @@ async fn a_running_instance_survives_its_node_going_unreachable_and_back() {
 /// come back and a `reservation.failed` event carries the `DeviceOverlap` condition, but the
 /// atom stays booked (`overlap_hold`, no allocation, so never billed) until the end of the
 /// reservation's window, and is bookable again only then.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its_end() {
-    let app = compute_tests::spawn_app().await;
-    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
-    app.gateway.refresh_lease().await.expect("gateway lease");
-    let p = pool(&app).await;
-    let acme = app.member("acme");
+/// A reservation of one GPU of h100-a whose instance the daemon refused (`DEVICE_OVERLAP`): a
+/// stray workload an operator ran by hand holds its GPU. The instance is `FAILED`; the
+/// reconciler has not run.
+struct Refused {
+    rsv: String,
+    atom: String,
+    node: String,
+    one_on_a: Value,
+    _daemon: tokio::task::JoinHandle<()>,
+    _stop: tokio::sync::watch::Sender<bool>,
+}
+
+async fn refused_overlap(app: &TestApp, p: &crate::reservations::Pool, acme: &str) -> Refused {
     let one_on_a =
         json!([{ "gpuCount": 1, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]);
     let r = app
-        .ok(&acme, CREATE, input(&p.pool, "r1", one_on_a.clone()))
+        .ok(acme, CREATE, input(&p.pool, "r1", one_on_a.clone()))
         .await["createReservation"]["reservation"]
         .clone();
     assert_eq!(r["state"], "ACTIVE");
@@ -669,12 +675,11 @@ async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its
         .as_str()
         .expect("atom")
         .to_owned();
-    let db = &app.db.db;
 
     let journal = compute_sim::journal("j1");
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let daemon = tokio::spawn(compute_sim::run_daemon(
-        crate::commands::daemon_config(&app, &node, "j1", 1),
+        crate::commands::daemon_config(app, &node, "j1", 1),
         compute_sim::Behaviour {
             journal: Some(journal.clone()),
             ..compute_sim::Behaviour::default()
@@ -682,7 +687,7 @@ async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its
         stopped,
         |_, _| {},
     ));
-    let mut workers = Workers::new(&app);
+    let mut workers = Workers::new(app);
     // A workload the reservation does not know already runs on its GPU (an operator's, or a
     // leak): the daemon holds the atom for it. Its name is long, and the daemon's refusal names
     // it: the command keeps 2,000 characters of the message, and the instance's reason (step,
@@ -718,13 +723,13 @@ async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its
     }
 
     let made = app
-        .ok(&acme, CREATE_INSTANCE, json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1", "idempotencyKey": "i1" } }))
+        .ok(acme, CREATE_INSTANCE, json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1", "idempotencyKey": "i1" } }))
         .await["createInstance"]["instance"]["id"]
         .as_str()
         .expect("id")
         .to_owned();
-    step_until(&app, &mut workers, &made, "FAILED").await;
-    let s = state(&app, &acme, &made).await;
+    step_until(app, &mut workers, &made, "FAILED").await;
+    let s = state(app, acme, &made).await;
     let reason = s["reason"].as_str().expect("reason");
     assert!(
         reason.contains(&format!(
@@ -733,6 +738,32 @@ async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its
             && reason.chars().count() == 2000,
         "the reason, cut to 2,000 characters: {s}"
     );
+    Refused {
+        rsv,
+        atom,
+        node,
+        one_on_a,
+        _daemon: daemon,
+        _stop: stop,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its_end() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let p = pool(&app).await;
+    let acme = app.member("acme");
+    let Refused {
+        rsv,
+        atom,
+        node,
+        one_on_a,
+        _daemon,
+        _stop,
+    } = refused_overlap(&app, &p, &acme).await;
+    let db = &app.db.db;
 
     let mut reconciler = compute_workers::Reconciler::new(db.clone(), "worker-overlap");
     let pass = reconciler.pass().await.expect("pass");
@@ -827,6 +858,71 @@ async fn a_refused_overlap_fails_the_reservation_and_holds_its_devices_until_its
     );
     // A second pass changes nothing more.
     assert_eq!(reconciler.pass().await.expect("pass").failed, 0);
-    let _ = stop.send(true);
-    let _ = daemon.await;
+    let _ = _stop.send(true);
+    let _ = _daemon.await;
+}
+
+/// A reservation whose instance a daemon refused (`DEVICE_OVERLAP`), released by its tenant
+/// before the reconciler's pass fails it: its GPU is still held (`overlap_hold`) to the end of
+/// the window it was booked for, so placement does not hand it to the next tenant, whose
+/// instance would meet the same stray workload. (Released, its bookings ended and nothing held
+/// the GPU: the pass skips released reservations.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_overlap_released_before_the_pass_still_holds_its_devices() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let p = pool(&app).await;
+    let acme = app.member("acme");
+    let refused = refused_overlap(&app, &p, &acme).await;
+    let released = app
+        .ok(
+            &acme,
+            "mutation($i: ReservationActionInput!) { releaseReservation(input: $i) { reservation { state } } }",
+            json!({ "i": { "id": refused.rsv } }),
+        )
+        .await;
+    assert_eq!(
+        released["releaseReservation"]["reservation"]["state"],
+        "RELEASED"
+    );
+    let db = &app.db.db;
+    let held: Vec<(String, bool, String)> = sqlx::query_as(
+        "SELECT reason, allocation_id IS NULL, to_char(upper(during) AT TIME ZONE 'UTC', 'HH24:MI') \
+           FROM device_bookings WHERE atom = $1 AND upper(during) > compute_now()",
+    )
+    .bind(&refused.atom)
+    .fetch_all(db.pool())
+    .await
+    .expect("bookings");
+    assert_eq!(
+        held,
+        [("overlap_hold".to_owned(), true, "02:00".to_owned())]
+    );
+    let mut reconciler = compute_workers::Reconciler::new(db.clone(), "worker-overlap");
+    let pass = reconciler.pass().await.expect("pass");
+    assert_eq!(pass.failed, 0, "released, not failed: {pass:?}");
+    // Placement gives out every other GPU of h100-a, never the held one.
+    let gpus: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM devices WHERE node_id = $1 AND retired_at IS NULL",
+    )
+    .bind(&refused.node)
+    .fetch_one(db.pool())
+    .await
+    .expect("gpus");
+    for k in 0..gpus {
+        let d = app
+            .ok(
+                &acme,
+                CREATE,
+                input(&p.pool, &format!("next-{k}"), refused.one_on_a.clone()),
+            )
+            .await;
+        let placed = &d["createReservation"]["reservation"];
+        assert_ne!(
+            placed["allocations"][0]["atoms"][0].as_str(),
+            Some(refused.atom.as_str()),
+            "{d}"
+        );
+    }
 }

@@ -1181,7 +1181,7 @@ async fn a_lost_node_fails_its_reservations() {
     assert_eq!(d["reservation"]["endedAt"], "2031-01-01T00:01:00+00:00");
     assert_eq!(
         d["reservation"]["conditions"][0]["message"],
-        "its node h100-a was lost"
+        format!("its node {} was lost", p.nodes[0])
     );
     assert_eq!(
         (used(&app, "gpu").await, allocated_vcpu(&app).await),
@@ -2771,4 +2771,165 @@ async fn an_extension_grows_its_bookings_in_atom_order_and_never_deadlocks_with_
         }
         other => panic!("refused CONFLICT, not a deadlock: {other:?}"),
     }
+}
+
+/// An extension is new time, which placement would not book on a cordoned node or a
+/// quarantined GPU: refused `CONFLICT` naming the node or the GPU, the reservation keeping its
+/// end; once the operator lifts the cordon and the quarantine, it extends.
+#[tokio::test]
+async fn an_extension_is_refused_on_a_cordoned_node_or_a_quarantined_gpu() {
+    let (app, p, member) = setup().await;
+    let op = app.operator();
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(&p.pool, "x", json!([{ "gpuCount": 1, "model": "H100" }])),
+        )
+        .await;
+    let id = d["createReservation"]["reservation"]["id"].clone();
+    let atom = d["createReservation"]["reservation"]["allocations"][0]["atoms"][0]
+        .as_str()
+        .expect("atom")
+        .to_owned();
+    let node = &p.nodes[0];
+    let extend = |key: &str| json!({ "i": { "id": id, "endsAt": "2031-01-01T03:00:00Z", "idempotencyKey": key } });
+    app.ok(
+        &op,
+        "mutation($id: ID!) { cordonNode(input: { id: $id }) { computeNode { cordoned } } }",
+        json!({ "id": node }),
+    )
+    .await;
+    let (code, error) = app.fails(&member, EXTEND, extend("cordoned")).await;
+    assert_eq!(code, "CONFLICT", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains(&format!("node {node} is cordoned")),
+        "{error}"
+    );
+    app.ok(
+        &op,
+        "mutation($id: ID!) { uncordonNode(input: { id: $id }) { computeNode { cordoned } } }",
+        json!({ "id": node }),
+    )
+    .await;
+    let (device,): (String,) = sqlx::query_as("SELECT device_id FROM device_atoms WHERE name = $1")
+        .bind(&atom)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("device");
+    app.ok(
+        &op,
+        "mutation($i: QuarantineDeviceInput!) { quarantineDevice(input: $i) { device { quarantined } } }",
+        json!({ "i": { "id": device, "reason": "flaky memory" } }),
+    )
+    .await;
+    let (code, error) = app.fails(&member, EXTEND, extend("quarantined")).await;
+    assert_eq!(code, "CONFLICT", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains(&format!("GPU {atom} is quarantined")),
+        "{error}"
+    );
+    app.ok(
+        &op,
+        "mutation($i: UnquarantineDeviceInput!) { unquarantineDevice(input: $i) { device { quarantined } } }",
+        json!({ "i": { "id": device } }),
+    )
+    .await;
+    let d = app.ok(&member, EXTEND, extend("clear")).await;
+    assert_eq!(
+        d["extendReservation"]["reservation"]["endsAt"],
+        "2031-01-01T03:00:00+00:00"
+    );
+}
+
+/// A transaction that moves two reservations wakes their instances at its commit in key order,
+/// whatever order it moved the reservations in (migration 0048, as 0042 for commands): against
+/// an instance batch's finish holding the first instance's `work_queue` row and reaching for
+/// the second's, the commit waits for the first row and holds no other, so both go through.
+/// (Enqueued in the order the reservations moved, the commit took the second instance's row,
+/// waited for the first, and PostgreSQL rolled one of the two back as a deadlock.)
+#[tokio::test]
+async fn reservations_moved_together_wake_their_instances_in_key_order_at_commit() {
+    let (app, p, member) = setup().await;
+    let pool = app.db.db.pool();
+    let mut ids = Vec::new();
+    for (key, instance) in [("ra", "ins_rv_a"), ("rb", "ins_rv_b")] {
+        let d = app
+            .ok(
+                &member,
+                CREATE,
+                input(&p.pool, key, json!([{ "gpuCount": 1, "model": "H100" }])),
+            )
+            .await;
+        let id = d["createReservation"]["reservation"]["id"]
+            .as_str()
+            .expect("id")
+            .to_owned();
+        sqlx::query(
+            "INSERT INTO instances (id, tenant_id, reservation_id, allocation_id, node_id, image, state, created_by, started_at)
+             SELECT $2, 'acme', a.reservation_id, a.id, a.node_id, 'img', 'running', 'test', compute_now()
+               FROM allocations a WHERE a.reservation_id = $1",
+        )
+        .bind(&id)
+        .bind(instance)
+        .execute(pool)
+        .await
+        .expect("a running instance");
+        ids.push(id);
+    }
+    sqlx::query("SELECT compute_enqueue('instance', ARRAY['ins_rv_a', 'ins_rv_b'], 8, 0)")
+        .execute(pool)
+        .await
+        .expect("the instances' rows");
+    let generation = || async {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT key, gen FROM work_queue WHERE kind = 'instance' AND key LIKE 'ins_rv_%' ORDER BY key",
+        )
+        .fetch_all(pool)
+        .await
+        .expect("generations")
+    };
+    let before = generation().await;
+    // The mover: B's reservation, then A's.
+    let mut mover = pool.begin().await.expect("begin");
+    for id in [&ids[1], &ids[0]] {
+        sqlx::query("UPDATE reservations SET ends_at = ends_at + interval '1 hour' WHERE id = $1")
+            .bind(id)
+            .execute(&mut *mover)
+            .await
+            .expect("a reservation moves");
+    }
+    // The finish: A's row first, in key order.
+    let mut finish = pool.begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM work_queue WHERE kind = 'instance' AND key = 'ins_rv_a' FOR UPDATE")
+        .execute(&mut *finish)
+        .await
+        .expect("A's row");
+    let committed = tokio::spawn(mover.commit());
+    app.until_lock_waiters(1).await;
+    sqlx::query("SELECT 1 FROM work_queue WHERE kind = 'instance' AND key = 'ins_rv_b' FOR UPDATE")
+        .execute(&mut *finish)
+        .await
+        .expect("B's row: the mover holds no row but the one it waits for");
+    finish.commit().await.expect("the finish commits");
+    committed
+        .await
+        .expect("join")
+        .expect("the mover commits: no deadlock");
+    let after = generation().await;
+    assert_eq!(
+        after
+            .iter()
+            .zip(&before)
+            .map(|((k, a), (_, b))| (k.as_str(), a - b))
+            .collect::<Vec<_>>(),
+        [("ins_rv_a", 1), ("ins_rv_b", 1)],
+        "each instance woken once"
+    );
 }
