@@ -50,6 +50,7 @@ DECLARE
     v_taken      text[];
     v_planned    text[];
     v_fits       boolean;
+    v_grouped    boolean;
 BEGIN
     SELECT p.id, p.name, r.gang_colocate, r.gang_label, r.gang_spread
       INTO v_pool_id, v_pool_name, v_colocate, v_label, v_spread
@@ -113,6 +114,7 @@ BEGIN
     v_lost := '{}';
     LOOP
         v_plan := '[]';
+        v_grouped := false;
         v_taken := '{}';
         v_gang_nodes := '{}';
         v_reason := NULL;
@@ -196,6 +198,7 @@ BEGIN
                                                    'slots', v_alloc.slots_per_gpu,
                                                    'nvl', v_alloc.same_nvlink_domain, 'numa', v_alloc.same_numa_node);
             v_taken := v_taken || v_atoms;
+            v_grouped := v_grouped OR v_alloc.same_nvlink_domain OR v_alloc.same_numa_node;
             v_gang_nodes := v_gang_nodes || v_node;
         END LOOP;
         -- No node for an allocation: this group cannot take the reservation.
@@ -228,14 +231,18 @@ BEGIN
             END IF;
             -- An allocation that keeps its GPUs together still has them in one NVLink domain or
             -- NUMA node, as the locked rows now say (grouped as `compute_free_atoms` groups).
-            IF EXISTS (SELECT 1 FROM jsonb_array_elements(v_plan) p
-                        WHERE ((p->>'nvl')::boolean OR (p->>'numa')::boolean)
-                          AND (SELECT min(g.grp) IS DISTINCT FROM max(g.grp)
-                                 FROM (SELECT concat_ws('/', CASE WHEN (p->>'nvl')::boolean THEN coalesce('nvl:' || d.nvlink_domain, 'gpu:' || d.id) END,
-                                                             CASE WHEN (p->>'numa')::boolean THEN coalesce('numa:' || d.numa_node, 'gpu:' || d.id) END) AS grp
-                                         FROM jsonb_array_elements_text(p->'atoms') x(atom)
-                                         JOIN device_atoms a ON a.name = x.atom JOIN devices d ON d.id = a.device_id) g)) THEN
-                RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU''s NVLink domain or NUMA node changed';
+            -- Only a plan with such an allocation runs the statement (the others, most
+            -- creates, pay for a variable's test).
+            IF v_grouped THEN
+                IF EXISTS (SELECT 1 FROM jsonb_array_elements(v_plan) p
+                            WHERE ((p->>'nvl')::boolean OR (p->>'numa')::boolean)
+                              AND (SELECT min(g.grp) IS DISTINCT FROM max(g.grp)
+                                     FROM (SELECT concat_ws('/', CASE WHEN (p->>'nvl')::boolean THEN coalesce('nvl:' || d.nvlink_domain, 'gpu:' || d.id) END,
+                                                                 CASE WHEN (p->>'numa')::boolean THEN coalesce('numa:' || d.numa_node, 'gpu:' || d.id) END) AS grp
+                                             FROM jsonb_array_elements_text(p->'atoms') x(atom)
+                                             JOIN device_atoms a ON a.name = x.atom JOIN devices d ON d.id = a.device_id) g)) THEN
+                    RAISE EXCEPTION USING ERRCODE = 'CPLR0', MESSAGE = 'a GPU''s NVLink domain or NUMA node changed';
+                END IF;
             END IF;
             -- In atom order, as the atoms were locked: two placements that chose some of the
             -- same atoms wait for each other at the first (the join's order was the plan's,

@@ -96,6 +96,10 @@ struct Inner {
     machine: Mutex<Option<Discovered>>,
 }
 
+/// How long a stop (or a drain) waits for a workload's start to return before it fails
+/// `STILL_STARTING`.
+const START_WAIT: Duration = Duration::from_secs(300);
+
 /// A `run_instance`'s start in flight, known to stops (`Inner::starting`) until dropped.
 struct StartingGuard {
     agent: Agent,
@@ -122,12 +126,20 @@ impl StartingGuard {
 
 impl Drop for StartingGuard {
     fn drop(&mut self) {
-        self.agent
+        // Its own entry only: a later start of the same instance id (after this one failed)
+        // may have put its own there.
+        let mut starting = self
+            .agent
             .0
             .starting
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.instance);
+            .unwrap_or_else(|p| p.into_inner());
+        if starting
+            .get(&self.instance)
+            .is_some_and(|r| r.same_channel(&self._over.subscribe()))
+        {
+            starting.remove(&self.instance);
+        }
     }
 }
 
@@ -363,7 +375,9 @@ impl Agent {
                 recorded,
             } => {
                 debug!(command = %command_id, recorded, "result recorded by the control plane");
-                if let Err(e) = self.0.journal.result_recorded(&command_id) {
+                // Only a result the control plane holds: `recorded: false` (the command is not
+                // this session's now) means it comes again, and the journal must answer it.
+                if recorded && let Err(e) = self.0.journal.result_recorded(&command_id) {
                     warn!(command = %command_id, error = %e, "cannot note that a result was recorded; the command is kept");
                 }
                 vec![]
@@ -831,8 +845,22 @@ impl Agent {
                 instance,
                 "the workload is starting: the stop waits for its start to end"
             );
-            // Err once the start is over and its sender dropped: that is the wait's end.
-            let _ = start.changed().await;
+            // Err once the start is over and its sender dropped: that is the wait's end. A
+            // start that never returns (a pull or a podman that hangs) fails the stop after
+            // `START_WAIT` instead of holding it (and a drain) for good: the workload is not
+            // known to be stopped, and the start still stops it if it ever returns.
+            if tokio::time::timeout(START_WAIT, start.changed())
+                .await
+                .is_err()
+            {
+                return Err(Failure::new(
+                    "STILL_STARTING",
+                    format!(
+                        "the workload is still starting after {} s; it is stopped as soon as its start returns: try the stop again later",
+                        START_WAIT.as_secs()
+                    ),
+                ));
+            }
         }
         // Read again: a start that ended meanwhile recorded the pid or container to stop.
         let w = self

@@ -518,12 +518,18 @@ impl Journal {
         state: WorkloadState,
     ) -> Result<bool> {
         let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+        // An end (a start that failed, or never happened) gets its time, as `workload_ended`
+        // records it: the cleanup finds ended workloads by it.
         let n = self.conn().execute(
-            "UPDATE workloads SET state = ?2 WHERE instance_id = ?1 AND state IN (SELECT value FROM json_each(?3))",
+            "UPDATE workloads SET state = ?2,
+                    ended_at = CASE WHEN ?2 IN ('stopped', 'exited') THEN coalesce(ended_at, ?4) ELSE ended_at END
+              WHERE instance_id = ?1 AND state IN (SELECT value FROM json_each(?3))",
+            // check-sql-now: allow (the agent's own SQLite journal; the control plane gets ages)
             params![
                 instance,
                 state.as_str(),
-                serde_json::to_string(&from).unwrap_or_default()
+                serde_json::to_string(&from).unwrap_or_default(),
+                now()
             ],
         )?;
         Ok(n == 1)
@@ -720,6 +726,17 @@ mod tests {
         assert!(j.command("cmd_unrecorded").expect("read").is_some());
         assert!(j.command("cmd_running").expect("read").is_some());
 
+        // A start that failed: moved from `starting` to `stopped`, with its end's time.
+        j.workload_starting("failed_start", "c0", "process", &[], "/tmp/x.log")
+            .expect("starting");
+        assert!(
+            j.workload_move(
+                "failed_start",
+                &[WorkloadState::Starting],
+                WorkloadState::Stopped
+            )
+            .expect("move")
+        );
         for (id, cmd) in [
             ("stopped", "c1"),
             ("exited_reported", "c2"),
@@ -749,7 +766,7 @@ mod tests {
             .into_iter()
             .map(|w| w.instance_id)
             .collect();
-        assert_eq!(old, ["exited_reported", "stopped"]);
+        assert_eq!(old, ["exited_reported", "failed_start", "stopped"]);
         assert!(j.ended_before(now() - 60.0).expect("ended").is_empty());
         j.forget_workload("stopped").expect("forget");
         j.forget_workload("live").expect("a live one is kept");
@@ -800,7 +817,8 @@ mod tests {
         assert_eq!(unreported, ["drained"]);
     }
 
-    /// A journal written before `commands.recorded` existed opens, and gains the column.
+    /// A journal written before `commands.recorded` and `workloads.drained_by` existed opens,
+    /// and gains both columns.
     #[test]
     fn a_journal_from_before_the_recorded_column_opens() {
         let d = dir("old-schema");
@@ -811,13 +829,25 @@ mod tests {
                     retry_safe INTEGER NOT NULL, step TEXT NOT NULL CHECK (step IN ('received', 'started', 'finished')),
                     executions INTEGER NOT NULL DEFAULT 0, result TEXT, received_at REAL NOT NULL, finished_at REAL,
                     CHECK ((step = 'finished') = (result IS NOT NULL))) STRICT;
-                 INSERT INTO commands (id, kind, args, retry_safe, step, received_at) VALUES ('cmd_old', 'noop', '{}', 0, 'received', 1);",
+                 INSERT INTO commands (id, kind, args, retry_safe, step, received_at) VALUES ('cmd_old', 'noop', '{}', 0, 'received', 1);
+                 CREATE TABLE workloads (instance_id TEXT PRIMARY KEY, command_id TEXT NOT NULL, runtime TEXT NOT NULL,
+                    devices TEXT NOT NULL, pid INTEGER, start_time INTEGER, container_id TEXT,
+                    state TEXT NOT NULL CHECK (state IN ('starting', 'running', 'stopping', 'exited', 'stopped')),
+                    exit_code INTEGER, signal INTEGER, ended_at REAL, exit_reported INTEGER NOT NULL DEFAULT 0, log_path TEXT) STRICT;
+                 INSERT INTO workloads (instance_id, command_id, runtime, devices, state) VALUES ('ins_old', 'cmd_old', 'process', '[]', 'running');",
             )
             .expect("old schema");
         }
         let j = Journal::open(&d).expect("open");
         assert!(j.command("cmd_old").expect("read").is_some());
         assert_eq!(j.forget_recorded_commands(now() + 60.0).expect("forget"), 0);
+        // The workloads table gained `drained_by`: a drain marks the old workload.
+        assert!(j.workload_draining("ins_old", "cmd_drain").expect("drain"));
+        assert_eq!(
+            j.workload_ended("ins_old", None, Some(15), now())
+                .expect("ended"),
+            Some(WorkloadState::Exited)
+        );
     }
 
     #[test]

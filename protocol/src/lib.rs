@@ -71,8 +71,9 @@ pub enum FromDaemon {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         traceparent: Option<String>,
     },
-    /// An instance's workload ended without being asked to (it exited, or a signal killed
-    /// it). Sent until the gateway answers `exitRecorded`, in this session or a later one.
+    /// An instance's workload ended without its instance asking (it exited, a signal killed
+    /// it, or a `drain_workloads` stopped it). Sent until the gateway answers `exitRecorded`,
+    /// in this session or a later one.
     #[serde(rename_all = "camelCase")]
     Exited {
         instance_id: String,

@@ -232,9 +232,7 @@ pub struct UpdateEventSinkInput {
     url: Option<String>,
     /// The event types to deliver from now on (all when empty).
     types: Option<Vec<String>>,
-    /// `false` pauses delivery; `true` resumes it at once, clearing the failure count. Resuming
-    /// a paused sink makes you its owner: it delivers as long as your grants cover it (a sink
-    /// paused because its creator's access was revoked or expired resumes under yours).
+    /// `false` pauses delivery; `true` resumes it at once, clearing the failure count.
     active: Option<bool>,
     /// Events per POST from now on, 1 to 100.
     batch_size: Option<i32>,
@@ -298,7 +296,7 @@ impl SinkMutation {
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updateEventSink`.")] input: UpdateEventSinkInput,
     ) -> GqlResult<UpdateEventSinkPayload> {
-        let (scope, subject) = scope(ctx)?;
+        let (scope, _) = scope(ctx)?;
         let id = sink_id("id", &input.id)?;
         let sink = sinks::update(
             db(ctx)?,
@@ -310,7 +308,6 @@ impl SinkMutation {
                 active: input.active,
                 batch_size: input.batch_size,
                 expected_version: input.expected_version,
-                by: Some(subject),
             },
         )
         .await?;

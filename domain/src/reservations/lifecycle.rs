@@ -1070,20 +1070,21 @@ async fn extend_effect(
             });
         }
     }
-    // An extension is new time on its nodes and GPUs, which placement would not book now: a
-    // node the operator cordoned, is draining or retiring, or that is unreachable or lost; a
-    // GPU unhealthy or quarantined. Read without locks (a health change holds its GPU while it
+    // An extension is new time on its nodes and GPUs, which the operator is taking out of
+    // service: a node cordoned (a drain cordons it) or retired, or lost; a GPU unhealthy or
+    // quarantined. Not a node that is only unreachable: a partition of a minute must not stop
+    // a tenant extending what still runs (its reservations are kept and billed meanwhile). Read without locks (a health change holds its GPU while it
     // waits for this reservation's row: locking the GPU here would close that cycle); one that
     // commits after this read tells the reservation as it tells any holder.
     let out_of_service = sqlx::query_scalar!(
         r#"SELECT DISTINCT CASE
-                    WHEN NOT compute_node_schedulable(n.lifecycle, n.reachability)
+                    WHEN n.lifecycle <> 'active' OR n.reachability = 'lost'
                     THEN format('node %s is %s', n.id, CASE WHEN n.lifecycle <> 'active' THEN n.lifecycle ELSE n.reachability END)
                     ELSE format('GPU %s is %s', d.uuid, CASE WHEN d.quarantined THEN 'quarantined' ELSE d.health END) END AS "why!"
              FROM allocations a JOIN nodes n ON n.id = a.node_id
              JOIN device_bookings b ON b.allocation_id = a.id JOIN devices d ON d.id = b.device_id
             WHERE a.reservation_id = $1
-              AND NOT (compute_node_schedulable(n.lifecycle, n.reachability) AND compute_device_schedulable(d.health, d.quarantined))
+              AND (n.lifecycle <> 'active' OR n.reachability = 'lost' OR NOT compute_device_schedulable(d.health, d.quarantined))
             ORDER BY 1"#,
         id.as_str(),
     )

@@ -292,14 +292,9 @@ pub struct SinkChange {
     pub active: Option<bool>,
     pub batch_size: Option<i32>,
     pub expected_version: Option<i64>,
-    /// Who makes the change: a sink it re-activates (paused, say, because its creator's access
-    /// was revoked or expired) becomes its (`created_by`), so the grants of the one who turned
-    /// it on keep it going from then on, and their revocation pauses it.
-    pub by: Option<String>,
 }
 
-/// Changes a sink. Re-activating a sink clears its failures, so it is tried at once, and makes
-/// the one who re-activates it its owner (`SinkChange::by`).
+/// Changes a sink. Re-activating a sink clears its failures, so it is tried at once.
 #[tracing::instrument(level = "debug", skip_all, fields(sink = %id))]
 pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> Result<Sink> {
     if let Some(url) = &change.url {
@@ -321,7 +316,6 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
                         failures = CASE WHEN $4 THEN 0 ELSE failures END, \
                         next_attempt_at = CASE WHEN $4 THEN NULL ELSE next_attempt_at END, \
                         state = CASE WHEN $4 AND state = 'failing' THEN 'healthy' ELSE state END, \
-                        created_by = CASE WHEN $4 AND NOT active AND $8::text IS NOT NULL THEN $8 ELSE created_by END, \
                         version = version + 1, updated_at = compute_now() \
                   WHERE id = $1 AND ($5::bigint IS NULL OR version = $5) \
                     AND ($6::text IS NULL OR tenant_id = $6)",
@@ -332,7 +326,6 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
                 change.expected_version,
                 scope.tenant_id.as_ref().map(TenantId::as_str),
                 change.batch_size,
-                change.by,
             )
             .execute(&mut *conn)
             .await?;
@@ -702,13 +695,19 @@ pub async fn prune_outbox(
     hard_max_age: std::time::Duration,
 ) -> Result<u64> {
     // The slowest reader that must not lose events: an active sink, or the usage meter, which
-    // reads reservations' changes after its checked position to correct closed windows (it
-    // read past the retention's front would miss a late release, and bill the old end).
+    // reads reservations' changes after its checked position to correct closed windows (read
+    // past the retention's front, it would miss a late release and bill the old end). The
+    // meter reads only `reservation.*` events, and its position moves only with them: it holds
+    // back the first such event after its position, not the other events around it (`seq - 1`
+    // is just before that event in the `(txid, seq)` order).
     let slowest = sqlx::query!(
         r#"SELECT x.txid::text::bigint AS "txid!", x.seq AS "seq!" FROM (
              SELECT c.txid, c.seq FROM outbox_cursors c JOIN event_sinks s ON s.id = c.sink_id WHERE s.active
              UNION ALL
-             SELECT m.checked_txid, m.checked_seq FROM usage_meter m
+             SELECT o.txid, o.seq - 1 FROM usage_meter m
+               CROSS JOIN LATERAL (SELECT o.txid, o.seq FROM outbox o
+                                    WHERE (o.txid, o.seq) > (m.checked_txid, m.checked_seq) AND starts_with(o.type, 'reservation.')
+                                    ORDER BY o.txid, o.seq LIMIT 1) o
               WHERE m.closed_through IS NOT NULL AND m.checked_txid IS NOT NULL AND m.checked_seq IS NOT NULL) x
           ORDER BY x.txid, x.seq LIMIT 1"#,
     )

@@ -1239,10 +1239,10 @@ async fn a_grant_to_a_service_account_locks_the_account_before_the_principal() {
 
 /// A service account's event sink is paused when the account expires, as when it is revoked:
 /// an expired token holds nothing (the reconciler's pass pauses it, with its
-/// `event_sink.updated` event). A member who resumes it becomes its owner, so it delivers
-/// under the member's grants and the next pass leaves it on.
+/// `event_sink.updated` event), and a member who resumes it sees it paused again at the next
+/// pass (level-triggered).
 #[tokio::test]
-async fn an_expired_service_accounts_sinks_are_paused_and_resumed_sinks_change_owner() {
+async fn an_expired_service_accounts_sinks_are_paused_at_every_pass() {
     let app = spawn_app().await;
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let admin = admin(&app);
@@ -1296,7 +1296,7 @@ async fn an_expired_service_accounts_sinks_are_paused_and_resumed_sinks_change_o
     .await
     .expect("events");
     assert_eq!(updated, 1);
-    // A member of acme resumes it: theirs now, and it stays on.
+    // A member of acme resumes it: the next pass pauses it again.
     let member = app.member("acme");
     app.ok(
         &member,
@@ -1304,9 +1304,7 @@ async fn an_expired_service_accounts_sinks_are_paused_and_resumed_sinks_change_o
         json!({ "i": { "id": sink, "active": true } }),
     )
     .await;
-    let (active, owner) = state().await;
-    assert!(active);
-    assert_ne!(owner, account, "the member owns it now");
-    assert_eq!(reconciler.pass().await.expect("pass").sinks_paused, 0);
-    assert!(state().await.0, "the next pass leaves it on");
+    assert_eq!(state().await, (true, account.clone()));
+    assert_eq!(reconciler.pass().await.expect("pass").sinks_paused, 1);
+    assert_eq!(state().await, (false, account), "paused again");
 }
