@@ -1073,9 +1073,10 @@ async fn extend_effect(
     // An extension is new time on its nodes and GPUs, which the operator is taking out of
     // service: a node cordoned (a drain cordons it) or retired, or lost; a GPU unhealthy or
     // quarantined. Not a node that is only unreachable: a partition of a minute must not stop
-    // a tenant extending what still runs (its reservations are kept and billed meanwhile). Read without locks (a health change holds its GPU while it
-    // waits for this reservation's row: locking the GPU here would close that cycle); one that
-    // commits after this read tells the reservation as it tells any holder.
+    // a tenant extending what still runs (its reservations are kept and billed meanwhile).
+    // Read without locks (a health change holds its GPU while it waits for this reservation's
+    // row: locking the GPU here would close that cycle); one that commits after this read
+    // tells the reservation as it tells any holder.
     let out_of_service = sqlx::query_scalar!(
         r#"SELECT DISTINCT CASE
                     WHEN n.lifecycle <> 'active' OR n.reachability = 'lost'
