@@ -1025,3 +1025,69 @@ fn machine_messages(m: &Discovered) -> Vec<FromDaemon> {
     }));
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A result the control plane answers `recorded: false` to (the command is not this
+    /// session's any more: it will come again) stays in the journal whatever its age, so the
+    /// command sent again is answered from it and never run twice; `recorded: true` lets the
+    /// cleanup forget it.
+    #[test]
+    fn only_a_result_recorded_by_the_control_plane_may_be_forgotten() {
+        let dir =
+            std::env::temp_dir().join(format!("compute-agent-recorded-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let journal = Journal::open(&dir).expect("journal");
+        journal
+            .receive("cmd_1", CommandKind::Noop, &json!({}), false)
+            .expect("receive");
+        assert!(journal.start("cmd_1").expect("start"));
+        journal
+            .finish("cmd_1", &FromDaemon::succeeded("cmd_1", json!({})))
+            .expect("finish");
+        let runtime = Runtime {
+            kind: crate::runtime::Kind::Process,
+            state_dir: dir.clone(),
+            run_as: None,
+            podman: "podman".into(),
+            podman_global_args: vec![],
+            podman_run_args: vec![],
+            cdi_dirs: vec![],
+        };
+        let settings = Settings {
+            default_grace: Duration::from_secs(1),
+            nvidia_smi: "nvidia-smi".into(),
+            fault: None,
+        };
+        let (agent, _out) = Agent::new(journal, runtime, settings, Arc::new(Metrics::new()));
+        let later = sys::now() + 60.0;
+        agent.handle(ToDaemon::Recorded {
+            command_id: "cmd_1".into(),
+            recorded: false,
+        });
+        assert_eq!(
+            agent
+                .0
+                .journal
+                .forget_recorded_commands(later)
+                .expect("forget"),
+            0
+        );
+        agent.handle(ToDaemon::Recorded {
+            command_id: "cmd_1".into(),
+            recorded: true,
+        });
+        assert_eq!(
+            agent
+                .0
+                .journal
+                .forget_recorded_commands(later)
+                .expect("forget"),
+            1
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
