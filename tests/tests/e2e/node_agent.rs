@@ -706,16 +706,7 @@ async fn a_missing_program_fails_its_instance_and_a_drain_ends_the_others() {
         starts(&out.join("starts")).first().copied()
     })
     .await;
-    let cmd = app
-        .ok(
-            &app.operator(),
-            RUN,
-            json!({ "i": { "computeNodeId": node, "kind": "DRAIN_WORKLOADS", "idempotencyKey": "drain", "args": { "graceSeconds": 2 } } }),
-        )
-        .await["runCommand"]["command"]["id"]
-        .as_str()
-        .expect("command")
-        .to_owned();
+    let cmd = drain(&app, &node, 2).await;
     let done = command_end(&app, &mut workers, &cmd).await;
     assert_eq!(done["state"], "SUCCEEDED", "{done}");
     assert_eq!(done["result"]["stopped"], json!([id]), "{done}");
@@ -884,6 +875,19 @@ async fn run_as_starts_the_workload_as_that_user_and_keeps_the_state_private() {
     app.ok(&acme, STOP, json!({ "i": { "id": id } })).await;
     step_until(&app, &mut workers, &id, "STOPPED").await;
     stop_agent(agent).await;
+}
+
+/// An operator's `drain_workloads` of `node` with `grace` seconds; the command's id.
+async fn drain(app: &TestApp, node: &str, grace: u32) -> String {
+    app.ok(
+        &app.operator(),
+        RUN,
+        json!({ "i": { "computeNodeId": node, "kind": "DRAIN_WORKLOADS", "idempotencyKey": "drain", "args": { "graceSeconds": grace } } }),
+    )
+    .await["runCommand"]["command"]["id"]
+    .as_str()
+    .expect("command")
+    .to_owned()
 }
 
 /// Steps the workers until command `id` ends; the command.
@@ -1298,16 +1302,7 @@ async fn a_drain_that_finds_a_workload_starting_answers_once_it_is_stopped() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let cmd = app
-        .ok(
-            &app.operator(),
-            RUN,
-            json!({ "i": { "computeNodeId": node, "kind": "DRAIN_WORKLOADS", "idempotencyKey": "drain", "args": { "graceSeconds": 2 } } }),
-        )
-        .await["runCommand"]["command"]["id"]
-        .as_str()
-        .expect("command")
-        .to_owned();
+    let cmd = drain(&app, &node, 2).await;
     let done = command_end(&app, &mut workers, &cmd).await;
     assert_eq!(done["state"], "SUCCEEDED", "{done}");
     assert_eq!(done["result"]["stopped"], json!([made]), "{done}");
@@ -1431,16 +1426,7 @@ async fn a_daemon_killed_in_the_middle_of_a_drain_reports_every_drained_workload
     .await;
     step_until(&app, &mut workers, &quick, "RUNNING").await;
     step_until(&app, &mut workers, &stubborn, "RUNNING").await;
-    let cmd = app
-        .ok(
-            &app.operator(),
-            RUN,
-            json!({ "i": { "computeNodeId": node, "kind": "DRAIN_WORKLOADS", "idempotencyKey": "drain", "args": { "graceSeconds": 6 } } }),
-        )
-        .await["runCommand"]["command"]["id"]
-        .as_str()
-        .expect("command")
-        .to_owned();
+    let cmd = drain(&app, &node, 6).await;
     // Until the quick one has ended in the journal (the stubborn one waits out its grace).
     let started = tokio::time::Instant::now();
     loop {
