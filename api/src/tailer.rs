@@ -42,6 +42,9 @@ pub struct StreamConfig {
     pub keep_alive: Duration,
     /// How many subscriptions one WebSocket connection may run at once.
     pub max_operations: usize,
+    /// The shortest interval between two items of a `poolCapacity` stream that is not an
+    /// operator's of the pool: each item is the pool after every change of its interval.
+    pub pool_capacity_pace: Duration,
 }
 
 impl Default for StreamConfig {
@@ -53,6 +56,7 @@ impl Default for StreamConfig {
             init_timeout: Duration::from_secs(10),
             keep_alive: Duration::from_secs(15),
             max_operations: 100,
+            pool_capacity_pace: Duration::from_secs(1),
         }
     }
 }

@@ -661,7 +661,9 @@ impl SubscriptionRoot {
 
     /// A pool as it is after each change that can move its capacity: a reservation placed,
     /// started, ended or released on it, a node of it changed, or a device of one of its nodes
-    /// changed. Select `capacity` (and `capacity(window:)`) for a dashboard.
+    /// changed. Select `capacity` (and `capacity(window:)`) for a dashboard. An operator of the
+    /// pool gets an item for each change; anyone else at most one a second, the pool after every
+    /// change of that second, so a member cannot watch other tenants' reservations one by one.
     async fn pool_capacity(
         &self,
         ctx: &Context<'_>,
@@ -686,28 +688,125 @@ impl SubscriptionRoot {
         }
         // The cursor first, then the pool's nodes: a node that joins in between is seen by its
         // `node.registered` event, after the cursor.
+        // An operator of the pool sees every change; anyone else at most one item per
+        // `pool_capacity_pace`, the pool after all the changes of that interval, so a member
+        // learns no more of other tenants' activity than polling `pool` would show.
+        let every_change = crate::graph::require_operator_on(
+            ctx,
+            compute_domain::authz::Target::Pool(pid.clone()),
+        )
+        .await
+        .is_ok();
+        let pace = tailer(ctx)?.config().pool_capacity_pace;
         let cursor = start(ctx, after).await?;
         let nodes = compute_domain::fleet::node_ids_of_pool(&db, &pid).await?;
         let mut relevance = PoolRelevance {
             pool_id: pid.clone(),
             nodes: nodes.into_iter().collect(),
         };
+        let reload = move || {
+            let (db, pid) = (db.clone(), pid.clone());
+            async move {
+                let mut found = compute_domain::fleet::get_pools(&db, &[pid]).await?;
+                Ok(found.pop().map(crate::graph::fleet::PoolObj))
+            }
+        };
         // Fleet events are not a tenant's, so this follows every event and keeps those about
         // the pool: one stream for the whole dashboard tile, never one per node.
-        follow_object(
-            ctx,
-            cursor,
-            EventFilter::default(),
-            move |event| relevance.concerns(event),
-            move || {
-                let (db, pid) = (db.clone(), pid.clone());
+        let feed = tailer(ctx)?.feed(cursor, EventFilter::default());
+        let position = ctx.data_opt::<StreamPosition>().cloned();
+        Ok(if every_change {
+            follow(feed, position, move |event| {
+                let fetch = relevance.concerns(&event).then(&reload);
                 async move {
-                    let mut found = compute_domain::fleet::get_pools(&db, &[pid]).await?;
-                    Ok(found.pop().map(crate::graph::fleet::PoolObj))
+                    match fetch {
+                        Some(fut) => fut.await,
+                        None => Ok(None),
+                    }
                 }
-            },
-        )
+            })
+            .left_stream()
+        } else {
+            follow_paced(
+                feed,
+                position,
+                move |event| relevance.concerns(event),
+                reload,
+                pace,
+            )
+            .right_stream()
+        })
     }
+}
+
+/// The items of a follow-one-object subscription at most once per `pace`: the first event
+/// `wanted` keeps opens an interval, every event until it closes is read (and given to
+/// `wanted`), then one item, the object as it is then (`reload`), at the position of the last
+/// event kept. Events that arrive together (a catch-up, a busy second) make one item.
+fn follow_paced<T, W, R, Fut>(
+    feed: Feed,
+    position: Option<StreamPosition>,
+    wanted: W,
+    reload: R,
+    pace: std::time::Duration,
+) -> impl Stream<Item = async_graphql::Result<T>> + use<T, W, R, Fut>
+where
+    T: Send + 'static,
+    W: FnMut(&Event) -> bool + Send + 'static,
+    R: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = compute_domain::Result<Option<T>>> + Send + 'static,
+{
+    type Step<T> = Option<async_graphql::Result<T>>;
+    futures_util::stream::unfold(
+        (feed, wanted, reload, false),
+        move |(mut feed, mut wanted, reload, done)| {
+            let position = position.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                // `Feed::next` is cancel-safe (its cursor moves only with an event handed
+                // out), so the interval's timer may interrupt it.
+                let outcome: Step<T> = 'item: loop {
+                    let mut last = loop {
+                        match feed.next().await {
+                            Ok(Some(e)) if wanted(&e) => break e.cursor,
+                            Ok(Some(_)) => continue,
+                            Ok(None) => break 'item None,
+                            Err(e) => break 'item Some(Err(gql_error(e).into())),
+                        }
+                    };
+                    let closes = tokio::time::Instant::now() + pace;
+                    loop {
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(closes) => break,
+                            next = feed.next() => match next {
+                                Ok(Some(e)) => {
+                                    if wanted(&e) {
+                                        last = e.cursor;
+                                    }
+                                }
+                                Ok(None) => break 'item None,
+                                Err(e) => break 'item Some(Err(gql_error(e).into())),
+                            },
+                        }
+                    }
+                    match reload().await {
+                        Ok(Some(item)) => {
+                            if let Some(p) = &position {
+                                p.set(last);
+                            }
+                            break 'item Some(Ok(item));
+                        }
+                        Ok(None) => continue,
+                        Err(e) => break 'item Some(Err(gql_error(e).into())),
+                    }
+                };
+                let done = !matches!(outcome, Some(Ok(_)));
+                outcome.map(|item| (item, (feed, wanted, reload, done)))
+            }
+        },
+    )
 }
 
 /// One object followed through its events, the one shape of the follow-one-object

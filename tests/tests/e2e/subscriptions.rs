@@ -1130,6 +1130,101 @@ async fn pool_capacity_follows_reservations_on_the_pool() {
     }
 }
 
+/// The cursor of the last event in the outbox, as the streams write it.
+async fn last_event_cursor(app: &TestApp) -> String {
+    let (txid, seq): (i64, i64) = sqlx::query_as(
+        "SELECT txid::text::bigint, seq FROM outbox ORDER BY txid::text::bigint DESC, seq DESC LIMIT 1",
+    )
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("an event");
+    compute_domain::outbox::Cursor { txid, seq }.encode()
+}
+
+/// A member's `poolCapacity` stream is paced: the changes of one interval (here two other
+/// tenant's reservations, read together on the catch-up) make one item, at the last one's
+/// cursor, so a member cannot watch another tenant's activity event by event. An operator of
+/// the pool, subscribed after the same cursor, gets an item for each change.
+#[tokio::test]
+async fn a_members_pool_capacity_stream_is_paced_an_operators_shows_every_change() {
+    let app = spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = crate::reservations::pool(&app).await;
+    let op = app.operator();
+    app.ok(
+        &op,
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "globex", "scopeId": p.pool, "gpus": 8, "vcpu": 64 } }),
+    )
+    .await;
+    let other = app.member("globex");
+    let create = |key: &str| crate::reservations::input(&p.pool, key, json!([{ "gpuCount": 1 }]));
+    let after = now(&app).await;
+    let mut ids = Vec::new();
+    for key in ["g1", "g2"] {
+        let d = app
+            .ok(&other, crate::reservations::CREATE, create(key))
+            .await;
+        ids.push(
+            d["createReservation"]["reservation"]["id"]
+                .as_str()
+                .expect("id")
+                .to_owned(),
+        );
+    }
+    let second = last_event_cursor(&app).await;
+    const Q: &str = "subscription($id: ID!, $after: String) { poolCapacity(id: $id, after: $after) { capacity { kind total free } } }";
+    let item = |msg: &Value| -> (String, i64) {
+        assert_eq!(msg["type"], "next", "{msg}");
+        let gpu = msg["payload"]["data"]["poolCapacity"]["capacity"]
+            .as_array()
+            .expect("capacity")
+            .iter()
+            .find(|c| c["kind"] == "GPU")
+            .expect("a GPU row")
+            .clone();
+        (
+            msg["payload"]["extensions"]["cursor"]
+                .as_str()
+                .expect("a cursor")
+                .to_owned(),
+            gpu["total"].as_i64().expect("total") - gpu["free"].as_i64().expect("free"),
+        )
+    };
+    let vars = json!({ "id": p.pool, "after": after });
+    let mut operator = subscribe(&app, &op, "o", Q, vars.clone()).await;
+    let mut operator_items = Vec::new();
+    loop {
+        let (cursor, _) = item(&next_msg(&mut operator).await);
+        operator_items.push(cursor.clone());
+        if cursor == second {
+            break;
+        }
+    }
+    assert!(
+        operator_items.len() >= 2,
+        "the operator sees each change: {operator_items:?}"
+    );
+    let member = app.member("acme");
+    let mut ws = subscribe(&app, &member, "m", Q, vars).await;
+    assert_eq!(
+        item(&next_msg(&mut ws).await),
+        (second.clone(), 2),
+        "one item for both of the other tenant's reservations, at the last one's cursor"
+    );
+    // The next item is the next interval's (one of the two released), not a second item for
+    // the catch-up.
+    app.ok(
+        &other,
+        "mutation($i: ReservationActionInput!) { releaseReservation(input: $i) { reservation { state } } }",
+        json!({ "i": { "id": ids[0] } }),
+    )
+    .await;
+    let third = last_event_cursor(&app).await;
+    assert_ne!(third, second);
+    assert_eq!(item(&next_msg(&mut ws).await), (third, 1));
+}
+
 /// Shutdown ends every subscription without `complete`: to graphql-ws and graphql-sse clients
 /// (and an `EventSource` application) `complete` means the operation is over, and they would
 /// not subscribe again. A WebSocket closes `1001 Going Away`, which graphql-ws's client retries;
