@@ -236,6 +236,11 @@ pub struct UpdateEventSinkInput {
     active: Option<bool>,
     /// Events per POST from now on, 1 to 100.
     batch_size: Option<i32>,
+    /// `true` replaces the signing secret; the new one is in the payload, shown that once.
+    /// Resuming a sink whose creator no longer has a grant covering it needs this and `url` in
+    /// the same change (the sink then becomes yours); without them it is `FORBIDDEN`.
+    #[graphql(default)]
+    rotate_secret: bool,
     /// Fails with `CONFLICT` when the sink is at another version.
     expected_version: Option<i64>,
 }
@@ -245,6 +250,9 @@ pub struct UpdateEventSinkInput {
 pub struct UpdateEventSinkPayload {
     /// The sink as changed.
     event_sink: EventSinkObj,
+    /// The new HMAC-SHA256 key of the `Compute-Signature` header when the change rotated it
+    /// (`rotateSecret: true`), else null. Store it now: it is never shown again.
+    secret: Option<String>,
 }
 
 /// The sink to delete.
@@ -290,29 +298,32 @@ impl SinkMutation {
         })
     }
 
-    /// Changes a sink's URL, types, batch size or activity.
+    /// Changes a sink's URL, types, batch size, activity or signing secret.
     async fn update_event_sink(
         &self,
         ctx: &Context<'_>,
         #[graphql(desc = "The arguments of `updateEventSink`.")] input: UpdateEventSinkInput,
     ) -> GqlResult<UpdateEventSinkPayload> {
-        let (scope, _) = scope(ctx)?;
+        let (scope, by) = scope(ctx)?;
         let id = sink_id("id", &input.id)?;
-        let sink = sinks::update(
+        let (sink, secret) = sinks::update(
             db(ctx)?,
             &scope,
+            &by,
             &id,
             SinkChange {
                 url: input.url,
                 types: input.types,
                 active: input.active,
                 batch_size: input.batch_size,
+                rotate_secret: input.rotate_secret,
                 expected_version: input.expected_version,
             },
         )
         .await?;
         Ok(UpdateEventSinkPayload {
             event_sink: EventSinkObj(sink),
+            secret,
         })
     }
 

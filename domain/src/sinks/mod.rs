@@ -291,12 +291,28 @@ pub struct SinkChange {
     pub types: Option<Vec<String>>,
     pub active: Option<bool>,
     pub batch_size: Option<i32>,
+    /// A new signing secret, returned once by [`update`].
+    pub rotate_secret: bool,
     pub expected_version: Option<i64>,
 }
 
-/// Changes a sink. Re-activating a sink clears its failures, so it is tried at once.
+/// Changes a sink for `by` (the caller's subject); with the new signing secret when the change
+/// rotated it. Re-activating a sink clears its failures, so it is tried at once.
+///
+/// A paused sink whose creator has lost what covered it (a managed principal without an
+/// administrator, fleet operator or member grant of the sink's tenant, or a revoked or expired
+/// service account) still delivers to the URL that creator chose, signed with the secret that
+/// creator was shown. Someone else resumes it only by taking it over: the same change gives the
+/// `url` and rotates the secret, and the sink becomes theirs (`created_by`). Without both it is
+/// `FORBIDDEN`, and nothing changes.
 #[tracing::instrument(level = "debug", skip_all, fields(sink = %id))]
-pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> Result<Sink> {
+pub async fn update(
+    db: &Db,
+    scope: &Scope,
+    by: &str,
+    id: &SinkId,
+    change: SinkChange,
+) -> Result<(Sink, Option<String>)> {
     if let Some(url) = &change.url {
         check_url(url)?;
         egress::check_target(url, db.private_webhooks_allowed())?;
@@ -307,61 +323,112 @@ pub async fn update(db: &Db, scope: &Scope, id: &SinkId, change: SinkChange) -> 
     if let Some(size) = change.batch_size {
         check_batch_size(size)?;
     }
-    db.tx("update_event_sink", TxKind::Write, |conn| {
-        let (id, change, scope) = (id.clone(), change.clone(), scope.clone());
-        Box::pin(async move {
-            let done = sqlx::query!(
-                "UPDATE event_sinks SET url = coalesce($2, url), types = coalesce($3, types), \
-                        active = coalesce($4, active), batch_size = coalesce($7, batch_size), \
-                        failures = CASE WHEN $4 THEN 0 ELSE failures END, \
-                        next_attempt_at = CASE WHEN $4 THEN NULL ELSE next_attempt_at END, \
-                        state = CASE WHEN $4 AND state = 'failing' THEN 'healthy' ELSE state END, \
-                        version = version + 1, updated_at = compute_now() \
-                  WHERE id = $1 AND ($5::bigint IS NULL OR version = $5) \
-                    AND ($6::text IS NULL OR tenant_id = $6)",
-                id.as_str(),
-                change.url,
-                change.types.as_deref(),
-                change.active,
-                change.expected_version,
-                scope.tenant_id.as_ref().map(TenantId::as_str),
-                change.batch_size,
-            )
-            .execute(&mut *conn)
-            .await?;
-            let sink = get_in(conn, &id)
+    let secret = change.rotate_secret.then(new_secret).transpose()?;
+    // Sealed bound to this sink's id, as at creation (docs/security.md).
+    let sealed = secret
+        .as_deref()
+        .map(|s| crate::secrets::seal(db.keyring(), s, id.as_str()))
+        .transpose()?;
+    let sink = db
+        .tx("update_event_sink", TxKind::Write, |conn| {
+            let (id, change, scope, by, sealed) =
+                (id.clone(), change.clone(), scope.clone(), by.to_owned(), sealed.clone());
+            Box::pin(async move {
+                // The row first (a revocation's pause waits for it, then pauses the sink again
+                // if this change left it active under an uncovered creator).
+                let Some(row) = sqlx::query!(
+                    r#"SELECT s.active, s.created_by, s.version,
+                              (EXISTS (SELECT 1 FROM service_accounts a
+                                        WHERE a.id = s.created_by
+                                          AND (a.revoked_at IS NOT NULL OR a.expires_at <= compute_now()))
+                               OR EXISTS (SELECT 1 FROM authz_principals p
+                                           WHERE p.subject = s.created_by
+                                             AND NOT EXISTS (
+                                                   SELECT 1 FROM authz_grants g
+                                                    WHERE g.issuer = p.issuer AND g.subject = p.subject
+                                                      AND (g.role = 'admin'
+                                                           OR (g.role = 'operator' AND g.scope_kind IS NULL)
+                                                           OR (g.role = 'member' AND g.tenant_id = s.tenant_id))))
+                              ) AS "orphaned!"
+                         FROM event_sinks s
+                        WHERE s.id = $1 AND ($2::text IS NULL OR s.tenant_id = $2)
+                          FOR UPDATE OF s"#,
+                    id.as_str(),
+                    scope.tenant_id.as_ref().map(TenantId::as_str),
+                )
+                .fetch_optional(&mut *conn)
                 .await?
-                .filter(|s| visible(&scope, s))
-                .ok_or_else(|| Error::NotFound {
-                    kind: "event sink",
-                    id: id.to_string(),
-                })?;
-            if done.rows_affected() == 0 {
-                return Err(Error::Conflict {
-                    message: format!(
-                        "event sink {id} is at version {}, not {}",
-                        sink.version,
-                        change.expected_version.unwrap_or_default()
-                    ),
-                    current_version: Some(sink.version),
-                });
-            }
-            crate::outbox::emit(
-                conn,
-                crate::outbox::NewEvent {
-                    event_type: EventType::EventSinkUpdated,
-                    tenant_id: sink.tenant_id.as_ref(),
-                    subject: id.as_str(),
-                    data: events::to_data(&EventSinkPayload {
-                        event_sink: (&sink).into(),
-                    })?,
-                },
-            )
-            .await?;
-            Ok(sink)
+                else {
+                    return Err(Error::NotFound {
+                        kind: "event sink",
+                        id: id.to_string(),
+                    });
+                };
+                if let Some(expected) = change.expected_version
+                    && expected != row.version
+                {
+                    return Err(Error::Conflict {
+                        message: format!(
+                            "event sink {id} is at version {}, not {expected}",
+                            row.version
+                        ),
+                        current_version: Some(row.version),
+                    });
+                }
+                let resumes = change.active == Some(true) && !row.active;
+                let takes_over = resumes && row.orphaned && row.created_by != by;
+                if takes_over && (change.url.is_none() || sealed.is_none()) {
+                    return Err(Error::Forbidden(format!(
+                        "event sink {id} was paused because its creator no longer has a grant that \
+                         covers it, and it would deliver to the URL they chose, signed with the \
+                         secret they were shown: to resume it, give `url` and `rotateSecret: true` \
+                         in the same change, which makes it yours"
+                    )));
+                }
+                sqlx::query!(
+                    "UPDATE event_sinks SET url = coalesce($2, url), types = coalesce($3, types), \
+                            active = coalesce($4, active), batch_size = coalesce($5, batch_size), \
+                            secret = coalesce($6, secret), \
+                            created_by = CASE WHEN $7 THEN $8 ELSE created_by END, \
+                            failures = CASE WHEN $4 THEN 0 ELSE failures END, \
+                            next_attempt_at = CASE WHEN $4 THEN NULL ELSE next_attempt_at END, \
+                            state = CASE WHEN $4 AND state = 'failing' THEN 'healthy' ELSE state END, \
+                            version = version + 1, updated_at = compute_now() \
+                      WHERE id = $1",
+                    id.as_str(),
+                    change.url,
+                    change.types.as_deref(),
+                    change.active,
+                    change.batch_size,
+                    sealed,
+                    takes_over,
+                    by,
+                )
+                .execute(&mut *conn)
+                .await?;
+                let sink = get_in(conn, &id)
+                    .await?
+                    .ok_or_else(|| Error::internal("a sink vanished under its row lock"))?;
+                if takes_over {
+                    tracing::info!(sink = %id, from = %row.created_by, to = %by, "an event sink of an uncovered creator was taken over and resumed");
+                }
+                crate::outbox::emit(
+                    conn,
+                    crate::outbox::NewEvent {
+                        event_type: EventType::EventSinkUpdated,
+                        tenant_id: sink.tenant_id.as_ref(),
+                        subject: id.as_str(),
+                        data: events::to_data(&EventSinkPayload {
+                            event_sink: (&sink).into(),
+                        })?,
+                    },
+                )
+                .await?;
+                Ok(sink)
+            })
         })
-    })
-    .await
+        .await?;
+    Ok((sink, secret))
 }
 
 /// Pauses the event sinks `subject` created that its grants no longer cover (all of them with

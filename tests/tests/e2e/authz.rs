@@ -410,6 +410,148 @@ async fn streams_close_and_sinks_pause_when_their_grant_is_revoked() {
     );
 }
 
+/// A sink paused because its creator lost the grant that covered it would deliver, if resumed
+/// as it is, to the URL that creator chose, signed with the secret that creator was shown.
+/// Another member resumes it only by taking it over: `url` and `rotateSecret` in the same
+/// change, which gives a new secret and makes the sink theirs. A sink whose creator is still
+/// covered resumes as before, and `rotateSecret` alone works on any sink.
+#[tokio::test]
+async fn a_sink_whose_creator_was_revoked_resumes_only_when_taken_over_with_a_new_secret() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    app.ok(
+        &admin,
+        GRANT,
+        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+    )
+    .await;
+    let erin = app.token("erin", Some("acme"), &[Role::Member]);
+    eventually("erin's grant is felt", WAIT, || async {
+        (viewer(&app, &erin).await["roles"] == json!(["MEMBER"])).then_some(())
+    })
+    .await;
+    const CREATE: &str = "mutation($url: String!) { createEventSink(input: { url: $url }) { eventSink { id } secret } }";
+    const UPDATE: &str = "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active version } secret } }";
+    let made = app
+        .ok(&erin, CREATE, json!({ "url": "http://127.0.0.1:9/erin" }))
+        .await["createEventSink"]
+        .clone();
+    let sink = made["eventSink"]["id"].as_str().expect("id").to_owned();
+    let revoked = app
+        .ok(
+            &admin,
+            REVOKE,
+            json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+        )
+        .await["revokeRole"]
+        .clone();
+    assert_eq!(revoked["pausedEventSinkIds"], json!([sink]));
+    let stored = |app: &compute_tests::TestApp| {
+        let pool = app.db.db.pool().clone();
+        let sink = sink.clone();
+        async move {
+            sqlx::query_as::<_, (bool, String, String, i64, i64)>(
+                "SELECT active, url, created_by, version, \
+                        (SELECT count(*) FROM outbox WHERE subject = $1) FROM event_sinks WHERE id = $1",
+            )
+            .bind(&sink)
+            .fetch_one(&pool)
+            .await
+            .expect("the sink")
+        }
+    };
+    let before = stored(&app).await;
+    assert_eq!((before.0, before.2.as_str()), (false, "erin"));
+    // Another member of acme: a resume alone, with a URL alone or with a new secret alone is
+    // refused, and leaves the sink, its version and its events as they were.
+    let alice = app.member("acme");
+    for change in [
+        json!({ "active": true }),
+        json!({ "active": true, "url": "http://127.0.0.1:9/alice" }),
+        json!({ "active": true, "rotateSecret": true }),
+    ] {
+        let mut i = change.clone();
+        i["id"] = json!(sink);
+        let (code, error) = app.fails(&alice, UPDATE, json!({ "i": i })).await;
+        assert_eq!(code, "FORBIDDEN", "{change}: {error}");
+        assert!(
+            error["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("rotateSecret"),
+            "{error}"
+        );
+        assert_eq!(stored(&app).await, before, "{change} changed nothing");
+    }
+    // Taken over: active, the URL given, alice's, and a new secret shown once.
+    let taken = app
+        .ok(
+            &alice,
+            UPDATE,
+            json!({ "i": { "id": sink, "active": true, "url": "http://127.0.0.1:9/alice", "rotateSecret": true } }),
+        )
+        .await["updateEventSink"]
+        .clone();
+    assert_eq!(taken["eventSink"]["active"], true);
+    let secret = taken["secret"].as_str().expect("a new secret").to_owned();
+    assert!(secret.starts_with("whsec_"), "{secret}");
+    assert_ne!(json!(secret), made["secret"]);
+    let after = stored(&app).await;
+    assert_eq!(
+        (after.0, after.1.as_str(), after.2.as_str()),
+        (true, "http://127.0.0.1:9/alice", "alice@acme")
+    );
+    let (sealed,): (String,) = sqlx::query_as("SELECT secret FROM event_sinks WHERE id = $1")
+        .bind(&sink)
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("the secret");
+    assert_eq!(
+        compute_domain::secrets::open(app.db.db.keyring(), &sealed, &sink).expect("opens"),
+        secret,
+        "deliveries are signed with the secret the new owner was shown"
+    );
+    // A sink whose creator is still covered, paused by hand, is resumed by a teammate as it
+    // is (no takeover), and its secret stays unless asked.
+    let own = app
+        .ok(&alice, CREATE, json!({ "url": "http://127.0.0.1:9/own" }))
+        .await["createEventSink"]["eventSink"]["id"]
+        .clone();
+    app.ok(
+        &alice,
+        UPDATE,
+        json!({ "i": { "id": own, "active": false } }),
+    )
+    .await;
+    let bob = app.token("bob", Some("acme"), &[Role::Member]);
+    let resumed = app
+        .ok(&bob, UPDATE, json!({ "i": { "id": own, "active": true } }))
+        .await["updateEventSink"]
+        .clone();
+    assert_eq!(resumed["eventSink"]["active"], true);
+    assert_eq!(resumed["secret"], Value::Null);
+    let (owner,): (String,) = sqlx::query_as("SELECT created_by FROM event_sinks WHERE id = $1")
+        .bind(own.as_str())
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("owner");
+    assert_eq!(owner, "alice@acme");
+    let rotated = app
+        .ok(
+            &bob,
+            UPDATE,
+            json!({ "i": { "id": own, "rotateSecret": true } }),
+        )
+        .await["updateEventSink"]
+        .clone();
+    assert!(
+        rotated["secret"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("whsec_")),
+        "{rotated}"
+    );
+}
+
 /// A first grant makes a subject managed: what its token's claims gave stops counting, and so
 /// do the event sinks it made under them. Moving a member of acme (by its claims) to beta
 /// pauses its acme sink in the grant's transaction; its beta sink made afterwards stays.
@@ -1296,15 +1438,35 @@ async fn an_expired_service_accounts_sinks_are_paused_at_every_pass() {
     .await
     .expect("events");
     assert_eq!(updated, 1);
-    // A member of acme resumes it: the next pass pauses it again.
+    // A member of acme cannot resume it as it is (it would deliver where the account chose,
+    // with the account's secret).
     let member = app.member("acme");
-    app.ok(
-        &member,
-        "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active } } }",
-        json!({ "i": { "id": sink, "active": true } }),
-    )
-    .await;
-    assert_eq!(state().await, (true, account.clone()));
+    const UPDATE: &str = "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active } } }";
+    let (code, _) = app
+        .fails(
+            &member,
+            UPDATE,
+            json!({ "i": { "id": sink, "active": true } }),
+        )
+        .await;
+    assert_eq!(code, "FORBIDDEN");
+    // Active again all the same (a resume that committed just before the account expired):
+    // the next pass pauses it again.
+    sqlx::query("UPDATE event_sinks SET active = true WHERE id = $1")
+        .bind(sink.as_str())
+        .execute(app.db.db.pool())
+        .await
+        .expect("resume");
     assert_eq!(reconciler.pass().await.expect("pass").sinks_paused, 1);
     assert_eq!(state().await, (false, account), "paused again");
+    // Taken over, it is the member's, and the passes leave it alone.
+    app.ok(
+        &member,
+        UPDATE,
+        json!({ "i": { "id": sink, "active": true, "url": "http://127.0.0.1:9/mine", "rotateSecret": true } }),
+    )
+    .await;
+    assert_eq!(state().await, (true, "alice@acme".to_owned()));
+    assert_eq!(reconciler.pass().await.expect("pass").sinks_paused, 0);
+    assert_eq!(state().await, (true, "alice@acme".to_owned()));
 }

@@ -316,9 +316,10 @@ async fn every_event_payload_keeps_its_documented_shape() {
     )
     .await
     .expect("sink");
-    let sink = sinks::update(
+    let (sink, _) = sinks::update(
         db,
         &scope,
+        "alice",
         &sink.id,
         SinkChange {
             active: Some(false),
