@@ -114,13 +114,39 @@ async fn export(
     // The first page is read before the answer starts, so an error is still a status code.
     let first = usage::records(&app.db, &q, None, PAGE).await?;
     let db = app.db.clone();
+    // As an SSE or WebSocket stream, an export stops when its caller's access shrinks (a
+    // revocation) or its token expires, by business time: checked before each page, so no page
+    // is read for a caller who may no longer read it.
+    let expires = app.clock.after(viewer.valid_for());
+    let clock = app.clock.clone();
+    let revoked = app.authz.shrinks(Some(&viewer));
+    let stop: std::pin::Pin<Box<dyn std::future::Future<Output = &'static str> + Send>> =
+        Box::pin(async move {
+            tokio::select! {
+                () = clock.sleep_until(expires) => "the bearer token expired",
+                () = revoked => "your access was revoked",
+            }
+        });
     let pages = futures_util::stream::unfold(
-        (Some(first), false, q, None::<(DateTime<Utc>, String)>),
-        move |(page, done, q, after)| {
+        (Some(first), false, q, None::<(DateTime<Utc>, String)>, stop),
+        move |(page, done, q, after, mut stop)| {
             let db = db.clone();
             async move {
                 if done {
                     return None;
+                }
+                let stopped = std::future::poll_fn(|cx| {
+                    std::task::Poll::Ready(match stop.as_mut().poll(cx) {
+                        std::task::Poll::Ready(why) => Some(why),
+                        std::task::Poll::Pending => None,
+                    })
+                })
+                .await;
+                if let Some(why) = stopped {
+                    // Cut short, as on a database error below: the client sees a transfer
+                    // that did not finish, never a file that looks whole.
+                    tracing::info!(reason = why, "the usage export stopped part-way");
+                    return Some((Err(std::io::Error::other(why)), (None, true, q, None, stop)));
                 }
                 let rows = match page {
                     Some(rows) => rows,
@@ -132,7 +158,7 @@ async fn export(
                             tracing::warn!(error = %e, "the usage export stopped part-way");
                             return Some((
                                 Err(std::io::Error::other(e.to_string())),
-                                (None, true, q, None),
+                                (None, true, q, None, stop),
                             ));
                         }
                     },
@@ -144,7 +170,7 @@ async fn export(
                 for r in &rows {
                     line(&mut text, r);
                 }
-                Some((Ok::<_, std::io::Error>(text), (None, last, q, next)))
+                Some((Ok::<_, std::io::Error>(text), (None, last, q, next, stop)))
             }
         },
     );

@@ -410,6 +410,82 @@ async fn streams_close_and_sinks_pause_when_their_grant_is_revoked() {
     );
 }
 
+/// A usage export is a stream like the others: a revocation stops it before its next page, and
+/// the body is cut short (a transfer that does not finish, never a file that looks whole).
+#[tokio::test]
+async fn a_usage_export_stops_part_way_when_its_callers_grant_is_revoked() {
+    let app = spawn_app().await;
+    let admin = admin(&app);
+    // 100,000 records: far more than the socket's buffers hold, so the export is still paging
+    // when the revocation lands.
+    const RECORDS: usize = 100_000;
+    sqlx::query(
+        "INSERT INTO usage_periods (window_start, window_end, closed) \
+         VALUES ('2031-01-01T00:00:00Z', '2031-01-01T01:00:00Z', true)",
+    )
+    .execute(app.db.db.pool())
+    .await
+    .expect("period");
+    sqlx::query(
+        "INSERT INTO usage_records (key, kind, seq, allocation_id, reservation_id, tenant_id, pool_id, \
+                window_start, window_end, model, gpu_kind, atoms, booked_seconds, gpu_seconds, \
+                vcpu_seconds, memory_mib_seconds, disk_gib_seconds) \
+         SELECT 'cmp:' || a || ':' || compute_json_time('2031-01-01T00:00:00Z'), 'window', 0, a, \
+                'rsv_' || repeat('0', 32), 'acme', 'pool_' || repeat('0', 32), '2031-01-01T00:00:00Z', '2031-01-01T01:00:00Z', 'H100', 'gpu', 1, \
+                3600, 3600, 0, 0, 0 \
+           FROM (SELECT 'alc_' || lpad(to_hex(g), 32, '0') AS a FROM generate_series(1, $1) g) s",
+    )
+    .bind(RECORDS as i32)
+    .execute(app.db.db.pool())
+    .await
+    .expect("records");
+    app.ok(
+        &admin,
+        GRANT,
+        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+    )
+    .await;
+    let erin = app.token("erin", Some("acme"), &[Role::Member]);
+    eventually("erin's grant is felt", WAIT, || async {
+        (viewer(&app, &erin).await["roles"] == json!(["MEMBER"])).then_some(())
+    })
+    .await;
+    let mut res = app
+        .http
+        .get(app.url("/usage.csv?from=2031-01-01T00:00:00Z&to=2031-01-02T00:00:00Z"))
+        .bearer_auth(&erin)
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(res.status().as_u16(), 200, "{:?}", res.text().await);
+    let mut lines = 0;
+    let first = res.chunk().await.expect("a first chunk").expect("bytes");
+    lines += first.iter().filter(|b| **b == b'\n').count();
+    app.ok(
+        &admin,
+        REVOKE,
+        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+    )
+    .await;
+    eventually("the revocation is felt", WAIT, || async {
+        (viewer(&app, &erin).await["roles"] == json!([])).then_some(())
+    })
+    .await;
+    let ended = loop {
+        match res.chunk().await {
+            Ok(Some(bytes)) => lines += bytes.iter().filter(|b| **b == b'\n').count(),
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        }
+    };
+    assert!(
+        ended.is_err(),
+        "the export was not cut: {lines} lines of {}",
+        RECORDS + 1
+    );
+    assert!(lines < RECORDS + 1, "{lines}");
+}
+
 /// A sink paused because its creator lost the grant that covered it would deliver, if resumed
 /// as it is, to the URL that creator chose, signed with the secret that creator was shown.
 /// Another member resumes it only by taking it over: `url` and `rotateSecret` in the same
