@@ -66,6 +66,7 @@ text_enum!(
         ReservationActive = "reservation.active",
         ReservationExtended = "reservation.extended",
         ReservationIdle = "reservation.idle",
+        ReservationConditionsChanged = "reservation.conditions_changed",
         ReservationReleased = "reservation.released",
         ReservationCancelled = "reservation.cancelled",
         ReservationExpired = "reservation.expired",

@@ -61,9 +61,19 @@ async fn load(conn: &mut PgConnection, id: &ReservationId) -> Result<Reservation
 /// the one definition) and has its reconciler look at it again (and set its next wake-up), in
 /// this transaction.
 async fn emit(conn: &mut PgConnection, rsv: &Reservation, event_type: EventType) -> Result<()> {
+    emit_changed(conn, &rsv.id, event_type).await
+}
+
+/// The event of a change to reservation `id` (its row already written in this transaction),
+/// with its work-queue row (`compute_reservation_changed`).
+pub(crate) async fn emit_changed(
+    conn: &mut PgConnection,
+    id: &ReservationId,
+    event_type: EventType,
+) -> Result<()> {
     sqlx::query_scalar!(
         r#"SELECT compute_reservation_changed($1, $2, $3) AS "event!""#,
-        rsv.id.as_str(),
+        id.as_str(),
         event_type.as_str(),
         crate::work_queue::SHARDS,
     )
@@ -876,16 +886,34 @@ pub(crate) async fn place_pending(
                     Ok(true)
                 }
                 Placement::Unschedulable(why) => {
-                    sqlx::query!(
-                        "UPDATE reservations r SET conditions = $2, \
-                           next_attempt_at = compute_now() + make_interval(secs => $3::float8), updated_at = compute_now() \
-                         WHERE r.id = $1",
+                    // A retry that finds the same reason (type, status, reason and counts; the
+                    // message names the window, whose start moves with the clock) changes only
+                    // when the next retry is: no version, no event, the condition as first
+                    // written. A new reason is a change: the condition, `version`, `updatedAt`
+                    // and a `reservation.conditions_changed` event.
+                    let changed = sqlx::query_scalar!(
+                        r#"WITH cmp AS (
+                             SELECT r.id,
+                                    (SELECT jsonb_agg(c - 'message' - 'since' ORDER BY o) FROM jsonb_array_elements(r.conditions) WITH ORDINALITY x(c, o))
+                                      IS DISTINCT FROM
+                                    (SELECT jsonb_agg(c - 'message' - 'since' ORDER BY o) FROM jsonb_array_elements($2::jsonb) WITH ORDINALITY x(c, o)) AS changed
+                               FROM reservations r WHERE r.id = $1)
+                           UPDATE reservations r
+                              SET conditions = CASE WHEN cmp.changed THEN $2 ELSE r.conditions END,
+                                  version = r.version + CASE WHEN cmp.changed THEN 1 ELSE 0 END,
+                                  updated_at = CASE WHEN cmp.changed THEN compute_now() ELSE r.updated_at END,
+                                  next_attempt_at = compute_now() + make_interval(secs => $3::float8)
+                             FROM cmp WHERE r.id = cmp.id
+                           RETURNING cmp.changed AS "changed!""#,
                         id.as_str(),
                         Json(vec![why]) as _,
                         RETRY_SECONDS as f64,
                     )
-                    .execute(&mut *conn)
+                    .fetch_one(&mut *conn)
                     .await?;
+                    if changed {
+                        emit_changed(conn, &id, EventType::ReservationConditionsChanged).await?;
+                    }
                     Ok(false)
                 }
             }

@@ -21,7 +21,7 @@ const NODE: &str = "query($id: ID!) { computeNode: node(id: $id) { ... on Comput
     version inventory inventoryReportedAt conditions { type status message }
     devices { id uuid model memoryMib mode migProfiles health healthReason healthSince quarantined inventoryMismatch \
               pciBusId numaNode nvlinkDomain } } } }";
-const RESERVE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state allocations { atoms } } } }";
+const RESERVE: &str = "mutation($i: CreateReservationInput!) { createReservation(input: $i) { reservation { id state version allocations { atoms } } } }";
 const RETIRE: &str =
     "mutation($i: NodeActionInput!) { retireNode(input: $i) { computeNode { lifecycle } } }";
 const ACCEPT: &str = "mutation($i: AcceptNodeInventoryInput!) { acceptNodeInventory(input: $i) { computeNode { id } } }";
@@ -740,8 +740,18 @@ async fn an_xid_error_marks_the_gpu_unhealthy_and_placement_avoids_it() {
     .await
     .expect("events");
     assert_eq!(events, 1);
-    // The reservation keeps it, and its tenant sees why.
-    const RESERVATION: &str = "query($id: ID!) { reservation(id: $id) { state conditions { type message } allocations { atoms } } }";
+    // The reservation keeps it, and its tenant sees why: a change with its version and event.
+    const RESERVATION: &str = "query($id: ID!) { reservation(id: $id) { state version conditions { type message } allocations { atoms } } }";
+    let changes = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM outbox WHERE type = 'reservation.conditions_changed' AND subject = $1",
+        )
+        .bind(held["id"].as_str().expect("id"))
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("events")
+    };
+    assert_eq!(changes().await, 1);
     let r = app
         .ok(
             &app.member("acme"),
@@ -751,6 +761,11 @@ async fn an_xid_error_marks_the_gpu_unhealthy_and_placement_avoids_it() {
         .await["reservation"]
         .clone();
     assert_eq!(r["state"], "ACTIVE");
+    assert_eq!(
+        r["version"].as_i64(),
+        held["version"].as_i64().map(|v| v + 1),
+        "{r}"
+    );
     assert_eq!(r["allocations"][0]["atoms"][0], sick.as_str());
     let condition = r["conditions"]
         .as_array()
@@ -798,6 +813,12 @@ async fn an_xid_error_marks_the_gpu_unhealthy_and_placement_avoids_it() {
             .all(|c| c["type"] != "DeviceUnhealthy"),
         "{r}"
     );
+    assert_eq!(
+        r["version"].as_i64(),
+        held["version"].as_i64().map(|v| v + 2),
+        "{r}"
+    );
+    assert_eq!(changes().await, 2);
 }
 
 #[tokio::test]

@@ -921,6 +921,82 @@ async fn state_of(app: &TestApp, id: &Value) -> String {
         .to_owned()
 }
 
+/// A pending reservation's retry that finds the same reason changes only `nextAttemptAt`: no
+/// version, no event (a tenant's `expectedVersion` stays good). A retry that finds another
+/// reason (a node cordoned in between) is a change like any other: the condition, `version` and
+/// a `reservation.conditions_changed` event.
+#[tokio::test]
+async fn a_pending_reservations_condition_changes_with_a_version_and_an_event_and_only_then() {
+    use compute_domain::reservations::reconcile;
+    let (app, p, member) = setup().await;
+    // Three H100s: the untainted node has two, the other's taint is not tolerated.
+    let d = app
+        .ok(
+            &member,
+            CREATE,
+            input(
+                &p.pool,
+                "three",
+                json!([{ "gpuCount": 3, "model": "H100" }]),
+            ),
+        )
+        .await;
+    let id = d["createReservation"]["reservation"]["id"].clone();
+    const READ: &str = "query($id: ID!) { reservation(id: $id) { state version updatedAt nextAttemptAt \
+        conditions { type reason since counts { reason count } } } }";
+    let read = || async { app.ok(&member, READ, json!({ "id": id })).await["reservation"].clone() };
+    let changes = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM outbox WHERE type = 'reservation.conditions_changed' AND subject = $1",
+        )
+        .bind(id.as_str())
+        .fetch_one(app.db.db.pool())
+        .await
+        .expect("events")
+    };
+    let first = read().await;
+    assert_eq!(first["state"], "PENDING");
+    assert_eq!(first["conditions"][0]["type"], "Unschedulable");
+    let db = &app.db.db;
+    app.db.advance_clock(45).await;
+    assert_eq!(reconcile::retry_pending(db).await.expect("retry"), 0);
+    let same = read().await;
+    assert_ne!(
+        same["nextAttemptAt"], first["nextAttemptAt"],
+        "tried again later"
+    );
+    assert_eq!(
+        (&same["version"], &same["updatedAt"], &same["conditions"]),
+        (&first["version"], &first["updatedAt"], &first["conditions"]),
+        "the same reason is no change"
+    );
+    assert_eq!(changes().await, 0);
+    // The untainted node cordoned: another reason.
+    app.ok(
+        &app.operator(),
+        "mutation($i: CordonNodeInput!) { cordonNode(input: $i) { computeNode { id } } }",
+        json!({ "i": { "id": p.nodes[0] } }),
+    )
+    .await;
+    app.db.advance_clock(45).await;
+    assert_eq!(reconcile::retry_pending(db).await.expect("retry"), 0);
+    let other = read().await;
+    assert_eq!(
+        other["version"].as_i64(),
+        first["version"].as_i64().map(|v| v + 1)
+    );
+    assert!(
+        other["conditions"][0]["counts"]
+            .as_array()
+            .expect("counts")
+            .iter()
+            .any(|c| c["reason"] == "NodeCordoned"),
+        "{other}"
+    );
+    assert_ne!(other["updatedAt"], first["updatedAt"]);
+    assert_eq!(changes().await, 1);
+}
+
 /// Time moves reservations: the reconcilers' steps, stepped with the simulated clock.
 #[tokio::test]
 async fn time_starts_expires_and_retries_reservations() {

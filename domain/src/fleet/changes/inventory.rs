@@ -651,14 +651,51 @@ pub const DEVICE_UNHEALTHY: &str = "DeviceUnhealthy";
 /// After GPU `device`'s health changed (in this transaction, after its row): the reservations
 /// booked on it now or later get the condition `DeviceUnhealthy` naming every unhealthy GPU they
 /// hold, or lose it when none is. They keep their bookings: the tenant sees, the operator acts.
+/// A reservation whose conditions this changes (other than the condition's `since`) gets a new
+/// `version` and a `reservation.conditions_changed` event, in id order after the rows.
 pub(super) async fn tell_holders(conn: &mut PgConnection, device: &DeviceId) -> Result<()> {
-    sqlx::query(
-        "WITH affected AS (              SELECT r.id FROM reservations r WHERE r.state IN ('active', 'scheduled') AND r.id IN (                SELECT a.reservation_id FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id                 WHERE b.device_id = $1 AND upper(b.during) > compute_now())               ORDER BY r.id FOR UPDATE),          sick AS (              SELECT af.id, string_agg(DISTINCT d.uuid || ': ' || coalesce(d.health_reason, 'unhealthy'), '; ') AS message                FROM affected af JOIN allocations a ON a.reservation_id = af.id                JOIN device_bookings b ON b.allocation_id = a.id AND upper(b.during) > compute_now()                JOIN devices d ON d.id = b.device_id AND d.health = 'unhealthy'               GROUP BY af.id)          UPDATE reservations r SET conditions = compute_conditions_without(r.conditions, $2) ||                 CASE WHEN s.message IS NULL THEN '[]'::jsonb ELSE jsonb_build_array(jsonb_build_object(                     'type', $2, 'status', 'True', 'reason', 'GpuUnhealthy',                     'message', 'a GPU this reservation holds is unhealthy (it keeps it; the operator is told): ' || s.message,                     'since', compute_now())) END            FROM affected af LEFT JOIN sick s ON s.id = af.id           WHERE r.id = af.id AND r.state IN ('active', 'scheduled')",
+    let mut changed: Vec<String> = sqlx::query_scalar(
+        "WITH affected AS (
+              SELECT r.id, r.conditions FROM reservations r WHERE r.state IN ('active', 'scheduled') AND r.id IN (
+                SELECT a.reservation_id FROM device_bookings b JOIN allocations a ON a.id = b.allocation_id
+                 WHERE b.device_id = $1 AND upper(b.during) > compute_now())
+               ORDER BY r.id FOR UPDATE),
+          sick AS (
+              SELECT af.id, string_agg(DISTINCT d.uuid || ': ' || coalesce(d.health_reason, 'unhealthy'), '; ') AS message
+                FROM affected af JOIN allocations a ON a.reservation_id = af.id
+                JOIN device_bookings b ON b.allocation_id = a.id AND upper(b.during) > compute_now()
+                JOIN devices d ON d.id = b.device_id AND d.health = 'unhealthy'
+               GROUP BY af.id),
+          next AS (
+              SELECT af.id, af.conditions AS old, compute_conditions_without(af.conditions, $2) ||
+                     CASE WHEN s.message IS NULL THEN '[]'::jsonb ELSE jsonb_build_array(jsonb_build_object(
+                         'type', $2, 'status', 'True', 'reason', 'GpuUnhealthy',
+                         'message', 'a GPU this reservation holds is unhealthy (it keeps it; the operator is told): ' || s.message,
+                         'since', compute_now())) END AS conditions
+                FROM affected af LEFT JOIN sick s ON s.id = af.id)
+          UPDATE reservations r SET conditions = n.conditions, version = r.version + 1, updated_at = compute_now()
+            FROM next n
+           WHERE r.id = n.id AND r.state IN ('active', 'scheduled')
+             AND (SELECT jsonb_agg(c - 'since' ORDER BY (c - 'since')::text) FROM jsonb_array_elements(n.conditions) c)
+                 IS DISTINCT FROM
+                 (SELECT jsonb_agg(c - 'since' ORDER BY (c - 'since')::text) FROM jsonb_array_elements(n.old) c)
+          RETURNING r.id",
     )
     .bind(device.as_str())
     .bind(DEVICE_UNHEALTHY)
-    .execute(&mut *conn)
+    .fetch_all(&mut *conn)
     .await?;
+    changed.sort();
+    for id in changed {
+        let id = crate::ids::ReservationId::from_trusted(&id)
+            .ok_or_else(|| Error::internal("a reservation id of another shape"))?;
+        crate::reservations::lifecycle::emit_changed(
+            conn,
+            &id,
+            crate::events::EventType::ReservationConditionsChanged,
+        )
+        .await?;
+    }
     Ok(())
 }
 
