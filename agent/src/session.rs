@@ -56,6 +56,24 @@ async fn send(agent: &Agent, ws: &mut Ws, m: &FromDaemon) -> Result<(), Closed> 
     Ok(())
 }
 
+/// `write` (a send or a ping), or the session closed when it has not finished in `stall`. A
+/// gateway that stops reading (a partition that drops packets, a host gone without a FIN) lets
+/// the socket's buffer fill, and a write then waits for as long as TCP retries: the silence
+/// check runs between messages, not inside a write, so without this bound it never ran.
+async fn within(
+    stall: Duration,
+    write: impl std::future::Future<Output = Result<(), Closed>>,
+) -> Result<(), Closed> {
+    tokio::time::timeout(stall, write)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Closed::abnormal(format!(
+                "a write to the gateway did not finish in {:.0} s",
+                stall.as_secs_f64()
+            )))
+        })
+}
+
 /// A text frame that is not a message of the protocol: a `command` among them is answered
 /// `failed` (`BAD_COMMAND`) so it does not hang; anything else is logged.
 fn refuse_malformed(text: &str) -> Option<FromDaemon> {
@@ -167,6 +185,8 @@ async fn session(
     // minutes), the node unreachable meanwhile: each heartbeat also pings, and a session
     // without a word for `silence_limit` is closed and opened again.
     let mut heard = tokio::time::Instant::now();
+    // Every write of the loop is bounded by the same limit as the silence.
+    let stall = silence_limit(heartbeat);
     loop {
         tokio::select! {
             _ = stop.changed() => {
@@ -183,16 +203,17 @@ async fn session(
                         silent.as_secs_f64()
                     ))));
                 }
-                if let Err(c) = send(agent, &mut ws, &FromDaemon::Heartbeat {}).await {
+                if let Err(c) = within(stall, send(agent, &mut ws, &FromDaemon::Heartbeat {})).await {
                     return Ok(Some(c));
                 }
-                if let Err(c) = client::ping(&mut ws).await {
+                if let Err(c) = within(stall, client::ping(&mut ws)).await {
                     return Ok(Some(c));
                 }
             }
             Some(m) = outgoing.recv() => {
                 let m = with_trace(m, &mut traces);
-                if let Err(c) = send(agent, &mut ws, &m).await {
+                if let Err(c) = within(stall, send(agent, &mut ws, &m)).await {
+                    warn!(error = %c, "connecting again");
                     return Ok(Some(c));
                 }
             }
@@ -220,7 +241,8 @@ async fn session(
                 };
                 for m in replies {
                     let m = with_trace(m, &mut traces);
-                    if let Err(c) = send(agent, &mut ws, &m).await {
+                    if let Err(c) = within(stall, send(agent, &mut ws, &m)).await {
+                        warn!(error = %c, "connecting again");
                         return Ok(Some(c));
                     }
                 }
@@ -360,6 +382,68 @@ pub async fn join(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A gateway that accepts and then never reads: the writes fill the socket's buffers, and
+    /// the bounded write closes the session instead of waiting for as long as TCP retries.
+    #[tokio::test]
+    async fn a_write_to_a_gateway_that_stopped_reading_closes_the_session() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("ws://{}/agent", listener.local_addr().expect("addr"));
+        let server = tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.expect("accept");
+            // Answers with the daemon's subprotocol, as a gateway does. The signature is
+            // tungstenite's `Callback`, whose error is a whole HTTP response.
+            #[allow(clippy::result_large_err)]
+            fn agree(
+                _: &tokio_tungstenite::tungstenite::handshake::server::Request,
+                mut response: tokio_tungstenite::tungstenite::handshake::server::Response,
+            ) -> Result<
+                tokio_tungstenite::tungstenite::handshake::server::Response,
+                tokio_tungstenite::tungstenite::handshake::server::ErrorResponse,
+            > {
+                response.headers_mut().insert(
+                    "Sec-WebSocket-Protocol",
+                    compute_protocol::PROTOCOL.parse().expect("a header value"),
+                );
+                Ok(response)
+            }
+            let ws = tokio_tungstenite::accept_hdr_async(tcp, agree)
+                .await
+                .expect("handshake");
+            // Holds the connection open and reads nothing.
+            tokio::time::sleep(Duration::from_secs(120)).await;
+            drop(ws);
+        });
+        let mut ws = client::connect(&url).await.expect("connect");
+        let big = "x".repeat(1 << 20);
+        let outcome = tokio::time::timeout(Duration::from_secs(60), async {
+            let mut sent = 0usize;
+            loop {
+                let write = async {
+                    use futures_util::SinkExt;
+                    ws.send(tokio_tungstenite::tungstenite::Message::Text(
+                        big.clone().into(),
+                    ))
+                    .await
+                    .map_err(Closed::abnormal)
+                };
+                match within(Duration::from_millis(500), write).await {
+                    Ok(()) => sent += 1,
+                    Err(c) => return (sent, c),
+                }
+            }
+        })
+        .await;
+        let (sent, closed) =
+            outcome.expect("a stalled write ends the session, not the test's minute");
+        assert!(
+            format!("{closed:?}").contains("did not finish"),
+            "{closed:?} after {sent} MiB"
+        );
+        server.abort();
+    }
 
     #[test]
     fn a_hostile_heartbeat_is_clamped_not_a_panic() {

@@ -11,7 +11,8 @@
 //!   reservation whose time has come however it was missed (a lost queue row only costs time),
 //!   every 5 minutes it enqueues every pool for its rollup check, every node with a waiting
 //!   command for dispatch and every instance with a step to take for its workflow, and hourly
-//!   it prunes idempotency keys, the outbox and the authorization feed (`authz_changes`, a day).
+//!   it prunes idempotency keys, the outbox, the authorization feed (`authz_changes`, a day) and
+//!   the leases no process will take again (presences, gateways, deleted sinks' deliveries).
 //! - Command dispatch (`--role dispatch`): a second [`queue::QueueWorker`] over the
 //!   `node_commands` shards, sharing them among the dispatch processes
 //!   (`compute_domain::node_commands::dispatch_node`, `docs/commands.md`).
@@ -181,8 +182,9 @@ impl Reconciler {
         self.lease.release().await;
     }
 
-    /// Runs passes every `every` until `stop` resolves; prunes idempotency keys and outbox
-    /// events past their retention at its first pass that holds the lease and hourly after
+    /// Runs passes every `every` until `stop` resolves; prunes idempotency keys, outbox events
+    /// past their retention, the authorization feed and the leases no process will take again
+    /// ([`compute_domain::leases::prune`]) at its first pass that holds the lease and hourly after
     /// (never events an active sink or the usage meter still needs, unless they are past
     /// [`HARD_MAX_AGE`]). A pass
     /// that fails is logged and the loop goes on; a lost lease stops the work at the next pass.
@@ -235,6 +237,10 @@ impl Reconciler {
                         match compute_domain::authz::prune(db).await {
                             Ok(n) => info!(authz_changes.pruned = n, "authorization changes past a day pruned"),
                             Err(e) => warn!(error = %e, "pruning the authorization feed failed"),
+                        }
+                        match compute_domain::leases::prune(db, compute_domain::leases::PRUNE_AFTER).await {
+                            Ok(n) => info!(leases.pruned = n, "leases no process will take again pruned"),
+                            Err(e) => warn!(error = %e, "pruning leases failed"),
                         }
                     }
                 }

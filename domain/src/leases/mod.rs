@@ -133,3 +133,30 @@ pub async fn count_live(db: &Db, prefix: &str) -> Result<i64> {
     .fetch_one(db.pool())
     .await?)
 }
+
+/// How long a lease that no process will take again stays after it expired, before
+/// [`prune`] deletes it.
+pub const PRUNE_AFTER: Duration = Duration::from_secs(3600);
+
+/// Deletes the leases no process will take again, expired for longer than `after`: presence
+/// leases (`singleton:<family>:<owner>`: each process names its own, and a new process a new
+/// one), gateways' (`gateway:<id>`, one per process), and the delivery leases of sinks that no
+/// longer exist. Shard and fixed singleton leases stay: their epochs fence their next holders.
+/// A deleted lease fails every fence check as an expired one does, and a node session on a
+/// deleted gateway's lease reads as lost as on an expired one. How many it deleted.
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn prune(db: &Db, after: Duration) -> Result<u64> {
+    let done = sqlx::query!(
+        r#"DELETE FROM leases l
+            WHERE l.expires_at < compute_now() - make_interval(secs => $1::float8)
+              AND (starts_with(l.name, 'gateway:')
+                   OR (l.name ~ '^singleton:[^:]+:' AND NOT starts_with(l.name, $2))
+                   OR (starts_with(l.name, $2)
+                       AND NOT EXISTS (SELECT 1 FROM event_sinks s WHERE $2 || s.id = l.name)))"#,
+        after.as_secs_f64(),
+        name::outbox_dispatch(""),
+    )
+    .execute(db.pool())
+    .await?;
+    Ok(done.rows_affected())
+}

@@ -362,19 +362,15 @@ async fn every_event_payload_keeps_its_documented_shape() {
                 .await
                 .expect("its allocation");
         let node = compute_domain::ids::NodeId::parse("node", &node).expect("node");
-        // Its GPU unhealthy, then healthy again: `reservation.conditions_changed` twice.
-        let (held,): (String,) = sqlx::query_as(
-            "SELECT b.device_id FROM device_bookings b WHERE b.allocation_id = $1 LIMIT 1",
-        )
-        .bind(&allocation)
-        .fetch_one(db.pool())
-        .await
-        .expect("its GPU");
-        let held = compute_domain::ids::DeviceId::parse("device", &held).expect("device");
-        for health in [Health::Unhealthy, Health::Healthy] {
-            fleet::set_device_health(db, &held, None, health, None)
-                .await
-                .expect("health");
+        // Its GPU unhealthy, then healthy again: `reservation.conditions_changed` twice. Both
+        // whole GPUs of h1, whichever placement took, so the devices' `healthSince` in later
+        // node events is the same in every run.
+        for gpu in &registered.devices[..2] {
+            for health in [Health::Unhealthy, Health::Healthy] {
+                fleet::set_device_health(db, &gpu.id, None, health, None)
+                    .await
+                    .expect("health");
+            }
         }
         let hello = compute_domain::node_sessions::Hello {
             daemon_version: compute_domain::node_sessions::Label::parse("daemonVersion", "sim/1")

@@ -9,6 +9,74 @@ use compute_domain::{Error, ErrorCode};
 use compute_tests::test_db;
 use sqlx::Connection;
 
+/// The hourly prune deletes the leases no process takes again, an hour after they expired:
+/// presences, gateways, deleted sinks' deliveries. Shard and fixed singleton leases stay (their
+/// epochs fence their next holders), and so do a live sink's and a lease expired only lately.
+#[tokio::test]
+async fn the_prune_deletes_only_leases_no_process_takes_again() {
+    use compute_domain::sinks::{self, Scope};
+    let t = test_db().await;
+    t.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let db = &t.db;
+    let scope = Scope {
+        tenant_id: Some(compute_tests::tenant("acme")),
+    };
+    let (live, _) = sinks::create(db, &scope, "alice", "https://example.com/hooks", vec![], 1)
+        .await
+        .expect("a sink");
+    let (gone, _) = sinks::create(db, &scope, "alice", "https://example.com/gone", vec![], 1)
+        .await
+        .expect("a sink");
+    sinks::delete(db, &scope, &gone.id).await.expect("deleted");
+    let names = [
+        leases::name::presence("worker", "old-host-1"),
+        leases::name::presence("dispatch", "old-host-2"),
+        leases::name::presence("worker", "lately"),
+        "gateway:old-gateway".to_owned(),
+        leases::name::outbox_dispatch(gone.id.as_str()),
+        leases::name::outbox_dispatch(live.id.as_str()),
+        leases::name::RESERVATIONS.to_owned(),
+        leases::name::shard("reservation", 0),
+    ];
+    for name in &names {
+        leases::acquire(db, name, "someone", TTL)
+            .await
+            .expect("acquire")
+            .expect("free");
+    }
+    // All expire; one is taken again later and expires only 10 minutes before the prune.
+    t.advance_clock(2 * 3600).await;
+    leases::acquire(db, &names[2], "someone", TTL)
+        .await
+        .expect("acquire")
+        .expect("free");
+    t.advance_clock(600).await;
+    assert_eq!(
+        leases::prune(db, leases::PRUNE_AFTER).await.expect("prune"),
+        4
+    );
+    let left: Vec<String> = sqlx::query_scalar("SELECT name FROM leases ORDER BY name")
+        .fetch_all(db.pool())
+        .await
+        .expect("leases");
+    let mut expected = vec![
+        names[2].clone(),
+        names[5].clone(),
+        names[6].clone(),
+        names[7].clone(),
+    ];
+    expected.sort();
+    assert_eq!(left, expected);
+    // A pruned name is free: whoever takes it starts a new line of epochs.
+    assert!(
+        leases::acquire(db, &names[0], "someone-else", TTL)
+            .await
+            .expect("acquire")
+            .is_some_and(|f| f.epoch == 1),
+        "a presence name is free again"
+    );
+}
+
 #[tokio::test]
 async fn a_lease_is_held_renewed_lost_and_taken_over_with_a_new_epoch() {
     let t = test_db().await;
