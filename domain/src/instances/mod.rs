@@ -506,6 +506,26 @@ async fn transition(
     .fetch_one(&mut *conn)
     .await?;
     emit(conn, &moved).await?;
+    if moved.state.is_terminal() {
+        // Instances waiting for these GPUs (the run step waits while another live instance
+        // holds any of them), woken in id order, the work-queue rows last.
+        let waiting = sqlx::query_scalar!(
+            r#"SELECT wi.id AS "id!: InstanceId" FROM instances wi
+                 JOIN allocations wa ON wa.id = wi.allocation_id
+                 JOIN allocations ma ON ma.id = $2
+                WHERE wi.node_id = $1 AND wi.id <> $3 AND wi.state = 'provisioning'
+                  AND wa.atoms && ma.atoms
+                ORDER BY wi.id"#,
+            moved.node_id.as_str(),
+            moved.allocation_id.as_str(),
+            moved.id.as_str(),
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        for id in &waiting {
+            wake(conn, id).await?;
+        }
+    }
     Ok(moved)
 }
 
@@ -692,6 +712,30 @@ async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> 
                         )
                         .fetch_one(&mut *conn)
                         .await?;
+                        // The previous holder of these GPUs may still be leaving them (a
+                        // reservation that ended just before this one started: its stop sent,
+                        // its workload in its grace, or its node away with both commands
+                        // waiting). Sent now, the run could reach the daemon first, which would
+                        // refuse it (`DEVICE_OVERLAP`) and fail this tenant's reservation. It is
+                        // sent once no other live instance holds them; the last one to end wakes
+                        // this (`transition`).
+                        let before = sqlx::query_scalar!(
+                            r#"SELECT oi.id AS "id!" FROM instances oi JOIN allocations oa ON oa.id = oi.allocation_id
+                                WHERE oi.node_id = $1 AND oi.id <> $2
+                                  AND oi.state IN ('provisioning', 'running', 'stopping')
+                                  AND oa.atoms && $3::text[]
+                                ORDER BY oi.id LIMIT 1"#,
+                            instance.node_id.as_str(),
+                            instance.id.as_str(),
+                            &atoms,
+                        )
+                        .fetch_optional(&mut *conn)
+                        .await?;
+                        if let Some(other) = before {
+                            tracing::info!(instance = %instance.id, before = %other, "waiting for another instance to leave the GPUs");
+                            step.next = Some(r.ends_at);
+                            break;
+                        }
                         let args = run_args(
                             &instance.id,
                             &instance.image,

@@ -470,9 +470,12 @@ pub async fn run_command(
     .await?
 }
 
-/// `cancelCommand`: withdraws a command that is `pending` or `dispatched` (a daemon that
-/// acknowledges it afterwards is told it was cancelled, and does not run it). Cancelling a
-/// cancelled command returns it as it is; one that runs or ran is `CONFLICT`.
+/// `cancelCommand`: withdraws a command that is `pending` or `dispatched` and never started (a
+/// daemon that acknowledges it afterwards is told it was cancelled, and does not run it).
+/// Cancelling a cancelled command returns it as it is; one that runs, ran, or started once (a
+/// command the daemon acknowledged and a reconnection put back to `pending`: its daemon may be
+/// running it) is `CONFLICT`, and so is a step of an instance's workflow (stop the instance:
+/// cancelling its stop left its workload running, cancelling a started run left it untracked).
 #[tracing::instrument(level = "debug", skip_all, fields(command = %id, subject = %actor.subject))]
 pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
     if !actor.is_operator() {
@@ -481,6 +484,19 @@ pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
     db.tx("cancel_command", TxKind::Write, |conn| {
         let id = id.clone();
         Box::pin(async move {
+            // A workflow's step is the workflow's to withdraw (a command never changes
+            // workflow), so this read needs no lock.
+            if let Some(c) = load(conn, &id).await?
+                && let Some(instance) = &c.workflow_id
+                && c.state != State::Cancelled
+            {
+                return Err(Error::Conflict {
+                    message: format!(
+                        "command {id} is a step of instance {instance}: stop the instance instead (stopInstance)"
+                    ),
+                    current_version: Some(c.version),
+                });
+            }
             if let Some(c) = cancel_in(conn, &id).await? {
                 return Ok(c);
             }
@@ -490,6 +506,13 @@ pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
                     id: id.to_string(),
                 }),
                 Some(c) if c.state == State::Cancelled => Ok(c),
+                Some(c) if c.started_at.is_some() && !c.state.is_terminal() => Err(Error::Conflict {
+                    message: format!(
+                        "command {id} started on its node (it is {} again after its daemon reconnected, which may still be running it); it can no longer be cancelled",
+                        c.state
+                    ),
+                    current_version: Some(c.version),
+                }),
                 Some(c) => Err(Error::Conflict {
                     message: format!(
                         "command {id} is {}; only pending or dispatched commands can be cancelled",
@@ -503,14 +526,16 @@ pub async fn cancel(db: &Db, actor: &Actor, id: &CommandId) -> Result<Command> {
     .await
 }
 
-/// Cancels `id` in the caller's transaction if it is still `pending` or `dispatched` (an
-/// operator, or a workflow withdrawing a step it no longer needs), with its event; the
-/// cancelled command, or `None` when it was not cancellable.
+/// Cancels `id` in the caller's transaction if it is still `pending` or `dispatched` and never
+/// started (an operator, or a workflow withdrawing a step it no longer needs), with its event;
+/// the cancelled command, or `None` when it was not cancellable. The guard is in the locking
+/// statement, where PostgreSQL re-checks it on the row as it is after any wait: an `ack` that
+/// committed meanwhile (`started_at`) makes it not cancellable, whatever the caller read.
 pub async fn cancel_in(conn: &mut PgConnection, id: &CommandId) -> Result<Option<Command>> {
     let cancelled = query_commands!(
         "UPDATE commands AS c SET state = 'cancelled', finished_at = compute_now(), \
                 version = c.version + 1, updated_at = compute_now() \
-          WHERE c.id = $1 AND c.state = ANY($2) RETURNING",
+          WHERE c.id = $1 AND c.state = ANY($2) AND c.started_at IS NULL RETURNING",
         "",
         id.as_str(),
         &stored_from(Action::Cancel)[..] as &[&str],

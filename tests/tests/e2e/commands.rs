@@ -559,23 +559,47 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
         "the zombie dispatched nothing"
     );
 
-    // Cancelled while dispatched: the daemon's acknowledgement is refused and it never runs.
+    let cancel =
+        "mutation($i: CancelCommandInput!) { cancelCommand(input: $i) { command { state } } }";
+    // The first session acknowledged it (the daemon journaled it and may be running it), and
+    // the newer session put it back to pending: it can no longer be cancelled.
+    let (code, error) = app
+        .fails(&app.operator(), cancel, json!({ "i": { "id": id } }))
+        .await;
+    assert_eq!(code, "CONFLICT", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("started")),
+        "{error}"
+    );
+    assert_eq!(get(&app, &id).await["state"], "PENDING");
+
+    // Cancelled while dispatched, never acknowledged: the daemon's acknowledgement is refused
+    // and it never runs.
+    let journal = compute_sim::journal("j1");
+    let mut d = Daemon::new(journal.clone(), 1);
+    let mut second = second;
     let sent = cmds::dispatch_node(&db.fenced(&new), &node_id)
         .await
         .expect("the successor dispatches");
     assert_eq!(sent.commands.len(), 1);
-    let journal = compute_sim::journal("j1");
-    let mut d = Daemon::new(journal.clone(), 1);
-    let mut second = second;
+    serve_until_recorded(&mut second, &mut d, &id).await;
+    let fresh = run(&app, node, "NOOP", "fresh", json!({})).await["command"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let sent = cmds::dispatch_node(&db.fenced(&new), &node_id)
+        .await
+        .expect("the successor dispatches");
+    assert_eq!(sent.commands.len(), 1);
     let command = next_command(&mut second).await;
-    let cancel =
-        "mutation($i: CancelCommandInput!) { cancelCommand(input: $i) { command { state } } }";
     let c = app
-        .ok(&app.operator(), cancel, json!({ "i": { "id": id } }))
+        .ok(&app.operator(), cancel, json!({ "i": { "id": fresh } }))
         .await;
     assert_eq!(c["cancelCommand"]["command"]["state"], "CANCELLED");
     let c = app
-        .ok(&app.operator(), cancel, json!({ "i": { "id": id } }))
+        .ok(&app.operator(), cancel, json!({ "i": { "id": fresh } }))
         .await;
     assert_eq!(
         c["cancelCommand"]["command"]["state"], "CANCELLED",
@@ -592,11 +616,11 @@ async fn zombies_change_nothing_and_a_cancelled_command_never_runs() {
     assert_eq!(answer["type"], "cancelled", "{answer}");
     d.on_message(&answer);
     assert_eq!(
-        executions(&journal, &id),
+        executions(&journal, &fresh),
         0,
         "a cancelled command never runs"
     );
-    assert_eq!(get(&app, &id).await["state"], "CANCELLED");
+    assert_eq!(get(&app, &fresh).await["state"], "CANCELLED");
     // A finished command cannot be cancelled.
     let done = run(&app, node, "NOOP", "done", json!({})).await["command"]["id"]
         .as_str()

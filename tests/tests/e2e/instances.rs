@@ -361,6 +361,134 @@ async fn a_daemon_refuses_an_overlapping_device_assignment() {
     session.bye().await;
 }
 
+/// Back-to-back tenants on the same GPUs: the next tenant's run is not sent while the previous
+/// tenant's instance still holds them (its stop not yet done), so the daemon never sees the two
+/// overlap and refuses (`DEVICE_OVERLAP` would fail the next tenant's reservation). The previous
+/// instance's end wakes the waiting one, which then runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_tenants_instance_waits_for_the_previous_one_to_leave_its_gpus() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    app.gateway.refresh_lease().await.expect("gateway lease");
+    let p = pool(&app).await;
+    app.ok(
+        &app.operator(),
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "globex", "scopeId": p.pool, "gpus": 8, "vcpu": 64 } }),
+    )
+    .await;
+    // Both GPUs of h100-a, for one tenant and then the other.
+    let both = |token: String, key: &'static str| {
+        let (app, pool) = (&app, p.pool.clone());
+        async move {
+            let r = app
+                .ok(
+                    &token,
+                    CREATE,
+                    input(
+                        &pool,
+                        key,
+                        json!([{ "gpuCount": 2, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]),
+                    ),
+                )
+                .await["createReservation"]["reservation"]
+                .clone();
+            assert_eq!(r["state"], "ACTIVE", "{r}");
+            r
+        }
+    };
+    let instance = |token: String, allocation: Value, key: &'static str| {
+        let app = &app;
+        async move {
+            app.ok(
+                &token,
+                CREATE_INSTANCE,
+                json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1",
+                               "command": ["train"], "idempotencyKey": key } }),
+            )
+            .await["createInstance"]["instance"]["id"]
+                .as_str()
+                .expect("id")
+                .to_owned()
+        }
+    };
+    let (acme, globex) = (app.member("acme"), app.member("globex"));
+    let first = both(acme.clone(), "first").await;
+    let node = first["allocations"][0]["computeNodeId"]
+        .as_str()
+        .expect("node")
+        .to_owned();
+    let journal = compute_sim::journal("j1");
+    let (stop, daemon) = spawn_daemon(&app, &node, "j1", &journal);
+    let mut workers = Workers::new(&app);
+    let ia = instance(acme.clone(), first["allocations"][0]["id"].clone(), "ia").await;
+    step_until(&app, &mut workers, &ia, "RUNNING").await;
+    // Acme releases; globex books the same two GPUs at once and starts its instance. Its
+    // workflow runs before acme's has sent the stop.
+    app.ok(
+        &acme,
+        "mutation($i: ReservationActionInput!) { releaseReservation(input: $i) { reservation { state } } }",
+        json!({ "i": { "id": first["id"] } }),
+    )
+    .await;
+    let second = both(globex.clone(), "second").await;
+    assert_eq!(
+        second["allocations"][0]["atoms"],
+        first["allocations"][0]["atoms"]
+    );
+    let ib = instance(globex.clone(), second["allocations"][0]["id"].clone(), "ib").await;
+    let ib_id = compute_domain::ids::InstanceId::parse("id", &ib).expect("id");
+    compute_domain::instances::reconcile(&app.db.db, &ib_id)
+        .await
+        .expect("a step of globex's instance");
+    assert_eq!(
+        workflow_commands(&app, &ib).await,
+        vec![],
+        "no run while acme's instance holds the GPUs"
+    );
+    assert_eq!(state(&app, &globex, &ib).await["state"], "PROVISIONING");
+    // Acme's workflow sends its stop. A workflow's step is the workflow's: an operator cannot
+    // cancel it (a cancelled stop left the workload running).
+    let ia_id = compute_domain::ids::InstanceId::parse("id", &ia).expect("id");
+    compute_domain::instances::reconcile(&app.db.db, &ia_id)
+        .await
+        .expect("a step of acme's instance");
+    let (stop_step,): (String,) = sqlx::query_as(
+        "SELECT id FROM commands WHERE workflow_id = $1 AND idempotency_key LIKE '%:stop'",
+    )
+    .bind(&ia)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("the stop step");
+    let (code, error) = app
+        .fails(
+            &app.operator(),
+            "mutation($i: CancelCommandInput!) { cancelCommand(input: $i) { command { state } } }",
+            json!({ "i": { "id": stop_step } }),
+        )
+        .await;
+    assert_eq!(code, "CONFLICT", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("stopInstance")),
+        "{error}"
+    );
+    // Acme's instance stops, which wakes globex's: it runs, and its reservation stays active.
+    step_until(&app, &mut workers, &ib, "RUNNING").await;
+    assert_eq!(state(&app, &acme, &ia).await["state"], "STOPPED");
+    let r = app
+        .ok(
+            &globex,
+            "query($id: ID!) { reservation(id: $id) { state } }",
+            json!({ "id": second["id"] }),
+        )
+        .await;
+    assert_eq!(r["reservation"]["state"], "ACTIVE");
+    let _ = stop.send(true);
+    let _ = daemon.await;
+}
+
 /// A reservation of one GPU of h100-a for `acme` (key `key`), active at once: its allocation and
 /// node.
 async fn reserve_on_h100_a(app: &TestApp, pool: &str, key: &str) -> (String, String) {

@@ -686,15 +686,15 @@ pub(super) async fn tell_holders(conn: &mut PgConnection, device: &DeviceId) -> 
     .fetch_all(&mut *conn)
     .await?;
     changed.sort();
+    // Each one's event and work-queue row (`compute_reservation_changed`, as every reservation
+    // change writes them), in id order.
     for id in changed {
-        let id = crate::ids::ReservationId::from_trusted(&id)
-            .ok_or_else(|| Error::internal("a reservation id of another shape"))?;
-        crate::reservations::lifecycle::emit_changed(
-            conn,
-            &id,
-            crate::events::EventType::ReservationConditionsChanged,
-        )
-        .await?;
+        sqlx::query("SELECT compute_reservation_changed($1, $2, $3)")
+            .bind(&id)
+            .bind(crate::events::EventType::ReservationConditionsChanged.as_str())
+            .bind(crate::work_queue::SHARDS)
+            .execute(&mut *conn)
+            .await?;
     }
     Ok(())
 }
