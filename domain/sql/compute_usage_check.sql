@@ -1,8 +1,8 @@
--- The current definition, as migrations/0016_usage_windows.sql left it. Change it with a new migration
+-- The current definition, as migrations/0050_usage_check_keyed_by_period.sql left it. Change it with a new migration
 -- that redefines it, then this file (COMPUTE_BLESS_SQL=1 cargo test --test static_checks
 -- writes it); `each_sql_function_is_its_last_migration` keeps the two the same.
 
-CREATE FUNCTION compute_usage_check(p_limit integer)
+CREATE OR REPLACE FUNCTION compute_usage_check(p_limit integer)
     RETURNS TABLE (written integer, more boolean)
     LANGUAGE plpgsql
     AS $fn$
@@ -22,7 +22,7 @@ BEGIN
         SELECT o.txid, o.seq, o.subject AS reservation_id FROM outbox o
          WHERE o.txid < pg_snapshot_xmin(pg_current_snapshot())
            AND (o.txid, o.seq) > (m.checked_txid, m.checked_seq)
-           AND starts_with(o.type, 'reservation.')
+           AND compute_usage_reads(o.type)
          ORDER BY o.txid, o.seq LIMIT p_limit
     ), changed AS (
         SELECT a.id AS allocation_id FROM allocations a
@@ -33,8 +33,9 @@ BEGIN
           JOIN device_bookings b ON b.allocation_id = c.allocation_id
           JOIN usage_periods p ON p.closed AND tstzrange(p.window_start, p.window_end) && b.during
         UNION
-        SELECT r.allocation_id, r.window_start, r.window_end
+        SELECT r.allocation_id, r.window_start, p.window_end
           FROM usage_records r JOIN changed c ON c.allocation_id = r.allocation_id
+          JOIN usage_periods p ON p.window_start = r.window_start
     ), measured AS (
         SELECT x.* FROM (SELECT array_agg(allocation_id) AS a, array_agg(window_start) AS f, array_agg(window_end) AS t
                            FROM pairs) q,
@@ -63,6 +64,7 @@ BEGIN
           JOIN reservations rv ON rv.id = a.reservation_id
           LEFT JOIN recorded rec ON rec.allocation_id = p.allocation_id AND rec.window_start = p.window_start
           LEFT JOIN measured x ON x.allocation_id = p.allocation_id AND x.window_start = p.window_start
+                              AND x.window_end = p.window_end
     ), written AS (
         INSERT INTO usage_records AS u (key, kind, seq, allocation_id, reservation_id, tenant_id, pool_id,
                                         window_start, window_end, model, gpu_kind, profile, atoms, booked_seconds,

@@ -1,7 +1,8 @@
 //! Usage windows for billing: the meter that closes fixed windows of reserved time, exactly once
 //! each, and the reports read from them (`docs/usage.md`).
 //!
-//! The meter is two SQL functions of migration 0016, each called in a transaction of its own (a
+//! The meter is two SQL functions (migration 0016; `compute_usage_close_batch` as migration 0046
+//! redefined it, `compute_usage_check` as 0050 did), each called in a transaction of its own (a
 //! fenced one when a worker runs it under its lease):
 //!
 //! - `compute_usage_close_batch`: the open window's next [`BATCH`] allocations measured from
@@ -143,14 +144,15 @@ async fn check_all(db: &Db, budget: u64, pass: &mut MeterPass) -> Result<()> {
     Ok(())
 }
 
-/// Reservation changes committed after the meter's checked position: 0 once the check has
-/// caught up. (The check reads only below the commit-safe horizon, so a change can wait there
-/// while any older transaction on the server is still open.)
+/// Reservation changes the meter reads (`compute_usage_reads`: those that can move bookings)
+/// committed after its checked position: 0 once the check has caught up. (The check reads only
+/// below the commit-safe horizon, so a change can wait there while any older transaction on the
+/// server is still open.)
 pub async fn unchecked_changes(db: &Db) -> Result<i64> {
     Ok(sqlx::query_scalar(
         "SELECT count(*) FROM outbox o, usage_meter m
           WHERE m.checked_txid IS NOT NULL AND (o.txid, o.seq) > (m.checked_txid, m.checked_seq)
-            AND starts_with(o.type, 'reservation.')",
+            AND compute_usage_reads(o.type)",
     )
     .fetch_one(db.pool())
     .await?)

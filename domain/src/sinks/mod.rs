@@ -764,16 +764,17 @@ pub async fn prune_outbox(
     // The slowest reader that must not lose events: an active sink, or the usage meter, which
     // reads reservations' changes after its checked position to correct closed windows (read
     // past the retention's front, it would miss a late release and bill the old end). The
-    // meter reads only `reservation.*` events, and its position moves only with them: it holds
-    // back the first such event after its position, not the other events around it (`seq - 1`
-    // is just before that event in the `(txid, seq)` order).
+    // meter reads only the reservation changes that can move bookings (`compute_usage_reads`,
+    // migration 0050), and its position moves only with them: it holds back the first such
+    // event after its position, not the other events around it (`seq - 1` is just before that
+    // event in the `(txid, seq)` order).
     let slowest = sqlx::query!(
         r#"SELECT x.txid::text::bigint AS "txid!", x.seq AS "seq!" FROM (
              SELECT c.txid, c.seq FROM outbox_cursors c JOIN event_sinks s ON s.id = c.sink_id WHERE s.active
              UNION ALL
              SELECT o.txid, o.seq - 1 FROM usage_meter m
                CROSS JOIN LATERAL (SELECT o.txid, o.seq FROM outbox o
-                                    WHERE (o.txid, o.seq) > (m.checked_txid, m.checked_seq) AND starts_with(o.type, 'reservation.')
+                                    WHERE (o.txid, o.seq) > (m.checked_txid, m.checked_seq) AND compute_usage_reads(o.type)
                                     ORDER BY o.txid, o.seq LIMIT 1) o
               WHERE m.closed_through IS NOT NULL AND m.checked_txid IS NOT NULL AND m.checked_seq IS NOT NULL) x
           ORDER BY x.txid, x.seq LIMIT 1"#,

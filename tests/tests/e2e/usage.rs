@@ -109,6 +109,69 @@ const REPORT: &str = "query($t: String, $from: DateTime!, $to: DateTime!, $g: [U
       amounts { records bookedSeconds gpuSeconds vcpuSeconds } } } pageInfo { hasNextPage } }
   } }";
 
+/// A record whose end differs from its window's period (written before migration 0046 by a
+/// window whose length changed part-way) made the check pair one window twice and write the
+/// same adjustment key twice: a unique violation at every pass, the meter stopped for good.
+/// The check keys a window by its period, so the next change of that reservation checks it
+/// once. Changes that cannot move bookings (`reservation.conditions_changed` among them) are
+/// not read at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_cut_short_by_an_old_length_change_does_not_stop_the_meter() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock(T0).await;
+    let p = crate::reservations::pool(&app).await;
+    let acme = app.member("acme");
+    let mut meter = UsageMeter::new(app.db.db.clone(), "meter-a");
+    let h100 = json!([{ "gpuCount": 1, "model": "H100" }]);
+    let (r, a) = reserve(&app, &acme, &p.pool, "cut", &at(8400), h100).await;
+    // To 11:01: the 09:00 and 10:00 windows close.
+    step(&app, &mut meter, 6060).await;
+    assert_eq!(
+        records_of(&app, &a[0]).await,
+        windows(&[("09", 0, "2400"), ("10", 0, "3600")])
+    );
+    // The 10:00 record as the old code could leave it: ending at 10:10, not at its period's end.
+    sqlx::query(
+        "UPDATE usage_records SET window_end = '2031-01-01T10:10:00Z' \
+          WHERE allocation_id = $1 AND window_start = '2031-01-01T10:00:00Z'",
+    )
+    .bind(&a[0])
+    .execute(app.db.db.pool())
+    .await
+    .expect("cut short");
+    // A release is read, and checks both closed windows once; a change after it that moves
+    // nothing booked is not read (the meter's position stays at the release).
+    app.ok(
+        &acme,
+        "mutation($i: ReservationActionInput!) { releaseReservation(input: $i) { reservation { state } } }",
+        json!({ "i": { "id": r } }),
+    )
+    .await;
+    sqlx::query("SELECT compute_emit('reservation.conditions_changed', 'acme', $1, '{}')")
+        .bind(&r)
+        .execute(app.db.db.pool())
+        .await
+        .expect("emit");
+    step(&app, &mut meter, 60).await;
+    let (at_release,): (bool,) = sqlx::query_as(
+        "SELECT (m.checked_txid, m.checked_seq) = (o.txid, o.seq) FROM usage_meter m, \
+                (SELECT txid, seq FROM outbox WHERE type = 'reservation.released' AND subject = $1) o",
+    )
+    .bind(&r)
+    .fetch_one(app.db.db.pool())
+    .await
+    .expect("the meter's position");
+    assert!(
+        at_release,
+        "the meter read the release and nothing after it"
+    );
+    assert_eq!(
+        records_of(&app, &a[0]).await,
+        windows(&[("09", 0, "2400"), ("10", 0, "3600")]),
+        "nothing to adjust in the closed windows"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn windows_bill_exactly_the_booked_seconds_and_an_extension_or_release_only_what_it_changes()
 {
