@@ -169,15 +169,17 @@ async fn session(
     // What was queued for an older session is stale: results are answered from the journal
     // when their commands come again, and exits are sent again below.
     while outgoing.try_recv().is_ok() {}
+    // Clamped: the gateway's figure is 1 to 60 s; a hostile one (1e20, NaN) panicked here.
+    let heartbeat = Duration::from_secs_f64(heartbeat_interval(welcome.heartbeat_seconds));
+    // Every write of the session is bounded by the same limit as the silence.
+    let stall = silence_limit(heartbeat);
     for m in agent.on_session_open() {
-        if let Err(c) = send(agent, &mut ws, &m).await {
+        if let Err(c) = within(stall, send(agent, &mut ws, &m)).await {
             return Ok(Some(c));
         }
     }
     // The trace context of each command in progress, handed back with its result.
     let mut traces: std::collections::HashMap<String, String> = std::collections::HashMap::new();
-    // Clamped: the gateway's figure is 1 to 60 s; a hostile one (1e20, NaN) panicked here.
-    let heartbeat = Duration::from_secs_f64(heartbeat_interval(welcome.heartbeat_seconds));
     let mut ticker = tokio::time::interval(heartbeat);
     ticker.tick().await;
     // The last word from the gateway. A silent partition or a gateway host gone without a FIN
@@ -185,12 +187,11 @@ async fn session(
     // minutes), the node unreachable meanwhile: each heartbeat also pings, and a session
     // without a word for `silence_limit` is closed and opened again.
     let mut heard = tokio::time::Instant::now();
-    // Every write of the loop is bounded by the same limit as the silence.
-    let stall = silence_limit(heartbeat);
     loop {
         tokio::select! {
             _ = stop.changed() => {
-                client::bye(&mut ws, "the agent is stopping").await;
+                // Bounded too: a stopping agent does not wait on a gateway that stopped reading.
+                let _ = tokio::time::timeout(stall, client::bye(&mut ws, "the agent is stopping")).await;
                 info!("session closed: the agent is stopping");
                 return Ok(None);
             }

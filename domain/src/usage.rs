@@ -316,8 +316,12 @@ pub struct Group {
     pub amounts: Amounts,
 }
 
-/// The one statement of reports: grouped by the columns flagged, in their order, one page.
+/// The one statement of reports: grouped by the columns flagged, in their order, one page after
+/// a group's key (keyset paging: a group that appears between two pages, as a window closes,
+/// neither repeats nor hides another). A group's key is its six values, NULL as `''` (no value
+/// of these columns is empty, and `''` sorts first, as NULLS FIRST would).
 const GROUPS: &str = "\
+SELECT g.* FROM (
 SELECT CASE WHEN $4 THEN u.tenant_id END AS tenant_id,
        CASE WHEN $5 THEN u.pool_id END AS pool_id,
        CASE WHEN $6 THEN u.model END AS model,
@@ -332,13 +336,33 @@ SELECT CASE WHEN $4 THEN u.tenant_id END AS tenant_id,
        compute_amount_text(sum(u.disk_gib_seconds)) AS disk_gib_seconds
   FROM usage_records u
  WHERE u.window_start >= $1 AND u.window_start < $2 AND ($3::text IS NULL OR u.tenant_id = $3)
- GROUP BY 1, 2, 3, 4, 5, 6
- ORDER BY 1 NULLS FIRST, 2 NULLS FIRST, 3 NULLS FIRST, 4 NULLS FIRST, 5 NULLS FIRST, 6 NULLS FIRST
- LIMIT $8 OFFSET $9";
+ GROUP BY 1, 2, 3, 4, 5, 6) g
+ WHERE $9::text[] IS NULL
+    OR (coalesce(g.tenant_id, ''), coalesce(g.pool_id, ''), coalesce(g.model, ''), coalesce(g.gpu_kind, ''),
+        coalesce(g.profile, ''), coalesce(g.reservation_id, ''))
+       > ($9[1], $9[2], $9[3], $9[4], $9[5], $9[6])
+ ORDER BY coalesce(g.tenant_id, ''), coalesce(g.pool_id, ''), coalesce(g.model, ''), coalesce(g.gpu_kind, ''),
+          coalesce(g.profile, ''), coalesce(g.reservation_id, '')
+ LIMIT $8";
+
+impl Group {
+    /// The group's key, for the page after it ([`groups`]).
+    pub fn key(&self) -> [String; 6] {
+        let v = |x: &Option<String>| x.clone().unwrap_or_default();
+        [
+            v(&self.tenant_id),
+            v(&self.pool_id),
+            v(&self.model),
+            v(&self.gpu_kind),
+            v(&self.profile),
+            v(&self.reservation_id),
+        ]
+    }
+}
 
 /// The totals of `q`'s records (grouping ignored): zero when there are none.
 pub async fn totals(db: &Db, q: &ReportQuery) -> Result<Amounts> {
-    let rows = fetch_groups(db, q, false, 1, 0).await?;
+    let rows = fetch_groups(db, q, false, 1, None).await?;
     Ok(rows.into_iter().next().map_or_else(
         || Amounts {
             records: 0,
@@ -352,9 +376,15 @@ pub async fn totals(db: &Db, q: &ReportQuery) -> Result<Amounts> {
     ))
 }
 
-/// One page of `q`'s groups: at most `limit` after the first `offset`.
-pub async fn groups(db: &Db, q: &ReportQuery, limit: i64, offset: i64) -> Result<Vec<Group>> {
-    fetch_groups(db, q, true, limit, offset).await
+/// One page of `q`'s groups: at most `limit`, after the group whose key ([`Group::key`]) is
+/// `after`.
+pub async fn groups(
+    db: &Db,
+    q: &ReportQuery,
+    limit: i64,
+    after: Option<&[String; 6]>,
+) -> Result<Vec<Group>> {
+    fetch_groups(db, q, true, limit, after).await
 }
 
 async fn fetch_groups(
@@ -362,7 +392,7 @@ async fn fetch_groups(
     q: &ReportQuery,
     grouped: bool,
     limit: i64,
-    offset: i64,
+    after: Option<&[String; 6]>,
 ) -> Result<Vec<Group>> {
     let by = |g| grouped && q.by(g);
     Ok(sqlx::query_as::<_, Group>(GROUPS)
@@ -374,7 +404,7 @@ async fn fetch_groups(
         .bind(by(GroupBy::Model))
         .bind(by(GroupBy::Reservation))
         .bind(limit)
-        .bind(offset)
+        .bind(after.map(|k| k.to_vec()))
         .fetch_all(db.pool())
         .await?)
 }

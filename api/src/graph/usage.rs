@@ -171,24 +171,23 @@ impl UsageReport {
                 format!("`first` must be between 0 and {MAX_PAGE}"),
             )));
         }
-        let offset = match after {
-            None => 0,
-            Some(c) => decode_cursor("after", &c)?
-                .parse::<i64>()
-                .ok()
-                .filter(|n| *n >= 0)
-                .ok_or_else(|| {
-                    gql_error(Error::bad_input("after", "not a cursor of this connection"))
-                })?
-                .saturating_add(1),
-        };
-        let mut rows = usage::groups(db(ctx)?, &self.q, limit + 1, offset).await?;
+        // The cursor is the group's key (its six grouping values): keyset paging, so a group
+        // that appears between two pages (a window closing) repeats or hides none of the others.
+        let bad = || gql_error(Error::bad_input("after", "not a cursor of this connection"));
+        let after = after
+            .map(|c| {
+                let key = decode_cursor("after", &c)?;
+                serde_json::from_str::<[String; 6]>(&key).map_err(|_| bad())
+            })
+            .transpose()?;
+        let mut rows = usage::groups(db(ctx)?, &self.q, limit + 1, after.as_ref()).await?;
         let has_next = rows.len() as i64 > limit;
         rows.truncate(limit as usize);
-        let mut c = Connection::new(offset > 0, has_next);
-        c.edges.extend(rows.into_iter().enumerate().map(|(i, g)| {
+        let mut c = Connection::new(after.is_some(), has_next);
+        c.edges.extend(rows.into_iter().map(|g| {
+            let cursor = serde_json::to_string(&g.key()).unwrap_or_default();
             Edge::new(
-                encode_cursor(&(offset + i as i64).to_string()),
+                encode_cursor(&cursor),
                 UsageGroup {
                     tenant_id: g.tenant_id,
                     pool_id: g.pool_id,

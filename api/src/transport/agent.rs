@@ -495,11 +495,17 @@ async fn serve(app: AppState, mut socket: WebSocket, header_token: Option<String
                             Err(e) => Err(e),
                         };
                         let reply = match recorded {
-                            Ok(held) => {
-                                if let Some(i) = &held {
-                                    info!(node = %node, instance = %instance, code = ?exit_code, signal = ?signal, state = %i.state, "workload exit recorded");
-                                }
-                                ToDaemon::ExitRecorded { instance_id: instance.to_string(), recorded: held.is_some() }
+                            Ok(instances::ExitRecord::Recorded(i)) => {
+                                info!(node = %node, instance = %instance, code = ?exit_code, signal = ?signal, state = %i.state, "workload exit recorded");
+                                ToDaemon::ExitRecorded { instance_id: instance.to_string(), recorded: true }
+                            }
+                            Ok(instances::ExitRecord::Nothing) => {
+                                ToDaemon::ExitRecorded { instance_id: instance.to_string(), recorded: false }
+                            }
+                            // Answered `recorded: false`, the daemon would forget an exit nothing
+                            // recorded: it reports it again on its next session.
+                            Ok(instances::ExitRecord::SessionNotCurrent) => {
+                                break End::new(4410, "this session is no longer current", CloseReason::Superseded)
                             }
                             Err(Error::BadUserInput { message, .. }) => refused(message, None),
                             Err(e) => break end_of(&e),

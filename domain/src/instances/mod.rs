@@ -401,14 +401,22 @@ pub async fn stop_instance(db: &Db, actor: &Actor, id: &InstanceId) -> Result<In
             if instance.state.is_terminal() || instance.stop_requested {
                 return Ok(instance);
             }
+            // Guarded on the row as it is when locked: an exit recorded since the read above
+            // (which ended it) or another request leaves it as it is. The workflow it wakes
+            // moves it to `stopping`, whose event the subscription sees.
             let asked = query_instances!(
                 "UPDATE instances AS i SET stop_requested = true, version = i.version + 1, updated_at = compute_now() \
-                  WHERE i.id = $1 RETURNING",
+                  WHERE i.id = $1 AND NOT i.stop_requested AND i.state IN ('provisioning', 'running', 'stopping') RETURNING",
                 "",
                 id.as_str(),
             )
-            .fetch_one(&mut *conn)
+            .fetch_optional(&mut *conn)
             .await?;
+            let Some(asked) = asked else {
+                return load(conn, &id)
+                    .await?
+                    .ok_or_else(|| Error::internal("an instance vanished"));
+            };
             wake(conn, &id).await?;
             Ok(asked)
         })
@@ -581,11 +589,24 @@ impl ReportedExit {
     }
 }
 
+/// What [`record_exit`] did with a daemon's report of an exit.
+#[derive(Debug)]
+pub enum ExitRecord {
+    /// Recorded, on this instance (as it is now).
+    Recorded(Box<Instance>),
+    /// Nothing to record: another node's or an ended instance, or an exit already held. The
+    /// daemon may forget it.
+    Nothing,
+    /// The session the report came on is no longer current (closed by the liveness pass, or
+    /// superseded): nothing was recorded, and the daemon must report it again on its next
+    /// session, so the gateway ends this one instead of answering.
+    SessionNotCurrent,
+}
+
 /// The daemon of `node` (session `epoch`; `db` fenced by the gateway's lease) reports that the
 /// workload of `instance` ended on its own. Recorded once, on a live instance of this node
 /// whose exit is not known yet: a running one becomes `exited` now (with its event), any other
-/// keeps the exit for its workflow, which it wakes. The instance, or `None` when nothing
-/// changed (a superseded session, another node's or an ended instance, an exit already held).
+/// keeps the exit for its workflow, which it wakes.
 #[tracing::instrument(level = "debug", skip_all, fields(node = %node, epoch = epoch, instance = %instance))]
 pub async fn record_exit(
     db: &Db,
@@ -593,7 +614,7 @@ pub async fn record_exit(
     epoch: i64,
     instance: &InstanceId,
     exit: ReportedExit,
-) -> Result<Option<Instance>> {
+) -> Result<ExitRecord> {
     db.tx("record_instance_exit", TxKind::Write, |conn| {
         let (node, instance) = (node.clone(), instance.clone());
         Box::pin(async move {
@@ -616,12 +637,27 @@ pub async fn record_exit(
             )
             .fetch_optional(&mut *conn)
             .await?;
-            let Some(held) = held else { return Ok(None) };
+            let Some(held) = held else {
+                // Which of the two: the session (read again, as the guard read it).
+                let current = sqlx::query_scalar!(
+                    r#"SELECT EXISTS (SELECT 1 FROM node_sessions
+                        WHERE node_id = $1 AND session_epoch = $2 AND closed_at IS NULL) AS "current!""#,
+                    node.as_str(),
+                    epoch,
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                return Ok(if current {
+                    ExitRecord::Nothing
+                } else {
+                    ExitRecord::SessionNotCurrent
+                });
+            };
             if held.state == State::Running {
-                return Ok(Some(self::exit(conn, &held).await?));
+                return Ok(ExitRecord::Recorded(Box::new(self::exit(conn, &held).await?)));
             }
             wake(conn, &held.id).await?;
-            Ok(Some(held))
+            Ok(ExitRecord::Recorded(Box::new(held)))
         })
     })
     .await
@@ -719,15 +755,26 @@ async fn reconcile_in(conn: &mut PgConnection, id: &InstanceId) -> Result<Step> 
                         // refuse it (`DEVICE_OVERLAP`) and fail this tenant's reservation. It is
                         // sent once no other live instance holds them; the last one to end wakes
                         // this (`transition`).
+                        // Only an earlier holder: two live reservations holding one atom have
+                        // disjoint windows, so the one that starts first is the previous holder,
+                        // and the waits form a chain in time, never a cycle. (A later
+                        // reservation's instance, made early, waits in `provisioning` for its
+                        // own start and must not hold this one back.) A start equal to this
+                        // one's is a reservation that ended at its start (released at once):
+                        // its instance is leaving, never waiting on this one.
                         let before = sqlx::query_scalar!(
-                            r#"SELECT oi.id AS "id!" FROM instances oi JOIN allocations oa ON oa.id = oi.allocation_id
+                            r#"SELECT oi.id AS "id!" FROM instances oi
+                                 JOIN allocations oa ON oa.id = oi.allocation_id
+                                 JOIN reservations orv ON orv.id = oi.reservation_id
                                 WHERE oi.node_id = $1 AND oi.id <> $2
                                   AND oi.state IN ('provisioning', 'running', 'stopping')
                                   AND oa.atoms && $3::text[]
+                                  AND orv.starts_at <= $4
                                 ORDER BY oi.id LIMIT 1"#,
                             instance.node_id.as_str(),
                             instance.id.as_str(),
                             &atoms,
+                            r.starts_at,
                         )
                         .fetch_optional(&mut *conn)
                         .await?;

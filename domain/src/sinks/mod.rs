@@ -334,8 +334,25 @@ pub async fn update(
             let (id, change, scope, by, sealed) =
                 (id.clone(), change.clone(), scope.clone(), by.to_owned(), sealed.clone());
             Box::pin(async move {
-                // The row first (a revocation's pause waits for it, then pauses the sink again
-                // if this change left it active under an uncovered creator).
+                // The row lock first, in a statement of its own; what the row and the grants
+                // say is read in the next one, whose snapshot sees a revocation that committed
+                // while this waited. A revocation that comes later locks the creator's sinks
+                // first (`pause_uncovered`), so it waits for this change and then pauses the
+                // sink if this left it active under an uncovered creator.
+                let locked = sqlx::query_scalar!(
+                    r#"SELECT 1 AS "one!" FROM event_sinks s
+                        WHERE s.id = $1 AND ($2::text IS NULL OR s.tenant_id = $2) FOR UPDATE"#,
+                    id.as_str(),
+                    scope.tenant_id.as_ref().map(TenantId::as_str),
+                )
+                .fetch_optional(&mut *conn)
+                .await?;
+                if locked.is_none() {
+                    return Err(Error::NotFound {
+                        kind: "event sink",
+                        id: id.to_string(),
+                    });
+                }
                 let Some(row) = sqlx::query!(
                     r#"SELECT s.active, s.created_by, s.version,
                               (EXISTS (SELECT 1 FROM service_accounts a
@@ -351,8 +368,7 @@ pub async fn update(
                                                            OR (g.role = 'member' AND g.tenant_id = s.tenant_id))))
                               ) AS "orphaned!"
                          FROM event_sinks s
-                        WHERE s.id = $1 AND ($2::text IS NULL OR s.tenant_id = $2)
-                          FOR UPDATE OF s"#,
+                        WHERE s.id = $1 AND ($2::text IS NULL OR s.tenant_id = $2)"#,
                     id.as_str(),
                     scope.tenant_id.as_ref().map(TenantId::as_str),
                 )
@@ -442,6 +458,16 @@ pub async fn pause_uncovered(
     subject: &str,
     all: bool,
 ) -> Result<Vec<SinkId>> {
+    // Every sink the subject created, active or not, locked first in id order: a resume in
+    // flight (`update`) holds its row, and the pause below must see what it commits. Filtered
+    // on `active` alone, the pause skipped a row its snapshot showed paused without waiting for
+    // the resume that was making it active.
+    sqlx::query_scalar!(
+        r#"SELECT s.id AS "id!" FROM event_sinks s WHERE s.created_by = $1 ORDER BY s.id FOR UPDATE"#,
+        subject,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
     let paused = sqlx::query_scalar!(
         r#"UPDATE event_sinks s SET active = false, version = s.version + 1, updated_at = compute_now()
             WHERE s.created_by = $2 AND s.active

@@ -443,9 +443,18 @@ async fn every_event_payload_keeps_its_documented_shape() {
         let exit = ins::ReportedExit::parse(Some(3), None, 1.0).expect("valid ReportedExit");
         let exited = ins::record_exit(db, &node, epoch, &third, exit)
             .await
-            .expect("record the exit")
-            .expect("recorded");
+            .expect("record the exit");
+        let ins::ExitRecord::Recorded(exited) = exited else {
+            panic!("not recorded: {exited:?}");
+        };
         assert_eq!(exited.state, ins::State::Exited);
+        // Reported again on the same session: nothing to record, and the daemon may forget it.
+        assert!(matches!(
+            ins::record_exit(db, &node, epoch, &third, exit)
+                .await
+                .expect("again"),
+            ins::ExitRecord::Nothing
+        ));
         compute_domain::node_sessions::close(
             db,
             &node,
@@ -454,6 +463,14 @@ async fn every_event_payload_keeps_its_documented_shape() {
         )
         .await
         .expect("close");
+        // On a session no longer current: nothing recorded, and the gateway ends that session
+        // so the daemon reports it again on its next one.
+        assert!(matches!(
+            ins::record_exit(db, &node, epoch, &third, exit)
+                .await
+                .expect("on a closed session"),
+            ins::ExitRecord::SessionNotCurrent
+        ));
         rsv::release_reservation(db, &acme, &r.id, None)
             .await
             .expect("release");

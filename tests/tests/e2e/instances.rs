@@ -489,6 +489,76 @@ async fn the_next_tenants_instance_waits_for_the_previous_one_to_leave_its_gpus(
     let _ = daemon.await;
 }
 
+/// Only an earlier holder holds a run back: the next tenant's instance, made early for a
+/// reservation that starts later on the same GPUs, waits for its own start and does not keep
+/// the current tenant's workload from running.
+#[tokio::test]
+async fn an_instance_made_early_for_a_later_reservation_does_not_hold_back_the_current_one() {
+    let app = compute_tests::spawn_app().await;
+    app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
+    let p = pool(&app).await;
+    app.ok(
+        &app.operator(),
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": "globex", "scopeId": p.pool, "gpus": 8, "vcpu": 64 } }),
+    )
+    .await;
+    let both = json!([{ "gpuCount": 2, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]);
+    let (acme, globex) = (app.member("acme"), app.member("globex"));
+    let now = app
+        .ok(&acme, CREATE, input(&p.pool, "now", both.clone()))
+        .await["createReservation"]["reservation"]
+        .clone();
+    let later = app
+        .ok(
+            &globex,
+            CREATE,
+            json!({ "i": { "poolId": p.pool, "startsAt": "2031-01-01T02:00:00Z", "endsAt": "2031-01-01T03:00:00Z",
+                           "allocations": both, "idempotencyKey": "later" } }),
+        )
+        .await["createReservation"]["reservation"]
+        .clone();
+    assert_eq!(later["state"], "SCHEDULED");
+    assert_eq!(
+        later["allocations"][0]["atoms"],
+        now["allocations"][0]["atoms"]
+    );
+    let make = |token: String, allocation: Value, key: &'static str| {
+        let app = &app;
+        async move {
+            let id = app
+                .ok(
+                    &token,
+                    CREATE_INSTANCE,
+                    json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1",
+                                   "command": ["train"], "idempotencyKey": key } }),
+                )
+                .await["createInstance"]["instance"]["id"]
+                .as_str()
+                .expect("id")
+                .to_owned();
+            let parsed = compute_domain::ids::InstanceId::parse("id", &id).expect("id");
+            compute_domain::instances::reconcile(&app.db.db, &parsed)
+                .await
+                .expect("a step");
+            id
+        }
+    };
+    // Globex's first: it waits for its start at 02:00, sending nothing.
+    let early = make(
+        globex.clone(),
+        later["allocations"][0]["id"].clone(),
+        "early",
+    )
+    .await;
+    assert_eq!(workflow_commands(&app, &early).await, vec![]);
+    // Acme's, on the same GPUs now: its run is sent.
+    let current = make(acme.clone(), now["allocations"][0]["id"].clone(), "current").await;
+    let steps = workflow_commands(&app, &current).await;
+    assert_eq!(steps.len(), 1, "{steps:?}");
+    assert!(steps[0].0.ends_with(":run"), "{steps:?}");
+}
+
 /// A reservation of one GPU of h100-a for `acme` (key `key`), active at once: its allocation and
 /// node.
 async fn reserve_on_h100_a(app: &TestApp, pool: &str, key: &str) -> (String, String) {

@@ -109,6 +109,66 @@ const REPORT: &str = "query($t: String, $from: DateTime!, $to: DateTime!, $g: [U
       amounts { records bookedSeconds gpuSeconds vcpuSeconds } } } pageInfo { hasNextPage } }
   } }";
 
+/// The report's groups page by key: a group that appears before the page's cursor between two
+/// pages (a window closing, a late first record) neither repeats a group nor hides one. With
+/// an offset, the next page began with the last group of the one before.
+#[tokio::test]
+async fn report_groups_page_by_key_and_a_group_added_between_pages_repeats_none() {
+    let app = compute_tests::spawn_app().await;
+    let db = app.db.db.pool();
+    sqlx::query(
+        "INSERT INTO usage_periods (window_start, window_end, closed) \
+         VALUES ('2031-01-01T00:00:00Z', '2031-01-01T01:00:00Z', true)",
+    )
+    .execute(db)
+    .await
+    .expect("period");
+    let record = |n: i32| {
+        sqlx::query(
+            "INSERT INTO usage_records (key, kind, seq, allocation_id, reservation_id, tenant_id, pool_id, \
+                    window_start, window_end, model, gpu_kind, atoms, booked_seconds, gpu_seconds, \
+                    vcpu_seconds, memory_mib_seconds, disk_gib_seconds) \
+             SELECT 'cmp:' || a || ':' || compute_json_time('2031-01-01T00:00:00Z'), 'window', 0, a, \
+                    'rsv_' || lpad(to_hex($1), 32, '0'), 'acme', 'pool_' || repeat('0', 32), \
+                    '2031-01-01T00:00:00Z', '2031-01-01T01:00:00Z', 'H100', 'gpu', 1, 60, 60, 0, 0, 0 \
+               FROM (SELECT 'alc_' || lpad(to_hex($1), 32, '0') AS a) s",
+        )
+        .bind(n)
+        .execute(db)
+    };
+    for n in [2, 3, 4] {
+        record(n).await.expect("record");
+    }
+    const PAGE: &str = "query($after: String) { usage(tenantId: \"acme\", from: \"2031-01-01T00:00:00Z\", \
+        to: \"2031-01-02T00:00:00Z\", groupBy: [RESERVATION]) { groups(first: 1, after: $after) { \
+        edges { cursor node { reservationId } } pageInfo { hasNextPage hasPreviousPage } } } }";
+    let op = app.operator();
+    let page = |after: Value| {
+        let (app, op) = (&app, op.clone());
+        async move { app.ok(&op, PAGE, json!({ "after": after })).await["usage"]["groups"].clone() }
+    };
+    let id = |n: i32| format!("rsv_{n:032x}");
+    let first = page(Value::Null).await;
+    assert_eq!(first["edges"][0]["node"]["reservationId"], id(2));
+    assert_eq!(first["pageInfo"]["hasPreviousPage"], false);
+    // A group that sorts before the cursor appears between the pages.
+    record(1).await.expect("record");
+    let second = page(first["edges"][0]["cursor"].clone()).await;
+    assert_eq!(
+        second["edges"][0]["node"]["reservationId"],
+        id(3),
+        "the group after the cursor, not the cursor's own again: {second}"
+    );
+    assert_eq!(second["pageInfo"]["hasPreviousPage"], true);
+    let third = page(second["edges"][0]["cursor"].clone()).await;
+    assert_eq!(third["edges"][0]["node"]["reservationId"], id(4));
+    assert_eq!(third["pageInfo"]["hasNextPage"], false);
+    let (code, e) = app
+        .fails(&op, PAGE, json!({ "after": "not-a-cursor" }))
+        .await;
+    assert_eq!(code, "BAD_USER_INPUT", "{e}");
+}
+
 /// A record whose end differs from its window's period (written before migration 0046 by a
 /// window whose length changed part-way) made the check pair one window twice and write the
 /// same adjustment key twice: a unique violation at every pass, the meter stopped for good.
