@@ -37,6 +37,23 @@ async fn viewer(app: &TestApp, token: &str) -> Value {
     app.ok(token, VIEWER, json!({})).await["viewer"].clone()
 }
 
+/// Erin, made a member of acme by a grant (so a revocation can take it back), once every API
+/// process feels the grant: her token.
+async fn erin_of_acme(app: &TestApp, admin: &str) -> String {
+    app.ok(
+        admin,
+        GRANT,
+        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
+    )
+    .await;
+    let erin = app.token("erin", Some("acme"), &[Role::Member]);
+    eventually("erin's grant is felt", WAIT, || async {
+        (viewer(app, &erin).await["roles"] == json!(["MEMBER"])).then_some(())
+    })
+    .await;
+    erin
+}
+
 #[tokio::test]
 async fn grants_override_claims_and_a_revocation_is_refused_at_once() {
     let app = spawn_app().await;
@@ -298,17 +315,7 @@ async fn a_revocation_is_felt_by_two_api_processes_within_a_second() {
 async fn streams_close_and_sinks_pause_when_their_grant_is_revoked() {
     let app = spawn_app().await;
     let admin = admin(&app);
-    app.ok(
-        &admin,
-        GRANT,
-        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
-    )
-    .await;
-    let erin = app.token("erin", Some("acme"), &[Role::Member]);
-    eventually("erin's grant is felt", WAIT, || async {
-        (viewer(&app, &erin).await["roles"] == json!(["MEMBER"])).then_some(())
-    })
-    .await;
+    let erin = erin_of_acme(&app, &admin).await;
     let sink = app
         .ok(
             &erin,
@@ -439,17 +446,7 @@ async fn a_usage_export_stops_part_way_when_its_callers_grant_is_revoked() {
     .execute(app.db.db.pool())
     .await
     .expect("records");
-    app.ok(
-        &admin,
-        GRANT,
-        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
-    )
-    .await;
-    let erin = app.token("erin", Some("acme"), &[Role::Member]);
-    eventually("erin's grant is felt", WAIT, || async {
-        (viewer(&app, &erin).await["roles"] == json!(["MEMBER"])).then_some(())
-    })
-    .await;
+    let erin = erin_of_acme(&app, &admin).await;
     let mut res = app
         .http
         .get(app.url("/usage.csv?from=2031-01-01T00:00:00Z&to=2031-01-02T00:00:00Z"))
@@ -495,17 +492,7 @@ async fn a_usage_export_stops_part_way_when_its_callers_grant_is_revoked() {
 async fn a_sink_whose_creator_was_revoked_resumes_only_when_taken_over_with_a_new_secret() {
     let app = spawn_app().await;
     let admin = admin(&app);
-    app.ok(
-        &admin,
-        GRANT,
-        json!({ "input": { "subject": "erin", "role": "MEMBER", "tenantId": "acme" } }),
-    )
-    .await;
-    let erin = app.token("erin", Some("acme"), &[Role::Member]);
-    eventually("erin's grant is felt", WAIT, || async {
-        (viewer(&app, &erin).await["roles"] == json!(["MEMBER"])).then_some(())
-    })
-    .await;
+    let erin = erin_of_acme(&app, &admin).await;
     const CREATE: &str = "mutation($url: String!) { createEventSink(input: { url: $url }) { eventSink { id } secret } }";
     const UPDATE: &str = "mutation($i: UpdateEventSinkInput!) { updateEventSink(input: $i) { eventSink { active version } secret } }";
     let made = app

@@ -371,12 +371,7 @@ async fn the_next_tenants_instance_waits_for_the_previous_one_to_leave_its_gpus(
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     app.gateway.refresh_lease().await.expect("gateway lease");
     let p = pool(&app).await;
-    app.ok(
-        &app.operator(),
-        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
-        json!({ "i": { "tenantId": "globex", "scopeId": p.pool, "gpus": 8, "vcpu": 64 } }),
-    )
-    .await;
+    crate::reservations::quota_for(&app, "globex", &p.pool).await;
     // Both GPUs of h100-a, for one tenant and then the other.
     let both = |token: String, key: &'static str| {
         let (app, pool) = (&app, p.pool.clone());
@@ -497,12 +492,7 @@ async fn an_instance_made_early_for_a_later_reservation_does_not_hold_back_the_c
     let app = compute_tests::spawn_app().await;
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let p = pool(&app).await;
-    app.ok(
-        &app.operator(),
-        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
-        json!({ "i": { "tenantId": "globex", "scopeId": p.pool, "gpus": 8, "vcpu": 64 } }),
-    )
-    .await;
+    crate::reservations::quota_for(&app, "globex", &p.pool).await;
     let both = json!([{ "gpuCount": 2, "nodeSelector": [{ "key": "host", "value": "h100-a" }] }]);
     let (acme, globex) = (app.member("acme"), app.member("globex"));
     let now = app

@@ -70,6 +70,16 @@ pub async fn pool(app: &TestApp) -> Pool {
     Pool { pool, site, nodes }
 }
 
+/// Gives `tenant` a quota of 8 GPUs and 64 vCPU on `pool`, as [`pool`] gives acme.
+pub async fn quota_for(app: &TestApp, tenant: &str, pool: &str) {
+    app.ok(
+        &app.operator(),
+        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
+        json!({ "i": { "tenantId": tenant, "scopeId": pool, "gpus": 8, "vcpu": 64 } }),
+    )
+    .await;
+}
+
 pub fn input(pool: &str, key: &str, allocations: Value) -> Value {
     json!({ "i": { "poolId": pool, "endsAt": "2031-01-01T02:00:00Z", "allocations": allocations, "idempotencyKey": key } })
 }

@@ -1151,12 +1151,7 @@ async fn a_members_pool_capacity_stream_is_paced_an_operators_shows_every_change
     app.db.use_sim_clock("2031-01-01T00:00:00Z").await;
     let p = crate::reservations::pool(&app).await;
     let op = app.operator();
-    app.ok(
-        &op,
-        "mutation($i: SetQuotaInput!) { setQuota(input: $i) { quotas { max } } }",
-        json!({ "i": { "tenantId": "globex", "scopeId": p.pool, "gpus": 8, "vcpu": 64 } }),
-    )
-    .await;
+    crate::reservations::quota_for(&app, "globex", &p.pool).await;
     let other = app.member("globex");
     let create = |key: &str| crate::reservations::input(&p.pool, key, json!([{ "gpuCount": 1 }]));
     let after = now(&app).await;
