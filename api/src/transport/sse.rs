@@ -233,7 +233,15 @@ async fn stream_events(
             // an `EventSource` reconnects with `Last-Event-ID`, graphql-sse's client retries.
             () = &mut stopping => return,
         };
-        let Some(mut response) = response else { break };
+        let Some(mut response) = response else {
+            // The tailer stops when the server begins to shut down, which ends the stream: that
+            // is a shutdown, not the operation's end, so no `complete` (the race with
+            // `stopping` above sent one now and then).
+            if *app.shutdown.borrow() {
+                return;
+            }
+            break;
+        };
         let request_error = prepare(&app, &mut response);
         let mut event = SseEvent::default().event("next");
         if let Some(cursor) = streaming.decorate(&mut response) {

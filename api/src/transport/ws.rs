@@ -811,5 +811,10 @@ async fn operation(
             }
         }
     }
+    // A stream that ended because the server is shutting down (the tailer stops first) is not
+    // complete: the connection closes with `1001`, which clients retry.
+    if *app.shutdown.borrow() {
+        return;
+    }
     out.end(Out::Complete).await;
 }
