@@ -267,16 +267,7 @@ pub async fn create(
                 let sink = get_in(conn, &id)
                     .await?
                     .ok_or_else(|| Error::internal("a sink vanished in its own transaction"))?;
-                crate::outbox::emit(
-                    conn,
-                    crate::outbox::NewEvent {
-                        event_type: EventType::EventSinkCreated,
-                        tenant_id: tenant.as_ref(),
-                        subject: id.as_str(),
-                        data: events::to_data(&EventSinkPayload { event_sink: (&sink).into() })?,
-                    },
-                )
-                .await?;
+                emit_change(conn, EventType::EventSinkCreated, &sink).await?;
                 Ok(sink)
             })
         })
@@ -428,18 +419,7 @@ pub async fn update(
                 if takes_over {
                     tracing::info!(sink = %id, from = %row.created_by, to = %by, "an event sink of an uncovered creator was taken over and resumed");
                 }
-                crate::outbox::emit(
-                    conn,
-                    crate::outbox::NewEvent {
-                        event_type: EventType::EventSinkUpdated,
-                        tenant_id: sink.tenant_id.as_ref(),
-                        subject: id.as_str(),
-                        data: events::to_data(&EventSinkPayload {
-                            event_sink: (&sink).into(),
-                        })?,
-                    },
-                )
-                .await?;
+                emit_change(conn, EventType::EventSinkUpdated, &sink).await?;
                 Ok(sink)
             })
         })
@@ -485,21 +465,28 @@ pub async fn pause_uncovered(
     .await?;
     for id in &paused {
         if let Some(sink) = get_in(conn, id).await? {
-            crate::outbox::emit(
-                conn,
-                crate::outbox::NewEvent {
-                    event_type: EventType::EventSinkUpdated,
-                    tenant_id: sink.tenant_id.as_ref(),
-                    subject: id.as_str(),
-                    data: events::to_data(&EventSinkPayload {
-                        event_sink: (&sink).into(),
-                    })?,
-                },
-            )
-            .await?;
+            emit_change(conn, EventType::EventSinkUpdated, &sink).await?;
         }
     }
     Ok(paused)
+}
+
+/// The event (`event_sink.created`, `.updated`, `.deleted`) of `sink` as it is now, in the
+/// caller's transaction.
+async fn emit_change(conn: &mut PgConnection, event_type: EventType, sink: &Sink) -> Result<()> {
+    crate::outbox::emit(
+        conn,
+        crate::outbox::NewEvent {
+            event_type,
+            tenant_id: sink.tenant_id.as_ref(),
+            subject: sink.id.as_str(),
+            data: events::to_data(&EventSinkPayload {
+                event_sink: sink.into(),
+            })?,
+        },
+    )
+    .await?;
+    Ok(())
 }
 
 /// Deletes a sink and its position.
@@ -518,18 +505,7 @@ pub async fn delete(db: &Db, scope: &Scope, id: &SinkId) -> Result<Sink> {
             sqlx::query!("DELETE FROM event_sinks WHERE id = $1", sink.id.as_str())
                 .execute(&mut *conn)
                 .await?;
-            crate::outbox::emit(
-                conn,
-                crate::outbox::NewEvent {
-                    event_type: EventType::EventSinkDeleted,
-                    tenant_id: sink.tenant_id.as_ref(),
-                    subject: sink.id.as_str(),
-                    data: events::to_data(&EventSinkPayload {
-                        event_sink: (&sink).into(),
-                    })?,
-                },
-            )
-            .await?;
+            emit_change(conn, EventType::EventSinkDeleted, &sink).await?;
             Ok(sink)
         })
     })
