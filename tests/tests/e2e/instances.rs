@@ -392,21 +392,6 @@ async fn the_next_tenants_instance_waits_for_the_previous_one_to_leave_its_gpus(
             r
         }
     };
-    let instance = |token: String, allocation: Value, key: &'static str| {
-        let app = &app;
-        async move {
-            app.ok(
-                &token,
-                CREATE_INSTANCE,
-                json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1",
-                               "command": ["train"], "idempotencyKey": key } }),
-            )
-            .await["createInstance"]["instance"]["id"]
-                .as_str()
-                .expect("id")
-                .to_owned()
-        }
-    };
     let (acme, globex) = (app.member("acme"), app.member("globex"));
     let first = both(acme.clone(), "first").await;
     let node = first["allocations"][0]["computeNodeId"]
@@ -416,7 +401,7 @@ async fn the_next_tenants_instance_waits_for_the_previous_one_to_leave_its_gpus(
     let journal = compute_sim::journal("j1");
     let (stop, daemon) = spawn_daemon(&app, &node, "j1", &journal);
     let mut workers = Workers::new(&app);
-    let ia = instance(acme.clone(), first["allocations"][0]["id"].clone(), "ia").await;
+    let ia = train(&app, &acme, &first["allocations"][0]["id"], "ia").await;
     step_until(&app, &mut workers, &ia, "RUNNING").await;
     // Acme releases; globex books the same two GPUs at once and starts its instance. Its
     // workflow runs before acme's has sent the stop.
@@ -431,7 +416,7 @@ async fn the_next_tenants_instance_waits_for_the_previous_one_to_leave_its_gpus(
         second["allocations"][0]["atoms"],
         first["allocations"][0]["atoms"]
     );
-    let ib = instance(globex.clone(), second["allocations"][0]["id"].clone(), "ib").await;
+    let ib = train(&app, &globex, &second["allocations"][0]["id"], "ib").await;
     let ib_id = compute_domain::ids::InstanceId::parse("id", &ib).expect("id");
     compute_domain::instances::reconcile(&app.db.db, &ib_id)
         .await
@@ -516,17 +501,7 @@ async fn an_instance_made_early_for_a_later_reservation_does_not_hold_back_the_c
     let make = |token: String, allocation: Value, key: &'static str| {
         let app = &app;
         async move {
-            let id = app
-                .ok(
-                    &token,
-                    CREATE_INSTANCE,
-                    json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1",
-                                   "command": ["train"], "idempotencyKey": key } }),
-                )
-                .await["createInstance"]["instance"]["id"]
-                .as_str()
-                .expect("id")
-                .to_owned();
+            let id = train(app, &token, &allocation, key).await;
             let parsed = compute_domain::ids::InstanceId::parse("id", &id).expect("id");
             compute_domain::instances::reconcile(&app.db.db, &parsed)
                 .await
@@ -547,6 +522,21 @@ async fn an_instance_made_early_for_a_later_reservation_does_not_hold_back_the_c
     let steps = workflow_commands(&app, &current).await;
     assert_eq!(steps.len(), 1, "{steps:?}");
     assert!(steps[0].0.ends_with(":run"), "{steps:?}");
+}
+
+/// Creates an instance running `train` on `allocation` as `token` (idempotency key `key`); its
+/// id.
+async fn train(app: &TestApp, token: &str, allocation: &Value, key: &str) -> String {
+    app.ok(
+        token,
+        CREATE_INSTANCE,
+        json!({ "i": { "allocationId": allocation, "image": "registry.example/train:1",
+                       "command": ["train"], "idempotencyKey": key } }),
+    )
+    .await["createInstance"]["instance"]["id"]
+        .as_str()
+        .expect("id")
+        .to_owned()
 }
 
 /// A reservation of one GPU of h100-a for `acme` (key `key`), active at once: its allocation and
